@@ -1,0 +1,12 @@
+"""lmprog_runtime: the in-process runtime (engine, scheduler, KV cache, models, kernels).
+
+It knows nothing about programs; the `lmprog` frontend talks to it through a narrow backend
+interface. Importing this package imports torch but never Triton and compiles nothing.
+"""
+
+from lmprog_runtime.config import RuntimeConfig
+from lmprog_runtime.engine import Engine
+from lmprog_runtime.models.default_model import default_model_path
+from lmprog_runtime.sampling_params import SamplingParams
+
+__all__ = ["Engine", "RuntimeConfig", "SamplingParams", "default_model_path"]

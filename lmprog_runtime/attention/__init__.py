@@ -1,0 +1,27 @@
+"""Attention backends over the paged KV pool: a small contract and a lazy factory.
+
+`create_attention_backend("torch" | "triton" | "native", ...)` imports the implementation
+only when asked, so importing the runtime never imports Triton or compiles anything.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lmprog_runtime.attention.base import AttentionLayout, BaseAttentionBackend
+
+if TYPE_CHECKING:
+    from lmprog_runtime.kvcache import KVPool, ReqToTokenPool
+
+
+def create_attention_backend(
+    name: str, layout: AttentionLayout, kv_pool: KVPool, req_to_token: ReqToTokenPool
+) -> BaseAttentionBackend:
+    if name == "torch":
+        from lmprog_runtime.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(layout, kv_pool, req_to_token)
+    raise ValueError(f"attention backend {name!r} is not available yet; available: ['torch']")
+
+
+__all__ = ["AttentionLayout", "BaseAttentionBackend", "create_attention_backend"]

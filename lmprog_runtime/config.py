@@ -1,0 +1,77 @@
+"""The one runtime configuration: a frozen dataclass validated on construction.
+
+Every component receives the `RuntimeConfig` it needs explicitly. Sizes that are only known
+at run time (the number of KV slots actually allocated) live on the component that computes
+them, never written back here. Environment variables are read in `env.py` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("torch", "triton", "native")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the in-process runtime is built.
+
+    Example:
+        >>> RuntimeConfig(max_total_tokens=8192, max_running_requests=32).device
+        'cpu'
+    """
+
+    model_path: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    attention_backend: str = "torch"
+    # KV pool size in tokens; None = derived from `mem_fraction` of free memory.
+    max_total_tokens: int | None = None
+    mem_fraction: float = 0.3
+    max_running_requests: int = 128
+    # Token budget of one prefill (extend) forward.
+    max_prefill_tokens: int = 8192
+    # Override of the model's context length (max_position_embeddings).
+    context_len: int | None = None
+    schedule_policy: str = "fcfs"
+    page_size: int = 1
+    disable_radix_cache: bool = False
+    random_seed: int = 0
+    # Threads for torch's CPU ops; None leaves torch's default.
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if not 0.0 < self.mem_fraction < 1.0:
+            raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
+        if self.max_running_requests < 1:
+            raise ValueError(
+                f"max_running_requests must be >= 1, got {self.max_running_requests}"
+            )
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.context_len is not None and self.context_len < 2:
+            raise ValueError(f"context_len must be >= 2, got {self.context_len}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls))

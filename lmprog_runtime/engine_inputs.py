@@ -1,0 +1,110 @@
+"""Validation and normalisation of `Engine.generate` arguments, in the caller's thread.
+
+Everything a request could get wrong is caught here and raised as `ValueError` /
+`TypeError` naming the argument, before anything reaches the engine loop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from lmprog_runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from lmprog_runtime.engine import Engine
+
+
+class GenerateItem(NamedTuple):
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+
+
+def normalize_generate_inputs(
+    engine: Engine,
+    prompt: Any,
+    sampling_params: Any,
+    *,
+    input_ids: Any,
+    return_logprob: Any,
+    logprob_start_len: Any,
+    top_logprobs_num: Any,
+) -> tuple[list[GenerateItem], bool]:
+    """Return one item per request and whether the call was for a single prompt."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("pass exactly one of prompt and input_ids")
+    if prompt is not None:
+        is_single = isinstance(prompt, str)
+        prompts = [prompt] if is_single else prompt
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompt must be a str or a list of str")
+        for p in prompts:
+            if p == "":
+                raise ValueError("prompt is empty")
+        ids_list = [engine.encode(p) for p in prompts]
+    else:
+        if not isinstance(input_ids, list):
+            raise TypeError("input_ids must be a list of ints or a list of lists of ints")
+        is_single = not input_ids or not isinstance(input_ids[0], list)
+        ids_list = [input_ids] if is_single else input_ids
+        vocab = engine.runner.model_config.vocab_size
+        for ids in ids_list:
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise TypeError("input_ids must be a list of ints or a list of lists of ints")
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"input_ids contain a token id outside [0, {vocab})")
+    if not ids_list:
+        raise ValueError("prompt list is empty")
+    num = len(ids_list)
+    params = _per_request("sampling_params", sampling_params, num, dict)
+    logprob_flags = _per_request("return_logprob", return_logprob, num, bool)
+    starts = _per_request("logprob_start_len", logprob_start_len, num, int)
+    tops = _per_request("top_logprobs_num", top_logprobs_num, num, int)
+
+    items = []
+    for ids, raw, want_lp, start, top in zip(ids_list, params, logprob_flags, starts, tops):
+        sp = SamplingParams.from_dict(raw)
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        if start < -1:
+            raise ValueError(f"logprob_start_len must be >= -1, got {start}")
+        if top < 0:
+            raise ValueError(f"top_logprobs_num must be >= 0, got {top}")
+        limit = engine.context_len - (1 if sp.max_new_tokens > 0 else 0)
+        if len(ids) > limit:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens is longer than the context length "
+                f"({engine.context_len} tokens, one kept free for generation)"
+            )
+        need = len(ids) + min(sp.max_new_tokens, engine.context_len - len(ids))
+        if need > engine.runner.num_kv_slots:
+            raise ValueError(
+                f"prompt_tokens + max_new_tokens = {need} exceeds the KV pool of "
+                f"{engine.runner.num_kv_slots} tokens; raise max_total_tokens"
+            )
+        items.append(GenerateItem(list(ids), sp, want_lp, start, top))
+    return items, is_single
+
+
+def _per_request(name: str, value: Any, num: int, kind: type) -> list[Any]:
+    """Broadcast a scalar argument to every request, or check a per-request list's length."""
+    if isinstance(value, list) and kind is not list:
+        if len(value) != num:
+            raise ValueError(f"{name} has {len(value)} entries for {num} prompts")
+        values = value
+    else:
+        values = [value] * num
+    for v in values:
+        if v is None:
+            continue
+        if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if kind is bool and not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+        if kind is dict and not isinstance(v, dict):
+            raise TypeError(f"{name} must be a dict, got {type(v).__name__}")
+    return values

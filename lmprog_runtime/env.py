@@ -1,0 +1,12 @@
+"""The one place environment variables are read. All of them carry the `LMPROG_` prefix."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where built-in default models are built: `$LMPROG_CACHE_DIR`, else ~/.cache/lmprog."""
+    value = os.environ.get("LMPROG_CACHE_DIR")
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "lmprog"

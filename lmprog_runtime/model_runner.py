@@ -1,0 +1,133 @@
+"""Owns the model, the KV memory and the attention backend; runs one forward per step.
+
+Turns a `ScheduledBatch` (requests + their new KV slots) into the flat tensors of a
+`ForwardBatch`, runs the model, and returns the logits rows the engine asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lmprog_runtime.attention import create_attention_backend
+from lmprog_runtime.config import RuntimeConfig
+from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
+from lmprog_runtime.kvcache import KVPool, ReqToTokenPool, TokenSlotAllocator
+from lmprog_runtime.models import load_model
+from lmprog_runtime.models.loader import read_torch_dtype
+from lmprog_runtime.request import Req
+from lmprog_runtime.scheduler import ScheduledBatch
+
+# A CPU pool is sized by this cap unless max_total_tokens says otherwise: host memory is
+# shared with everything else, and tests should not reserve gigabytes they never touch.
+DEFAULT_CPU_MAX_TOTAL_TOKENS = 65536
+
+
+class ModelRunner:
+    def __init__(self, config: RuntimeConfig, model_path: str) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model = load_model(model_path, self._dtype(model_path), config.device)
+        self.model_config = self.model.config
+        self.context_len = config.context_len or self.model_config.context_len
+        if self.context_len > self.model_config.context_len:
+            raise ValueError(
+                f"context_len {self.context_len} exceeds the model's "
+                f"max_position_embeddings {self.model_config.context_len}"
+            )
+        mc = self.model_config
+        dtype = next(self.model.parameters()).dtype
+        self.num_kv_slots = self._num_kv_slots(dtype)
+        self.kv_pool = KVPool(
+            self.num_kv_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, self.device
+        )
+        self.allocator = TokenSlotAllocator(self.num_kv_slots)
+        self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
+        self.attention = create_attention_backend(
+            config.attention_backend, self.model.attention_layout(), self.kv_pool, self.req_to_token
+        )
+
+    def _dtype(self, model_path: str) -> torch.dtype:
+        if self.config.dtype != "auto":
+            return read_torch_dtype(self.config.dtype)
+        if self.config.device == "cpu":
+            return torch.float32
+        import json
+
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+        name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+        return torch.float32 if name == "float32" else read_torch_dtype(name)
+
+    def _num_kv_slots(self, dtype: torch.dtype) -> int:
+        if self.config.max_total_tokens is not None:
+            return self.config.max_total_tokens
+        mc = self.model_config
+        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(16, int(free * self.config.mem_fraction) // per_token)
+        budget = int(_available_host_memory() * self.config.mem_fraction) // per_token
+        return max(16, min(budget, DEFAULT_CPU_MAX_TOTAL_TOKENS))
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[list[int]]]:
+        """Run one forward. Returns logits [num_rows, vocab] (float32) and, per request, the
+        logits rows that belong to it (the last one is the next-token distribution)."""
+        fb, rows = self._build(batch)
+        self.attention.init_forward_metadata(fb)
+        return self.model(fb, self.attention), rows
+
+    def _build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[list[int]]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        rows_per_req: list[list[int]] = []
+        seq_lens: list[int] = []
+        for req, prefix in zip(batch.reqs, batch.prefix_lens):
+            if batch.mode is ForwardMode.DECODE:
+                new_ids = [req.output_ids[-1]]
+                end = prefix + 1
+            else:
+                new_ids = req.input_ids[prefix:]
+                end = req.prompt_len
+            start_row = len(ids)
+            ids.extend(new_ids)
+            positions.extend(range(prefix, end))
+            seq_lens.append(end)
+            first = _first_logits_position(req, prefix, end, batch.mode)
+            mine = list(range(len(logits_rows), len(logits_rows) + end - first))
+            logits_rows.extend(range(start_row + first - prefix, start_row + end - prefix))
+            rows_per_req.append(mine)
+        device = self.device
+        req_rows = [req.req_pool_idx for req in batch.reqs]
+        fb = ForwardBatch(
+            mode=batch.mode,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            out_cache_loc=batch.out_cache_loc.to(device),
+            req_pool_indices=torch.tensor(req_rows, dtype=torch.int64, device=device),
+            seq_lens=seq_lens,
+            prefix_lens=list(batch.prefix_lens),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        )
+        return fb, rows_per_req
+
+
+def _first_logits_position(req: Req, prefix: int, end: int, mode: ForwardMode) -> int:
+    """First position whose logits are needed: the last one, or earlier for prompt logprobs."""
+    if mode is ForwardMode.EXTEND and req.logprob_start_len >= 0:
+        # Logits at position p score token p + 1; token 0 has no logprob.
+        return min(max(req.logprob_start_len - 1, prefix, 0), end - 1)
+    return end - 1
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30

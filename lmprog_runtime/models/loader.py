@@ -1,0 +1,101 @@
+"""Build a forward-pass module from a Hugging Face checkpoint directory.
+
+Weights come from `*.safetensors` only (never pickle, never remote code). Separate q/k/v
+and gate/up tensors are concatenated into the fused projections of `llama.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from lmprog_runtime.models.llama import LlamaForCausalLM, RotaryEmbedding
+from lmprog_runtime.models.model_config import ModelConfig
+
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def load_model(model_path: str, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    path = Path(model_path)
+    if not path.is_dir():
+        raise ValueError(f"model_path {model_path!r} does not exist or is not a directory")
+    config = ModelConfig.from_path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model_path {model_path!r} has no .safetensors weights")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared parameters
+    params = dict(model.named_parameters(remove_duplicate=False))
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    loaded: set[str] = set()
+
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                target = _target_name(key)
+                if target is None:
+                    continue
+                tensor = f.get_tensor(key)
+                name, part = target
+                if part is None:
+                    _copy(params, name, tensor)
+                    loaded.add(name)
+                else:
+                    pieces.setdefault(name, {})[part] = tensor
+    for name, parts in pieces.items():
+        _copy(params, name, torch.cat([parts[i] for i in sorted(parts)], dim=0))
+        loaded.add(name)
+    if config.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    missing = sorted(n for n in params if n not in loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_path!r} is missing weights: {missing[:8]}")
+    model.rotary = RotaryEmbedding(config)  # the meta-device tables were never filled
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _target_name(key: str) -> tuple[str, int | None] | None:
+    """Map a checkpoint key to (our parameter name, index within a fused tensor or None)."""
+    if key.startswith("model.embed_tokens.") or key.startswith("model.norm."):
+        return key.removeprefix("model."), None
+    if key == "lm_head.weight":
+        return key, None
+    match = _LAYER_KEY.match(key)
+    if match is None:
+        return None  # e.g. rotary inv_freq buffers saved by old checkpoints
+    layer, module, kind = match.groups()
+    if module in _FUSED:
+        fused, part = _FUSED[module]
+        return f"layers.{layer}.{fused}.{kind}", part
+    return f"layers.{layer}.{module}.{kind}", None
+
+
+def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    if name not in params:
+        raise ValueError(f"unexpected weight {name!r} for this architecture")
+    param = params[name]
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor.to(param.dtype))
+
+
+def read_torch_dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
+    return table[name]

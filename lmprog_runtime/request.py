@@ -1,0 +1,171 @@
+"""A request's life inside the engine: tokens, stop conditions, text and results.
+
+The engine loop is the only writer of a `Req` after submission; the caller's thread only
+waits on `done` (or reads `stream_queue`) and then reads the finished fields.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from lmprog_runtime.sampling_params import SamplingParams
+
+
+class Req:
+    """One generation request: prompt ids in, output ids, text and meta info out."""
+
+    def __init__(
+        self,
+        rid: int,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        tokenizer: Any,
+        eos_token_ids: frozenset[int],
+        context_len: int,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        seed: int = 0,
+    ) -> None:
+        self.rid = rid
+        self.input_ids = input_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        # Generation ends at the context length even if max_new_tokens allows more.
+        self.max_new_tokens = min(params.max_new_tokens, context_len - len(input_ids))
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len if return_logprob else -1
+        self.top_logprobs_num = top_logprobs_num if return_logprob else 0
+        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else seed)
+
+        self.output_ids: list[int] = []
+        self.req_pool_idx: int | None = None
+        self.kv_len = 0  # tokens whose K/V are in the pool
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.finished_reason: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.text = ""
+        self.input_token_logprobs: list[tuple[float | None, int]] = []
+        self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+
+        self.done = threading.Event()
+        self.stream_queue: queue.Queue[dict[str, Any] | None] | None = (
+            queue.Queue() if stream else None
+        )
+        self._streamed_text = ""
+        self._num_streamed_ids = 0
+
+    # ---- lengths -------------------------------------------------------------------------
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def can_stop(self) -> bool:
+        """min_new_tokens is reached, so EOS, stop tokens and stop strings may end it now."""
+        return len(self.output_ids) >= self.params.min_new_tokens
+
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    # ---- stop conditions ---------------------------------------------------------------
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token and decide whether the request is finished."""
+        self.output_ids.append(token_id)
+        if self.can_stop:
+            if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
+                self.finished_reason = {"type": "stop", "matched": token_id}
+                return
+            if self.params.stop:
+                _, matched = self._visible_text()
+                if matched is not None:
+                    self.finished_reason = {"type": "stop", "matched": matched}
+                    return
+        if len(self.output_ids) >= self.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": len(self.output_ids)}
+
+    def finish_prefill_only(self) -> None:
+        self.finished_reason = {"type": "length", "length": 0}
+
+    def abort(self, error: BaseException) -> None:
+        self.error = error
+        self.finished_reason = {"type": "abort", "message": str(error)}
+
+    def _visible_text(self) -> tuple[str, str | None]:
+        """The output text so far, cut before the first stop string; and that stop string."""
+        ids = self.output_ids
+        reason = self.finished_reason
+        if reason is not None and reason["type"] == "stop" and isinstance(reason["matched"], int):
+            ids = ids[:-1]  # a matched stop token is not part of the text
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        if not self.can_stop:
+            return text, None
+        cut, matched = len(text), None
+        for stop in self.params.stop:
+            index = text.find(stop)
+            if index != -1 and index < cut:
+                cut, matched = index, stop
+        return text[:cut], matched
+
+    # ---- results -----------------------------------------------------------------------
+    def finalize_text(self) -> None:
+        self.text = self._visible_text()[0] if self.error is None else ""
+
+    def stream_delta(self) -> dict[str, Any] | None:
+        """The not-yet-streamed part of the text; holds back what a stop string may still cut."""
+        text, _ = self._visible_text()
+        if not self.is_finished:
+            hold = max((len(s) - 1 for s in self.params.stop), default=0)
+            stable = len(text) - hold
+            while stable > 0 and text[stable - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                stable -= 1
+            text = text[: max(stable, len(self._streamed_text))]
+        if not text.startswith(self._streamed_text):
+            text = self._streamed_text  # never take back text already streamed
+        delta = text[len(self._streamed_text) :]
+        new_ids = self.output_ids[self._num_streamed_ids :]
+        if not delta and not new_ids and not self.is_finished:
+            return None
+        self._streamed_text = text
+        self._num_streamed_ids = len(self.output_ids)
+        chunk = {"text": delta, "output_ids": new_ids, "meta_info": self.meta_info()}
+        return chunk
+
+    def meta_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_len,
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finished_reason,
+        }
+        if self.return_logprob:
+            if self.logprob_start_len >= 0:
+                info["input_token_logprobs"] = self.input_token_logprobs
+                if self.top_logprobs_num:
+                    info["input_top_logprobs"] = self.input_top_logprobs
+            info["output_token_logprobs"] = self.output_token_logprobs
+            if self.top_logprobs_num:
+                info["output_top_logprobs"] = self.output_top_logprobs
+        return info
+
+    def to_output(self) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}

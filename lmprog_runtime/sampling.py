@@ -1,0 +1,103 @@
+"""Turn a batch of next-token logits into tokens, one request per row.
+
+Order of operations per row: frequency/presence penalties, min_new_tokens masking of EOS
+and stop tokens, then greedy argmax (temperature 0 or top_k 1) or temperature, top-k,
+top-p and min-p filtering followed by a draw from the request's own seeded generator, so a
+request samples the same tokens whatever else shares its batch. Logprobs are reported from
+the model's raw distribution (log-softmax of the unprocessed logits).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from lmprog_runtime.request import Req
+
+
+class SampleOutput(NamedTuple):
+    token_ids: list[int]
+    # Per row: (logprob of the chosen token, top-k (logprob, id) pairs) or None if not asked.
+    logprobs: list[tuple[float, list[tuple[float, int]]] | None]
+
+
+def sample(logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+    """logits: [batch, vocab] float32, row i belongs to reqs[i]."""
+    raw = logits
+    logits = _apply_penalties_and_masks(logits, reqs)
+    token_ids = logits.argmax(dim=-1)  # [batch]
+    sampled_rows = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, dtype=torch.int64)
+        probs = _filtered_probs(logits.index_select(0, rows), [reqs[i] for i in sampled_rows])
+        for j, i in enumerate(sampled_rows):
+            token_ids[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
+    ids = token_ids.tolist()
+    return SampleOutput(ids, token_logprobs(raw, ids, reqs))
+
+
+def token_logprobs(
+    logits: torch.Tensor, ids: list[int], reqs: list[Req]
+) -> list[tuple[float, list[tuple[float, int]]] | None]:
+    """Logprob of `ids[i]` under row i of `logits`, plus its top-k list, for rows that ask."""
+    out: list[tuple[float, list[tuple[float, int]]] | None] = [None] * len(reqs)
+    rows = [i for i, r in enumerate(reqs) if r.return_logprob]
+    if not rows:
+        return out
+    logprobs = torch.log_softmax(logits[rows], dim=-1)
+    chosen = logprobs[torch.arange(len(rows)), torch.tensor([ids[i] for i in rows])].tolist()
+    for j, i in enumerate(rows):
+        out[i] = (chosen[j], top_logprobs(logprobs[j], reqs[i].top_logprobs_num))
+    return out
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    if k <= 0:
+        return []
+    values, indices = logprobs.topk(min(k, logprobs.numel()))
+    return list(zip(values.tolist(), indices.tolist()))
+
+
+def _apply_penalties_and_masks(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    cloned = False
+    for i, req in enumerate(reqs):
+        params = req.params
+        if params.has_penalties and req.output_ids:
+            if not cloned:
+                logits, cloned = logits.clone(), True
+            counts = torch.bincount(torch.tensor(req.output_ids), minlength=vocab)[:vocab]
+            counts = counts.to(logits.dtype)
+            logits[i] -= params.frequency_penalty * counts
+            logits[i] -= params.presence_penalty * (counts > 0).to(logits.dtype)
+        if not req.can_stop:
+            banned = [t for t in req.eos_token_ids | req.stop_token_ids if 0 <= t < vocab]
+            if banned:
+                if not cloned:
+                    logits, cloned = logits.clone(), True
+                logits[i, banned] = float("-inf")
+    return logits
+
+
+def _filtered_probs(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p filtering. Returns unnormalised probs [n, vocab]."""
+    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    vocab = probs.shape[-1]
+    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs]
+    top_p = [r.params.top_p for r in reqs]
+    if min(top_k) < vocab or min(top_p) < 1.0:
+        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab)[None, :]
+        drop = ranks >= torch.tensor(top_k)[:, None]
+        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before > torch.tensor(top_p, dtype=probs.dtype)[:, None]
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
+    min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs

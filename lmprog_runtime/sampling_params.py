@@ -1,0 +1,109 @@
+"""Per-request sampling parameters, validated when a request is submitted.
+
+Validation happens in the caller's thread, so bad input raises `ValueError` at once and
+never reaches the engine loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and when to stop (the keys of `sampling_params` in `Engine.generate`).
+
+    Example:
+        >>> SamplingParams.from_dict({"max_new_tokens": 8, "temperature": 0}).is_greedy
+        True
+    """
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return dataclasses.replace(params)
+        if not isinstance(params, dict):
+            raise TypeError(f"sampling_params must be a dict, got {type(params).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s) {unknown}; known ones are {sorted(known)}"
+            )
+        values = {k: v for k, v in params.items() if v is not None}
+        if isinstance(values.get("stop"), str):
+            values["stop"] = [values["stop"]]
+        if isinstance(values.get("stop_token_ids"), int):
+            values["stop_token_ids"] = [values["stop_token_ids"]]
+        out = cls(**values)
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        def check_int(name: str, value: Any) -> None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+        check_int("max_new_tokens", self.max_new_tokens)
+        check_int("min_new_tokens", self.min_new_tokens)
+        check_int("top_k", self.top_k)
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must be <= "
+                f"max_new_tokens ({self.max_new_tokens})"
+            )
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise TypeError("stop must be a string or a list of strings")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise TypeError("stop_token_ids must be a list of ints")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

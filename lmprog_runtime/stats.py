@@ -1,0 +1,68 @@
+"""Engine counters: what the runtime computed, reused and scheduled since the last reset."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from lmprog_runtime.forward_batch import ForwardMode
+
+if TYPE_CHECKING:
+    from lmprog_runtime.scheduler import ScheduledBatch
+
+COUNTERS = (
+    "prefill_tokens",  # tokens computed by prefill / extend forwards
+    "cached_tokens",  # prompt tokens served from the prefix cache instead
+    "decode_tokens",  # tokens computed by decode forwards
+    "forward_passes",
+    "jump_forward_tokens",
+    "evicted_tokens",
+    "retracted_requests",
+    "max_running_requests_seen",
+    "finished_requests",
+    "forward_seconds",  # wall time inside the model forward
+    "step_seconds",  # wall time of whole steps (forward + scheduling + sampling + bookkeeping)
+)
+
+
+class EngineStats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._values: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+
+    def add(self, name: str, amount: float = 1) -> None:
+        with self._lock:
+            self._values[name] += amount
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._values)
+
+    def record_step(
+        self,
+        batch: ScheduledBatch,
+        *,
+        num_sampled: int,
+        num_running: int,
+        forward_seconds: float,
+        step_seconds: float,
+    ) -> None:
+        num_new = int(batch.out_cache_loc.numel())
+        with self._lock:
+            v = self._values
+            v["forward_passes"] += 1
+            if batch.mode is ForwardMode.EXTEND:
+                v["prefill_tokens"] += num_new
+                v["cached_tokens"] += sum(batch.prefix_lens)
+            else:
+                v["decode_tokens"] += num_new
+            v["finished_requests"] += sum(1 for r in batch.reqs if r.is_finished)
+            v["max_running_requests_seen"] = max(
+                v["max_running_requests_seen"], num_running, len(batch.reqs)
+            )
+            v["forward_seconds"] += forward_seconds
+            v["step_seconds"] += step_seconds
