@@ -1,0 +1,97 @@
+"""Bad input gets a clear, early ValueError / TypeError, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from lmprog_runtime import Engine
+
+OK = {"max_new_tokens": 3, "temperature": 0}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": []}, "empty"),
+        ({"input_ids": []}, "empty"),
+        ({"prompt": "x" * 20000}, "longer than the context"),
+        ({"prompt": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"prompt": "hi", "sampling_params": {"temperature": -0.5}}, "temperature"),
+        ({"prompt": "hi", "sampling_params": {"top_p": 0.0}}, "top_p"),
+        ({"prompt": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
+        ({"prompt": "hi", "sampling_params": {"top_k": 0}}, "top_k"),
+        ({"prompt": "hi", "sampling_params": {"min_p": 2.0}}, "min_p"),
+        ({"prompt": "hi", "sampling_params": {"max_tokens": 5}}, "unknown sampling parameter"),
+        ({"prompt": "hi", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 3}}, "min_new_tokens"),
+        ({"prompt": "hi", "sampling_params": {"stop": [""]}}, "stop"),
+        ({"prompt": ["a", "b"], "sampling_params": [OK]}, "sampling_params has 1 entries"),
+        ({"input_ids": [1, 2, 10**6]}, "outside"),
+        ({"prompt": "hi", "input_ids": [1]}, "exactly one"),
+        ({"prompt": "hi", "logprob_start_len": -2}, "logprob_start_len"),
+    ],
+)
+def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**kwargs)
+    assert len(engine.generate("still serving", OK)["output_ids"]) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"prompt": 3},
+        {"prompt": "hi", "sampling_params": {"max_new_tokens": 2.5}},
+        {"prompt": "hi", "sampling_params": "greedy"},
+        {"input_ids": ["a"]},
+    ],
+)
+def test_wrong_types_are_type_errors(engine, kwargs):
+    with pytest.raises(TypeError):
+        engine.generate(**kwargs)
+
+
+def test_a_bad_request_in_a_list_fails_before_any_is_sent(engine):
+    engine.reset_stats()
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(["a", "b"], [OK, {"temperature": -1}])
+    assert engine.stats()["forward_passes"] == 0
+
+
+def test_missing_model_path():
+    with pytest.raises(ValueError, match="does not exist|no config.json"):
+        Engine("/nonexistent/model")
+
+
+def test_unsupported_architecture_names_the_supported_ones(tiny_path, tmp_path):
+    bad = tmp_path / "gpt2"
+    shutil.copytree(tiny_path, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM|Qwen3ForCausalLM"):
+        Engine(str(bad))
+
+
+def test_bad_runtime_config(tiny_path):
+    with pytest.raises(ValueError, match="attention_backend"):
+        Engine(tiny_path, attention_backend="cuda-magic")
+    with pytest.raises(TypeError, match="unknown Engine argument"):
+        Engine(tiny_path, max_batch=3)
+
+
+def test_request_larger_than_the_pool_is_refused(tiny_path):
+    with Engine(tiny_path, max_total_tokens=64) as small:
+        with pytest.raises(ValueError, match="KV pool"):
+            small.generate("hello " * 40, {"max_new_tokens": 40})
+        assert len(small.generate("hello", OK)["output_ids"]) == 3
+
+
+def test_shutdown_fails_new_requests(tiny_path):
+    engine = Engine(tiny_path, max_total_tokens=256)
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate("hi", OK)

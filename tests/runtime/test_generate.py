@@ -1,0 +1,200 @@
+"""Engine.generate on the tiny built-in model against transformers as the reference."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "Question: What is 17 plus 25? Answer:",
+    "Dear customer, thank you for writing to us about your parcel",
+    "Once upon a time in a small village by the sea, there lived an old fisherman who",
+    '{"name": "Alice", "age": 31, "city":',
+    "def add(a, b):\n    return a + b\n\nprint(add(2,",
+    "The weather report for Monday says that the morning will be cloudy with light rain, "
+    "and the afternoon will bring sunshine across most of the region before",
+]
+
+
+def hf_greedy(hf_tiny, prompt: str, max_new_tokens: int) -> list[int]:
+    model, tokenizer = hf_tiny
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_greedy_matches_transformers_for_eight_prompts_together(engine, hf_tiny):
+    outs = engine.generate(PROMPTS, {"max_new_tokens": 24, "temperature": 0})
+    assert len({len(engine.encode(p)) for p in PROMPTS}) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out["output_ids"] == hf_greedy(hf_tiny, prompt, 24), prompt
+        assert out["text"] == hf_tiny[1].decode(out["output_ids"], skip_special_tokens=True)
+        info = out["meta_info"]
+        assert info["prompt_tokens"] == len(engine.encode(prompt))
+        assert info["completion_tokens"] == len(out["output_ids"])
+        assert info["finish_reason"] == {"type": "length", "length": 24}
+
+
+def test_single_prompt_and_input_ids_agree(engine):
+    params = {"max_new_tokens": 10, "temperature": 0}
+    by_text = engine.generate(PROMPTS[1], params)
+    by_ids = engine.generate(input_ids=engine.encode(PROMPTS[1]), sampling_params=params)
+    assert isinstance(by_text, dict) and by_text["output_ids"] == by_ids["output_ids"]
+
+
+def test_seeded_sampling_reproduces_whatever_the_batch(engine):
+    params = {"max_new_tokens": 20, "temperature": 1.0, "seed": 42}
+    alone = engine.generate(PROMPTS[3], params)
+    batch = engine.generate(
+        PROMPTS[:5], [{"max_new_tokens": 20, "temperature": 0.9, "seed": i} for i in range(3)]
+        + [params, {"max_new_tokens": 7, "temperature": 1.3}]
+    )
+    assert batch[3]["output_ids"] == alone["output_ids"]
+    other_seed = engine.generate(PROMPTS[3], {**params, "seed": 7})
+    assert other_seed["output_ids"] != alone["output_ids"]
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy(engine):
+    greedy = engine.generate(PROMPTS[4], {"max_new_tokens": 16, "temperature": 0})
+    for extra in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        out = engine.generate(PROMPTS[4], {"max_new_tokens": 16, "temperature": 1.5, **extra})
+        assert out["output_ids"] == greedy["output_ids"], extra
+
+
+def test_penalties_match_a_reference_decoding_loop(engine, hf_tiny):
+    model, tokenizer = hf_tiny
+    freq, pres = 0.7, 1.1
+    out = engine.generate(
+        PROMPTS[2],
+        {"max_new_tokens": 12, "temperature": 0, "frequency_penalty": freq, "presence_penalty": pres},
+    )
+    ids = tokenizer(PROMPTS[2], return_tensors="pt").input_ids
+    generated: list[int] = []
+    with torch.inference_mode():
+        for _ in range(12):
+            logits = model(torch.cat([ids, torch.tensor([generated], dtype=torch.long)], 1)).logits[0, -1]
+            counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=logits.numel())
+            logits = logits - freq * counts - pres * (counts > 0).float()
+            generated.append(int(logits.argmax()))
+    assert out["output_ids"] == generated
+
+
+def test_stop_string_spanning_tokens_is_cut(engine, hf_tiny):
+    tokenizer = hf_tiny[1]
+    base = engine.generate(PROMPTS[5], {"max_new_tokens": 24, "temperature": 0})
+    ids = base["output_ids"]
+    # A stop string from the middle of token 3 into token 4: it spans a token boundary.
+    before = tokenizer.decode(ids[:3])
+    tok3, tok4 = tokenizer.decode(ids[3:4]), tokenizer.decode(ids[4:5])
+    assert len(tok3) >= 2 and len(tok4) >= 1
+    stop = tok3[1:] + tok4[:1]
+    start = base["text"].find(stop)
+    out = engine.generate(PROMPTS[5], {"max_new_tokens": 24, "temperature": 0, "stop": [stop]})
+    assert start <= len(before) + 1
+    assert out["text"] == base["text"][:start]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == ids[: len(out["output_ids"])]
+
+
+def test_stop_token_ids_end_generation_and_are_not_in_text(engine, hf_tiny):
+    base = engine.generate(PROMPTS[6], {"max_new_tokens": 20, "temperature": 0})
+    target = base["output_ids"][5]
+    first = base["output_ids"].index(target)
+    out = engine.generate(
+        PROMPTS[6], {"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [target]}
+    )
+    assert out["output_ids"] == base["output_ids"][: first + 1]
+    assert out["text"] == hf_tiny[1].decode(base["output_ids"][:first])
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": target}
+    # min_new_tokens holds the stop token back until enough tokens exist.
+    held = engine.generate(
+        PROMPTS[6],
+        {"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [target], "min_new_tokens": first + 2},
+    )
+    assert len(held["output_ids"]) >= first + 2
+    assert target not in held["output_ids"][: first + 2]
+
+
+def test_prefill_only_returns_prompt_logprobs(engine, hf_tiny):
+    model, tokenizer = hf_tiny
+    prompt = PROMPTS[3]
+    out = engine.generate(
+        prompt, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0, top_logprobs_num=3
+    )
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(ids).logits[0], dim=-1)
+    got = out["meta_info"]["input_token_logprobs"]
+    assert got[0] == (None, ids[0, 0].item())
+    expected = [ref[i - 1, ids[0, i]].item() for i in range(1, ids.shape[1])]
+    assert [tok for _, tok in got] == ids[0].tolist()
+    assert [lp for lp, _ in got[1:]] == pytest.approx(expected, abs=1e-4)
+    tops = out["meta_info"]["input_top_logprobs"]
+    assert tops[0] is None and len(tops[1]) == 3
+    assert tops[1][0][1] == int(ref[0].argmax())
+
+
+def test_output_logprobs_and_logprob_start_len(engine, hf_tiny):
+    model, tokenizer = hf_tiny
+    prompt = PROMPTS[1]
+    out = engine.generate(
+        prompt, {"max_new_tokens": 5, "temperature": 0}, return_logprob=True,
+        logprob_start_len=2, top_logprobs_num=2,
+    )
+    ids = tokenizer(prompt).input_ids
+    full = torch.tensor([ids + out["output_ids"]])
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(full).logits[0], dim=-1)
+    info = out["meta_info"]
+    assert [t for _, t in info["input_token_logprobs"]] == ids[2:]
+    for (lp, tok), pos in zip(info["output_token_logprobs"], range(len(ids) - 1, full.shape[1] - 1)):
+        assert lp == pytest.approx(ref[pos, tok].item(), abs=1e-4)
+    for (lp, tok), top in zip(info["output_token_logprobs"], info["output_top_logprobs"]):
+        assert top[0][1] == tok and top[0][0] == pytest.approx(lp)
+
+
+def test_stream_chunks_concatenate_to_the_final_text(engine):
+    params = {"max_new_tokens": 30, "temperature": 0, "stop": ["\n\n"]}
+    final = engine.generate(PROMPTS[0], params)
+    chunks = list(engine.generate(PROMPTS[0], params, stream=True))
+    assert "".join(c["text"] for c in chunks) == final["text"]
+    assert sum((c["output_ids"] for c in chunks), []) == final["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == final["meta_info"]["finish_reason"]
+    assert len(chunks) > 1
+
+
+def test_requests_join_while_others_run(engine):
+    results = {}
+
+    def long_request():
+        results["long"] = engine.generate(PROMPTS[7], {"max_new_tokens": 200, "temperature": 0,
+                                                       "ignore_eos": True})
+
+    engine.reset_stats()
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    short = engine.generate(PROMPTS[:4], {"max_new_tokens": 4, "temperature": 0})
+    thread.join()
+    assert all(len(o["output_ids"]) <= 4 for o in short)
+    assert len(results["long"]["output_ids"]) == 200
+    stats = engine.stats()
+    assert stats["max_running_requests_seen"] >= 2
+    assert stats["decode_tokens"] >= 199
+
+
+def test_generation_stops_at_the_context_length(tiny_path):
+    from lmprog_runtime import Engine
+
+    with Engine(tiny_path, context_len=32, max_total_tokens=256) as small_ctx:
+        prompt_ids = small_ctx.encode(PROMPTS[7])[:20]
+        out = small_ctx.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 100,
+                                                                        "ignore_eos": True})
+        assert len(out["output_ids"]) == 12
+        assert out["meta_info"]["finish_reason"]["type"] == "length"

@@ -1,0 +1,230 @@
+"""The runtime's forward pass reproduces transformers' logits for every supported architecture.
+
+Tiny random checkpoints are built with transformers (weights re-drawn at a scale that makes
+logits far from constant), saved as safetensors and loaded with `lmprog_runtime`'s loader.
+`ModelRunner` + `Scheduler` then drive the paged KV pool and the torch attention backend
+through a mixed-length EXTEND (logits at every prompt position), DECODE steps of the whole
+batch (one request leaving midway), and an EXTEND on top of a cached prefix batched with a
+fresh request. Every logits row must match transformers' float32 forward of the full
+sequence within 1e-4 relative error (max |ours - ref| / max |ref|). Cases cover Llama (GQA,
+tied + MHA + biases + linear RoPE, llama3 RoPE from `rope_parameters`), Mistral with a
+sliding window shorter than the sequences, Qwen2 (qkv bias, tied) and Qwen3 (q/k norm,
+head_dim != hidden / heads). Every test ends with all KV slots and request rows free.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lmprog_runtime.config import RuntimeConfig  # noqa: E402
+from lmprog_runtime.forward_batch import ForwardMode  # noqa: E402
+from lmprog_runtime.model_runner import ModelRunner  # noqa: E402
+from lmprog_runtime.models import SUPPORTED_ARCHITECTURES, load_model  # noqa: E402
+from lmprog_runtime.request import Req  # noqa: E402
+from lmprog_runtime.sampling_params import SamplingParams  # noqa: E402
+from lmprog_runtime.scheduler import ScheduledBatch, Scheduler  # noqa: E402
+
+REL_TOL = 1e-4
+BASE = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=256, intermediate_size=128, max_position_embeddings=256,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+}
+CASES = {
+    "llama-gqa": ("llama", {}),
+    "llama-tied-mha-bias-linear-rope": ("llama", {
+        "tie_word_embeddings": True, "num_key_value_heads": 4, "attention_bias": True,
+        "mlp_bias": True, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+    }),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "mistral-sliding-window": ("mistral", {"sliding_window": 8}),
+    "qwen2-bias-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3-qk-norm": ("qwen3", {"head_dim": 32, "num_key_value_heads": 1}),
+}
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """case name -> (checkpoint dir, transformers model in eval mode); built once per module."""
+    built: dict[str, tuple[str, torch.nn.Module]] = {}
+
+    def build(case: str):
+        if case not in built:
+            model_type, overrides = CASES[case]
+            torch.manual_seed(0)
+            cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **overrides})
+            cfg._attn_implementation = "eager"  # an attention path independent of ours (SDPA)
+            model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+            gen = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    noise = torch.randn(p.shape, generator=gen)
+                    if "norm" in name:
+                        p.copy_(1.0 + 0.3 * noise)
+                    elif p.ndim == 1:  # biases
+                        p.copy_(0.5 * noise)
+                    elif "embed" in name:
+                        p.copy_(noise)
+                    else:
+                        p.copy_(noise * 1.5 / p.shape[1] ** 0.5)
+            path = tmp_path_factory.mktemp(case)
+            model.save_pretrained(path, safe_serialization=True)
+            built[case] = (str(path), model)
+        return built[case]
+
+    return build
+
+
+def _setup(path: str):
+    config = RuntimeConfig(max_total_tokens=4096, max_running_requests=8, model_path=path)
+    runner = ModelRunner(config, path)
+    return runner, Scheduler(config, runner.allocator, runner.req_to_token)
+
+
+def _req(rid: int, ids: list[int], runner: ModelRunner) -> Req:
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    return Req(rid, ids, params, tokenizer=_Tokenizer(), eos_token_ids=frozenset(),
+               context_len=runner.context_len, return_logprob=True, logprob_start_len=0)
+
+
+def _reference(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _assert_logits_match(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape
+    assert ref.std() > 0.5, "reference logits are near-constant; the check would be vacuous"
+    rel = float((ours - ref).abs().max() / ref.abs().max())
+    assert rel <= REL_TOL, f"max relative logits error {rel:.2e} > {REL_TOL}"
+
+
+def _run(runner, scheduler, batch: ScheduledBatch, rows_of: dict[int, list[torch.Tensor]]):
+    logits, rows = runner.forward(batch)
+    scheduler.on_forward_done(batch)
+    assert logits.dtype == torch.float32
+    for req, req_rows in zip(batch.reqs, rows):
+        rows_of[req.rid].append(logits[req_rows])
+
+
+def _release_all(runner, scheduler, reqs) -> None:
+    for req in reqs:
+        scheduler.release(req)
+    assert not scheduler.running and not scheduler.waiting
+    assert runner.allocator.num_free == runner.allocator.num_slots
+    assert runner.req_to_token.num_free == runner.req_to_token.num_reqs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_extend_then_decode_matches_transformers(case, checkpoint):
+    path, hf = checkpoint(case)
+    runner, scheduler = _setup(path)
+    gen = torch.Generator().manual_seed(2)
+    reqs = [_req(i, torch.randint(0, 256, (n,), generator=gen).tolist(), runner)
+            for i, n in enumerate([5, 17, 11])]
+    # Tokens fed in the decode steps, chosen up front (not sampled).
+    feed = {r.rid: torch.randint(0, 256, (6,), generator=gen).tolist() for r in reqs}
+    rows_of: dict[int, list[torch.Tensor]] = {r.rid: [] for r in reqs}
+    for req in reqs:
+        scheduler.add(req)
+    batch = scheduler.next_batch()
+    assert batch.mode is ForwardMode.EXTEND and batch.reqs == reqs
+    _run(runner, scheduler, batch, rows_of)
+    for step in range(6):
+        if step == 3:
+            scheduler.release(reqs[0])  # a request leaves; the others keep decoding
+        for req in scheduler.running:
+            req.append_token(feed[req.rid][step])
+        batch = scheduler.next_batch()
+        assert batch.mode is ForwardMode.DECODE and len(batch.reqs) == (3 if step < 3 else 2)
+        _run(runner, scheduler, batch, rows_of)
+    for req in reqs:
+        ours = torch.cat(rows_of[req.rid])
+        assert ours.shape[0] == req.seq_len == req.prompt_len + (3 if req.rid == 0 else 6)
+        _assert_logits_match(ours, _reference(hf, req.all_ids()))
+    _release_all(runner, scheduler, reqs)
+
+
+@pytest.mark.parametrize("case", ["llama-gqa", "mistral-sliding-window", "qwen3-qk-norm"])
+def test_extend_after_cached_prefix_matches_transformers(case, checkpoint):
+    """Request A: 7 prompt tokens, then 12 more in a second EXTEND that attends to the cached
+    7 (chunked-prefill style), batched with a fresh request B; then two DECODE steps."""
+    path, hf = checkpoint(case)
+    runner, scheduler = _setup(path)
+    gen = torch.Generator().manual_seed(3)
+    full_a = torch.randint(0, 256, (19,), generator=gen).tolist()
+    a = _req(0, full_a[:7], runner)
+    b = _req(1, torch.randint(0, 256, (9,), generator=gen).tolist(), runner)
+    rows_of: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    scheduler.add(a)
+    _run(runner, scheduler, scheduler.next_batch(), rows_of)
+    assert a.kv_len == 7 and a.req_pool_idx is not None
+
+    # Second part of A's prompt on top of its cached prefix, in one EXTEND with B.
+    scheduler.running.remove(a)
+    a.input_ids = full_a
+    slots = runner.allocator.alloc(12 + 9)
+    runner.req_to_token.write(a.req_pool_idx, a.kv_len, slots[:12])
+    b.req_pool_idx = runner.req_to_token.alloc()
+    runner.req_to_token.write(b.req_pool_idx, 0, slots[12:])
+    batch = ScheduledBatch(ForwardMode.EXTEND, [a, b], slots, [a.kv_len, 0])
+    _run(runner, scheduler, batch, rows_of)
+    assert [r.kv_len for r in (a, b)] == [19, 9] and scheduler.running == [a, b]
+
+    for token in (11, 42):
+        for req in (a, b):
+            req.append_token(token)
+        batch = scheduler.next_batch()
+        assert batch.mode is ForwardMode.DECODE and batch.prefix_lens == [a.seq_len - 1, b.seq_len - 1]
+        _run(runner, scheduler, batch, rows_of)
+    for req in (a, b):
+        ours = torch.cat(rows_of[req.rid])
+        assert ours.shape[0] == req.seq_len
+        _assert_logits_match(ours, _reference(hf, req.all_ids()))
+    _release_all(runner, scheduler, [a, b])
+
+
+def test_checkpoint_configs_are_parsed_as_transformers_wrote_them(checkpoint):
+    path, _ = checkpoint("llama3-rope")
+    raw = json.loads(open(f"{path}/config.json").read())
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling")
+    assert rope["rope_type"] == "llama3"
+    model = load_model(path, torch.float32, "cpu")
+    assert model.config.rope_scaling["rope_type"] == "llama3"
+    assert model.config.rope_theta == LLAMA3_ROPE["rope_theta"]
+    assert load_model(checkpoint("mistral-sliding-window")[0], torch.float32, "cpu").attention_layout().sliding_window == 8
+    tied = load_model(checkpoint("qwen2-bias-tied")[0], torch.float32, "cpu")
+    assert tied.lm_head.weight is tied.embed_tokens.weight and tied.config.qkv_bias
+    assert load_model(checkpoint("qwen3-qk-norm")[0], torch.float32, "cpu").config.head_dim == 32
+
+
+def test_unsupported_architecture_names_supported_ones(tmp_path):
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 256,
+              "hidden_size": 64, "num_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as info:
+        load_model(str(tmp_path), torch.float32, "cpu")
+    message = str(info.value)
+    assert "GPT2LMHeadModel" in message
+    assert all(arch in message for arch in SUPPORTED_ARCHITECTURES)
+
+
+def test_checkpoint_without_safetensors_is_rejected(tmp_path, checkpoint):
+    path, _ = checkpoint("llama-gqa")
+    (tmp_path / "config.json").write_text(open(f"{path}/config.json").read())
+    torch.save({}, tmp_path / "pytorch_model.bin")  # pickle weights are never read
+    with pytest.raises(ValueError, match="safetensors"):
+        load_model(str(tmp_path), torch.float32, "cpu")

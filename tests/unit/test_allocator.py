@@ -1,0 +1,61 @@
+"""KV-slot allocator and request-to-token table: exact alloc/free against a set model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmprog_runtime.kvcache import ReqToTokenPool, TokenSlotAllocator
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 12)), max_size=60))
+def test_allocator_matches_a_set_model(ops):
+    num_slots = 32
+    alloc = TokenSlotAllocator(num_slots)
+    held: list[torch.Tensor] = []
+    free_model = set(range(1, num_slots + 1))
+    for is_alloc, n in ops:
+        if is_alloc:
+            slots = alloc.alloc(n)
+            if n > len(free_model):
+                assert slots is None
+                continue
+            assert slots is not None and slots.numel() == n
+            got = set(slots.tolist())
+            assert len(got) == n and got <= free_model and 0 not in got
+            free_model -= got
+            held.append(slots)
+        elif held:
+            slots = held.pop(n % len(held))
+            alloc.free(slots)
+            free_model |= set(slots.tolist())
+        assert alloc.num_free == len(free_model)
+    for slots in held:
+        alloc.free(slots)
+    assert alloc.num_free == num_slots
+
+
+def test_double_free_and_slot_zero_are_refused():
+    alloc = TokenSlotAllocator(4)
+    slots = alloc.alloc(2)
+    alloc.free(slots)
+    with pytest.raises(RuntimeError, match="double free"):
+        alloc.free(slots)
+    with pytest.raises(RuntimeError):
+        alloc.free(torch.tensor([0]))
+
+
+def test_req_to_token_rows():
+    pool = ReqToTokenPool(2, 8, "cpu")
+    a, b = pool.alloc(), pool.alloc()
+    assert {a, b} == {0, 1} and pool.alloc() is None
+    pool.write(a, 2, torch.tensor([7, 9]))
+    assert pool.table[a, :4].tolist() == [0, 0, 7, 9]
+    pool.free(a)
+    with pytest.raises(RuntimeError):
+        pool.free(a)
+    pool.free(b)
+    assert pool.num_free == 2
