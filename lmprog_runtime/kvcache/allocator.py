@@ -49,10 +49,10 @@ class TokenSlotAllocator:
         if slots.numel() == 0:
             return
         slots = slots.to(torch.int64).flatten()
-        if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
-            raise RuntimeError("double free of KV slots")
         if bool((slots == 0).any()):
             raise RuntimeError("slot 0 is reserved and never allocated")
+        if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
+            raise RuntimeError("double free of KV slots")
         self._is_free[slots] = True
         self._free_slots = torch.cat([self._free_slots, slots])
 

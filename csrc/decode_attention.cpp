@@ -1,0 +1,124 @@
+// Native CPU decode attention over the paged KV pool (float32, OpenMP).
+//
+// One query token per request attends to all of that request's keys, found through the
+// request-to-token table, without gathering K/V into a padded copy first. Work is split
+// over (request, kv head) pairs; each pair reads its keys and values once and serves every
+// query head of its group (grouped-query attention).
+//
+// Shapes:
+//   q            [batch, num_heads, head_dim]
+//   k_buf, v_buf [num_slots, num_kv_heads, head_dim]
+//   req_to_token [num_rows, context_len] int64
+//   req_rows     [batch] int64, seq_lens [batch] int64
+//   out          [batch, num_heads, head_dim]
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+void check(const torch::Tensor& t, const char* name, int64_t dim, c10::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
+                               torch::Tensor req_to_token, torch::Tensor req_rows,
+                               torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+  check(q, "q", 3, torch::kFloat32);
+  check(k_buf, "k_buf", 3, torch::kFloat32);
+  check(v_buf, "v_buf", 3, torch::kFloat32);
+  check(req_to_token, "req_to_token", 2, torch::kInt64);
+  check(req_rows, "req_rows", 1, torch::kInt64);
+  check(seq_lens, "seq_lens", 1, torch::kInt64);
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_buf.size(1);
+  TORCH_CHECK(k_buf.size(2) == head_dim && v_buf.sizes() == k_buf.sizes(), "K/V pool shape mismatch");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(req_rows.size(0) == batch && seq_lens.size(0) == batch, "batch size mismatch");
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t context_len = req_to_token.size(1);
+  const int64_t num_slots = k_buf.size(0);
+
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_buf.data_ptr<float>();
+  const float* vp = v_buf.data_ptr<float>();
+  const int64_t* table = req_to_token.data_ptr<int64_t>();
+  const int64_t* rows = req_rows.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t slot_stride = num_kv_heads * head_dim;
+
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= context_len, "seq_len out of range");
+  }
+
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+    std::vector<float> acc(group * head_dim);
+#pragma omp for schedule(dynamic, 1) collapse(2)
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t len = lens[b];
+        const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+        const int64_t n = len - start;
+        const int64_t* slots = table + rows[b] * context_len + start;
+        scores.assign(group * n, 0.f);
+        const float* qh = qp + (b * num_heads + h * group) * head_dim;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t slot = slots[j];
+          if (slot < 0 || slot >= num_slots) continue;  // checked below, never read out of range
+          const float* key = kp + slot * slot_stride + h * head_dim;
+          for (int64_t g = 0; g < group; ++g) scores[g * n + j] = dot(qh + g * head_dim, key, head_dim) * scale;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * n;
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+          float sum = 0.f;
+          for (int64_t j = 0; j < n; ++j) {
+            s[j] = std::exp(s[j] - m);
+            sum += s[j];
+          }
+          const float inv = 1.f / sum;
+          for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t slot = slots[j];
+          if (slot < 0 || slot >= num_slots) continue;
+          const float* value = vp + slot * slot_stride + h * head_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * n + j];
+            float* a = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
+          }
+        }
+        float* oh = op + (b * num_heads + h * group) * head_dim;
+        std::copy(acc.begin(), acc.end(), oh);
+      }
+    }
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32)");
+}
