@@ -2,8 +2,8 @@
 //
 // One query token per request attends to all of that request's keys, found through the
 // request-to-token table, without gathering K/V into a padded copy first. Work is split
-// over (request, kv head) pairs; each pair reads its keys and values once and serves every
-// query head of its group (grouped-query attention).
+// over requests; each reads every K/V row (all kv heads, contiguous in the pool) once and
+// serves every query head from it (grouped-query attention).
 //
 // Shapes:
 //   q            [batch, num_heads, head_dim]
@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -68,57 +69,74 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= context_len, "seq_len out of range");
   }
 
+  std::atomic<bool> bad_slot{false};  // no exceptions may leave an OpenMP region
 #pragma omp parallel
   {
-    std::vector<float> scores;
-    std::vector<float> acc(group * head_dim);
-#pragma omp for schedule(dynamic, 1) collapse(2)
+    std::vector<float> scores;  // [num_heads, n]
+    std::vector<float> acc(num_heads * head_dim);
+#pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t len = lens[b];
-        const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-        const int64_t n = len - start;
-        const int64_t* slots = table + rows[b] * context_len + start;
-        scores.assign(group * n, 0.f);
-        const float* qh = qp + (b * num_heads + h * group) * head_dim;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t slot = slots[j];
-          if (slot < 0 || slot >= num_slots) continue;  // checked below, never read out of range
-          const float* key = kp + slot * slot_stride + h * head_dim;
-          for (int64_t g = 0; g < group; ++g) scores[g * n + j] = dot(qh + g * head_dim, key, head_dim) * scale;
+      const int64_t len = lens[b];
+      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t n = len - start;
+      const int64_t* slots = table + rows[b] * context_len + start;
+      const float* qb = qp + b * num_heads * head_dim;
+      scores.assign(num_heads * n, 0.f);
+      // Pass 1: one contiguous [num_kv_heads, head_dim] key row per position serves all heads.
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t slot = slots[j];
+        if (slot < 0 || slot >= num_slots) {
+          bad_slot = true;
+          continue;
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * n;
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-          float sum = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            s[j] = std::exp(s[j] - m);
-            sum += s[j];
-          }
-          const float inv = 1.f / sum;
-          for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+        if (j + 4 < n) __builtin_prefetch(kp + slots[j + 4] * slot_stride);
+        const float* key = kp + slot * slot_stride;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          scores[h * n + j] = dot(qb + h * head_dim, key + (h / group) * head_dim, head_dim) * scale;
         }
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t slot = slots[j];
-          if (slot < 0 || slot >= num_slots) continue;
-          const float* value = vp + slot * slot_stride + h * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * n + j];
-            float* a = acc.data() + g * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
-          }
-        }
-        float* oh = op + (b * num_heads + h * group) * head_dim;
-        std::copy(acc.begin(), acc.end(), oh);
       }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          s[j] = std::exp(s[j] - m);
+          sum += s[j];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+      }
+      // Pass 2: weighted sum of value rows, again one contiguous row per position.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < n && !bad_slot; ++j) {
+        if (j + 4 < n) __builtin_prefetch(vp + slots[j + 4] * slot_stride);
+        const float* value = vp + slots[j] * slot_stride;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float p = scores[h * n + j];
+          const float* vh = value + (h / group) * head_dim;
+          float* a = acc.data() + h * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+        }
+      }
+      std::copy(acc.begin(), acc.end(), op + b * num_heads * head_dim);
     }
   }
+  TORCH_CHECK(!bad_slot, "decode_attention: a KV slot index is out of range");
   return out;
 }
 
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos,
+           torch::Tensor sin);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm (CPU, float32)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused [rows, 2 * inter] input");
+  m.def("rope_", &rope_, "in-place rotate-half RoPE on q and k");
 }

@@ -30,6 +30,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.model = load_model(model_path, self._dtype(model_path), config.device)
         self.model_config = self.model.config
+        if config.attention_backend == "native":
+            from lmprog_runtime.models.ops import NativeOps
+
+            self.model.ops = NativeOps()
         self.context_len = config.context_len or self.model_config.context_len
         if self.context_len > self.model_config.context_len:
             raise ValueError(

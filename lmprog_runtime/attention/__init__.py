@@ -21,7 +21,11 @@ def create_attention_backend(
         from lmprog_runtime.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(layout, kv_pool, req_to_token)
-    raise ValueError(f"attention backend {name!r} is not available yet; available: ['torch']")
+    if name == "native":
+        from lmprog_runtime.attention.native_backend import NativeAttentionBackend
+
+        return NativeAttentionBackend(layout, kv_pool, req_to_token)
+    raise ValueError(f"attention backend {name!r} is not available; available: ['torch', 'native']")
 
 
 __all__ = ["AttentionLayout", "BaseAttentionBackend", "create_attention_backend"]

@@ -9,29 +9,25 @@ match its forward.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmprog_runtime.attention import AttentionLayout, BaseAttentionBackend
 from lmprog_runtime.forward_batch import ForwardBatch
 from lmprog_runtime.models.model_config import ModelConfig
+from lmprog_runtime.models.ops import TorchOps
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the computation is `ops.rms_norm` / `ops.add_rms_norm`."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a cos/sin table for every position up to the context length."""
+    """Rotate-half RoPE tables: cos/sin `[context_len, head_dim]` for every position."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -40,19 +36,6 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, 1, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 class Attention(nn.Module):
@@ -74,15 +57,18 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         backend: BaseAttentionBackend,
         batch: ForwardBatch,
+        ops: TorchOps,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        # Views into the fused projection: [num_tokens, heads, head_dim]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(batch.positions, q, k)
+            q = TorchOps.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = TorchOps.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = ops.rope(q, k, batch.positions, rotary.cos, rotary.sin)
         return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
 
 
@@ -95,9 +81,8 @@ class MLP(nn.Module):
         )
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -122,6 +107,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
+        self.ops: TorchOps = TorchOps()  # ModelRunner may swap in NativeOps
 
     def attention_layout(self) -> AttentionLayout:
         c = self.config
@@ -135,12 +121,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, backend: BaseAttentionBackend) -> torch.Tensor:
         """Return logits `[len(batch.logits_indices), vocab]` in float32."""
-        hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
-        for layer in self.layers:
-            residual = hidden
-            hidden = layer.self_attn(layer.input_layernorm(hidden), self.rotary, backend, batch)
-            hidden = residual + hidden
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        ops, eps = self.ops, self.config.rms_norm_eps
+        residual = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        hidden = ops.rms_norm(residual, self.layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(self.layers):
+            attn_out = layer.self_attn(hidden, self.rotary, backend, batch, ops)
+            hidden, residual = ops.add_rms_norm(
+                attn_out, residual, layer.post_attention_layernorm.weight, eps
+            )
+            mlp_out = layer.mlp(hidden, ops)
+            # The next norm is the next layer's input norm, or the final norm after the last.
+            is_last = i + 1 == len(self.layers)
+            next_norm = self.norm if is_last else self.layers[i + 1].input_layernorm
+            hidden, residual = ops.add_rms_norm(mlp_out, residual, next_norm.weight, eps)
         hidden = hidden.index_select(0, batch.logits_indices)
-        return self.lm_head(self.norm(hidden)).float()
+        return self.lm_head(hidden).float()
