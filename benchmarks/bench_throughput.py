@@ -87,15 +87,19 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = make_prompts(tokenizer, args.num_prompts, args.prompt_len)
     total_out = args.num_prompts * args.new_tokens
-    print(f"model={model_path} threads={torch.get_num_threads()} prompts={args.num_prompts}x"
-          f"{args.prompt_len} new_tokens={args.new_tokens}")
+    print(
+        f"model={model_path} threads={torch.get_num_threads()} prompts={args.num_prompts}x"
+        f"{args.prompt_len} new_tokens={args.new_tokens}"
+    )
 
     # Interleaved repeats, best of each: the machine is shared and noisy, and the first big
     # allocations of a process cost page faults that later runs do not pay.
     engine_s, stats = float("inf"), {}
     hf: dict[int, float] = {}
     for _ in range(args.repeats):
-        seconds, run_stats = run_engine(model_path, prompts, args.new_tokens, args.attention_backend)
+        seconds, run_stats = run_engine(
+            model_path, prompts, args.new_tokens, args.attention_backend
+        )
         print(f"  lmprog engine: {total_out / seconds:.1f} tok/s")
         if seconds < engine_s:
             engine_s, stats = seconds, run_stats
@@ -114,9 +118,11 @@ def main() -> None:
     name = f"lmprog Engine ({args.attention_backend} attention)"
     print(f"| {name} | {total_out / engine_s:.1f} | {hf[best_bs] / engine_s:.2f}x |")
     print()
-    print(f"engine: {int(stats['forward_passes'])} forwards, max batch "
-          f"{int(stats['max_running_requests_seen'])}; time outside the model forward: "
-          f"{outside_step:.1%} of step time, {outside_wall:.1%} of wall time")
+    print(
+        f"engine: {int(stats['forward_passes'])} forwards, max batch "
+        f"{int(stats['max_running_requests_seen'])}; time outside the model forward: "
+        f"{outside_step:.1%} of step time, {outside_wall:.1%} of wall time"
+    )
 
 
 if __name__ == "__main__":

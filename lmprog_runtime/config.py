@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("torch", "triton", "native")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -27,7 +27,9 @@ class RuntimeConfig:
     model_path: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
-    attention_backend: str = "torch"
+    # "auto": the native C++ kernels for float32 on CPU (torch if they cannot be built),
+    # the torch reference elsewhere.
+    attention_backend: str = "auto"
     # KV pool size in tokens; None = derived from `mem_fraction` of free memory.
     max_total_tokens: int | None = None
     mem_fraction: float = 0.3
@@ -60,9 +62,7 @@ class RuntimeConfig:
         if not 0.0 < self.mem_fraction < 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         if self.max_running_requests < 1:
-            raise ValueError(
-                f"max_running_requests must be >= 1, got {self.max_running_requests}"
-            )
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.context_len is not None and self.context_len < 2:

@@ -6,6 +6,7 @@ Turns a `ScheduledBatch` (requests + their new KV slots) into the flat tensors o
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -19,6 +20,8 @@ from lmprog_runtime.models.loader import read_torch_dtype
 from lmprog_runtime.request import Req
 from lmprog_runtime.scheduler import ScheduledBatch
 
+logger = logging.getLogger(__name__)
+
 # A CPU pool is sized by this cap unless max_total_tokens says otherwise: host memory is
 # shared with everything else, and tests should not reserve gigabytes they never touch.
 DEFAULT_CPU_MAX_TOTAL_TOKENS = 65536
@@ -30,7 +33,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.model = load_model(model_path, self._dtype(model_path), config.device)
         self.model_config = self.model.config
-        if config.attention_backend == "native":
+        dtype = next(self.model.parameters()).dtype
+        self.attention_backend = _resolve_backend(config.attention_backend, self.device, dtype)
+        if self.attention_backend == "native":
             from lmprog_runtime.models.ops import NativeOps
 
             self.model.ops = NativeOps()
@@ -41,15 +46,16 @@ class ModelRunner:
                 f"max_position_embeddings {self.model_config.context_len}"
             )
         mc = self.model_config
-        dtype = next(self.model.parameters()).dtype
         self.num_kv_slots = self._num_kv_slots(dtype)
         self.kv_pool = KVPool(
             self.num_kv_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, self.device
         )
         self.allocator = TokenSlotAllocator(self.num_kv_slots)
-        self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
+        self.req_to_token = ReqToTokenPool(
+            config.max_running_requests, self.context_len, self.device
+        )
         self.attention = create_attention_backend(
-            config.attention_backend, self.model.attention_layout(), self.kv_pool, self.req_to_token
+            self.attention_backend, self.model.attention_layout(), self.kv_pool, self.req_to_token
         )
 
     def _dtype(self, model_path: str) -> torch.dtype:
@@ -116,6 +122,21 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
         )
         return fb, rows_per_req
+
+
+def _resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    if name != "auto":
+        return name
+    if device.type != "cpu" or dtype != torch.float32:
+        return "torch"
+    from lmprog_runtime.native import load_native
+
+    try:
+        load_native()
+    except RuntimeError as error:
+        logger.warning("native CPU kernels unavailable, using the torch backend: %s", error)
+        return "torch"
+    return "native"
 
 
 def _first_logits_position(req: Req, prefix: int, end: int, mode: ForwardMode) -> int:

@@ -44,7 +44,9 @@ class Req:
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len if return_logprob else -1
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
-        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else seed)
+        self.generator = torch.Generator().manual_seed(
+            params.seed if params.seed is not None else seed
+        )
 
         self.output_ids: list[int] = []
         self.req_pool_idx: int | None = None
@@ -168,4 +170,8 @@ class Req:
         return info
 
     def to_output(self) -> dict[str, Any]:
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+        return {
+            "text": self.text,
+            "output_ids": list(self.output_ids),
+            "meta_info": self.meta_info(),
+        }

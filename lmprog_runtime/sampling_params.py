@@ -97,7 +97,9 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise TypeError("stop_token_ids must be a list of ints")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
 
     @property

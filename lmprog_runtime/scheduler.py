@@ -90,7 +90,9 @@ class Scheduler:
             if req.req_pool_idx is None:  # a request with a cached prefix keeps its row
                 req.req_pool_idx = self.req_to_token.alloc()
             extend_len = req.prompt_len - req.kv_len
-            self.req_to_token.write(req.req_pool_idx, req.kv_len, slots[offset : offset + extend_len])
+            self.req_to_token.write(
+                req.req_pool_idx, req.kv_len, slots[offset : offset + extend_len]
+            )
             prefix_lens.append(req.kv_len)
             offset += extend_len
         return ScheduledBatch(ForwardMode.EXTEND, admitted, slots, prefix_lens)

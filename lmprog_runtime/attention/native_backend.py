@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from lmprog_runtime.attention.base import AttentionLayout
 from lmprog_runtime.attention.torch_backend import TorchAttentionBackend
 from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
+from lmprog_runtime.kvcache import KVPool, ReqToTokenPool
 from lmprog_runtime.native import load_native
 
 
 class NativeAttentionBackend(TorchAttentionBackend):
-    def __init__(self, layout, kv_pool, req_to_token) -> None:
+    def __init__(
+        self, layout: AttentionLayout, kv_pool: KVPool, req_to_token: ReqToTokenPool
+    ) -> None:
         super().__init__(layout, kv_pool, req_to_token)
         if kv_pool.k_buffers[0].device.type != "cpu" or kv_pool.k_buffers[0].dtype != torch.float32:
             raise ValueError("attention_backend='native' runs float32 on CPU only")

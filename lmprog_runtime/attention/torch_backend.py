@@ -135,7 +135,15 @@ def _sdpa_gqa(
     if not _HAS_ENABLE_GQA and q.shape[1] != k.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+        )
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )

@@ -89,7 +89,9 @@ def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor
         raise ValueError(f"unexpected weight {name!r} for this architecture")
     param = params[name]
     if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        raise ValueError(
+            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
     with torch.no_grad():
         param.copy_(tensor.to(param.dtype))
 

@@ -59,7 +59,9 @@ class ModelConfig:
         return cls.from_dict(raw, generation)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    def from_dict(
+        cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
+    ) -> ModelConfig:
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -89,7 +91,9 @@ class ModelConfig:
             if not raw.get("use_sliding_window", False):
                 sliding_window = None
             else:
-                raise ValueError("Qwen sliding-window attention (use_sliding_window) is not supported")
+                raise ValueError(
+                    "Qwen sliding-window attention (use_sliding_window) is not supported"
+                )
         if arch == "LlamaForCausalLM":
             sliding_window = None
 

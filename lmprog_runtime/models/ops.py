@@ -33,7 +33,11 @@ class TorchOps:
 
     @staticmethod
     def rope(
-        q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, heads, head_dim]; cos/sin rows: [num_tokens, 1, head_dim]
         cos = cos[positions].unsqueeze(1).to(q.dtype)
@@ -68,7 +72,12 @@ class NativeOps(TorchOps):
         return self._ops.silu_and_mul(x)
 
     def rope(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._ops.rope_(q, k, positions, cos, sin)
         return q, k

@@ -14,10 +14,7 @@ from lmprog_runtime.models.default_model import SPECS, build_default_model
 
 
 def _digest(directory: Path) -> dict[str, str]:
-    return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.iterdir())
-    }
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
 def test_transformers_loads_tiny_with_its_chat_template(tiny_path):
@@ -28,7 +25,9 @@ def test_transformers_loads_tiny_with_its_chat_template(tiny_path):
     assert num_params < 500_000
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Where is my parcel?"}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": "Where is my parcel?"}],
+        tokenize=False,
+        add_generation_prompt=True,
     )
     assert text.startswith("<|im_start|>system\n")  # the template's default system prompt
     assert text.endswith("<|im_start|>user\nWhere is my parcel?<|im_end|>\n<|im_start|>assistant\n")

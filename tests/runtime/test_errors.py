@@ -26,7 +26,10 @@ OK = {"max_new_tokens": 3, "temperature": 0}
         ({"prompt": "hi", "sampling_params": {"top_k": 0}}, "top_k"),
         ({"prompt": "hi", "sampling_params": {"min_p": 2.0}}, "min_p"),
         ({"prompt": "hi", "sampling_params": {"max_tokens": 5}}, "unknown sampling parameter"),
-        ({"prompt": "hi", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 3}}, "min_new_tokens"),
+        (
+            {"prompt": "hi", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 3}},
+            "min_new_tokens",
+        ),
         ({"prompt": "hi", "sampling_params": {"stop": [""]}}, "stop"),
         ({"prompt": ["a", "b"], "sampling_params": [OK]}, "sampling_params has 1 entries"),
         ({"input_ids": [1, 2, 10**6]}, "outside"),

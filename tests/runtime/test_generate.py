@@ -6,26 +6,7 @@ import threading
 
 import pytest
 import torch
-
-PROMPTS = [
-    "Hi",
-    "The capital of France is",
-    "Question: What is 17 plus 25? Answer:",
-    "Dear customer, thank you for writing to us about your parcel",
-    "Once upon a time in a small village by the sea, there lived an old fisherman who",
-    '{"name": "Alice", "age": 31, "city":',
-    "def add(a, b):\n    return a + b\n\nprint(add(2,",
-    "The weather report for Monday says that the morning will be cloudy with light rain, "
-    "and the afternoon will bring sunshine across most of the region before",
-]
-
-
-def hf_greedy(hf_tiny, prompt: str, max_new_tokens: int) -> list[int]:
-    model, tokenizer = hf_tiny
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, ids.shape[1] :].tolist()
+from helpers import PROMPTS, hf_greedy
 
 
 def test_greedy_matches_transformers_for_eight_prompts_together(engine, hf_tiny):
@@ -51,8 +32,9 @@ def test_seeded_sampling_reproduces_whatever_the_batch(engine):
     params = {"max_new_tokens": 20, "temperature": 1.0, "seed": 42}
     alone = engine.generate(PROMPTS[3], params)
     batch = engine.generate(
-        PROMPTS[:5], [{"max_new_tokens": 20, "temperature": 0.9, "seed": i} for i in range(3)]
-        + [params, {"max_new_tokens": 7, "temperature": 1.3}]
+        PROMPTS[:5],
+        [{"max_new_tokens": 20, "temperature": 0.9, "seed": i} for i in range(3)]
+        + [params, {"max_new_tokens": 7, "temperature": 1.3}],
     )
     assert batch[3]["output_ids"] == alone["output_ids"]
     other_seed = engine.generate(PROMPTS[3], {**params, "seed": 7})
@@ -71,14 +53,23 @@ def test_penalties_match_a_reference_decoding_loop(engine, hf_tiny):
     freq, pres = 0.7, 1.1
     out = engine.generate(
         PROMPTS[2],
-        {"max_new_tokens": 12, "temperature": 0, "frequency_penalty": freq, "presence_penalty": pres},
+        {
+            "max_new_tokens": 12,
+            "temperature": 0,
+            "frequency_penalty": freq,
+            "presence_penalty": pres,
+        },
     )
     ids = tokenizer(PROMPTS[2], return_tensors="pt").input_ids
     generated: list[int] = []
     with torch.inference_mode():
         for _ in range(12):
-            logits = model(torch.cat([ids, torch.tensor([generated], dtype=torch.long)], 1)).logits[0, -1]
-            counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=logits.numel())
+            logits = model(torch.cat([ids, torch.tensor([generated], dtype=torch.long)], 1)).logits[
+                0, -1
+            ]
+            counts = torch.bincount(
+                torch.tensor(generated, dtype=torch.long), minlength=logits.numel()
+            )
             logits = logits - freq * counts - pres * (counts > 0).float()
             generated.append(int(logits.argmax()))
     assert out["output_ids"] == generated
@@ -114,7 +105,12 @@ def test_stop_token_ids_end_generation_and_are_not_in_text(engine, hf_tiny):
     # min_new_tokens holds the stop token back until enough tokens exist.
     held = engine.generate(
         PROMPTS[6],
-        {"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [target], "min_new_tokens": first + 2},
+        {
+            "max_new_tokens": 20,
+            "temperature": 0,
+            "stop_token_ids": [target],
+            "min_new_tokens": first + 2,
+        },
     )
     assert len(held["output_ids"]) >= first + 2
     assert target not in held["output_ids"][: first + 2]
@@ -145,8 +141,11 @@ def test_output_logprobs_and_logprob_start_len(engine, hf_tiny):
     model, tokenizer = hf_tiny
     prompt = PROMPTS[1]
     out = engine.generate(
-        prompt, {"max_new_tokens": 5, "temperature": 0}, return_logprob=True,
-        logprob_start_len=2, top_logprobs_num=2,
+        prompt,
+        {"max_new_tokens": 5, "temperature": 0},
+        return_logprob=True,
+        logprob_start_len=2,
+        top_logprobs_num=2,
     )
     ids = tokenizer(prompt).input_ids
     full = torch.tensor([ids + out["output_ids"]])
@@ -154,7 +153,9 @@ def test_output_logprobs_and_logprob_start_len(engine, hf_tiny):
         ref = torch.log_softmax(model(full).logits[0], dim=-1)
     info = out["meta_info"]
     assert [t for _, t in info["input_token_logprobs"]] == ids[2:]
-    for (lp, tok), pos in zip(info["output_token_logprobs"], range(len(ids) - 1, full.shape[1] - 1)):
+    for (lp, tok), pos in zip(
+        info["output_token_logprobs"], range(len(ids) - 1, full.shape[1] - 1)
+    ):
         assert lp == pytest.approx(ref[pos, tok].item(), abs=1e-4)
     for (lp, tok), top in zip(info["output_token_logprobs"], info["output_top_logprobs"]):
         assert top[0][1] == tok and top[0][0] == pytest.approx(lp)
@@ -174,8 +175,9 @@ def test_requests_join_while_others_run(engine):
     results = {}
 
     def long_request():
-        results["long"] = engine.generate(PROMPTS[7], {"max_new_tokens": 200, "temperature": 0,
-                                                       "ignore_eos": True})
+        results["long"] = engine.generate(
+            PROMPTS[7], {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+        )
 
     engine.reset_stats()
     thread = threading.Thread(target=long_request)
@@ -194,7 +196,8 @@ def test_generation_stops_at_the_context_length(tiny_path):
 
     with Engine(tiny_path, context_len=32, max_total_tokens=256) as small_ctx:
         prompt_ids = small_ctx.encode(PROMPTS[7])[:20]
-        out = small_ctx.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 100,
-                                                                        "ignore_eos": True})
+        out = small_ctx.generate(
+            input_ids=prompt_ids, sampling_params={"max_new_tokens": 100, "ignore_eos": True}
+        )
         assert len(out["output_ids"]) == 12
         assert out["meta_info"]["finish_reason"]["type"] == "length"
