@@ -36,11 +36,15 @@ class RuntimeConfig:
     max_running_requests: int = 128
     # Token budget of one prefill (extend) forward.
     max_prefill_tokens: int = 8192
+    # Longer prompts are prefilled in chunks of this many tokens, alternating with decode
+    # steps of the running requests; <= 0 disables chunking.
+    chunked_prefill_size: int = 4096
     # Override of the model's context length (max_position_embeddings).
     context_len: int | None = None
-    schedule_policy: str = "fcfs"
+    schedule_policy: str = "lpm"
     page_size: int = 1
     disable_radix_cache: bool = False
+    eviction_policy: str = "lru"
     random_seed: int = 0
     # Threads for torch's CPU ops; None leaves torch's default.
     num_threads: int | None = None
@@ -54,6 +58,10 @@ class RuntimeConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        if self.eviction_policy not in ("lru", "lfu"):
+            raise ValueError(
+                f"eviction_policy must be 'lru' or 'lfu', got {self.eviction_policy!r}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -69,6 +77,8 @@ class RuntimeConfig:
             raise ValueError(f"context_len must be >= 2, got {self.context_len}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 4 * self.page_size:
+            raise ValueError("max_total_tokens must hold at least 4 pages")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

@@ -20,11 +20,14 @@ import torch
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.engine_inputs import normalize_generate_inputs
 from lmprog_runtime.forward_batch import ForwardMode
+from lmprog_runtime.kvcache.radix_cache import RadixCache
+from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.model_runner import ModelRunner
 from lmprog_runtime.models.default_model import default_model_path
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling import sample, top_logprobs
-from lmprog_runtime.scheduler import ScheduledBatch, Scheduler
+from lmprog_runtime.sampling_params import SamplingParams
+from lmprog_runtime.scheduler import RequestGroup, ScheduledBatch, Scheduler
 from lmprog_runtime.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -59,8 +62,17 @@ class Engine:
         self.runner = ModelRunner(self.config, str(model_path))
         self.context_len = self.runner.context_len
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
-        self.scheduler = Scheduler(self.config, self.runner.allocator, self.runner.req_to_token)
         self._stats = EngineStats()
+        runner = self.runner
+        tree = None
+        if not self.config.disable_radix_cache:
+            tree = RadixCache(runner.allocator, self.config.page_size, self.config.eviction_policy)
+        self.tree_cache = tree
+        req_cache = ReqCache(tree, runner.allocator, runner.req_to_token)
+        self.scheduler = Scheduler(
+            self.config, runner.allocator, runner.req_to_token, req_cache, self._stats
+        )
+        self._commands: list[tuple[str, threading.Event, list[Any]]] = []
         self._rids = itertools.count()
         self._seeds = torch.Generator().manual_seed(self.config.random_seed)
         self._inbox: list[Req] = []
@@ -80,6 +92,7 @@ class Engine:
         logprob_start_len: int | list[int] = -1,
         top_logprobs_num: int | list[int] = 0,
         stream: bool = False,
+        group: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts).
 
@@ -88,7 +101,10 @@ class Engine:
         `return_logprob`, `output_token_logprobs` (and `input_token_logprobs` for prompt
         positions from `logprob_start_len` on) as `(logprob, token_id)` pairs.
         `max_new_tokens=0` only prefills. With `stream=True` (one prompt), returns an
-        iterator of chunks whose `text` fields concatenate to the final text.
+        iterator of chunks whose `text` fields concatenate to the final text. With
+        `group=True` the prompts form one request group (the branches of a fork): their
+        common prefix is computed once, then they are admitted together and decode in the
+        same batches.
 
         Example:
             >>> engine.generate(["a", "b"], {"max_new_tokens": 4})  # doctest: +SKIP
@@ -122,11 +138,32 @@ class Engine:
             )
             for item in items
         ]
-        self._submit(reqs)
+        if group and len(reqs) > 1:
+            self._submit(self._make_group(reqs))
+        else:
+            self._submit(reqs)
         if stream:
             return self._stream(reqs[0])
         outputs = [self._wait(req) for req in reqs]
         return outputs[0] if is_single else outputs
+
+    def _make_group(self, reqs: list[Req]) -> list[Req]:
+        """Tie `reqs` into a group, behind an internal prefill of their common prefix."""
+        common = _common_prefix_len([r.input_ids for r in reqs])
+        prefix_req = None
+        if self.tree_cache is not None and common >= max(2, self.config.page_size):
+            prefix_req = Req(
+                next(self._rids),
+                reqs[0].input_ids[:common],
+                SamplingParams(max_new_tokens=0),
+                tokenizer=self,
+                eos_token_ids=self.eos_token_ids,
+                context_len=self.context_len,
+            )
+        group = RequestGroup(reqs, prefix_req)
+        for req in reqs:
+            req.group = group
+        return ([prefix_req] if prefix_req is not None else []) + reqs
 
     def stats(self) -> dict[str, float]:
         """Counters since start or the last `reset_stats()` (see DESIGN.md for the keys)."""
@@ -136,19 +173,22 @@ class Engine:
         self._stats.reset()
 
     def memory_state(self) -> dict[str, int]:
-        """KV and request slots in use; all free when the engine is idle."""
-        runner = self.runner
+        """Where the KV slots are. When idle: free + cached == total and nothing is locked."""
+        runner, tree = self.runner, self.tree_cache
         return {
             "kv_slots_total": runner.allocator.num_slots,
             "kv_slots_free": runner.allocator.num_free,
+            "kv_slots_cached": tree.total_size if tree is not None else 0,
+            "kv_slots_locked": tree.protected_size if tree is not None else 0,
             "req_slots_total": runner.req_to_token.num_reqs,
             "req_slots_free": runner.req_to_token.num_free,
-            "num_running": len(self.scheduler.running),
+            "num_running": len(self.scheduler.running) + (self.scheduler.chunked_req is not None),
             "num_waiting": len(self.scheduler.waiting) + len(self._inbox),
         }
 
-    def flush_cache(self) -> None:
-        """Drop cached prefixes (a no-op until the radix cache holds any)."""
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix. Returns False (and drops nothing) while requests run."""
+        return bool(self._command("flush_cache"))
 
     def shutdown(self) -> None:
         with self._cv:
@@ -158,7 +198,7 @@ class Engine:
             self._cv.notify_all()
         self._thread.join()
         error = RuntimeError("the engine was shut down before this request finished")
-        for req in self._inbox + self.scheduler.abort_waiting() + list(self.scheduler.running):
+        for req in self._inbox + self.scheduler.abort_all():
             self._finish(req, error)
         self._inbox.clear()
 
@@ -184,6 +224,19 @@ class Engine:
             return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # ---- caller side --------------------------------------------------------------------
+    def _command(self, name: str) -> Any:
+        """Run `name` on the loop thread, between steps, and return its result."""
+        done, result = threading.Event(), []
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine has been shut down")
+            self._commands.append((name, done, result))
+            self._cv.notify_all()
+        while not done.wait(0.5):
+            if not self._thread.is_alive():
+                raise RuntimeError("the engine loop has stopped")
+        return result[0]
+
     def _submit(self, reqs: list[Req]) -> None:
         with self._cv:
             if self._stopping:
@@ -213,13 +266,22 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self._inbox and not self.scheduler.has_work:
+                while (
+                    not self._stopping
+                    and not self._inbox
+                    and not self._commands
+                    and not self.scheduler.has_work
+                ):
                     self._cv.wait()
                 if self._stopping:
                     return
                 new, self._inbox = self._inbox, []
+                commands, self._commands = self._commands, []
             for req in new:
                 self.scheduler.add(req)
+            for name, done, result in commands:
+                result.append(self._run_command(name))
+                done.set()
             batch = None
             try:
                 batch = self.scheduler.next_batch()
@@ -229,37 +291,51 @@ class Engine:
                 self._step(batch)
             except Exception as error:  # one bad step must not take the loop down
                 logger.exception("engine step failed")
-                for req in batch.reqs if batch is not None else []:
+                if batch is None:
+                    continue
+                if not batch.kv_committed:  # the slots of this step hold no valid K/V
+                    for req, n in zip(batch.reqs, batch.extend_lens):
+                        req.kv_len += n
+                for req in batch.reqs:
                     if not req.done.is_set():
                         self._finish(req, error)
 
+    def _run_command(self, name: str) -> Any:
+        if name == "flush_cache":
+            if self.scheduler.has_work or self.tree_cache is None:
+                return self.tree_cache is None and not self.scheduler.has_work
+            self.tree_cache.flush()
+            return True
+        raise ValueError(f"unknown engine command {name!r}")
+
     def _fail_unschedulable(self) -> None:
         """Nothing runs and the head of the queue cannot be admitted: fail it, never hang."""
-        if self.scheduler.running or not self.scheduler.waiting:
+        sched = self.scheduler
+        if sched.running or sched.chunked_req is not None or not sched.waiting:
             return
-        req = self.scheduler.waiting.popleft()
-        self._finish(req, ValueError("the request does not fit in the KV pool"))
+        req = sched.waiting[0]
+        self._finish(req, ValueError("the request could not be scheduled"))
 
     def _step(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
         logits, rows = self.runner.forward(batch)
         forward_seconds = time.perf_counter() - start
-        self.scheduler.on_forward_done(batch)
-        is_extend = batch.mode is ForwardMode.EXTEND
-        if is_extend:
-            self._record_prompt_logprobs(batch.reqs, logits, rows)
-        to_sample = [i for i, r in enumerate(batch.reqs) if r.max_new_tokens > 0]
+        ready = self.scheduler.on_forward_done(batch)
+        batch.kv_committed = True
+        row_of = {id(req): req_rows for req, req_rows in zip(batch.reqs, rows)}
+        if batch.mode is ForwardMode.EXTEND:
+            self._record_prompt_logprobs(ready, logits, row_of)
+        to_sample = [r for r in ready if r.max_new_tokens > len(r.output_ids)]
         if to_sample:
-            last = torch.tensor([rows[i][-1] for i in to_sample])
-            reqs = [batch.reqs[i] for i in to_sample]
-            out = sample(logits.index_select(0, last), reqs)
-            for req, token, logprob in zip(reqs, out.token_ids, out.logprobs):
+            last = torch.tensor([row_of[id(r)][-1] for r in to_sample])
+            out = sample(logits.index_select(0, last), to_sample)
+            for req, token, logprob in zip(to_sample, out.token_ids, out.logprobs):
                 if logprob is not None:
                     req.output_token_logprobs.append((logprob[0], token))
                     if req.top_logprobs_num:
                         req.output_top_logprobs.append(logprob[1])
                 req.append_token(token)
-        for req in batch.reqs:
+        for req in ready:
             if req.max_new_tokens == 0:
                 req.finish_prefill_only()
             if req.is_finished:
@@ -270,18 +346,19 @@ class Engine:
                     req.stream_queue.put(chunk)
         self._stats.record_step(
             batch,
-            num_sampled=len(to_sample),
             num_running=len(self.scheduler.running),
             forward_seconds=forward_seconds,
             step_seconds=time.perf_counter() - start,
         )
 
     def _record_prompt_logprobs(
-        self, reqs: list[Req], logits: torch.Tensor, rows: list[list[int]]
+        self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
     ) -> None:
-        for req, req_rows in zip(reqs, rows):
-            if req.logprob_start_len < 0:
+        for req in reqs:
+            if req.logprob_start_len < 0 or req.input_logprobs_done:
                 continue
+            req.input_logprobs_done = True
+            req_rows = row_of[id(req)]
             first = req.prompt_len - len(req_rows)  # position of the first logits row
             targets = req.input_ids[first + 1 :]
             if req.logprob_start_len == 0:
@@ -300,7 +377,7 @@ class Engine:
     def _finish(self, req: Req, error: BaseException | None = None) -> None:
         if error is not None:
             req.abort(error)
-        self.scheduler.release(req)
+        self.scheduler.release(req, insert=error is None)
         req.finalize_text()
         if req.stream_queue is not None:
             chunk = req.stream_delta() if error is None else None
@@ -308,3 +385,13 @@ class Engine:
                 req.stream_queue.put(chunk)
             req.stream_queue.put(None)
         req.done.set()
+
+
+def _common_prefix_len(seqs: list[list[int]]) -> int:
+    first, n = seqs[0], min(len(s) for s in seqs)
+    for other in seqs[1:]:
+        i = 0
+        while i < n and other[i] == first[i]:
+            i += 1
+        n = i
+    return n

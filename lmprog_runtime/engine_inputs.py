@@ -81,7 +81,8 @@ def normalize_generate_inputs(
                 f"({engine.context_len} tokens, one kept free for generation)"
             )
         need = len(ids) + min(sp.max_new_tokens, engine.context_len - len(ids))
-        if need > engine.runner.num_kv_slots:
+        page = engine.config.page_size
+        if -(-need // page) * page + page > engine.runner.num_kv_slots:
             raise ValueError(
                 f"prompt_tokens + max_new_tokens = {need} exceeds the KV pool of "
                 f"{engine.runner.num_kv_slots} tokens; raise max_total_tokens"

@@ -46,11 +46,17 @@ class ModelRunner:
                 f"max_position_embeddings {self.model_config.context_len}"
             )
         mc = self.model_config
-        self.num_kv_slots = self._num_kv_slots(dtype)
+        self.allocator = TokenSlotAllocator(self._num_kv_slots(dtype), config.page_size)
+        self.num_kv_slots = self.allocator.num_slots  # whole pages only
+        # Rows 0 .. (num_pages + 1) * page_size - 1: page 0 is the padding page.
         self.kv_pool = KVPool(
-            self.num_kv_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, self.device
+            (self.allocator.num_pages + 1) * config.page_size - 1,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype,
+            self.device,
         )
-        self.allocator = TokenSlotAllocator(self.num_kv_slots)
         self.req_to_token = ReqToTokenPool(
             config.max_running_requests, self.context_len, self.device
         )
@@ -94,13 +100,12 @@ class ModelRunner:
         logits_rows: list[int] = []
         rows_per_req: list[list[int]] = []
         seq_lens: list[int] = []
-        for req, prefix in zip(batch.reqs, batch.prefix_lens):
+        for req, prefix, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            end = prefix + n
             if batch.mode is ForwardMode.DECODE:
                 new_ids = [req.output_ids[-1]]
-                end = prefix + 1
             else:
-                new_ids = req.input_ids[prefix:]
-                end = req.prompt_len
+                new_ids = req.fill_ids[prefix:end]
             start_row = len(ids)
             ids.extend(new_ids)
             positions.extend(range(prefix, end))
@@ -141,7 +146,7 @@ def _resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str
 
 def _first_logits_position(req: Req, prefix: int, end: int, mode: ForwardMode) -> int:
     """First position whose logits are needed: the last one, or earlier for prompt logprobs."""
-    if mode is ForwardMode.EXTEND and req.logprob_start_len >= 0:
+    if mode is ForwardMode.EXTEND and req.logprob_start_len >= 0 and not req.input_logprobs_done:
         # Logits at position p score token p + 1; token 0 has no logprob.
         return min(max(req.logprob_start_len - 1, prefix, 0), end - 1)
     return end - 1

@@ -51,7 +51,12 @@ class Req:
         self.output_ids: list[int] = []
         self.req_pool_idx: int | None = None
         self.kv_len = 0  # tokens whose K/V are in the pool
+        self.tree_len = 0  # leading tokens of the row owned by the radix tree
+        self.last_node: Any = None  # radix node locked for those tokens
+        self.match: Any = None  # the latest prefix match, claimed at admission
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.group: Any = None  # the RequestGroup this request is admitted with, if any
+        self.input_logprobs_done = False
         self.finished_reason: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self.text = ""
@@ -85,8 +90,18 @@ class Req:
         """min_new_tokens is reached, so EOS, stop tokens and stop strings may end it now."""
         return len(self.output_ids) >= self.params.min_new_tokens
 
-    def all_ids(self) -> list[int]:
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token that has or will get K/V: prompt plus output so far."""
         return self.input_ids + self.output_ids
+
+    def max_prefix_len(self) -> int:
+        """Longest prefix that may come from the cache: the last token is always computed
+        (its logits are needed), and so is every position whose prompt logprob is asked."""
+        limit = len(self.input_ids) + len(self.output_ids) - 1
+        if self.logprob_start_len >= 0 and not self.input_logprobs_done:
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        return limit
 
     # ---- stop conditions ---------------------------------------------------------------
     def append_token(self, token_id: int) -> None:

@@ -1,14 +1,17 @@
-"""Continuous batching: which requests run in the next forward, and their KV memory.
+"""Continuous batching over the radix prefix cache: what runs in the next forward.
 
-Each step is either a prefill (extend) of newly admitted requests within a token budget, or
-one decode step of every running request. Admission reserves room for a request's whole
-output, so a running request never finds the pool empty mid-decode. Finished requests leave
-at once and give their memory back. The scheduler never touches the model's tensors.
+Each step is either an extend (prefill) of newly admitted requests, or one decode step of
+every running request. Admission matches prompts against the radix tree so only uncached
+suffixes are computed, orders the queue by the schedule policy, admits request groups
+atomically, splits long prompts into chunks that alternate with decode steps, and reserves
+an (optimistic) share of each request's future output. When the pool runs dry it evicts
+unlocked cache leaves first, then retracts running requests (their computed tokens go to
+the cache, they requeue, and resume exactly where they were). The scheduler never touches
+the model's tensors.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +19,16 @@ import torch
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache import ReqToTokenPool, TokenSlotAllocator
+from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.request import Req
+from lmprog_runtime.schedule_policy import SHARED_PREFIX_BLOCK, PrefixBlocks, SchedulePolicy
+from lmprog_runtime.stats import EngineStats
+
+# Share of a request's remaining max_new_tokens reserved at admission; it decays towards
+# the minimum while decoding goes well and jumps back up after a retraction.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
 
 
 @dataclass
@@ -25,6 +37,20 @@ class ScheduledBatch:
     reqs: list[Req]
     out_cache_loc: torch.Tensor  # [num_new_tokens] KV slots of the tokens computed now
     prefix_lens: list[int]  # per request: tokens already in the pool before this forward
+    extend_lens: list[int]  # per request: tokens computed by this forward
+    kv_committed: bool = False  # set once the forward's K/V are accounted to the requests
+
+
+class RequestGroup:
+    """Requests admitted together (the branches of a fork), after `prefix_req` is done."""
+
+    def __init__(self, members: list[Req], prefix_req: Req | None) -> None:
+        self.members = members
+        self.prefix_req = prefix_req
+
+    @property
+    def is_ready(self) -> bool:
+        return self.prefix_req is None or self.prefix_req.done.is_set()
 
 
 class Scheduler:
@@ -33,99 +59,260 @@ class Scheduler:
         config: RuntimeConfig,
         allocator: TokenSlotAllocator,
         req_to_token: ReqToTokenPool,
+        req_cache: ReqCache,
+        stats: EngineStats,
     ) -> None:
         self.config = config
         self.allocator = allocator
         self.req_to_token = req_to_token
-        self.waiting: deque[Req] = deque()
+        self.req_cache = req_cache
+        self.stats = stats
+        self.policy = SchedulePolicy(config.schedule_policy, req_cache)
+        self.waiting: list[Req] = []
         self.running: list[Req] = []
+        self.chunked_req: Req | None = None  # partly prefilled, continues next extend
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self._last_was_extend = False
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.chunked_req)
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
-    def _reserved_tokens(self) -> int:
-        """Slots the running requests may still claim for their remaining decode steps."""
-        return sum(r.max_new_tokens - len(r.output_ids) for r in self.running)
-
+    # ---- choosing the next batch ----------------------------------------------------------
     def next_batch(self) -> ScheduledBatch | None:
-        batch = self._schedule_prefill()
-        if batch is not None:
-            return batch
-        if self.running:
-            return self._schedule_decode()
-        return None
+        if self.chunked_req is not None and self.running and self._last_was_extend:
+            batch = self._schedule_decode()  # a long prompt must not stall running requests
+        else:
+            batch = self._schedule_extend()
+            if batch is None and self.running:
+                batch = self._schedule_decode()
+        self._last_was_extend = batch is not None and batch.mode is ForwardMode.EXTEND
+        return batch
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        if not self.waiting:
+    def _reserved_tokens(self) -> int:
+        remaining = sum(r.max_new_tokens - len(r.output_ids) for r in self.running)
+        return int(remaining * self.new_token_ratio)
+
+    def _schedule_extend(self) -> ScheduledBatch | None:
+        cfg = self.config
+        chunk_size = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else None
+        budget = cfg.max_prefill_tokens
+        entries: list[tuple[Req, int]] = []
+        num_active = len(self.running)
+        used = self._reserved_tokens()
+
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            n = min(len(req.fill_ids) - req.kv_len, budget, chunk_size or budget)
+            entries.append((req, n))
+            budget -= n
+            num_active += 1
+        waiting = [r for r in self.waiting if r.group is None or r.group.is_ready]
+        if not waiting and not entries:
             return None
-        budget = self.config.max_prefill_tokens
-        free = self.allocator.num_free - self._reserved_tokens()
-        admitted: list[Req] = []
-        num_tokens = 0
-        while self.waiting:
-            req = self.waiting[0]
-            extend_len = req.prompt_len - req.kv_len
-            need = extend_len + req.max_new_tokens
-            if len(self.running) + len(admitted) >= self.config.max_running_requests:
+        admitted: set[int] = set()
+        blocks = PrefixBlocks()
+        for req in self.policy.order(waiting):
+            if id(req) in admitted:
+                continue
+            members = req.group.members if req.group is not None else [req]
+            members = [m for m in members if m in self.waiting]
+            if len(members) == 1 and self._shares_uncached_prefix(req, blocks):
+                continue  # compute the shared prefix once: this one reuses it next step
+            plan = self._plan_admission(members, entries, budget, chunk_size, num_active, used)
+            if plan is None:
+                if req.group is not None or not entries:
+                    continue  # a blocked group or a deferred request must not stall the rest
                 break
-            if admitted and num_tokens + extend_len > budget:
+            for member, n in plan:
+                self._claim(member)
+                entries.append((member, n))
+                admitted.add(id(member))
+                blocks.add(member.fill_ids)
+                budget -= n
+                num_active += 1
+                used += n + int(member.max_new_tokens * self.new_token_ratio)
+            if budget <= 0:
                 break
-            if need > free or self.req_to_token.num_free == 0:
-                break
-            self.waiting.popleft()
-            admitted.append(req)
-            num_tokens += extend_len
-            free -= need
-        if not admitted:
+        if not entries:
             return None
-        slots = self.allocator.alloc(num_tokens)
-        assert slots is not None, "admission checked the free slots"
-        prefix_lens = []
-        offset = 0
-        for req in admitted:
-            if req.req_pool_idx is None:  # a request with a cached prefix keeps its row
-                req.req_pool_idx = self.req_to_token.alloc()
-            extend_len = req.prompt_len - req.kv_len
-            self.req_to_token.write(
-                req.req_pool_idx, req.kv_len, slots[offset : offset + extend_len]
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        return self._alloc_extend(entries)
+
+    def _plan_admission(
+        self,
+        members: list[Req],
+        entries: list[tuple[Req, int]],
+        budget: int,
+        chunk_size: int | None,
+        num_active: int,
+        used: int,
+    ) -> list[tuple[Req, int]] | None:
+        """Extend lengths for admitting all `members` now, or None if they must wait."""
+        if num_active + len(members) > self.config.max_running_requests:
+            return None
+        if self.req_to_token.num_free < sum(1 for m in members if m.req_pool_idx is None):
+            return None
+        available = self.allocator.num_free + self.req_cache.evictable_size - used
+        plan = []
+        for req in members:
+            prefix = req.match.slots.numel() if req.match is not None else 0
+            extend = len(req.fill_ids) - prefix
+            can_chunk = (
+                chunk_size is not None
+                and len(members) == 1
+                and self.chunked_req is None
+                and (req.logprob_start_len < 0 or req.input_logprobs_done)
             )
+            if extend > budget:
+                if can_chunk and budget >= self.allocator.page_size:
+                    extend = budget
+                elif entries or plan:
+                    return None
+            if chunk_size is not None and can_chunk and extend > chunk_size:
+                extend = chunk_size
+            need = (
+                extend + self.allocator.page_size + int(req.max_new_tokens * self.new_token_ratio)
+            )
+            if need > available and (entries or plan or self.running):
+                return None
+            available -= need
+            budget -= extend
+            plan.append((req, extend))
+        return plan
+
+    @staticmethod
+    def _shares_uncached_prefix(req: Req, blocks: PrefixBlocks) -> bool:
+        prefix = req.match.slots.numel() if req.match is not None else 0
+        return blocks.shared_len(req.fill_ids) >= prefix + SHARED_PREFIX_BLOCK
+
+    def _claim(self, req: Req) -> None:
+        if req.req_pool_idx is None:
+            req.req_pool_idx = self.req_to_token.alloc()
+        claimed_before = req.kv_len
+        self.req_cache.claim_prefix(req)
+        self.stats.add("cached_tokens", req.kv_len - claimed_before)
+
+    def _alloc_extend(self, entries: list[tuple[Req, int]]) -> ScheduledBatch:
+        slots_list, reqs, prefix_lens, extend_lens = [], [], [], []
+        for req, n in entries:
+            last = self._last_slot(req)
+            slots = self.allocator.alloc(n, last)
+            if slots is None:
+                self._evict(self.allocator.pages_needed(n, last) * self.allocator.page_size)
+                slots = self.allocator.alloc(n, last)
+            if slots is None:
+                # The estimate was optimistic: this request and the rest wait for the next step.
+                for later, _ in entries[len(reqs) :]:
+                    if later is not self.chunked_req:
+                        self.req_cache.cache_finished(later, insert=False)
+                        self.waiting.insert(0, later)
+                break
+            self.req_to_token.write(req.req_pool_idx, req.kv_len, slots)
+            slots_list.append(slots)
+            reqs.append(req)
             prefix_lens.append(req.kv_len)
-            offset += extend_len
-        return ScheduledBatch(ForwardMode.EXTEND, admitted, slots, prefix_lens)
+            extend_lens.append(n)
+            if req is not self.chunked_req and req.kv_len + n < len(req.fill_ids):
+                self.chunked_req = req
+        if not reqs:
+            return None  # type: ignore[return-value]
+        return ScheduledBatch(
+            ForwardMode.EXTEND, reqs, torch.cat(slots_list), prefix_lens, extend_lens
+        )
 
     def _schedule_decode(self) -> ScheduledBatch:
+        slots = self._alloc_decode_slots()
         reqs = list(self.running)
-        slots = self.allocator.alloc(len(reqs))
-        assert slots is not None, "admission reserved a slot for every decode step"
         prefix_lens = []
         for i, req in enumerate(reqs):
             self.req_to_token.write(req.req_pool_idx, req.kv_len, slots[i : i + 1])
             prefix_lens.append(req.kv_len)
-        return ScheduledBatch(ForwardMode.DECODE, reqs, slots, prefix_lens)
+        self.new_token_ratio = max(
+            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
+        return ScheduledBatch(ForwardMode.DECODE, reqs, slots, prefix_lens, [1] * len(reqs))
 
-    def on_forward_done(self, batch: ScheduledBatch) -> None:
-        """The new tokens' K/V are in the pool now."""
-        for req in batch.reqs:
-            req.kv_len = req.seq_len if batch.mode is ForwardMode.DECODE else req.prompt_len
-        if batch.mode is ForwardMode.EXTEND:
-            self.running.extend(batch.reqs)
+    def _alloc_decode_slots(self) -> torch.Tensor:
+        while True:
+            last = torch.tensor([self._last_slot(r) for r in self.running], dtype=torch.int64)
+            slots = self.allocator.alloc_decode(last)
+            if slots is not None:
+                return slots
+            ps = self.allocator.page_size
+            short = int(((last + 1) % ps == 0).sum()) * ps - self.allocator.num_free
+            if self._evict(short) >= short:
+                continue
+            victim = self._pick_victim()
+            if victim is None:
+                raise RuntimeError(
+                    "KV pool exhausted by a single request"
+                )  # admission prevents this
+            self.retract(victim)
 
-    def release(self, req: Req) -> None:
-        """Free a finished (or aborted) request's KV slots and its table row."""
+    def _pick_victim(self) -> Req | None:
+        if self.chunked_req is not None:
+            return self.chunked_req
+        if len(self.running) <= 1:
+            return None
+        # The request that has made the least progress loses the least by recomputing.
+        return min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
+
+    def retract(self, req: Req) -> None:
+        """Give `req`'s computed tokens to the cache, free its slots and requeue it."""
+        if req is self.chunked_req:
+            self.chunked_req = None
+        else:
+            self.running.remove(req)
+        self.req_cache.cache_finished(req)
+        self.waiting.insert(0, req)
+        self.stats.add("retracted_requests")
+        self.new_token_ratio = 1.0
+
+    def _evict(self, num_tokens: int) -> int:
+        freed = self.req_cache.evict(num_tokens)
+        if freed:
+            self.stats.add("evicted_tokens", freed)
+        return freed
+
+    def _last_slot(self, req: Req) -> int | None:
+        if req.kv_len == 0:
+            return None
+        return int(self.req_to_token.table[req.req_pool_idx, req.kv_len - 1])
+
+    # ---- after the forward ---------------------------------------------------------------
+    def on_forward_done(self, batch: ScheduledBatch) -> list[Req]:
+        """The new tokens' K/V are in the pool. Returns the requests whose prompt is now
+        fully computed (they sample their next token from this forward's logits)."""
+        if batch.mode is ForwardMode.DECODE:
+            for req in batch.reqs:
+                req.kv_len += 1
+            return list(batch.reqs)
+        done = []
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            req.kv_len += n
+            self.req_cache.cache_unfinished(req)
+            if req.kv_len < len(req.fill_ids):
+                continue  # more chunks to come
+            if req is self.chunked_req:
+                self.chunked_req = None
+            self.running.append(req)
+            done.append(req)
+        return done
+
+    def release(self, req: Req, insert: bool = True) -> None:
+        """A finished (or failed) request leaves: its KV goes to the cache, the rest is freed."""
         if req in self.running:
             self.running.remove(req)
-        if req.req_pool_idx is not None:
-            row = self.req_to_token.table[req.req_pool_idx, : req.kv_len]
-            self.allocator.free(row.clone())
-            self.req_to_token.free(req.req_pool_idx)
-            req.req_pool_idx = None
-            req.kv_len = 0
+        if req is self.chunked_req:
+            self.chunked_req = None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.req_cache.cache_finished(req, insert=insert)
 
-    def abort_waiting(self) -> list[Req]:
-        reqs = list(self.waiting)
-        self.waiting.clear()
+    def abort_all(self) -> list[Req]:
+        reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
         return reqs

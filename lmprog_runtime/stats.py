@@ -46,7 +46,6 @@ class EngineStats:
         self,
         batch: ScheduledBatch,
         *,
-        num_sampled: int,
         num_running: int,
         forward_seconds: float,
         step_seconds: float,
@@ -57,7 +56,6 @@ class EngineStats:
             v["forward_passes"] += 1
             if batch.mode is ForwardMode.EXTEND:
                 v["prefill_tokens"] += num_new
-                v["cached_tokens"] += sum(batch.prefix_lens)
             else:
                 v["decode_tokens"] += num_new
             v["finished_requests"] += sum(1 for r in batch.reqs if r.is_finished)

@@ -32,8 +32,10 @@ def assert_engine_clean(engine) -> None:
     deadline = time.monotonic() + 5
     while True:
         state = engine.memory_state()
+        # Every slot is either free or owned by the prefix cache, and nothing is locked.
         clean = (
-            state["kv_slots_free"] == state["kv_slots_total"]
+            state["kv_slots_free"] + state["kv_slots_cached"] == state["kv_slots_total"]
+            and state["kv_slots_locked"] == 0
             and state["req_slots_free"] == state["req_slots_total"]
             and state["num_running"] == 0
             and state["num_waiting"] == 0

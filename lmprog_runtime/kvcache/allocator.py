@@ -1,8 +1,11 @@
-"""The KV-slot allocator: hands out indices into the K/V buffers, one slot per token.
+"""The KV-slot allocator: hands out indices into the K/V buffers, a page at a time.
 
-Slot 0 is never handed out: padded writes and masked gathers point at it, so it may hold
-garbage at any time. Allocation and freeing are exact; freeing a slot that is already free
-raises, so leaks and double frees show up in tests rather than as silent corruption.
+The pool is cut into pages of `page_size` consecutive slots. A request's tokens fill its
+pages in order, so a page belongs to exactly one owner (one request, or one node of the
+radix tree, whose edges are page-aligned). Page 0 (slots 0..page_size-1) is never handed
+out: padded writes and masked gathers point at slot 0, so it may hold garbage at any time.
+Allocation and freeing are exact; freeing a page that is already free raises, so leaks and
+double frees show up in tests rather than as silent corruption.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import torch
 
 
 class TokenSlotAllocator:
-    """Free-list allocator over slots 1..num_slots (slot 0 is reserved for padding).
+    """Free-list allocator over pages 1..num_pages (page 0 is reserved for padding).
 
     Example:
         >>> alloc = TokenSlotAllocator(8)
@@ -21,43 +24,86 @@ class TokenSlotAllocator:
         8
     """
 
-    def __init__(self, num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.num_slots = num_slots
-        self._is_free = torch.ones(num_slots + 1, dtype=torch.bool)
-        self._is_free[0] = False
-        self._free_slots = torch.arange(1, num_slots + 1, dtype=torch.int64)
+    def __init__(self, num_slots: int, page_size: int = 1) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_slots < page_size:
+            raise ValueError(f"num_slots ({num_slots}) must be >= page_size ({page_size})")
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
+        self._page_is_free[0] = False
+        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+
+    @property
+    def num_slots(self) -> int:
+        """Usable slots (whole pages)."""
+        return self.num_pages * self.page_size
 
     @property
     def num_free(self) -> int:
-        return int(self._free_slots.numel())
+        """Free slots, counted in whole free pages."""
+        return int(self._free_pages.numel()) * self.page_size
 
-    def can_alloc(self, num_tokens: int) -> bool:
-        return num_tokens <= self.num_free
+    def pages_needed(self, num_tokens: int, last_slot: int | None = None) -> int:
+        """Pages that `alloc(num_tokens, last_slot)` would take from the free list."""
+        room = self._room_after(last_slot)
+        return -(-max(0, num_tokens - room) // self.page_size)
 
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """Return `num_tokens` free slot indices (int64), or None when there are not enough."""
-        if num_tokens > self.num_free:
+    def alloc(self, num_tokens: int, last_slot: int | None = None) -> torch.Tensor | None:
+        """Return `num_tokens` slot indices (int64) continuing after `last_slot`, or None.
+
+        `last_slot` is the slot of the owner's previous token: the rest of its page is used
+        first. None starts on a fresh page.
+        """
+        ps = self.page_size
+        room = min(self._room_after(last_slot), num_tokens)
+        num_pages = -(-(num_tokens - room) // ps)
+        if num_pages > self._free_pages.numel():
             return None
-        slots = self._free_slots[:num_tokens]
-        self._free_slots = self._free_slots[num_tokens:]
-        self._is_free[slots] = False
+        pages = self._free_pages[:num_pages]
+        self._free_pages = self._free_pages[num_pages:]
+        self._page_is_free[pages] = False
+        if ps == 1:
+            return pages
+        fresh = (pages[:, None] * ps + torch.arange(ps)).reshape(-1)[: num_tokens - room]
+        if room == 0:
+            return fresh
+        assert last_slot is not None
+        return torch.cat([torch.arange(last_slot + 1, last_slot + 1 + room), fresh])
+
+    def alloc_decode(self, last_slots: torch.Tensor) -> torch.Tensor | None:
+        """One new slot after each of `last_slots` ([batch] int64); None if pages run out."""
+        ps = self.page_size
+        if ps == 1:
+            return self.alloc(int(last_slots.numel()))
+        needs_page = (last_slots + 1) % ps == 0
+        num_pages = int(needs_page.sum())
+        if num_pages > self._free_pages.numel():
+            return None
+        pages = self._free_pages[:num_pages]
+        self._free_pages = self._free_pages[num_pages:]
+        self._page_is_free[pages] = False
+        slots = last_slots + 1
+        slots[needs_page] = pages * ps
         return slots
 
     def free(self, slots: torch.Tensor) -> None:
+        """Free the pages holding `slots` (an owner frees whole pages: it owns them all)."""
         if slots.numel() == 0:
             return
         slots = slots.to(torch.int64).flatten()
-        if bool((slots == 0).any()):
-            raise RuntimeError("slot 0 is reserved and never allocated")
-        if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
+        pages = torch.unique(slots // self.page_size)
+        if self.page_size == 1 and pages.numel() != slots.numel():
             raise RuntimeError("double free of KV slots")
-        self._is_free[slots] = True
-        self._free_slots = torch.cat([self._free_slots, slots])
+        if bool((pages == 0).any()):
+            raise RuntimeError("slot 0 is reserved and never allocated")
+        if bool(self._page_is_free[pages].any()):
+            raise RuntimeError("double free of KV slots")
+        self._page_is_free[pages] = True
+        self._free_pages = torch.cat([self._free_pages, pages])
 
-    def clear(self) -> None:
-        """Mark every slot free again (used by flush when nothing is running)."""
-        self._is_free.fill_(True)
-        self._is_free[0] = False
-        self._free_slots = torch.arange(1, self.num_slots + 1, dtype=torch.int64)
+    def _room_after(self, last_slot: int | None) -> int:
+        if last_slot is None or self.page_size == 1:
+            return 0
+        return (self.page_size - 1 - last_slot % self.page_size) % self.page_size

@@ -28,7 +28,9 @@ from lmprog_runtime.model_runner import ModelRunner  # noqa: E402
 from lmprog_runtime.models import SUPPORTED_ARCHITECTURES, load_model  # noqa: E402
 from lmprog_runtime.request import Req  # noqa: E402
 from lmprog_runtime.sampling_params import SamplingParams  # noqa: E402
+from lmprog_runtime.kvcache.req_cache import ReqCache  # noqa: E402
 from lmprog_runtime.scheduler import ScheduledBatch, Scheduler  # noqa: E402
+from lmprog_runtime.stats import EngineStats  # noqa: E402
 
 REL_TOL = 1e-4
 BASE = dict(
@@ -107,7 +109,11 @@ def checkpoint(tmp_path_factory):
 def _setup(path: str):
     config = RuntimeConfig(max_total_tokens=4096, max_running_requests=8, model_path=path)
     runner = ModelRunner(config, path)
-    return runner, Scheduler(config, runner.allocator, runner.req_to_token)
+    # No prefix cache here: these tests check the forward pass, not reuse.
+    req_cache = ReqCache(None, runner.allocator, runner.req_to_token)
+    return runner, Scheduler(
+        config, runner.allocator, runner.req_to_token, req_cache, EngineStats()
+    )
 
 
 def _req(rid: int, ids: list[int], runner: ModelRunner) -> Req:
@@ -172,7 +178,7 @@ def test_extend_then_decode_matches_transformers(case, checkpoint):
     for req in reqs:
         ours = torch.cat(rows_of[req.rid])
         assert ours.shape[0] == req.seq_len == req.prompt_len + (3 if req.rid == 0 else 6)
-        _assert_logits_match(ours, _reference(hf, req.all_ids()))
+        _assert_logits_match(ours, _reference(hf, req.fill_ids))
     _release_all(runner, scheduler, reqs)
 
 
@@ -181,8 +187,7 @@ def test_extend_after_cached_prefix_matches_transformers(case, checkpoint):
     """Request A: 7 prompt tokens, then 12 more in a second EXTEND that attends to the cached
     7 (chunked-prefill style), batched with a fresh request B; then two DECODE steps.
 
-    The second EXTEND is built by hand: `Scheduler._schedule_prefill` gives a request with
-    kv_len > 0 a fresh req_to_token row without its prefix slots, so it cannot do this yet."""
+    The second EXTEND is built by hand so the test controls exactly what is cached."""
     path, hf = checkpoint(case)
     runner, scheduler = _setup(path)
     gen = torch.Generator().manual_seed(3)
@@ -201,7 +206,7 @@ def test_extend_after_cached_prefix_matches_transformers(case, checkpoint):
     runner.req_to_token.write(a.req_pool_idx, a.kv_len, slots[:12])
     b.req_pool_idx = runner.req_to_token.alloc()
     runner.req_to_token.write(b.req_pool_idx, 0, slots[12:])
-    batch = ScheduledBatch(ForwardMode.EXTEND, [a, b], slots, [a.kv_len, 0])
+    batch = ScheduledBatch(ForwardMode.EXTEND, [a, b], slots, [a.kv_len, 0], [12, 9])
     _run(runner, scheduler, batch, rows_of)
     assert [r.kv_len for r in (a, b)] == [19, 9] and scheduler.running == [a, b]
 
@@ -215,7 +220,7 @@ def test_extend_after_cached_prefix_matches_transformers(case, checkpoint):
     for req in (a, b):
         ours = torch.cat(rows_of[req.rid])
         assert ours.shape[0] == req.seq_len
-        _assert_logits_match(ours, _reference(hf, req.all_ids()))
+        _assert_logits_match(ours, _reference(hf, req.fill_ids))
     _release_all(runner, scheduler, [a, b])
 
 

@@ -1,0 +1,218 @@
+"""RadixAttention's prefix cache: a radix tree over token ids whose nodes own KV slots.
+
+Each edge holds a run of tokens and the KV-slot indices of those tokens. `match_prefix`
+finds the longest cached prefix of a sequence (splitting an edge where the match ends
+inside it); `insert` adds a computed sequence and reports how much of it was already
+there. Running requests lock the path they use (`inc_lock_ref`), so `evict` only ever
+frees unlocked leaves, least recently used first (or least frequently used). With
+`page_size > 1`, matching and edges are page-aligned, so every node owns whole pages.
+
+Invariant (checked by the property tests): evictable_size + protected_size equals the
+tokens held by the tree, and no KV slot is owned twice.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import NamedTuple
+
+import torch
+
+from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "hit_count")
+
+    def __init__(self, parent: TreeNode | None, key: list[int], value: torch.Tensor) -> None:
+        self.children: dict[int | tuple[int, ...], TreeNode] = {}
+        self.parent = parent
+        self.key = key  # token ids of the edge into this node
+        self.value = value  # [len(key)] int64 KV slots
+        self.lock_ref = 0
+        self.last_access = 0
+        self.hit_count = 0
+
+
+class MatchResult(NamedTuple):
+    slots: torch.Tensor  # [prefix_len] int64 KV slots of the matched prefix
+    node: TreeNode  # deepest node of the match (lock it to keep the prefix)
+
+
+EVICTION_POLICIES = ("lru", "lfu")
+
+
+class RadixCache:
+    """The tree. It frees slots through `allocator` when it evicts or flushes.
+
+    Example:
+        >>> alloc = TokenSlotAllocator(64)
+        >>> cache = RadixCache(alloc)
+        >>> cache.insert([1, 2, 3], alloc.alloc(3))
+        0
+        >>> cache.match_prefix([1, 2, 9]).slots.numel()
+        2
+    """
+
+    def __init__(
+        self, allocator: TokenSlotAllocator, page_size: int = 1, eviction_policy: str = "lru"
+    ) -> None:
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}"
+            )
+        if page_size != allocator.page_size:
+            raise ValueError("the radix cache and the allocator must use the same page_size")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.eviction_policy = eviction_policy
+        self._clock = itertools.count(1)
+        self.reset()
+
+    def reset(self) -> None:
+        self.root = TreeNode(None, [], torch.empty(0, dtype=torch.int64))
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_size = 0
+        self.protected_size = 0
+
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    # ---- match / insert ------------------------------------------------------------------
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """Longest cached, page-aligned prefix of `key`; bumps recency along the path."""
+        key = key[: len(key) // self.page_size * self.page_size]
+        node, values, now = self.root, [], next(self._clock)
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            child.last_access = now
+            child.hit_count += 1
+            n = self._match_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            values.append(child.value)
+            node, key = child, key[n:]
+        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        return MatchResult(slots, node)
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Add `key` (page-aligned length) with its slots; return how many leading tokens
+        were already cached (the caller still owns, and must free, those of its slots)."""
+        if len(key) % self.page_size or len(key) != value.numel():
+            raise ValueError("insert needs a page-aligned key and one slot per token")
+        node, prefix_len, now = self.root, 0, next(self._clock)
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            child.last_access = now
+            n = self._match_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            prefix_len += n
+            node, key, value = child, key[n:], value[n:]
+        if key:
+            leaf = TreeNode(node, list(key), value.clone())
+            leaf.last_access = now
+            node.children[self._child_key(key)] = leaf
+            self.evictable_size += len(key)
+        return prefix_len
+
+    def _child_key(self, key: list[int]) -> int | tuple[int, ...]:
+        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+
+    def _match_len(self, edge: list[int], key: list[int]) -> int:
+        n = min(len(edge), len(key))
+        if edge[:n] == key[:n]:
+            return n // self.page_size * self.page_size
+        i = next(i for i in range(n) if edge[i] != key[i])
+        return i // self.page_size * self.page_size
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut `child`'s edge after n tokens; returns the new upper node."""
+        parent = child.parent
+        assert parent is not None and 0 < n < len(child.key)
+        upper = TreeNode(parent, child.key[:n], child.value[:n])
+        upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        upper.hit_count = child.hit_count
+        parent.children[self._child_key(upper.key)] = upper
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        upper.children[self._child_key(child.key)] = child
+        return upper
+
+    # ---- locking ---------------------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Protect `node` and its ancestors from eviction (one reference per user)."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError("unlock of a radix node that is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_size += len(node.key)
+                self.protected_size -= len(node.key)
+            node = node.parent
+
+    # ---- eviction --------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` slots from unlocked leaves if possible; returns freed."""
+        heap = [(self._priority(n), id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            self.allocator.free(node.value)
+            freed += len(node.key)
+            self.evictable_size -= len(node.key)
+            parent = node.parent
+            del parent.children[self._child_key(node.key)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (self._priority(parent), id(parent), parent))
+        return freed
+
+    def _priority(self, node: TreeNode) -> tuple[int, int]:
+        if self.eviction_policy == "lfu":
+            return (node.hit_count, node.last_access)
+        return (node.last_access, 0)
+
+    def _leaves(self) -> list[TreeNode]:
+        leaves, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                leaves.append(node)
+        return leaves
+
+    def flush(self) -> None:
+        """Free every cached slot. Only valid when nothing holds a lock."""
+        if self.protected_size:
+            raise RuntimeError("cannot flush the prefix cache while requests use it")
+        for node in self._all_nodes():
+            self.allocator.free(node.value)
+        self.reset()
+
+    def _all_nodes(self) -> list[TreeNode]:
+        nodes, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
+
+    def owned_slots(self) -> torch.Tensor:
+        """Every slot the tree owns (for invariant checks)."""
+        values = [n.value for n in self._all_nodes()]
+        return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)

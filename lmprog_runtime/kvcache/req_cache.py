@@ -1,0 +1,101 @@
+"""Where requests meet the prefix cache: claim a cached prefix, give computed KV back.
+
+A request's row in the request-to-token table starts with `tree_len` slots owned by the
+radix tree (locked through `req.last_node`), followed by slots the request owns itself.
+`cache_unfinished` moves what a request has computed so far into the tree (so others can
+share it at once); `cache_finished` does the same at the end, frees the request's own
+slots and its row, and drops its lock. With the cache disabled, nothing is shared.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
+from lmprog_runtime.kvcache.radix_cache import MatchResult, RadixCache
+from lmprog_runtime.kvcache.req_to_token import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from lmprog_runtime.request import Req
+
+
+class ReqCache:
+    def __init__(
+        self,
+        tree: RadixCache | None,
+        allocator: TokenSlotAllocator,
+        req_to_token: ReqToTokenPool,
+    ) -> None:
+        self.tree = tree  # None: the prefix cache is disabled
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.page_size = allocator.page_size
+
+    @property
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size if self.tree is not None else 0
+
+    def match(self, req: Req) -> int:
+        """Match `req` against the tree (no lock yet); remembers and returns the prefix length."""
+        if self.tree is None:
+            req.match = None
+            return 0
+        key = req.fill_ids[: req.max_prefix_len()]
+        req.match = self.tree.match_prefix(key)
+        return req.match.slots.numel()
+
+    def claim_prefix(self, req: Req) -> None:
+        """Lock the matched prefix and write its slots at the start of the request's row."""
+        match: MatchResult | None = req.match
+        req.match = None
+        if match is None or match.slots.numel() == 0:
+            return
+        n = match.slots.numel()
+        self.req_to_token.write(req.req_pool_idx, 0, match.slots)
+        self.tree.inc_lock_ref(match.node)
+        req.last_node, req.tree_len, req.kv_len = match.node, n, n
+        req.cached_tokens = max(req.cached_tokens, n)
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Share what `req` has computed so far; its row then points at the tree's slots."""
+        if self.tree is None:
+            return
+        n = req.kv_len // self.page_size * self.page_size
+        if n <= req.tree_len:
+            return
+        row = self.req_to_token.table[req.req_pool_idx]
+        key = req.fill_ids[:n]
+        value = row[:n].clone()
+        already = self.tree.insert(key, value)
+        # Slots we computed for tokens the tree already had are duplicates: drop ours.
+        self.allocator.free(value[req.tree_len : already])
+        match = self.tree.match_prefix(key)
+        assert match.slots.numel() == n
+        row[:n] = match.slots
+        self.tree.inc_lock_ref(match.node)
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        req.last_node, req.tree_len = match.node, n
+
+    def cache_finished(self, req: Req, insert: bool = True) -> None:
+        """Give a leaving request's KV to the tree (unless `insert` is False), free the rest."""
+        if req.req_pool_idx is None:
+            return
+        row = self.req_to_token.table[req.req_pool_idx]
+        kv_len = req.kv_len
+        start = req.tree_len
+        if self.tree is not None and insert:
+            n = kv_len // self.page_size * self.page_size
+            if n > req.tree_len:
+                value = row[:n].clone()
+                already = self.tree.insert(req.fill_ids[:n], value)
+                self.allocator.free(value[req.tree_len : already])
+                start = n
+        self.allocator.free(row[start:kv_len].clone())
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        self.req_to_token.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node, req.tree_len, req.kv_len = None, None, 0, 0
+
+    def evict(self, num_tokens: int) -> int:
+        return self.tree.evict(num_tokens) if self.tree is not None and num_tokens > 0 else 0

@@ -1,0 +1,90 @@
+"""In which order waiting requests are considered for admission.
+
+- `fcfs`: arrival order.
+- `lpm` (longest prefix match): requests whose prompt has the longest cached prefix first,
+  so requests that share a prefix run while it is still in the cache.
+- `dfs-weight`: walk the radix tree depth first, heaviest subtree (most waiting requests)
+  first, so requests under the same node are admitted together.
+
+With more than `MAX_CACHE_AWARE_QUEUE` waiting requests the cache-aware policies fall back to
+arrival order: matching every waiting prompt each step would cost more than it saves.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from lmprog_runtime.kvcache.req_cache import ReqCache
+from lmprog_runtime.request import Req
+
+MAX_CACHE_AWARE_QUEUE = 128
+# Requests sharing at least this many not-yet-cached leading tokens with a request admitted
+# in the same step wait one step, then reuse its prefix from the cache.
+SHARED_PREFIX_BLOCK = 32
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, req_cache: ReqCache) -> None:
+        self.policy = policy
+        self.req_cache = req_cache
+
+    def order(self, waiting: list[Req]) -> list[Req]:
+        """Waiting requests in admission order; each has a fresh prefix match."""
+        if self.policy == "fcfs" or len(waiting) > MAX_CACHE_AWARE_QUEUE:
+            head = waiting[:MAX_CACHE_AWARE_QUEUE]
+            for req in head:
+                self.req_cache.match(req)
+            return head
+        lens = {id(req): self.req_cache.match(req) for req in waiting}
+        if self.policy == "lpm":
+            return sorted(waiting, key=lambda r: -lens[id(r)])
+        return self._dfs_weight(waiting)
+
+    def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
+        tree = self.req_cache.tree
+        if tree is None:
+            return list(waiting)
+        at_node: dict[int, list[Req]] = defaultdict(list)
+        weight: dict[int, int] = defaultdict(int)
+        for req in waiting:
+            node = req.match.node if req.match is not None else tree.root
+            at_node[id(node)].append(req)
+            while node is not None:
+                weight[id(node)] += 1
+                node = node.parent
+        ordered: list[Req] = []
+        stack = [tree.root]
+        while stack:
+            node = stack.pop()
+            ordered.extend(at_node.get(id(node), ()))
+            children = [c for c in node.children.values() if weight.get(id(c), 0) > 0]
+            # Pushed lightest first so the heaviest subtree is visited next.
+            stack.extend(sorted(children, key=lambda c: weight[id(c)]))
+        return ordered
+
+
+class PrefixBlocks:
+    """Leading-token blocks of the requests admitted in one step, to spot shared prefixes."""
+
+    def __init__(self) -> None:
+        self._blocks: set[int] = set()
+
+    def add(self, ids: list[int]) -> None:
+        for h, _ in _block_hashes(ids):
+            self._blocks.add(h)
+
+    def shared_len(self, ids: list[int]) -> int:
+        """Length of the longest block-aligned prefix of `ids` seen in an added request."""
+        shared = 0
+        for h, end in _block_hashes(ids):
+            if h not in self._blocks:
+                break
+            shared = end
+        return shared
+
+
+def _block_hashes(ids: list[int]):
+    h = 0
+    for end in range(SHARED_PREFIX_BLOCK, len(ids) + 1, SHARED_PREFIX_BLOCK):
+        h = hash((h, tuple(ids[end - SHARED_PREFIX_BLOCK : end])))
+        yield h, end
