@@ -24,11 +24,11 @@ transformers = pytest.importorskip("transformers")
 
 from lmprog_runtime.config import RuntimeConfig  # noqa: E402
 from lmprog_runtime.forward_batch import ForwardMode  # noqa: E402
+from lmprog_runtime.kvcache.req_cache import ReqCache  # noqa: E402
 from lmprog_runtime.model_runner import ModelRunner  # noqa: E402
 from lmprog_runtime.models import SUPPORTED_ARCHITECTURES, load_model  # noqa: E402
 from lmprog_runtime.request import Req  # noqa: E402
 from lmprog_runtime.sampling_params import SamplingParams  # noqa: E402
-from lmprog_runtime.kvcache.req_cache import ReqCache  # noqa: E402
 from lmprog_runtime.scheduler import ScheduledBatch, Scheduler  # noqa: E402
 from lmprog_runtime.stats import EngineStats  # noqa: E402
 
