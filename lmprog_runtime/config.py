@@ -45,6 +45,9 @@ class RuntimeConfig:
     page_size: int = 1
     disable_radix_cache: bool = False
     eviction_policy: str = "lru"
+    # Scales the share of future output tokens reserved at admission: 0 admits as much as
+    # fits now (more retractions under pressure), larger values are more cautious.
+    schedule_conservativeness: float = 1.0
     random_seed: int = 0
     # Threads for torch's CPU ops; None leaves torch's default.
     num_threads: int | None = None
@@ -62,6 +65,10 @@ class RuntimeConfig:
         if self.eviction_policy not in ("lru", "lfu"):
             raise ValueError(
                 f"eviction_policy must be 'lru' or 'lfu', got {self.eviction_policy!r}"
+            )
+        if self.schedule_conservativeness < 0:
+            raise ValueError(
+                f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")

@@ -309,12 +309,17 @@ class Engine:
         raise ValueError(f"unknown engine command {name!r}")
 
     def _fail_unschedulable(self) -> None:
-        """Nothing runs and the head of the queue cannot be admitted: fail it, never hang."""
+        """Nothing runs and nothing can be admitted. Evicting the whole cache must make room
+        (every request was checked to fit the pool); if it does not, fail the head of the
+        queue rather than spin."""
         sched = self.scheduler
         if sched.running or sched.chunked_req is not None or not sched.waiting:
             return
+        if self.tree_cache is not None and self.tree_cache.evictable_size:
+            self._stats.add("evicted_tokens", self.tree_cache.evict(self.tree_cache.evictable_size))
+            return
         req = sched.waiting[0]
-        self._finish(req, ValueError("the request could not be scheduled"))
+        self._finish(req, RuntimeError("the request could not be scheduled"))
 
     def _step(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()

@@ -4,7 +4,8 @@
 - `lpm` (longest prefix match): requests whose prompt has the longest cached prefix first,
   so requests that share a prefix run while it is still in the cache.
 - `dfs-weight`: walk the radix tree depth first, heaviest subtree (most waiting requests)
-  first, so requests under the same node are admitted together.
+  first and deeper matches before shallower ones, so requests under the same node are
+  admitted together.
 
 With more than `MAX_CACHE_AWARE_QUEUE` waiting requests the cache-aware policies fall back to
 arrival order: matching every waiting prompt each step would cost more than it saves.
@@ -52,14 +53,19 @@ class SchedulePolicy:
             while node is not None:
                 weight[id(node)] += 1
                 node = node.parent
+        # Post-order: heavier subtrees first, and a node's own requests after its children's
+        # (deeper matches first).
         ordered: list[Req] = []
-        stack = [tree.root]
+        stack: list[tuple[object, bool]] = [(tree.root, False)]
         while stack:
-            node = stack.pop()
-            ordered.extend(at_node.get(id(node), ()))
+            node, children_done = stack.pop()
+            if children_done:
+                ordered.extend(at_node.get(id(node), ()))
+                continue
+            stack.append((node, True))
             children = [c for c in node.children.values() if weight.get(id(c), 0) > 0]
             # Pushed lightest first so the heaviest subtree is visited next.
-            stack.extend(sorted(children, key=lambda c: weight[id(c)]))
+            stack.extend((c, False) for c in sorted(children, key=lambda c: weight[id(c)]))
         return ordered
 
 

@@ -71,7 +71,8 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None  # partly prefilled, continues next extend
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self._ratio_scale = config.schedule_conservativeness
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self._ratio_scale
         self._last_was_extend = False
 
     @property
@@ -122,19 +123,31 @@ class Scheduler:
             members = [m for m in members if m in self.waiting]
             if len(members) == 1 and self._shares_uncached_prefix(req, blocks):
                 continue  # compute the shared prefix once: this one reuses it next step
-            plan = self._plan_admission(members, entries, budget, chunk_size, num_active, used)
-            if plan is None:
-                if req.group is not None or not entries:
-                    continue  # a blocked group or a deferred request must not stall the rest
+            if num_active + len(members) > cfg.max_running_requests or (
+                self.req_to_token.num_free < len(members)
+            ):
+                if req.group is not None:
+                    continue
                 break
-            for member, n in plan:
+            # Lock the matched prefixes first: what is left evictable is then exact.
+            for member in members:
                 self._claim(member)
+            plan = self._plan_admission(members, entries, budget, chunk_size, used)
+            if plan is None:
+                for member in members:
+                    self.req_cache.cache_finished(member, insert=False)
+                if req.group is not None or not entries:
+                    continue  # a blocked group must not stall the rest
+                break
+            for member, n, need in plan:
+                self.stats.add("cached_tokens", member.kv_len)
+                member.cached_tokens = max(member.cached_tokens, member.kv_len)
                 entries.append((member, n))
                 admitted.add(id(member))
                 blocks.add(member.fill_ids)
                 budget -= n
                 num_active += 1
-                used += n + int(member.max_new_tokens * self.new_token_ratio)
+                used += need
             if budget <= 0:
                 break
         if not entries:
@@ -148,19 +161,14 @@ class Scheduler:
         entries: list[tuple[Req, int]],
         budget: int,
         chunk_size: int | None,
-        num_active: int,
         used: int,
-    ) -> list[tuple[Req, int]] | None:
-        """Extend lengths for admitting all `members` now, or None if they must wait."""
-        if num_active + len(members) > self.config.max_running_requests:
-            return None
-        if self.req_to_token.num_free < sum(1 for m in members if m.req_pool_idx is None):
-            return None
+    ) -> list[tuple[Req, int, int]] | None:
+        """(request, extend length, tokens to set aside) for admitting all `members` now,
+        or None if they must wait. Their prefixes are already claimed (locked)."""
         available = self.allocator.num_free + self.req_cache.evictable_size - used
         plan = []
         for req in members:
-            prefix = req.match.slots.numel() if req.match is not None else 0
-            extend = len(req.fill_ids) - prefix
+            extend = len(req.fill_ids) - req.kv_len
             can_chunk = (
                 chunk_size is not None
                 and len(members) == 1
@@ -174,14 +182,14 @@ class Scheduler:
                     return None
             if chunk_size is not None and can_chunk and extend > chunk_size:
                 extend = chunk_size
-            need = (
-                extend + self.allocator.page_size + int(req.max_new_tokens * self.new_token_ratio)
-            )
-            if need > available and (entries or plan or self.running):
+            pages = self.allocator.pages_needed(extend, self._last_slot(req))
+            need = pages * self.allocator.page_size
+            reserve = int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
+            if need + reserve > available and (entries or plan or self.running):
                 return None
-            available -= need
+            available -= need + reserve
             budget -= extend
-            plan.append((req, extend))
+            plan.append((req, extend, need + reserve))
         return plan
 
     @staticmethod
@@ -192,9 +200,7 @@ class Scheduler:
     def _claim(self, req: Req) -> None:
         if req.req_pool_idx is None:
             req.req_pool_idx = self.req_to_token.alloc()
-        claimed_before = req.kv_len
         self.req_cache.claim_prefix(req)
-        self.stats.add("cached_tokens", req.kv_len - claimed_before)
 
     def _alloc_extend(self, entries: list[tuple[Req, int]]) -> ScheduledBatch:
         slots_list, reqs, prefix_lens, extend_lens = [], [], [], []
@@ -205,11 +211,12 @@ class Scheduler:
                 self._evict(self.allocator.pages_needed(n, last) * self.allocator.page_size)
                 slots = self.allocator.alloc(n, last)
             if slots is None:
-                # The estimate was optimistic: this request and the rest wait for the next step.
-                for later, _ in entries[len(reqs) :]:
-                    if later is not self.chunked_req:
-                        self.req_cache.cache_finished(later, insert=False)
-                        self.waiting.insert(0, later)
+                # Cannot happen when admission's accounting is right; if it does, this
+                # request and the rest wait for the next step instead of failing.
+                unadmitted = [r for r, _ in entries[len(reqs) :] if r is not self.chunked_req]
+                for later in unadmitted:
+                    self.req_cache.cache_finished(later, insert=False)
+                self.waiting[:0] = unadmitted
                 break
             self.req_to_token.write(req.req_pool_idx, req.kv_len, slots)
             slots_list.append(slots)
@@ -232,7 +239,7 @@ class Scheduler:
             self.req_to_token.write(req.req_pool_idx, req.kv_len, slots[i : i + 1])
             prefix_lens.append(req.kv_len)
         self.new_token_ratio = max(
-            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+            MIN_NEW_TOKEN_RATIO * self._ratio_scale, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
         return ScheduledBatch(ForwardMode.DECODE, reqs, slots, prefix_lens, [1] * len(reqs))
 
@@ -270,7 +277,7 @@ class Scheduler:
         self.req_cache.cache_finished(req)
         self.waiting.insert(0, req)
         self.stats.add("retracted_requests")
-        self.new_token_ratio = 1.0
+        self.new_token_ratio = min(1.0, 2 * INIT_NEW_TOKEN_RATIO) * self._ratio_scale
 
     def _evict(self, num_tokens: int) -> int:
         freed = self.req_cache.evict(num_tokens)

@@ -54,7 +54,6 @@ class ReqCache:
         self.req_to_token.write(req.req_pool_idx, 0, match.slots)
         self.tree.inc_lock_ref(match.node)
         req.last_node, req.tree_len, req.kv_len = match.node, n, n
-        req.cached_tokens = max(req.cached_tokens, n)
 
     def cache_unfinished(self, req: Req) -> None:
         """Share what `req` has computed so far; its row then points at the tree's slots."""

@@ -1,0 +1,321 @@
+"""RadixCache (the prefix tree over token ids) against a naive reference model.
+
+The model is a dict from page-tuple prefixes of cached sequences to the KV slots of their
+last page (page_size 1: token prefixes to one slot). A hypothesis state machine drives
+insert / match / lock / unlock / evict / flush and checks after every step that matches,
+sizes, locks and slot ownership agree with the model and that no KV slot leaks. Example
+tests pin down edge splits, LRU/LFU order, cascading eviction, page alignment and the
+eviction walk-through of the reference document (S=2,000 shared, A=900, B=600, C=400).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
+from lmprog_runtime.kvcache.radix_cache import RadixCache
+
+POOL = 128  # slots: small enough that inserts run out and must evict
+
+
+def pages_of(key, ps):
+    return tuple(tuple(key[i : i + ps]) for i in range(0, len(key) // ps * ps, ps))
+
+
+class RadixModel(RuleBasedStateMachine):
+    PAGE_SIZE, POLICY = 1, "lru"
+
+    def __init__(self):
+        super().__init__()
+        self.alloc = TokenSlotAllocator(POOL, page_size=self.PAGE_SIZE)
+        self.cache = RadixCache(self.alloc, self.PAGE_SIZE, self.POLICY)
+        self.cached: dict[tuple, tuple[int, ...]] = {}  # page prefix -> slots of its last page
+        self.locks: list[tuple[object, tuple]] = []  # (node, locked page prefix)
+
+    # ---- the reference model -------------------------------------------------------------
+    def hit_pages(self, pg):
+        i = 0
+        while i < len(pg) and pg[: i + 1] in self.cached:
+            i += 1
+        return i
+
+    def expected_slots(self, pg):
+        return [s for j in range(self.hit_pages(pg)) for s in self.cached[pg[: j + 1]]]
+
+    def locked_prefixes(self):
+        return {p[:j] for _, p in self.locks for j in range(1, len(p) + 1)}
+
+    def check_match(self, key):
+        res = self.cache.match_prefix(key)
+        pg = pages_of(key, self.PAGE_SIZE)
+        assert res.slots.tolist() == self.expected_slots(pg), key
+        return res, pg[: self.hit_pages(pg)]
+
+    def do_evict(self, n):
+        ps, free_before = self.PAGE_SIZE, self.alloc.num_free
+        evictable, locked = self.cache.evictable_size, self.locked_prefixes()
+        freed = self.cache.evict(n)
+        owned = set(self.cache.owned_slots().tolist())
+        kept = {p: v for p, v in self.cached.items() if v[0] in owned}
+        assert all(set(v) <= owned for v in kept.values())  # whole pages survive or go
+        removed = self.cached.keys() - kept.keys()
+        assert all(len(p) == 1 or p[:-1] in kept for p in kept)  # only leaves-first removal
+        assert not removed & locked, "evict freed tokens of a locked path"
+        assert freed == ps * len(removed) and self.alloc.num_free == free_before + freed
+        assert freed >= min(n, evictable)
+        if freed < n:
+            assert self.cache.evictable_size == 0
+        self.cached = kept
+        for _, p in self.locks:  # every locked sequence still matches fully
+            assert self.check_match([t for page in p for t in page])[1] == p
+        return freed
+
+    # ---- rules -----------------------------------------------------------------------------
+    def key_strategy(self, aligned):
+        if self.PAGE_SIZE == 1:
+            return st.lists(st.integers(0, 3), max_size=12)
+        # pages from a small set; (0,0,0,0) and (0,0,0,1) diverge mid-page
+        page = st.sampled_from([(0, 0, 0, 0), (0, 0, 0, 1), (1, 1, 1, 1), (0, 1, 2, 3)])
+        key = st.lists(page, max_size=3).map(lambda ps: [t for p in ps for t in p])
+        if aligned:
+            return key
+        return st.tuples(key, st.lists(st.integers(0, 1), max_size=3)).map(lambda kt: kt[0] + kt[1])
+
+    @rule(data=st.data())
+    def insert(self, data):
+        key = data.draw(self.key_strategy(aligned=True), label="key")
+        value = self.alloc.alloc(len(key))
+        if value is None:  # like the scheduler: evict what is missing, then retry
+            self.do_evict(len(key) - self.alloc.num_free)
+            value = self.alloc.alloc(len(key))
+            if value is None:
+                return
+        pg = pages_of(key, self.PAGE_SIZE)
+        hit = self.hit_pages(pg)
+        already = self.cache.insert(key, value)
+        assert already == hit * self.PAGE_SIZE
+        self.alloc.free(value[:already])  # our duplicates of cached tokens (as ReqCache does)
+        for j in range(hit, len(pg)):
+            start = j * self.PAGE_SIZE
+            self.cached[pg[: j + 1]] = tuple(value[start : start + self.PAGE_SIZE].tolist())
+
+    @rule(data=st.data())
+    def match(self, data):
+        self.check_match(data.draw(self.key_strategy(aligned=False), label="key"))
+
+    @rule(data=st.data())
+    def lock(self, data):
+        res, hit = self.check_match(data.draw(self.key_strategy(aligned=False), label="key"))
+        if not hit:
+            return  # like ReqCache.claim_prefix: an empty match locks nothing
+        self.cache.inc_lock_ref(res.node)
+        self.locks.append((res.node, hit))
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def unlock(self, data):
+        i = data.draw(st.integers(0, len(self.locks) - 1), label="lock")
+        node, _ = self.locks.pop(i)
+        self.cache.dec_lock_ref(node)
+
+    @rule(n=st.integers(0, 40))
+    def evict(self, n):
+        self.do_evict(n)
+
+    @rule()
+    def flush(self):
+        if self.locked_prefixes():
+            with pytest.raises(RuntimeError):
+                self.cache.flush()
+            return
+        self.cache.flush()
+        self.cached.clear()
+        assert self.alloc.num_free == self.alloc.num_slots and self.cache.total_size == 0
+
+    @invariant()
+    def consistent(self):
+        owned = self.cache.owned_slots().tolist()
+        assert len(owned) == len(set(owned)), "a KV slot is owned twice"
+        assert sorted(owned) == sorted(s for v in self.cached.values() for s in v)
+        protected = len(self.locked_prefixes()) * self.PAGE_SIZE
+        assert self.cache.protected_size == protected
+        assert self.cache.evictable_size == len(owned) - protected
+        assert self.alloc.num_free + len(owned) == self.alloc.num_slots  # no leak
+        probe = self.alloc.alloc(self.alloc.num_free)  # every free slot is really not owned
+        assert not set(probe.tolist()) & set(owned)
+        self.alloc.free(probe)
+
+    def teardown(self):
+        for node, _ in self.locks:
+            self.cache.dec_lock_ref(node)
+        assert self.cache.protected_size == 0
+        self.cache.flush()
+        assert self.alloc.num_free == self.alloc.num_slots and self.cache.total_size == 0
+
+
+SETTINGS = settings(max_examples=150, deadline=None, stateful_step_count=40)
+
+
+class RadixPage1LRU(RadixModel):
+    PAGE_SIZE, POLICY = 1, "lru"
+
+
+class RadixPage4LRU(RadixModel):
+    PAGE_SIZE, POLICY = 4, "lru"
+
+
+class RadixPage1LFU(RadixModel):
+    PAGE_SIZE, POLICY = 1, "lfu"
+
+
+TestRadixPage1LRU = RadixPage1LRU.TestCase
+TestRadixPage1LRU.settings = SETTINGS
+TestRadixPage4LRU = RadixPage4LRU.TestCase
+TestRadixPage4LRU.settings = SETTINGS
+TestRadixPage1LFU = RadixPage1LFU.TestCase
+TestRadixPage1LFU.settings = SETTINGS
+
+
+# ---- targeted examples ---------------------------------------------------------------------
+def fill(cache, key):
+    """Insert `key` with fresh slots (dropping duplicates like ReqCache); returns the slots."""
+    value = cache.allocator.alloc(len(key))
+    cache.allocator.free(value[: cache.insert(key, value)])
+    return value
+
+
+def hit(cache, key):
+    return cache.match_prefix(key).slots.numel()
+
+
+def test_edge_split_and_shared_prefix():
+    cache = RadixCache(TokenSlotAllocator(64))
+    s = fill(cache, [1, 2, 3, 4])
+    res = cache.match_prefix([1, 2, 9])
+    assert res.slots.tolist() == s[:2].tolist()
+    assert res.node.key == [1, 2] and [c.key for c in res.node.children.values()] == [[3, 4]]
+    v = cache.allocator.alloc(3)
+    assert cache.insert([1, 2, 9], v) == 2
+    cache.allocator.free(v[:2])
+    assert cache.match_prefix([1, 2, 9]).slots.tolist() == s[:2].tolist() + [int(v[2])]
+    assert cache.match_prefix([1, 2, 3, 4]).slots.tolist() == s.tolist()
+    assert cache.total_size == 5 and cache.owned_slots().numel() == 5
+
+
+def test_lru_evicts_least_recently_used_leaf_first():
+    cache = RadixCache(TokenSlotAllocator(64))
+    for key in ([1, 1], [2, 2], [3, 3]):
+        fill(cache, key)
+    hit(cache, [1, 1])  # order is now [2,2] < [3,3] < [1,1]
+    assert cache.evict(1) == 2
+    assert (hit(cache, [2, 2]), hit(cache, [3, 3]), hit(cache, [1, 1])) == (0, 2, 2)
+    assert cache.evict(1) == 2  # [3,3] went next; [1,1] was just touched again
+    assert (hit(cache, [3, 3]), hit(cache, [1, 1])) == (0, 2)
+
+
+@pytest.mark.parametrize("policy, survivor", [("lfu", [1, 1]), ("lru", [2, 2])])
+def test_lfu_keeps_the_frequently_matched_prefix(policy, survivor):
+    cache = RadixCache(TokenSlotAllocator(64), eviction_policy=policy)
+    fill(cache, [1, 1])
+    fill(cache, [2, 2])
+    for _ in range(3):
+        hit(cache, [1, 1])  # hot
+    hit(cache, [2, 2])  # cold, but touched last
+    assert cache.evict(2) == 2
+    assert cache.owned_slots().numel() == 2 and hit(cache, survivor) == 2
+
+
+def test_childless_parent_is_evicted_when_more_is_needed():
+    cache = RadixCache(TokenSlotAllocator(64))
+    fill(cache, [1, 2, 3, 4])
+    fill(cache, [1, 2, 5, 6])  # node [1,2] with leaves [3,4] and [5,6]
+    assert cache.evict(4) == 4 and cache.total_size == 2 and hit(cache, [1, 2]) == 2
+    cache.flush()
+    fill(cache, [1, 2, 3, 4])
+    fill(cache, [1, 2, 5, 6])
+    assert cache.evict(5) == 6 and cache.total_size == 0  # the parent went too
+    assert cache.allocator.num_free == cache.allocator.num_slots
+    fill(cache, [1, 2, 3, 4])
+    fill(cache, [1, 2, 5, 6])
+    node = cache.match_prefix([1, 2]).node
+    cache.inc_lock_ref(node)  # a locked parent stays
+    assert cache.evict(6) == 4 and hit(cache, [1, 2]) == 2
+    cache.dec_lock_ref(node)
+    with pytest.raises(RuntimeError):
+        cache.dec_lock_ref(node)  # no longer locked
+
+
+def test_page_aligned_matching():
+    alloc = TokenSlotAllocator(64, page_size=4)
+    cache = RadixCache(alloc, page_size=4)
+    s = fill(cache, list(range(8)))
+    assert cache.match_prefix([0, 1, 2, 3, 4, 5]).slots.tolist() == s[:4].tolist()
+    assert hit(cache, list(range(9))) == 8 and hit(cache, [0, 1, 2]) == 0
+    assert hit(cache, [0, 1, 2, 3, 4, 5, 9, 9]) == 4  # diverges mid-page: rounds down
+    v = alloc.alloc(8)
+    assert cache.insert([0, 1, 2, 3, 4, 5, 9, 9], v) == 4
+    alloc.free(v[:4])
+    assert cache.total_size == 12 and alloc.num_free == 64 - 12
+    with pytest.raises(ValueError):
+        cache.insert([1, 2, 3], alloc.alloc(3))
+
+
+def test_flush_refuses_while_locked():
+    cache = RadixCache(TokenSlotAllocator(16))
+    fill(cache, [1, 2])
+    node = cache.match_prefix([1, 2]).node
+    cache.inc_lock_ref(node)
+    with pytest.raises(RuntimeError):
+        cache.flush()
+    cache.dec_lock_ref(node)
+    cache.flush()
+    assert cache.total_size == 0 and cache.allocator.num_free == 16
+
+
+# ---- the reference document's walk-through --------------------------------------------------
+S, A, B, C, D = [0] * 2000, [1] * 900, [2] * 600, [3] * 400, [4] * 500
+
+
+def request(cache, key):
+    """A request: match and lock its prefix, allocate the rest, insert; returns its node."""
+    res = cache.match_prefix(key)
+    cache.inc_lock_ref(res.node)
+    n = res.slots.numel()
+    new = cache.allocator.alloc(len(key) - n)
+    value = torch.cat([res.slots, new])
+    cache.allocator.free(value[n : cache.insert(key, value)])
+    return res.node
+
+
+@pytest.mark.parametrize(
+    "locked, evicted, total",
+    [("C", A, 3500), ("AC", B, 3800), ("ABC", None, None)],
+    ids=["A-goes", "B-goes", "all-locked-D-waits"],
+)
+def test_eviction_walkthrough(locked, evicted, total):
+    alloc = TokenSlotAllocator(4000)
+    cache = RadixCache(alloc)
+    for branch in (A, B, C):  # used in this order: A is least recently used
+        cache.dec_lock_ref(request(cache, S + branch))
+    assert cache.total_size == 3900 and alloc.num_free == 100
+    for name in locked:  # still-running requests
+        cache.inc_lock_ref(cache.match_prefix(S + {"A": A, "B": B, "C": C}[name]).node)
+    res = cache.match_prefix(S + D)  # request D reuses S and locks it
+    assert res.slots.numel() == 2000
+    cache.inc_lock_ref(res.node)
+    assert alloc.alloc(500) is None
+    freed = cache.evict(500 - alloc.num_free)
+    if evicted is None:  # everything is locked: nothing to free, D waits
+        assert freed == 0 and cache.evictable_size == 0 and alloc.alloc(500) is None
+        return
+    assert freed == len(evicted) and cache.total_size == 3900 - len(evicted)
+    for branch in (A, B, C):
+        assert hit(cache, S + branch) == (2000 if branch is evicted else 2000 + len(branch))
+    new = alloc.alloc(500)
+    assert cache.insert(S + D, torch.cat([res.slots, new])) == 2000
+    assert cache.total_size == total  # 3,000 or 3,300 cached + D's 500
+    assert hit(cache, S + D) == 2500
