@@ -1,16 +1,20 @@
 """The reference attention backend: gather each request's K/V from the pool, then SDPA.
 
 Correct for any mix of cached prefixes, new tokens and lengths; other backends are tested
-against this one. Two paths:
-- extend with no cached prefix in the batch: attend over the new tokens' own k/v (no pool
-  gather), causal, grouped-query heads handled by SDPA;
-- everything else (decode, extend after a prefix): gather `[batch, kv_heads, max_len, dim]`
-  from the pool through the request-to-token table. The query heads that share a KV head are
-  folded into the query-length axis, `[batch, kv_heads, group * q_len, head_dim]`, so K/V
-  are never copied per query head; the mask is repeated to match.
+against this one.
+
+- Decode: gather `[batch, kv_heads, max_len, dim]` through the request-to-token table; the
+  query heads that share a KV head are folded into the query axis, so K/V are never copied
+  per query head.
+- Extend: requests are bucketed by their number of new tokens (so one long chunk does not
+  pad a hundred short suffixes to its length), and each bucket runs one SDPA with
+  grouped-query heads. A bucket with no cached prefix attends over its own new k/v (no pool
+  gather); otherwise keys come from the pool with a mask shifted by each prefix length.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,111 +22,159 @@ import torch.nn.functional as F
 from lmprog_runtime.attention.base import BaseAttentionBackend
 from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
 
+# A bucket holds requests whose new-token counts are within this factor of its shortest.
+BUCKET_GROWTH = 2
+BUCKET_SLACK = 16
+
+
+@dataclass
+class _Bucket:
+    num_reqs: int
+    max_q: int
+    max_len: int
+    src_rows: torch.Tensor | None  # rows of the flat batch; None = all rows, in order
+    dst_rows: torch.Tensor | None  # their rows in the padded [num_reqs * max_q] layout
+    kv_index: torch.Tensor | None  # [num_reqs * max_len] pool slots; None = fresh (new k/v)
+    mask: torch.Tensor | None  # additive [num_reqs, 1, max_q, keys]; None = plain causal
+
 
 class TorchAttentionBackend(BaseAttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.mode is ForwardMode.DECODE:
+            self._init_decode(batch)
+        else:
+            self._buckets = self._init_extend(batch)
+
+    # ---- decode -------------------------------------------------------------------------
+    def _init_decode(self, batch: ForwardBatch) -> None:
         device = batch.input_ids.device
         window = self.layout.sliding_window
-        group = self.layout.num_heads // self.layout.num_kv_heads
         max_len = max(batch.seq_lens)
         self._max_len = max_len
-        self._pad_index = None
-        key_pos = torch.arange(max_len, device=device)
-
-        if batch.mode is ForwardMode.DECODE:
-            self._is_fresh = False
-            self._kv_index = self.req_to_token.table[batch.req_pool_indices, :max_len].reshape(-1)
-            self._max_q_len = 1
-            uniform = min(batch.seq_lens) == max_len
-            if uniform and (window is None or window >= max_len):
-                self._mask = None
-                return
-            seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
-            q_pos = (seq_lens - 1)[:, None]  # [batch, 1]
-            mask = key_pos[None, :] <= q_pos
-            if window is not None:
-                mask &= key_pos[None, :] > q_pos - window
-            self._mask = mask[:, None, None, :]  # [batch, 1, 1, max_len]
-            return
-
-        extend_lens = batch.extend_lens
-        max_q = max(extend_lens)
-        self._max_q_len = max_q
-        uniform = min(extend_lens) == max_q
-        if not uniform:
-            self._pad_index = torch.cat(
-                [torch.arange(n, device=device) + b * max_q for b, n in enumerate(extend_lens)]
-            )
-        self._is_fresh = max(batch.prefix_lens) == 0 and (window is None or window >= max_q)
-        if self._is_fresh:
-            # Keys are the new tokens themselves: causal, plus key validity when padded.
-            if uniform:
-                self._mask = None
-            else:
-                lens = torch.tensor(extend_lens, dtype=torch.int64, device=device)
-                pos = torch.arange(max_q, device=device)
-                causal = pos[None, :] <= pos[:, None]  # [max_q, max_q]
-                valid = pos[None, :] < lens[:, None]  # [batch, max_q]
-                self._mask = (causal[None] & valid[:, None, :])[:, None]  # [batch, 1, q, k]
-            return
         self._kv_index = self.req_to_token.table[batch.req_pool_indices, :max_len].reshape(-1)
-        prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
-        q_pos = prefix[:, None] + torch.arange(max_q, device=device)[None, :]  # [batch, max_q]
-        mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [batch, max_q, max_len]
+        if min(batch.seq_lens) == max_len and (window is None or window >= max_len):
+            self._mask = None
+            return
+        key_pos = torch.arange(max_len, device=device)
+        q_pos = torch.tensor(batch.seq_lens, device=device)[:, None] - 1  # [batch, 1]
+        mask = key_pos[None, :] <= q_pos
         if window is not None:
-            mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
-        self._mask = mask[:, None].repeat(1, 1, group, 1)  # [batch, 1, group * max_q, max_len]
+            mask &= key_pos[None, :] > q_pos - window
+        self._mask = mask[:, None, None, :]  # [batch, 1, 1, max_len]
 
+    def _forward_decode(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        layout = self.layout
+        bsz, max_len = batch.batch_size, self._max_len
+        kv_heads, head_dim = layout.num_kv_heads, layout.head_dim
+        group = layout.num_heads // kv_heads
+        keys, values = self._gather(layer_id, self._kv_index, bsz, max_len)
+        q = q.reshape(bsz, kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=self._mask, scale=layout.scaling
+        )
+        return out.reshape(bsz, layout.num_heads * head_dim)
+
+    # ---- extend -------------------------------------------------------------------------
+    def _init_extend(self, batch: ForwardBatch) -> list[_Bucket]:
+        extend_lens = batch.extend_lens
+        order = sorted(range(batch.batch_size), key=lambda i: extend_lens[i])
+        groups: list[list[int]] = []
+        for i in order:
+            if not groups or extend_lens[i] > BUCKET_GROWTH * extend_lens[groups[-1][0]] + BUCKET_SLACK:
+                groups.append([])
+            groups[-1].append(i)
+        starts = [0]
+        for n in extend_lens:
+            starts.append(starts[-1] + n)
+        return [self._make_bucket(batch, sorted(g), starts) for g in groups]
+
+    def _make_bucket(self, batch: ForwardBatch, idx: list[int], starts: list[int]) -> _Bucket:
+        device = batch.input_ids.device
+        window = self.layout.sliding_window
+        ext = [batch.extend_lens[i] for i in idx]
+        prefix = [batch.prefix_lens[i] for i in idx]
+        seq = [batch.seq_lens[i] for i in idx]
+        max_q, max_len = max(ext), max(seq)
+        uniform = min(ext) == max_q
+        if len(idx) == batch.batch_size and uniform:
+            src = dst = None  # the flat batch already is the padded layout
+        else:
+            src = torch.cat([torch.arange(starts[i], starts[i] + batch.extend_lens[i]) for i in idx])
+            dst = torch.cat([torch.arange(n) + j * max_q for j, n in enumerate(ext)])
+            src, dst = src.to(device), dst.to(device)
+        fresh = max(prefix) == 0 and (window is None or window >= max_q)
+        if fresh:
+            mask = None
+            if not uniform:
+                pos = torch.arange(max_q, device=device)
+                lens = torch.tensor(ext, device=device)
+                allowed = (pos[None, None, :] <= pos[None, :, None]) & (
+                    pos[None, None, :] < lens[:, None, None]
+                )  # [reqs, q, k]
+                mask = _additive(allowed[:, None])
+            return _Bucket(len(idx), max_q, max_q, src, dst, None, mask)
+        rows = torch.tensor([batch.req_pool_indices[i] for i in idx], device=device)
+        kv_index = self.req_to_token.table[rows, :max_len].reshape(-1)
+        key_pos = torch.arange(max_len, device=device)
+        q_pos = torch.tensor(prefix, device=device)[:, None] + torch.arange(max_q, device=device)
+        allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # [reqs, q, max_len]
+        if window is not None:
+            allowed &= key_pos[None, None, :] > q_pos[:, :, None] - window
+        return _Bucket(len(idx), max_q, max_len, src, dst, kv_index, _additive(allowed[:, None]))
+
+    def _forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+    ) -> torch.Tensor:
+        layout = self.layout
+        heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
+        out = q.new_empty(q.shape[0], heads * dim) if len(self._buckets) > 1 else None
+        for b in self._buckets:
+            rows = b.num_reqs * b.max_q
+            qb = _to_padded(q, b, rows).reshape(b.num_reqs, b.max_q, heads, dim).transpose(1, 2)
+            if b.kv_index is None:
+                kb = _to_padded(k, b, rows).reshape(b.num_reqs, b.max_q, kv_heads, dim)
+                vb = _to_padded(v, b, rows).reshape(b.num_reqs, b.max_q, kv_heads, dim)
+                kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)
+            else:
+                kb, vb = self._gather(layer_id, b.kv_index, b.num_reqs, b.max_len)
+            ob = _sdpa_gqa(qb, kb, vb, b.mask, layout.scaling)  # [reqs, heads, max_q, dim]
+            ob = ob.transpose(1, 2).reshape(rows, heads * dim)
+            if out is None:
+                return ob if b.dst_rows is None else ob[b.dst_rows]
+            out[b.src_rows] = ob[b.dst_rows]
+        return out
+
+    # ---- shared -------------------------------------------------------------------------
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
-        if self._is_fresh:
-            return self._forward_fresh(q, k, v, batch)
-        layout = self.layout
-        bsz, max_len, max_q = batch.batch_size, self._max_len, self._max_q_len
-        kv_heads, head_dim = layout.num_kv_heads, layout.head_dim
-        group = layout.num_heads // kv_heads
-        # [batch, kv_heads, max_len, head_dim]
-        keys = self.kv_pool.k_buffers[layer_id].index_select(0, self._kv_index)
-        keys = keys.view(bsz, max_len, kv_heads, head_dim).transpose(1, 2)
-        values = self.kv_pool.v_buffers[layer_id].index_select(0, self._kv_index)
-        values = values.view(bsz, max_len, kv_heads, head_dim).transpose(1, 2)
+        if batch.mode is ForwardMode.DECODE:
+            return self._forward_decode(q, layer_id, batch)
+        return self._forward_extend(q, k, v, layer_id)
 
-        q = self._pad(q, bsz, max_q)
-        # [batch, max_q, kv_heads, group, head_dim] -> [batch, kv_heads, group * max_q, head_dim]
-        q = q.reshape(bsz, max_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        q = q.reshape(bsz, kv_heads, group * max_q, head_dim)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=self._mask, scale=layout.scaling
-        )
-        # -> [batch * max_q, num_heads * head_dim]
-        out = out.view(bsz, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-        return self._unpad(out.reshape(bsz * max_q, layout.num_heads * head_dim))
+    def _gather(
+        self, layer_id: int, kv_index: torch.Tensor, num_reqs: int, max_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[num_reqs, kv_heads, max_len, head_dim]` from the pool."""
+        shape = (num_reqs, max_len, self.layout.num_kv_heads, self.layout.head_dim)
+        keys = self.kv_pool.k_buffers[layer_id].index_select(0, kv_index).view(shape)
+        values = self.kv_pool.v_buffers[layer_id].index_select(0, kv_index).view(shape)
+        return keys.transpose(1, 2), values.transpose(1, 2)
 
-    def _forward_fresh(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        layout = self.layout
-        bsz, max_q = batch.batch_size, self._max_q_len
-        # [batch, heads, max_q, head_dim]
-        q = self._pad(q, bsz, max_q).reshape(bsz, max_q, layout.num_heads, -1).transpose(1, 2)
-        k = self._pad(k, bsz, max_q).reshape(bsz, max_q, layout.num_kv_heads, -1).transpose(1, 2)
-        v = self._pad(v, bsz, max_q).reshape(bsz, max_q, layout.num_kv_heads, -1).transpose(1, 2)
-        out = _sdpa_gqa(q, k, v, self._mask, layout.scaling)
-        out = out.transpose(1, 2).reshape(bsz * max_q, -1)
-        return self._unpad(out)
 
-    def _pad(self, x: torch.Tensor, bsz: int, max_q: int) -> torch.Tensor:
-        """[num_tokens, heads, dim] -> [batch * max_q, heads, dim] (a view when uniform)."""
-        if self._pad_index is None:
-            return x
-        padded = x.new_zeros(bsz * max_q, *x.shape[1:])
-        padded[self._pad_index] = x
-        return padded
+def _to_padded(x: torch.Tensor, bucket: _Bucket, rows: int) -> torch.Tensor:
+    """Flat `[num_tokens, heads, dim]` rows of the bucket -> `[rows, heads, dim]` padded."""
+    if bucket.src_rows is None:
+        return x
+    padded = x.new_zeros(rows, *x.shape[1:])
+    padded[bucket.dst_rows] = x[bucket.src_rows]
+    return padded
 
-    def _unpad(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self._pad_index is None else x[self._pad_index]
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    """Boolean mask -> additive float mask (computed once per forward, not per layer)."""
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -131,19 +183,16 @@ _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2,
 def _sdpa_gqa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """Causal SDPA with fewer KV heads than query heads; causal from `mask` when given."""
-    if not _HAS_ENABLE_GQA and q.shape[1] != k.shape[1]:
+    """SDPA with fewer KV heads than query heads; plain causal when `mask` is None."""
+    causal = mask is None
+    if mask is not None:
+        mask = mask.to(q.dtype)
+    if q.shape[1] == k.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    if not _HAS_ENABLE_GQA:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
-        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
     return F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
     )
