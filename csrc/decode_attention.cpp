@@ -10,6 +10,9 @@
 //   k_buf, v_buf [num_slots, num_kv_heads, head_dim]
 //   req_to_token [num_rows, context_len] int64
 //   req_rows     [batch] int64, seq_lens [batch] int64
+//   order        [batch] int64: the order requests are processed in. Requests that share a
+//                cached prefix should be adjacent: each thread takes a contiguous run of
+//                the order, so a shared prefix is read from memory once and then from cache.
 //   out          [batch, num_heads, head_dim]
 #include <torch/extension.h>
 
@@ -39,18 +42,21 @@ void check(const torch::Tensor& t, const char* name, int64_t dim, c10::ScalarTyp
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                torch::Tensor req_to_token, torch::Tensor req_rows,
-                               torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+                               torch::Tensor seq_lens, torch::Tensor order, double scale,
+                               int64_t sliding_window) {
   check(q, "q", 3, torch::kFloat32);
   check(k_buf, "k_buf", 3, torch::kFloat32);
   check(v_buf, "v_buf", 3, torch::kFloat32);
   check(req_to_token, "req_to_token", 2, torch::kInt64);
   check(req_rows, "req_rows", 1, torch::kInt64);
   check(seq_lens, "seq_lens", 1, torch::kInt64);
+  check(order, "order", 1, torch::kInt64);
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_buf.size(1);
   TORCH_CHECK(k_buf.size(2) == head_dim && v_buf.sizes() == k_buf.sizes(), "K/V pool shape mismatch");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(req_rows.size(0) == batch && seq_lens.size(0) == batch, "batch size mismatch");
+  TORCH_CHECK(req_rows.size(0) == batch && seq_lens.size(0) == batch && order.size(0) == batch,
+              "batch size mismatch");
   const int64_t group = num_heads / num_kv_heads;
   const int64_t context_len = req_to_token.size(1);
   const int64_t num_slots = k_buf.size(0);
@@ -62,11 +68,13 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
   const int64_t* table = req_to_token.data_ptr<int64_t>();
   const int64_t* rows = req_rows.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* ord = order.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t slot_stride = num_kv_heads * head_dim;
 
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= context_len, "seq_len out of range");
+    TORCH_CHECK(ord[b] >= 0 && ord[b] < batch, "order out of range");
   }
 
   std::atomic<bool> bad_slot{false};  // no exceptions may leave an OpenMP region
@@ -74,8 +82,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
   {
     std::vector<float> scores;  // [num_heads, n]
     std::vector<float> acc(num_heads * head_dim);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < batch; ++b) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < batch; ++i) {
+      const int64_t b = ord[i];
       const int64_t len = lens[b];
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - start;

@@ -28,6 +28,10 @@ class NativeAttentionBackend(TorchAttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
             self._seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
+            # Requests that share a cached prefix share its first slot: process them
+            # together so the prefix is read from memory once per step, not once each.
+            first_slots = self.req_to_token.table[batch.req_pool_indices, 0]
+            self._order = torch.argsort(first_slots, stable=True)
             return
         super().init_forward_metadata(batch)
 
@@ -44,6 +48,7 @@ class NativeAttentionBackend(TorchAttentionBackend):
             self.req_to_token.table,
             batch.req_pool_indices,
             self._seq_lens,
+            self._order,
             self.layout.scaling,
             self.layout.sliding_window or 0,
         )
