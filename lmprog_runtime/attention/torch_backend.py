@@ -80,7 +80,10 @@ class TorchAttentionBackend(BaseAttentionBackend):
         order = sorted(range(batch.batch_size), key=lambda i: extend_lens[i])
         groups: list[list[int]] = []
         for i in order:
-            if not groups or extend_lens[i] > BUCKET_GROWTH * extend_lens[groups[-1][0]] + BUCKET_SLACK:
+            if (
+                not groups
+                or extend_lens[i] > BUCKET_GROWTH * extend_lens[groups[-1][0]] + BUCKET_SLACK
+            ):
                 groups.append([])
             groups[-1].append(i)
         starts = [0]
@@ -99,7 +102,9 @@ class TorchAttentionBackend(BaseAttentionBackend):
         if len(idx) == batch.batch_size and uniform:
             src = dst = None  # the flat batch already is the padded layout
         else:
-            src = torch.cat([torch.arange(starts[i], starts[i] + batch.extend_lens[i]) for i in idx])
+            src = torch.cat(
+                [torch.arange(starts[i], starts[i] + batch.extend_lens[i]) for i in idx]
+            )
             dst = torch.cat([torch.arange(n) + j * max_q for j, n in enumerate(ext)])
             src, dst = src.to(device), dst.to(device)
         fresh = max(prefix) == 0 and (window is None or window >= max_q)
@@ -188,11 +193,15 @@ def _sdpa_gqa(
     if mask is not None:
         mask = mask.to(q.dtype)
     if q.shape[1] == k.shape[1]:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale
+        )
     if not _HAS_ENABLE_GQA:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale
+        )
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
     )

@@ -22,10 +22,23 @@ import torch
 from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
 
 
+_node_ids = itertools.count()
+
+
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "hit_count")
+    __slots__ = (
+        "children",
+        "parent",
+        "key",
+        "value",
+        "lock_ref",
+        "last_access",
+        "hit_count",
+        "node_id",
+    )
 
     def __init__(self, parent: TreeNode | None, key: list[int], value: torch.Tensor) -> None:
+        self.node_id = next(_node_ids)  # breaks eviction ties deterministically
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
         self.parent = parent
         self.key = key  # token ids of the edge into this node
@@ -89,11 +102,11 @@ class RadixCache:
             child = node.children.get(self._child_key(key))
             if child is None:
                 break
-            child.last_access = now
-            child.hit_count += 1
             n = self._match_len(child.key, key)
             if n < len(child.key):
-                child = self._split(child, n)
+                child = self._split(child, n)  # only the matched part counts as used
+            child.last_access = now
+            child.hit_count += 1
             values.append(child.value)
             node, key = child, key[n:]
         slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
@@ -109,10 +122,10 @@ class RadixCache:
             child = node.children.get(self._child_key(key))
             if child is None:
                 break
-            child.last_access = now
             n = self._match_len(child.key, key)
             if n < len(child.key):
                 child = self._split(child, n)
+            child.last_access = now
             prefix_len += n
             node, key, value = child, key[n:], value[n:]
         if key:
@@ -147,7 +160,7 @@ class RadixCache:
     # ---- locking ---------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from eviction (one reference per user)."""
-        while node is not self.root:
+        while node.parent is not None:  # every node but a root
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
@@ -155,7 +168,7 @@ class RadixCache:
             node = node.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError("unlock of a radix node that is not locked")
             node.lock_ref -= 1
@@ -167,7 +180,7 @@ class RadixCache:
     # ---- eviction --------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` slots from unlocked leaves if possible; returns freed."""
-        heap = [(self._priority(n), id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heap = [(self._priority(n), n.node_id, n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -178,7 +191,7 @@ class RadixCache:
             parent = node.parent
             del parent.children[self._child_key(node.key)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (self._priority(parent), id(parent), parent))
+                heapq.heappush(heap, (self._priority(parent), parent.node_id, parent))
         return freed
 
     def _priority(self, node: TreeNode) -> tuple[int, int]:
