@@ -84,9 +84,11 @@ def main() -> None:
     model_path = args.model or default_model_path("small")
     prompts = make_prompts(args, ModelConfig.from_path(model_path).vocab_size)
     total_out = len(prompts) * args.new_tokens
-    print(f"model={model_path} threads={torch.get_num_threads()} {args.groups} groups x "
-          f"{args.per_group} prompts of {args.system_len}+{args.question_len} tokens, "
-          f"{args.new_tokens} new tokens each")
+    print(
+        f"model={model_path} threads={torch.get_num_threads()} {args.groups} groups x "
+        f"{args.per_group} prompts of {args.system_len}+{args.question_len} tokens, "
+        f"{args.new_tokens} new tokens each"
+    )
 
     cached_s, cached_stats = run_engine(model_path, prompts, args.new_tokens)
     print(f"  engine with radix cache: {total_out / cached_s:.1f} tok/s")
@@ -104,12 +106,18 @@ def main() -> None:
     print("| system | output tok/s | vs transformers |")
     print("|---|---|---|")
     print(f"| transformers generate (batch {best}) | {total_out / hf[best]:.1f} | 1.00x |")
-    print(f"| lmprog Engine, radix cache off | {total_out / plain_s:.1f} | {hf[best] / plain_s:.2f}x |")
-    print(f"| lmprog Engine, radix cache on | {total_out / cached_s:.1f} | {hf[best] / cached_s:.2f}x |")
+    print(
+        f"| lmprog Engine, radix cache off | {total_out / plain_s:.1f} | {hf[best] / plain_s:.2f}x |"
+    )
+    print(
+        f"| lmprog Engine, radix cache on | {total_out / cached_s:.1f} | {hf[best] / cached_s:.2f}x |"
+    )
     print()
-    print(f"cache hit rate: {hit_rate:.1%} of prompt tokens "
-          f"({int(cached_stats['prefill_tokens'])} computed, {int(cached_stats['cached_tokens'])} reused); "
-          f"{int(cached_stats['forward_passes'])} forwards")
+    print(
+        f"cache hit rate: {hit_rate:.1%} of prompt tokens "
+        f"({int(cached_stats['prefill_tokens'])} computed, {int(cached_stats['cached_tokens'])} reused); "
+        f"{int(cached_stats['forward_passes'])} forwards"
+    )
 
 
 if __name__ == "__main__":

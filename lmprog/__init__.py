@@ -1,14 +1,76 @@
 """lmprog: write structured LLM programs in Python and run them on an in-process runtime.
 
-`lmprog.Engine` is the runtime's engine; it is imported lazily so `import lmprog` stays
-light (the frontend itself never touches tensors).
+    import lmprog as lp
+
+    @lp.function
+    def triage(s, question):
+        s += lp.user(question)
+        s += lp.assistant("Category: " + lp.select("cat", choices=["refund", "shipping"]))
+
+    lp.set_default_backend(lp.Engine())
+    state = triage.run(question="My parcel is late")
+
+The frontend never touches tensors; `lmprog.Engine` (the runtime) is imported lazily.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Engine", "default_model_path"]
+from lmprog.api import (
+    assistant,
+    assistant_begin,
+    assistant_end,
+    gen,
+    gen_int,
+    gen_string,
+    image,
+    select,
+    system,
+    system_begin,
+    system_end,
+    user,
+    user_begin,
+    user_end,
+)
+from lmprog.backend import Backend, EngineBackend, get_default_backend, set_default_backend
+from lmprog.choices import (
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
+from lmprog.function import Function, function
+from lmprog.state import ProgramState, ProgramStateGroup
+
+__all__ = [
+    "Backend",
+    "Engine",
+    "EngineBackend",
+    "Function",
+    "ProgramState",
+    "ProgramStateGroup",
+    "assistant",
+    "assistant_begin",
+    "assistant_end",
+    "default_model_path",
+    "function",
+    "gen",
+    "gen_int",
+    "gen_string",
+    "get_default_backend",
+    "greedy_token_selection",
+    "image",
+    "select",
+    "set_default_backend",
+    "system",
+    "system_begin",
+    "system_end",
+    "token_length_normalized",
+    "unconditional_likelihood_normalized",
+    "user",
+    "user_begin",
+    "user_end",
+]
 
 
 def __getattr__(name: str) -> Any:

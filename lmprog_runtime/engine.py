@@ -215,9 +215,9 @@ class Engine:
                 self._cv.notify_all()
 
     # ---- tokenizer access (shared by caller threads and the loop) -----------------------
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         with self._tokenizer_lock:
-            return list(self.tokenizer(text).input_ids)
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:

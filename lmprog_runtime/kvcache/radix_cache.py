@@ -21,7 +21,6 @@ import torch
 
 from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
 
-
 _node_ids = itertools.count()
 
 

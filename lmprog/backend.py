@@ -1,0 +1,129 @@
+"""The narrow interface between the interpreter and a model runtime.
+
+The interpreter speaks in strings and lists of token ids, never tensors. `EngineBackend`
+implements the interface over an in-process `lmprog_runtime.Engine` through its public
+API; another runtime (a server, a mock for fast tests) only needs these few methods.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+
+class Backend(ABC):
+    """What a program needs from a model.
+
+    Example:
+        >>> backend = EngineBackend(lp.Engine())  # doctest: +SKIP
+        >>> backend.generate([backend.encode("Hi")], [{"max_new_tokens": 4}])  # doctest: +SKIP
+    """
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt text (special tokens written in the text are honoured)."""
+
+    @abstractmethod
+    def generate(
+        self,
+        input_ids: list[list[int]],
+        params: list[dict[str, Any]],
+        *,
+        group: bool = False,
+        return_logprob: bool = False,
+        logprob_start_len: list[int] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Run requests together; `group=True` co-schedules them (fork branches, choices).
+        Results are `{"text", "output_ids", "meta_info"}` as in `Engine.generate`."""
+
+    @abstractmethod
+    def generate_stream(self, input_ids: list[int], params: dict[str, Any]) -> Iterator[dict]:
+        """One request, streamed: chunks whose `text` fields concatenate to the result."""
+
+    def commit_prefix(self, input_ids: list[int]) -> None:
+        """Compute (prefill) a prefix so later requests that start with it reuse it."""
+        self.generate([input_ids], [{"max_new_tokens": 0}])
+
+    @abstractmethod
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The model's chat template applied to `messages` (ValueError if it has none)."""
+
+    @property
+    @abstractmethod
+    def context_token_id(self) -> int:
+        """A neutral token to condition on when scoring text with no prompt."""
+
+
+class EngineBackend(Backend):
+    """`Backend` over an in-process `lmprog_runtime.Engine`."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._template_lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        bos = getattr(self.tokenizer, "bos_token", None)
+        # A chat template that writes the BOS token itself must not get a second one.
+        return self.engine.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
+    def generate(
+        self, input_ids, params, *, group=False, return_logprob=False, logprob_start_len=None
+    ):
+        return self.engine.generate(
+            input_ids=input_ids,
+            sampling_params=params,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len if logprob_start_len is not None else -1,
+            group=group,
+        )
+
+    def generate_stream(self, input_ids, params):
+        return self.engine.generate(input_ids=input_ids, sampling_params=params, stream=True)
+
+    def render_chat(self, messages):
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "this model's tokenizer has no chat template, so roles (lp.system / lp.user / "
+                "lp.assistant) cannot be rendered; write the prompt text yourself"
+            )
+        with self._template_lock:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+
+    @property
+    def context_token_id(self) -> int:
+        tok = self.tokenizer
+        for candidate in (tok.bos_token_id, tok.eos_token_id):
+            if candidate is not None:
+                return int(candidate)
+        return 0
+
+
+_default_backend: Backend | None = None
+_default_lock = threading.Lock()
+
+
+def set_default_backend(backend: Any) -> None:
+    """Programs run on `backend` (an `Engine` or a `Backend`) unless `run(backend=...)`."""
+    global _default_backend
+    with _default_lock:
+        _default_backend = as_backend(backend)
+
+
+def get_default_backend() -> Backend:
+    with _default_lock:
+        if _default_backend is None:
+            raise RuntimeError(
+                "no backend: call lp.set_default_backend(lp.Engine()) or pass run(backend=...)"
+            )
+        return _default_backend
+
+
+def as_backend(backend: Any) -> Backend:
+    if isinstance(backend, Backend):
+        return backend
+    if hasattr(backend, "generate") and hasattr(backend, "tokenizer"):
+        return EngineBackend(backend)
+    raise TypeError(f"backend must be an lp.Engine or an lp.Backend, got {type(backend).__name__}")

@@ -1,0 +1,258 @@
+"""Programs end to end on the tiny model: gen, roles, fork/join, run_batch, streaming,
+variables, errors. References: Engine.generate on the same prompt, the tokenizer's own
+chat template, and engine counters."""
+
+from __future__ import annotations
+
+import html
+
+import pytest
+
+import lmprog as lp
+
+GREEDY = {"temperature": 0}
+
+
+def test_one_gen_equals_engine_generate_on_the_rendered_prompt(engine):
+    @lp.function
+    def qa(s, question):
+        s += lp.user(question)
+        s += lp.assistant(lp.gen("answer", max_tokens=12, temperature=0))
+
+    state = qa.run(question="Where is my parcel?", backend=engine)
+    tokenizer = engine.tokenizer
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Where is my parcel?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert state.text().startswith(rendered)
+    expected = engine.generate(rendered, {"max_new_tokens": 12, "temperature": 0})
+    assert state["answer"] == expected["text"]
+    assert (
+        state.get_meta_info("answer")["completion_tokens"]
+        == expected["meta_info"]["completion_tokens"]
+    )
+    # The template's default system prompt comes first; the whole conversation matches it.
+    assert state.messages()[0] == {"role": "user", "content": "Where is my parcel?"}
+    full = tokenizer.apply_chat_template(state.messages(), tokenize=False)
+    assert state.text() == full
+
+
+def test_program_defaults_are_inherited_and_bind(engine):
+    @lp.function
+    def two(s, topic):
+        s += "About " + topic + ":" + lp.gen("a") + lp.gen("b", max_tokens=2)
+
+    state = two.bind(topic="tea").run(
+        backend=engine, max_new_tokens=5, temperature=0, ignore_eos=True
+    )
+    assert state.get_meta_info("a")["completion_tokens"] == 5
+    assert state.get_meta_info("b")["completion_tokens"] == 2
+    plain = engine.generate(
+        "About tea:", {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    )
+    assert state["a"] == plain["text"]
+
+
+def test_unnamed_gens_get_stable_names_and_var_scope(engine):
+    @lp.function
+    def prog(s):
+        s += "Q: hi\nA:" + lp.gen(max_tokens=3, temperature=0) + lp.gen(max_tokens=2, temperature=0)
+        with s.var_scope("tail"):
+            s += " and more"
+
+    state = prog.run(backend=engine)
+    assert "gen_0" in state and "gen_1" in state and "gen_2" not in state
+    assert state["tail"] == " and more"
+
+
+def test_fork_prefills_the_parent_once_and_decodes_branches_together(engine):
+    trace = []
+    forward = engine.runner.forward
+
+    def traced(batch):
+        trace.append((batch.mode.name, len(batch.reqs)))
+        return forward(batch)
+
+    @lp.function
+    def sot(s):
+        s += lp.system("You plan trips. " * 20)
+        s += lp.user("Give me four ideas.")
+        forks = s.fork(4)
+        for i, f in enumerate(forks):
+            f += lp.assistant(
+                f"Idea {i}:" + lp.gen("idea", max_tokens=8, temperature=0, ignore_eos=True)
+            )
+        forks.join()
+
+    engine.flush_cache()
+    engine.reset_stats()
+    engine.runner.forward = traced
+    try:
+        state = sot.run(backend=engine)
+    finally:
+        del engine.runner.forward
+    parent_len = len(engine.encode(lp_text_before_fork(engine)))
+    stats = engine.stats()
+    # The parent prompt is computed once, not once per branch.
+    assert stats["prefill_tokens"] < parent_len + 4 * 20
+    assert stats["cached_tokens"] >= 4 * (parent_len - 1)
+    decode_sizes = [n for mode, n in trace if mode == "DECODE"]
+    assert decode_sizes and all(n == 4 for n in decode_sizes)  # the branches decode together
+    ideas = state["idea"]
+    assert isinstance(ideas, list) and len(ideas) == 4
+    for i in range(4):
+        solo = engine.generate(
+            lp_text_before_fork(engine) + lp_assistant_prefix(engine) + f"Idea {i}:",
+            {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
+        assert ideas[i] == solo["text"]  # branch order is kept
+
+
+def lp_text_before_fork(engine) -> str:
+    return engine.tokenizer.apply_chat_template(
+        [
+            {"role": "system", "content": "You plan trips. " * 20},
+            {"role": "user", "content": "Give me four ideas."},
+        ],
+        tokenize=False,
+    )
+
+
+def lp_assistant_prefix(engine) -> str:
+    return "<|im_start|>assistant\n"
+
+
+def test_join_concate_and_append(engine):
+    @lp.function
+    def prog(s):
+        s += "Start."
+        forks = s.fork(3)
+        forks += lambda i: f" branch{i}"
+        forks.join("concate_and_append")
+
+    state = prog.run(backend=engine)
+    assert state.text() == "Start. branch0 branch1 branch2"
+
+
+def test_run_batch_order_failures_and_shared_prefix(engine):
+    system = "You are a helpful shop assistant. " * 12
+
+    @lp.function
+    def ask(s, i):
+        if i == 5:
+            raise RuntimeError("program 5 fails")
+        s += lp.system(system)
+        s += lp.user(f"Question number {i}")
+        s += lp.assistant(lp.gen("a", max_tokens=2, temperature=0))
+        return i
+
+    engine.flush_cache()
+    engine.reset_stats()
+    states = ask.run_batch([{"i": i} for i in range(64)], progress_bar=True, backend=engine)
+    assert [s.ret_value for s in states if s.error() is None] == [i for i in range(64) if i != 5]
+    assert isinstance(states[5].error(), RuntimeError)
+    system_tokens = len(engine.encode(system))
+    stats = engine.stats()
+    # The shared system prompt is prefilled once; each program adds its own few tokens.
+    per_program = len(engine.encode(lp_question_suffix())) + 8
+    assert stats["prefill_tokens"] < system_tokens + 63 * per_program
+    assert stats["cached_tokens"] >= 62 * system_tokens
+
+
+def lp_question_suffix() -> str:
+    return "<|im_end|>\n<|im_start|>user\nQuestion number 10<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_streaming_increments_concatenate_to_the_final_text(engine):
+    @lp.function
+    def story(s):
+        s += "Once upon a time" + lp.gen("story", max_tokens=16, temperature=0)
+
+    state = story.run(stream=True, backend=engine)
+    pieces = list(state.text_iter())
+    assert len(pieces) > 2 and "".join(pieces) == state.text()
+    state2 = story.run(stream=True, backend=engine)
+    assert "".join(state2.text_iter("story")) == state2["story"] == state["story"]
+
+
+def test_inlining_another_program(engine):
+    @lp.function
+    def greet(s, name):
+        s += "Hello, " + name + "."
+
+    @lp.function
+    def outer(s):
+        greet(s, "Ada")
+        s += " Bye."
+
+    assert outer.run(backend=engine).text() == "Hello, Ada. Bye."
+    with pytest.raises(TypeError, match="run"):
+        greet("not a state", "Ada")
+
+
+def test_clear_errors(engine):
+    with pytest.raises(TypeError, match="placeholder"):
+        f"{lp.gen('x')}"  # noqa: B018
+    with pytest.raises(TypeError, match="placeholder"):
+        str(lp.select("x", choices=["a"]))
+    with pytest.raises(ValueError, match="non-empty"):
+        lp.select("x", choices=[])
+    with pytest.raises(TypeError, match="first parameter"):
+
+        @lp.function
+        def no_state():
+            pass
+
+    @lp.function
+    def nested(s):
+        s += lp.user_begin()
+        s += lp.assistant("hi")
+
+    with pytest.raises(RuntimeError, match="nested roles"):
+        nested.run(backend=engine)
+
+    @lp.function
+    def reads_unknown(s):
+        s += "hi"
+        return s["nope"]
+
+    with pytest.raises(KeyError, match="unknown variable 'nope'"):
+        reads_unknown.run(backend=engine)
+
+
+def test_model_without_chat_template(engine, tiny_path, tmp_path):
+    import json
+    import shutil
+
+    from lmprog_runtime import Engine
+
+    path = tmp_path / "no_template"
+    shutil.copytree(tiny_path, path)
+    (path / "chat_template.jinja").unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+    @lp.function
+    def chat(s):
+        s += lp.user("hi")
+
+    with (
+        Engine(str(path), max_total_tokens=256) as plain,
+        pytest.raises(RuntimeError, match="no chat template"),
+    ):
+        chat.run(backend=plain)
+
+
+def test_repr_html_highlights_and_escapes(engine):
+    @lp.function
+    def prog(s):
+        s += lp.user("<b>bold</b> & co")
+        s += lp.assistant(lp.gen("reply", max_tokens=4, temperature=0))
+
+    state = prog.run(backend=engine)
+    page = state._repr_html_()
+    assert html.escape("<b>bold</b> & co") in page and "<b>bold</b> & co" not in page
+    assert 'title="reply"' in page and "<b>user</b>" in page and "<b>assistant</b>" in page
