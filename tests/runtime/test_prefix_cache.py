@@ -131,8 +131,9 @@ def test_eviction_walkthrough_of_the_reference(
             engine.generate(input_ids=s_ids + branch[name], sampling_params=prefill_only)
         assert engine.memory_state()["kv_slots_cached"] == 3900
         engine.reset_stats()
-        # The requests of `locked` are running when D arrives (same admission step).
-        prompts = [s_ids + branch[name] for name in locked] + [d_ids]
+        # The requests of `locked` are running when D arrives (same admission step); each
+        # continues its branch by one new token, so its whole branch is matched and locked.
+        prompts = [s_ids + branch[name] + [77] for name in locked] + [d_ids]
         engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, "temperature": 0})
         stats = engine.stats()
         assert stats["forward_passes"] == forwards
