@@ -10,6 +10,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 
+TIE_TOLERANCE = 1e-5
+
+
 class ChoiceDecision(NamedTuple):
     index: int
     scores: list[float]
@@ -60,7 +63,8 @@ class GreedyTokenSelection(ChoicesSamplingMethod):
         alive = list(range(len(padded)))
         for j in range(width):
             best = max(padded[i][j] for i in alive)
-            alive = [i for i in alive if padded[i][j] == best]
+            # Shared leading tokens score the same up to float noise across requests.
+            alive = [i for i in alive if padded[i][j] >= best - TIE_TOLERANCE]
             if len(alive) == 1:
                 break
         scores = [_mean(lps) for lps in token_logprobs]

@@ -234,6 +234,8 @@ class StreamExecutor:
         fulls, starts = [], []
         for choice in sel.choices:
             full = self.backend.encode(st.text + choice)
+            if len(full) < 2:  # the whole prompt merged into one token with the choice
+                full = [self.backend.context_token_id, *full]
             k = _common_prefix_len(prompt, full)
             # A choice whose first token merges with the prompt's last token is scored from
             # that merged token on: the way the model would have produced the text.
