@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-
 TIE_TOLERANCE = 1e-5
 
 
