@@ -15,7 +15,10 @@ from typing import Any
 
 from lmprog.backend import as_backend, get_default_backend
 from lmprog.interpreter import SAMPLING_KEYS
+from lmprog.planner import resolve, run_waves
 from lmprog.state import ProgramState
+from lmprog.traced import TracedProgram
+from lmprog.tracer import trace
 
 # run(...) keywords that set program-level sampling defaults (gen arguments left None).
 _RUN_SAMPLING = {**{k: k for k in SAMPLING_KEYS}, "max_new_tokens": "max_tokens"}
@@ -49,20 +52,45 @@ class Function:
 
     def __call__(self, s: ProgramState, *args: Any, **kwargs: Any) -> Any:
         """Inline this program into a running one: `other_program(s, ...)`."""
-        if not isinstance(s, ProgramState):
+        from lmprog.tracer import TracerState
+
+        if not isinstance(s, (ProgramState, TracerState)):
             raise TypeError(
                 f"{self.func.__name__} is an lp.function: call .run(...) to run it, or pass the "
                 "state of the program it is called from as the first argument"
             )
         return self.func(s, *args, **{**self.bound, **kwargs})
 
+    def trace(self, *args: Any, backend: Any = None, **kwargs: Any) -> TracedProgram:
+        """Trace the program without running it: arguments not given stay symbolic.
+
+        Static errors (a variable nothing produces, duplicate or empty select choices,
+        conflicting names, an invalid regex or schema) raise ValueError here.
+
+        Example:
+            >>> traced = triage.trace()  # doctest: +SKIP
+            >>> traced.graph, traced.prefix, print(traced), traced.to_dot()  # doctest: +SKIP
+        """
+        tracer, ret = trace(self.func, args, {**self.bound, **kwargs})
+        resolved = as_backend(backend) if backend is not None else None
+        return TracedProgram(tracer.graph, tracer.stopped, ret, resolved)
+
     def run(
-        self, *args: Any, stream: bool = False, backend: Any = None, **kwargs: Any
+        self,
+        *args: Any,
+        stream: bool = False,
+        backend: Any = None,
+        eager: bool = False,
+        **kwargs: Any,
     ) -> ProgramState:
         """Run the program once. Keywords that are sampling parameters (`temperature`,
         `max_new_tokens`, `stop`, ...) become defaults for every `gen`; the rest are the
-        program's arguments. Exceptions are raised; `error()` also holds them."""
+        program's arguments. The program is traced and run as waves; a program the tracer
+        cannot see through (it branches on a generated value) runs eagerly, as does
+        `stream=True` or `eager=True`. Exceptions are raised; `error()` also holds them."""
         defaults, arguments = _split_kwargs(kwargs)
+        if not (stream or eager):
+            return self._run_traced([(args, arguments)], defaults, backend, raise_errors=True)[0]
         state = self._start(args, arguments, defaults, backend, stream)
         if not stream:
             state.sync()
@@ -76,11 +104,14 @@ class Function:
         progress_bar: bool = False,
         backend: Any = None,
         num_threads: int | None = None,
+        eager: bool = False,
         **sampling_defaults: Any,
     ) -> list[ProgramState]:
         """Run one program per item (a dict of keyword arguments or a tuple of positional
-        ones), concurrently. States come back in input order; a program that fails keeps
-        its exception in `error()` and the others finish."""
+        ones). Traced programs run together as waves after their shared constant prefix is
+        computed once; the rest (and all with `eager=True`) run concurrently, one thread
+        each. States come back in input order; a program that fails keeps its exception in
+        `error()` and the others finish."""
         defaults, extra = _split_kwargs(sampling_defaults)
         if extra:
             raise TypeError(f"run_batch got unknown keyword arguments {sorted(extra)}")
@@ -88,11 +119,27 @@ class Function:
         for item in items:
             if not isinstance(item, (dict, tuple, list)):
                 raise TypeError("run_batch takes a list of dicts (keyword args) or tuples")
-        resolved = as_backend(backend) if backend is not None else get_default_backend()
-        workers = num_threads or min(64, max(1, len(items)))
+        calls = [((), item) if isinstance(item, dict) else (tuple(item), {}) for item in items]
+        if not eager:
+            return self._run_traced(
+                calls, defaults, backend, raise_errors=False, progress=progress_bar
+            )
+        return self._run_eager(calls, defaults, backend, num_threads, progress_bar)
 
-        def one(item: dict | tuple | list) -> ProgramState:
-            args, kwargs = ((), item) if isinstance(item, dict) else (tuple(item), {})
+    def _run_eager(
+        self,
+        calls: list[tuple[tuple, dict]],
+        defaults: dict[str, Any],
+        backend: Any,
+        num_threads: int | None = None,
+        progress: bool = False,
+    ) -> list[ProgramState]:
+        """One thread per program; each state's executor sends its requests as it goes."""
+        resolved = as_backend(backend) if backend is not None else get_default_backend()
+        workers = num_threads or min(64, max(1, len(calls)))
+
+        def one(call: tuple[tuple, dict]) -> ProgramState:
+            args, kwargs = call
             state = ProgramState(resolved, defaults)
             try:
                 state.ret_value = self.func(state, *args, **{**self.bound, **kwargs})
@@ -104,12 +151,12 @@ class Function:
             return state
 
         bar = None
-        if progress_bar:
+        if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(items), desc=self.func.__name__)
+            bar = tqdm(total=len(calls), desc=self.func.__name__)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(one, item) for item in items]
+            futures = [pool.submit(one, call) for call in calls]
             states = []
             for future in futures:
                 states.append(future.result())
@@ -119,11 +166,62 @@ class Function:
             bar.close()
         return states
 
+    def _run_traced(
+        self,
+        calls: list[tuple[tuple, dict]],
+        defaults: dict[str, Any],
+        backend: Any,
+        *,
+        raise_errors: bool,
+        progress: bool = False,
+    ) -> list[ProgramState]:
+        resolved = as_backend(backend) if backend is not None else get_default_backend()
+        states: list[ProgramState | None] = [None] * len(calls)
+        traced: list[tuple[int, TracedProgram]] = []
+        eager: list[int] = []
+        for i, (args, kwargs) in enumerate(calls):
+            try:
+                program = self.trace(*args, backend=resolved, **kwargs)
+            except Exception as error:  # a static error: no request is sent for it
+                if raise_errors:
+                    raise
+                states[i] = _failed_state(resolved, defaults, error)
+                continue
+            (traced if program.is_complete else eager).append(
+                (i, program) if program.is_complete else i
+            )
+        if eager:
+            subset = [calls[i] for i in eager]
+            for i, state in zip(eager, self._run_eager(subset, defaults, resolved)):
+                states[i] = state
+        if traced:
+            results = run_waves(resolved, defaults, [p for _, p in traced])
+            for (i, program), (exec_state, error) in zip(traced, results):
+                state = ProgramState(resolved, defaults, exec_state=exec_state)
+                state._executor.error = error
+                if error is None:
+                    state.ret_value = resolve(program.ret, exec_state.variables)
+                states[i] = state
+        if raise_errors:
+            states[0]._raise_error()
+        if progress:
+            from tqdm.auto import tqdm
+
+            for _ in tqdm(states, desc=self.func.__name__):
+                pass
+        return states  # type: ignore[return-value]
+
     def _start(self, args, arguments, defaults, backend, stream) -> ProgramState:
         resolved = as_backend(backend) if backend is not None else get_default_backend()
         state = ProgramState(resolved, defaults, stream=stream)
         state.ret_value = self.func(state, *args, **{**self.bound, **arguments})
         return state
+
+
+def _failed_state(backend: Any, defaults: dict[str, Any], error: BaseException) -> ProgramState:
+    state = ProgramState(backend, defaults)
+    state._executor.error = error
+    return state
 
 
 def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

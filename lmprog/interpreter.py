@@ -1,25 +1,44 @@
-"""Executes a program's expressions against a backend, one state at a time, in order.
+"""Executes a program's expressions against a backend.
 
-Each `ProgramState` owns a `StreamExecutor`: `s += expr` puts the expression on its queue
-and returns at once; a worker thread runs the queue (constant text, roles, `gen`,
-`select`), so independent states (fork branches, programs of a batch) send their requests
-concurrently and the runtime batches them. Reading a value (`s["x"]`, `s.text()`) waits
-for the queue to drain. The first error stops the queue; it is kept for `error()`.
+`ProgramOps` holds the rules, one per node type: constant nodes (text, roles, variable
+references, var scopes) change the state directly; `gen` and `select` are split into
+"the requests to send" and "apply the results", so the eager executor below can send them
+one at a time and the wave planner (`planner.py`) can batch them across branches and
+programs.
+
+Eager execution: each `ProgramState` owns a `StreamExecutor`. `s += expr` puts the
+expression on its queue and returns at once; a worker thread runs the queue, so
+independent states (fork branches, programs of a batch) send requests concurrently and the
+runtime batches them. Reading a value waits for the queue to drain. The first error stops
+the queue; it is kept for `error()`.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from lmprog.backend import Backend
 from lmprog.chat_template import ChatRoles
 from lmprog.choices import ChoicesSamplingMethod, token_length_normalized
-from lmprog.ir import Expr, Gen, RoleBegin, RoleEnd, Select, Text, flatten
+from lmprog.ir import (
+    Expr,
+    Gen,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    Text,
+    VarRef,
+    VarScopeBegin,
+    VarScopeEnd,
+    flatten,
+)
 
 # gen() argument -> runtime sampling parameter.
 SAMPLING_KEYS = {
@@ -35,16 +54,6 @@ SAMPLING_KEYS = {
     "presence_penalty": "presence_penalty",
     "ignore_eos": "ignore_eos",
 }
-
-
-@dataclass(frozen=True, eq=False)
-class VarScopeBegin(Expr):
-    name: str
-
-
-@dataclass(frozen=True, eq=False)
-class VarScopeEnd(Expr):
-    name: str
 
 
 @dataclass
@@ -66,6 +75,7 @@ class ExecState:
     role: str | None = None  # the open role
     role_start: int = 0
     scopes: dict[str, int] = field(default_factory=dict)
+    on_emit: Callable[[str | None, str], None] | None = None  # streaming listener
 
     def copy(self) -> ExecState:
         return ExecState(
@@ -79,8 +89,166 @@ class ExecState:
             dict(self.scopes),
         )
 
+    def emit(self, text: str, kind: str = "text", name: str | None = None) -> None:
+        self.text += text
+        if text:
+            self.spans.append(Span(kind, text, name))
+        if self.on_emit is not None:
+            self.on_emit(name, text)
+
+
+class SelectPlan(NamedTuple):
+    prompt_len: int
+    fulls: list[list[int]]  # prompt + choice token ids, per choice
+    starts: list[int]  # first scored position, per choice
+    bare: list[list[int]] | None  # context token + choice tokens, for unconditional scores
+
+
+class ProgramOps:
+    """The execution rules, shared by eager and wave execution."""
+
+    def __init__(self, backend: Backend, defaults: dict[str, Any]) -> None:
+        self.backend = backend
+        self.defaults = defaults
+        self.roles = ChatRoles(backend.render_chat)
+
+    def apply_constant(self, st: ExecState, node: Expr) -> None:
+        """Text, roles, variable references and var scopes: no request needed."""
+        if isinstance(node, Text):
+            st.emit(node.value)
+        elif isinstance(node, VarRef):
+            if node.name not in st.variables:
+                raise KeyError(
+                    f"unknown variable {node.name!r}; this state has {sorted(st.variables)}"
+                )
+            st.emit(str(st.variables[node.name]))
+        elif isinstance(node, RoleBegin):
+            if st.role is not None:
+                raise ValueError(f"nested roles: {node.role!r} opened inside {st.role!r}")
+            text = self.roles.role_text(node.role, [m["role"] for m in st.messages])
+            st.emit(text.begin, "role", node.role)
+            st.role, st.role_start = node.role, len(st.text)
+        elif isinstance(node, RoleEnd):
+            if st.role != node.role:
+                raise ValueError(f"{node.role!r} role ended but {st.role!r} is open")
+            previous = [m["role"] for m in st.messages]
+            st.messages.append({"role": node.role, "content": st.text[st.role_start :]})
+            st.role = None
+            st.emit(self.roles.role_text(node.role, previous).end, "role", node.role)
+        elif isinstance(node, VarScopeBegin):
+            st.scopes[node.name] = len(st.text)
+        elif isinstance(node, VarScopeEnd):
+            st.variables[node.name] = st.text[st.scopes.pop(node.name) :]
+        else:
+            raise TypeError(f"the interpreter has no rule for {type(node).__name__} nodes")
+
+    # ---- gen ------------------------------------------------------------------------------
+    def gen_request(self, st: ExecState, gen: Gen) -> tuple[list[int], dict[str, Any]]:
+        if gen.regex is not None or gen.json_schema is not None or gen.dtype is not None:
+            raise NotImplementedError(
+                "regex / json_schema / dtype-constrained generation needs constrained decoding, "
+                "which the runtime does not provide yet"
+            )
+        params = {SAMPLING_KEYS[k]: v for k, v in self.defaults.items() if v is not None}
+        params.update({SAMPLING_KEYS[k]: v for k, v in gen.sampling.items() if v is not None})
+        return self.backend.encode(st.text), params
+
+    @staticmethod
+    def finish_gen(st: ExecState, gen: Gen, out: dict[str, Any], emitted: bool = False) -> None:
+        if not emitted:
+            st.emit(out["text"], "gen", gen.name)
+        st.variables[gen.name] = out["text"]
+        st.meta[gen.name] = out["meta_info"]
+
+    # ---- select ---------------------------------------------------------------------------
+    def select_plan(self, st: ExecState, sel: Select) -> SelectPlan:
+        prompt = self.backend.encode(st.text)
+        if not prompt:
+            raise ValueError("select needs some prompt text before it")
+        fulls, starts = [], []
+        for choice in sel.choices:
+            full = self.backend.encode(st.text + choice)
+            if len(full) < 2:  # the whole prompt merged into one token with the choice
+                full = [self.backend.context_token_id, *full]
+            # A choice whose first token merges with the prompt's last token is scored from
+            # that merged token on: the way the model would have produced the text.
+            k = max(1, min(_common_prefix_len(prompt, full), len(full) - 1))
+            fulls.append(full)
+            starts.append(k)
+        bare = None
+        if _method(sel).needs_unconditional:
+            ctx = self.backend.context_token_id
+            bare = [[ctx, *full[k:]] for full, k in zip(fulls, starts)]
+        return SelectPlan(len(prompt), fulls, starts, bare)
+
+    def select_requests(self, plan: SelectPlan) -> tuple[list[list[int]], list[int]]:
+        """All prefill-only scoring requests of one select: (input ids, logprob starts)."""
+        ids, starts = list(plan.fulls), list(plan.starts)
+        if plan.bare is not None:
+            ids += plan.bare
+            starts += [1] * len(plan.bare)
+        return ids, starts
+
+    @staticmethod
+    def finish_select(st: ExecState, sel: Select, plan: SelectPlan, outs: list[dict]) -> None:
+        n = len(sel.choices)
+        token_lps = [[lp for lp, _ in o["meta_info"]["input_token_logprobs"]] for o in outs[:n]]
+        unconditional = None
+        if plan.bare is not None:
+            unconditional = [
+                [lp for lp, _ in o["meta_info"]["input_token_logprobs"]] for o in outs[n:]
+            ]
+        method = _method(sel)
+        decision = method.decide(token_lps, unconditional)
+        index = decision.index
+        if sel.temperature > 0:
+            top = max(decision.scores)
+            weights = [math.exp((s - top) / sel.temperature) for s in decision.scores]
+            index = random.choices(range(n), weights=weights)[0]
+        choice = sel.choices[index]
+        st.emit(choice, "select", sel.name)
+        st.variables[sel.name] = choice
+        st.meta[sel.name] = {
+            "choice": choice,
+            "choices": list(sel.choices),
+            "method": method.name,
+            "scores": decision.scores,
+            "token_logprobs": token_lps,
+            "unconditional_token_logprobs": unconditional,
+            "prompt_tokens": plan.prompt_len,
+            "completion_tokens": len(plan.fulls[index]) - plan.starts[index],
+            "cached_tokens": outs[index]["meta_info"]["cached_tokens"],
+            "finish_reason": {"type": "select", "matched": choice},
+        }
+
+
+def score_requests(
+    backend: Backend, requests: list[tuple[list[list[int]], list[int]]]
+) -> list[list[dict]]:
+    """Send several selects' scoring requests as one co-scheduled batch."""
+    ids = [i for req_ids, _ in requests for i in req_ids]
+    starts = [s for _, req_starts in requests for s in req_starts]
+    outs = backend.generate(
+        ids,
+        [{"max_new_tokens": 0}] * len(ids),
+        group=True,
+        return_logprob=True,
+        logprob_start_len=starts,
+    )
+    split, offset = [], 0
+    for req_ids, _ in requests:
+        split.append(outs[offset : offset + len(req_ids)])
+        offset += len(req_ids)
+    return split
+
+
+def _method(sel: Select) -> ChoicesSamplingMethod:
+    return sel.choices_method or token_length_normalized
+
 
 class StreamExecutor:
+    """Runs one state's expressions, in order, on a worker thread."""
+
     def __init__(
         self,
         backend: Backend,
@@ -90,10 +258,10 @@ class StreamExecutor:
         state: ExecState | None = None,
         gate: ForkGate | None = None,
     ) -> None:
-        self.backend = backend
-        self.defaults = defaults
+        self.ops = ProgramOps(backend, defaults)
         self.is_stream = stream
         self.state = state or ExecState()
+        self.state.on_emit = self._on_emit
         self.gate = gate
         self.error: BaseException | None = None
         self._queue: queue.Queue[Expr | None] = queue.Queue()
@@ -101,17 +269,22 @@ class StreamExecutor:
         self._events_cv = threading.Condition()
         self._closed = False
         self._auto_names = 0
-        self._roles = ChatRoles(backend.render_chat)
         self._thread = threading.Thread(target=self._run, name="lmprog-program", daemon=True)
         self._thread.start()
 
     # ---- caller side ----------------------------------------------------------------------
     def submit(self, expr: Expr) -> None:
         for leaf in flatten(expr):
-            if isinstance(leaf, (Gen, Select)) and leaf.name is None:
-                leaf = _named(leaf, f"gen_{self._auto_names}")  # stable: gen_0, gen_1, ...
-                self._auto_names += 1
-            self._queue.put(leaf)
+            self._queue.put(self.name_leaf(leaf))
+
+    def name_leaf(self, leaf: Expr) -> Expr:
+        """Unnamed gens / selects get stable names: gen_0, gen_1, ..."""
+        if isinstance(leaf, (Gen, Select)) and leaf.name is None:
+            from dataclasses import replace
+
+            leaf = replace(leaf, name=f"gen_{self._auto_names}")
+            self._auto_names += 1
+        return leaf
 
     def sync(self) -> None:
         self._queue.join()
@@ -141,6 +314,11 @@ class StreamExecutor:
     def _finished(self) -> bool:
         return self._closed and self._queue.unfinished_tasks == 0
 
+    def _on_emit(self, name: str | None, text: str) -> None:
+        with self._events_cv:
+            self._events.append((name, text))
+            self._events_cv.notify_all()
+
     # ---- worker ---------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -157,135 +335,27 @@ class StreamExecutor:
             if expr is None:
                 return
 
-    def _emit(self, text: str, kind: str = "text", name: str | None = None) -> None:
-        st = self.state
-        st.text += text
-        if text:
-            st.spans.append(Span(kind, text, name))
-        with self._events_cv:
-            self._events.append((name, text))
-            self._events_cv.notify_all()
-
     def _execute(self, expr: Expr) -> None:
-        st = self.state
-        if isinstance(expr, Text):
-            self._emit(expr.value)
-        elif isinstance(expr, RoleBegin):
-            if st.role is not None:
-                raise ValueError(f"nested roles: {expr.role!r} opened inside {st.role!r}")
-            text = self._roles.role_text(expr.role, [m["role"] for m in st.messages])
-            self._emit(text.begin, "role", expr.role)
-            st.role, st.role_start = expr.role, len(st.text)
-        elif isinstance(expr, RoleEnd):
-            if st.role != expr.role:
-                raise ValueError(f"{expr.role!r} role ended but {st.role!r} is open")
-            content = st.text[st.role_start :]
-            previous = [m["role"] for m in st.messages]
-            st.messages.append({"role": expr.role, "content": content})
-            st.role = None
-            self._emit(self._roles.role_text(expr.role, previous).end, "role", expr.role)
-        elif isinstance(expr, Gen):
-            self._gen(expr)
-        elif isinstance(expr, Select):
-            self._select(expr)
-        elif isinstance(expr, VarScopeBegin):
-            st.scopes[expr.name] = len(st.text)
-        elif isinstance(expr, VarScopeEnd):
-            st.variables[expr.name] = st.text[st.scopes.pop(expr.name) :]
-        else:
-            raise TypeError(f"the interpreter has no rule for {type(expr).__name__} nodes")
-
-    def _sampling_params(self, gen: Gen) -> dict[str, Any]:
-        params = {SAMPLING_KEYS[k]: v for k, v in self.defaults.items() if v is not None}
-        params.update({SAMPLING_KEYS[k]: v for k, v in gen.sampling.items() if v is not None})
-        return params
-
-    def _gen(self, gen: Gen) -> None:
-        if gen.regex is not None or gen.json_schema is not None or gen.dtype is not None:
-            raise NotImplementedError(
-                "regex / json_schema / dtype-constrained generation needs constrained decoding, "
-                "which the runtime does not provide yet"
-            )
-        if gen.sampling.get("choices"):
-            raise AssertionError("gen(choices=...) is turned into a select by lp.gen")
-        params = self._sampling_params(gen)
-        ids = self.backend.encode(self.state.text)
-        if self.is_stream and self.gate is None:
-            text, meta = "", {}
-            for chunk in self.backend.generate_stream(ids, params):
-                text += chunk["text"]
-                meta = chunk["meta_info"]
-                self._emit(chunk["text"], "gen", gen.name)
-        else:
-            if self.gate is not None:
-                out = self.gate.generate(ids, params)
+        st, ops = self.state, self.ops
+        if isinstance(expr, Gen):
+            ids, params = ops.gen_request(st, expr)
+            if self.is_stream and self.gate is None:
+                text, meta = "", {}
+                for chunk in ops.backend.generate_stream(ids, params):
+                    text += chunk["text"]
+                    meta = chunk["meta_info"]
+                    st.emit(chunk["text"], "gen", expr.name)
+                ops.finish_gen(st, expr, {"text": text, "meta_info": meta}, emitted=True)
+            elif self.gate is not None:
+                ops.finish_gen(st, expr, self.gate.generate(ids, params))
             else:
-                out = self.backend.generate([ids], [params])[0]
-            text, meta = out["text"], out["meta_info"]
-            self._emit(text, "gen", gen.name)
-        self.state.variables[gen.name] = text
-        self.state.meta[gen.name] = meta
-
-    def _select(self, sel: Select) -> None:
-        st = self.state
-        prompt = self.backend.encode(st.text)
-        if not prompt:
-            raise ValueError("select needs some prompt text before it")
-        fulls, starts = [], []
-        for choice in sel.choices:
-            full = self.backend.encode(st.text + choice)
-            if len(full) < 2:  # the whole prompt merged into one token with the choice
-                full = [self.backend.context_token_id, *full]
-            k = _common_prefix_len(prompt, full)
-            # A choice whose first token merges with the prompt's last token is scored from
-            # that merged token on: the way the model would have produced the text.
-            k = max(1, min(k, len(full) - 1))
-            fulls.append(full)
-            starts.append(k)
-        outs = self.backend.generate(
-            fulls,
-            [{"max_new_tokens": 0}] * len(fulls),
-            group=True,
-            return_logprob=True,
-            logprob_start_len=starts,
-        )
-        token_lps = [[lp for lp, _ in o["meta_info"]["input_token_logprobs"]] for o in outs]
-        unconditional = None
-        method: ChoicesSamplingMethod = sel.choices_method or token_length_normalized
-        if method.needs_unconditional:
-            ctx = self.backend.context_token_id
-            bare = [[ctx] + full[k:] for full, k in zip(fulls, starts)]
-            plain = self.backend.generate(
-                bare,
-                [{"max_new_tokens": 0}] * len(bare),
-                return_logprob=True,
-                logprob_start_len=[1] * len(bare),
-            )
-            unconditional = [
-                [lp for lp, _ in o["meta_info"]["input_token_logprobs"]] for o in plain
-            ]
-        decision = method.decide(token_lps, unconditional)
-        index = decision.index
-        if sel.temperature > 0:
-            weights = [
-                _softmax_weight(s, decision.scores, sel.temperature) for s in decision.scores
-            ]
-            index = random.choices(range(len(sel.choices)), weights=weights)[0]
-        choice = sel.choices[index]
-        self._emit(choice, "select", sel.name)
-        st.variables[sel.name] = choice
-        st.meta[sel.name] = {
-            "choice": choice,
-            "choices": list(sel.choices),
-            "method": method.name,
-            "scores": decision.scores,
-            "token_logprobs": token_lps,
-            "unconditional_token_logprobs": unconditional,
-            "prompt_tokens": len(prompt),
-            "completion_tokens": len(fulls[index]) - starts[index],
-            "cached_tokens": outs[index]["meta_info"]["cached_tokens"],
-            "finish_reason": {"type": "select", "matched": choice},
-        }
+                ops.finish_gen(st, expr, ops.backend.generate([ids], [params])[0])
+        elif isinstance(expr, Select):
+            plan = ops.select_plan(st, expr)
+            outs = score_requests(ops.backend, [ops.select_requests(plan)])[0]
+            ops.finish_select(st, expr, plan, outs)
+        else:
+            ops.apply_constant(st, expr)
 
 
 class ForkGate:
@@ -337,22 +407,9 @@ class ForkGate:
             b["done"] = True
 
 
-def _named(leaf: Gen | Select, name: str) -> Gen | Select:
-    from dataclasses import replace
-
-    return replace(leaf, name=name)
-
-
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _softmax_weight(score: float, scores: list[float], temperature: float) -> float:
-    import math
-
-    top = max(scores)
-    return math.exp((score - top) / temperature)

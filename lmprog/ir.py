@@ -12,8 +12,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class ConcreteValueNeeded(TypeError):
+    """Python code asked a placeholder for its value (str(), an f-string, `if`, ==, int())."""
+
+    def __init__(self, expr: Expr, operation: str) -> None:
+        self.operation = operation
+        self.expr = expr
+        super().__init__(
+            f"{operation} of {expr!r}: it is a placeholder for a value produced when the "
+            "program runs; append it with `s += ...` and read the result with `s[name]`"
+        )
+
+
 class Expr:
-    """Base of every node. `a + b` concatenates (strings are wrapped as `Text`)."""
+    """Base of every node. `a + b` concatenates (strings are wrapped as `Text`).
+
+    Asking a node for a concrete value raises `ConcreteValueNeeded`; the tracer stops there.
+    """
 
     def __add__(self, other: Expr | str) -> Concat:
         return Concat((self, as_expr(other)))
@@ -22,41 +37,78 @@ class Expr:
         return Concat((as_expr(other), self))
 
     def __str__(self) -> str:
-        raise TypeError(
-            f"{type(self).__name__} is a placeholder for text generated later; append it with "
-            "`s += ...` and read the result with `s[name]`"
-        )
+        raise ConcreteValueNeeded(self, "str()")
 
     def __format__(self, spec: str) -> str:
-        return str(self)
+        raise ConcreteValueNeeded(self, "an f-string")
 
     def __bool__(self) -> bool:
-        raise TypeError(
-            f"{type(self).__name__} has no value yet; read `s[name]` after appending it"
-        )
+        raise ConcreteValueNeeded(self, "a truth test (if / while / and / or)")
+
+    def __eq__(self, other: object) -> bool:
+        raise ConcreteValueNeeded(self, "a comparison (==)")
+
+    def __ne__(self, other: object) -> bool:
+        raise ConcreteValueNeeded(self, "a comparison (!=)")
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __int__(self) -> int:
+        raise ConcreteValueNeeded(self, "int()")
+
+    def __float__(self) -> float:
+        raise ConcreteValueNeeded(self, "float()")
+
+    def __index__(self) -> int:
+        raise ConcreteValueNeeded(self, "use as an index")
+
+    def __len__(self) -> int:
+        raise ConcreteValueNeeded(self, "len()")
+
+    def __iter__(self):
+        raise ConcreteValueNeeded(self, "iteration")
+
+    def __getitem__(self, key: object) -> object:
+        raise ConcreteValueNeeded(self, "indexing")
+
+    def __contains__(self, item: object) -> bool:
+        raise ConcreteValueNeeded(self, "`in`")
+
+    def __repr__(self) -> str:
+        parts = []
+        for key, value in vars(self).items():
+            if isinstance(value, dict):
+                value = {k: v for k, v in value.items() if v is not None}
+                if not value:
+                    continue
+            elif value is None:
+                continue
+            parts.append(f"{key}={value!r}")
+        return f"{type(self).__name__}({', '.join(parts)})"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Text(Expr):
     value: str
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Concat(Expr):
     parts: tuple[Expr, ...]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class RoleBegin(Expr):
     role: str
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class RoleEnd(Expr):
     role: str
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Gen(Expr):
     """Generate text into variable `name`; every sampling field None = program default."""
 
@@ -67,7 +119,7 @@ class Gen(Expr):
     dtype: type | None = None
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Select(Expr):
     """Pick one of `choices` by the model's likelihood; stores it in `name`."""
 
@@ -75,6 +127,52 @@ class Select(Expr):
     choices: tuple[str, ...]
     temperature: float
     choices_method: Any
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Argument(Expr):
+    """A program argument left symbolic when tracing."""
+
+    name: str
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class VarRef(Expr):
+    """The value of variable `name`, produced by an earlier gen / select / var scope."""
+
+    name: str
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class VarScopeBegin(Expr):
+    name: str
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class VarScopeEnd(Expr):
+    name: str
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Fork(Expr):
+    """The state splits into `num_branches` copies (fork `fork_id`)."""
+
+    fork_id: int
+    num_branches: int
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class ForkItem(Expr):
+    """The start of branch `index` of fork `fork_id`."""
+
+    fork_id: int
+    index: int
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Join(Expr):
+    fork_id: int
+    mode: str
 
 
 def as_expr(value: Expr | str) -> Expr:

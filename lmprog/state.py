@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from lmprog.backend import Backend
-from lmprog.interpreter import ExecState, ForkGate, StreamExecutor, VarScopeBegin, VarScopeEnd
-from lmprog.ir import Expr, RoleBegin, RoleEnd, as_expr
+from lmprog.interpreter import ExecState, ForkGate, StreamExecutor
+from lmprog.ir import Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, as_expr
 
 JOIN_MODES = ("gather_variable", "concate_and_append")
 

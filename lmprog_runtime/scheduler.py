@@ -123,12 +123,14 @@ class Scheduler:
             members = [m for m in members if m in self.waiting]
             if len(members) == 1 and self._shares_uncached_prefix(req, blocks):
                 continue  # compute the shared prefix once: this one reuses it next step
-            if num_active + len(members) > cfg.max_running_requests or (
-                self.req_to_token.num_free < len(members)
-            ):
-                if req.group is not None:
+            room = min(cfg.max_running_requests - num_active, self.req_to_token.num_free)
+            if len(members) > room:
+                if req.group is not None and not entries and not self.running and room > 0:
+                    members = members[:room]  # a group too big to ever fit goes in parts
+                elif req.group is not None:
                     continue
-                break
+                else:
+                    break
             # Lock the matched prefixes first: what is left evictable is then exact.
             for member in members:
                 self._claim(member)
@@ -186,6 +188,8 @@ class Scheduler:
             need = pages * self.allocator.page_size
             reserve = int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
             if need + reserve > available and (entries or plan or self.running):
+                if plan and not entries and not self.running:
+                    return plan  # a group larger than the pool is admitted in parts
                 return None
             available -= need + reserve
             budget -= extend

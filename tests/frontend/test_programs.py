@@ -218,8 +218,12 @@ def test_clear_errors(engine):
         s += "hi"
         return s["nope"]
 
+    engine.reset_stats()
+    with pytest.raises(ValueError, match="reads variable 'nope'"):
+        reads_unknown.run(backend=engine)  # a static error: caught by the tracer
+    assert engine.stats()["forward_passes"] == 0
     with pytest.raises(KeyError, match="unknown variable 'nope'"):
-        reads_unknown.run(backend=engine)
+        reads_unknown.run(backend=engine, eager=True)
 
 
 def test_model_without_chat_template(engine, tiny_path, tmp_path):

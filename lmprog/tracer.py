@@ -1,0 +1,276 @@
+"""Run a program symbolically and record its IR as a dataflow graph (networkx).
+
+The tracer hands the program a `TracerState` instead of a real state. Appending records IR
+nodes in text order; `s[name]` returns a `VarRef` (a data dependency on the node that
+produces `name`); arguments not given to `trace(...)` are symbolic `Argument`s. When the
+Python code needs a concrete generated value (an `if` on it, `int()`, an f-string), the
+trace stops there and records why: it never guesses.
+
+Edges carry `kind`: "text" (text order), "data" (a value flows from its producer), or
+"text+data". Static checks run while tracing, before any request is sent: reading a variable nothing
+produces, conflicting variable names in one scope, and invalid regexes or JSON schemas.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import networkx as nx
+
+from lmprog.ir import (
+    Argument,
+    ConcreteValueNeeded,
+    Expr,
+    Fork,
+    ForkItem,
+    Gen,
+    Join,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    VarRef,
+    VarScopeBegin,
+    VarScopeEnd,
+    as_expr,
+    flatten,
+)
+
+Path = tuple[tuple[int, int], ...]  # (fork id, branch index) from the root to a stream
+
+
+class TraceStop(Exception):
+    """Raised inside the traced program when it needs a concrete value."""
+
+
+class _Stream:
+    """One sequence of nodes in text order: the root state or a fork branch."""
+
+    def __init__(self, path: Path, last: int | None, producers: dict[str, int]) -> None:
+        self.path = path
+        self.last = last
+        self.producers = dict(producers)  # variable -> node that produces it
+        self.local: set[str] = set()  # variables produced in this stream (conflict check)
+        self.auto_names = 0
+
+
+class Tracer:
+    def __init__(self) -> None:
+        self.graph = nx.DiGraph()
+        self.stopped: str | None = None
+        self._next_id = 0
+        self._next_fork = 0
+
+    def add(self, stream: _Stream, node: Expr, after: list[int] | None = None) -> int:
+        _check_static(node)
+        nid = self._next_id
+        self._next_id += 1
+        self.graph.add_node(nid, node=node, path=stream.path)
+        for prev in (
+            after if after is not None else ([stream.last] if stream.last is not None else [])
+        ):
+            self.graph.add_edge(prev, nid, kind="text")
+        stream.last = nid
+        if isinstance(node, VarRef):
+            if node.name not in stream.producers:
+                raise ValueError(
+                    f"the program reads variable {node.name!r}, which no earlier node produces"
+                )
+            self.add_data_edge(stream.producers[node.name], nid)
+        name = _produced_name(node)
+        if name is not None:
+            if name in stream.local:
+                raise ValueError(f"variable {name!r} is produced twice in one scope")
+            stream.local.add(name)
+            stream.producers[name] = nid
+        return nid
+
+    def add_data_edge(self, producer: int, consumer: int) -> None:
+        """Edge kinds: "text", "data", or "text+data" when a value flows along text order."""
+        if self.graph.has_edge(producer, consumer):
+            self.graph.edges[producer, consumer]["kind"] = "text+data"
+        else:
+            self.graph.add_edge(producer, consumer, kind="data")
+
+
+class TracerState:
+    """What a traced program receives as `s`."""
+
+    def __init__(self, tracer: Tracer, stream: _Stream) -> None:
+        self._tracer = tracer
+        self._stream = stream
+        self.ret_value: Any = None
+
+    def __iadd__(self, expr: Expr | str) -> TracerState:
+        for leaf in flatten(as_expr(expr)):
+            if isinstance(leaf, (Gen, Select)) and leaf.name is None:
+                from dataclasses import replace
+
+                leaf = replace(leaf, name=f"gen_{self._stream.auto_names}")
+                self._stream.auto_names += 1
+            self._tracer.add(self._stream, leaf)
+        return self
+
+    def __getitem__(self, name: str) -> VarRef:
+        if name not in self._stream.producers:
+            raise ValueError(f"the program reads variable {name!r}, which no earlier node produces")
+        return VarRef(name)
+
+    def _stop(self, why: str) -> None:
+        raise TraceStop(why)
+
+    def __contains__(self, name: str) -> bool:
+        self._stop("`in` on the state")
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._stop(f"assignment s[{name!r}] = ...")
+
+    def text(self) -> str:
+        self._stop("s.text()")
+
+    def messages(self) -> list:
+        self._stop("s.messages()")
+
+    def get_meta_info(self, name: str) -> dict:
+        self._stop(f"s.get_meta_info({name!r})")
+
+    def sync(self) -> None:
+        pass
+
+    def error(self) -> None:
+        return None
+
+    @contextmanager
+    def _role(self, role: str) -> Iterator[TracerState]:
+        self._tracer.add(self._stream, RoleBegin(role))
+        yield self
+        self._tracer.add(self._stream, RoleEnd(role))
+
+    def system(self):
+        return self._role("system")
+
+    def user(self):
+        return self._role("user")
+
+    def assistant(self):
+        return self._role("assistant")
+
+    @contextmanager
+    def var_scope(self, name: str) -> Iterator[TracerState]:
+        self._tracer.add(self._stream, VarScopeBegin(name))
+        yield self
+        self._tracer.add(self._stream, VarScopeEnd(name))
+
+    def fork(self, num_branches: int) -> TracerGroup:
+        if not isinstance(num_branches, int) or num_branches < 1:
+            raise ValueError(f"fork needs a positive number of branches, got {num_branches!r}")
+        tracer = self._tracer
+        fork_id = tracer._next_fork
+        tracer._next_fork += 1
+        fork_node = tracer.add(self._stream, Fork(fork_id, num_branches))
+        branches = []
+        for i in range(num_branches):
+            stream = _Stream(self._stream.path + ((fork_id, i),), fork_node, self._stream.producers)
+            tracer.add(stream, ForkItem(fork_id, i))
+            branches.append(TracerState(tracer, stream))
+        return TracerGroup(self, branches, fork_id)
+
+
+class TracerGroup:
+    def __init__(self, parent: TracerState, branches: list[TracerState], fork_id: int) -> None:
+        self._parent = parent
+        self._branches = branches
+        self._fork_id = fork_id
+
+    def __len__(self) -> int:
+        return len(self._branches)
+
+    def __getitem__(self, i: int) -> TracerState:
+        return self._branches[i]
+
+    def __iter__(self) -> Iterator[TracerState]:
+        return iter(self._branches)
+
+    def __iadd__(self, other: Any) -> TracerGroup:
+        if isinstance(other, list):
+            if len(other) != len(self._branches):
+                raise ValueError(f"{len(other)} items for {len(self._branches)} branches")
+            items = other
+        elif callable(other) and not isinstance(other, Expr):
+            items = [other(i) for i in range(len(self._branches))]
+        else:
+            items = [other] * len(self._branches)
+        for branch, item in zip(self._branches, items):
+            branch += item
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        from lmprog.state import JOIN_MODES
+
+        if mode not in JOIN_MODES:
+            raise ValueError(f"join mode must be one of {JOIN_MODES}, got {mode!r}")
+        parent = self._parent._stream
+        tracer = self._parent._tracer
+        lasts = [b._stream.last for b in self._branches]
+        join_node = tracer.add(parent, Join(self._fork_id, mode), after=lasts)
+        if mode == "gather_variable":
+            for branch in self._branches:
+                for name in branch._stream.local:
+                    parent.producers[name] = join_node
+                    tracer.add_data_edge(branch._stream.producers[name], join_node)
+
+
+def trace(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Tracer, Any]:
+    """Trace `func(s, *args, **kwargs)`; parameters not given become symbolic Arguments."""
+    params = list(inspect.signature(func).parameters.values())[1:]
+    bound = dict(kwargs)
+    for i, p in enumerate(params):
+        if i < len(args):
+            continue
+        if p.name not in bound and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            bound[p.name] = (
+                p.default if p.default is not inspect.Parameter.empty else Argument(p.name)
+            )
+    tracer = Tracer()
+    state = TracerState(tracer, _Stream((), None, {}))
+    ret = None
+    try:
+        ret = func(state, *args, **bound)
+    except TraceStop as stop:
+        tracer.stopped = str(stop)
+    except ConcreteValueNeeded as need:
+        tracer.stopped = f"{need.operation} of {need.expr!r}"
+    return tracer, ret
+
+
+def _produced_name(node: Expr) -> str | None:
+    if isinstance(node, (Gen, Select)):
+        return node.name
+    if isinstance(node, VarScopeEnd):
+        return node.name
+    return None
+
+
+def _check_static(node: Expr) -> None:
+    if isinstance(node, Gen):
+        if node.regex is not None:
+            try:
+                import interegular
+
+                interegular.parse_pattern(node.regex)
+            except Exception as error:
+                raise ValueError(
+                    f"gen {node.name!r} has an invalid regex {node.regex!r}: {error}"
+                ) from error
+        if node.json_schema is not None:
+            try:
+                schema = json.loads(node.json_schema)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"gen {node.name!r} has an invalid JSON schema: {error}"
+                ) from error
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"gen {node.name!r}: a JSON schema must be an object or a bool")

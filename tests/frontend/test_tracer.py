@@ -1,0 +1,202 @@
+"""Tracing programs into IR graphs, static checks, and wave execution against eager runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import lmprog as lp
+from lmprog.ir import Fork, ForkItem, Gen, Join, Select, Text
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+
+def _kinds(traced) -> list[str]:
+    return [type(traced.graph.nodes[n]["node"]).__name__ for n in sorted(traced.graph)]
+
+
+def _data_edges(traced) -> list[tuple[int, int]]:
+    return [(a, b) for a, b, d in traced.graph.edges(data=True) if "data" in d["kind"]]
+
+
+def test_few_shot_graph_is_a_chain_with_a_constant_prefix():
+    from few_shot_qa import few_shot_qa
+
+    traced = few_shot_qa.trace(question="Who wrote Hamlet?")
+    assert traced.is_complete
+    kinds = _kinds(traced)
+    assert kinds[-1] == "Gen" and kinds.count("Gen") == 1
+    assert all(
+        traced.graph.out_degree(n) == 1 for n in sorted(traced.graph)[:-1]
+    )  # one text-order chain
+    assert traced.prefix.startswith("Answer each question in one word.\n\nQuestion: What is")
+    assert traced.prefix.endswith("Question: Who wrote Hamlet?\nAnswer:")
+    assert "gen answer" in str(traced) and "digraph" in traced.to_dot()
+    assert traced._repr_svg_().startswith("<svg")
+
+
+def test_symbolic_arguments_stop_the_prefix():
+    @lp.function
+    def qa(s, question):
+        s += "Q: " + question + "\nA:" + lp.gen("a")
+
+    traced = qa.trace()
+    assert traced.prefix == "Q: "
+    assert "argument question" in str(traced)
+
+
+def test_fork_join_graph_and_data_edges():
+    @lp.function
+    def prog(s):
+        s += "Plan:" + lp.gen("plan", max_tokens=4)
+        forks = s.fork(3)
+        forks += lambda i: f" step {i}:" + lp.gen("step", max_tokens=4)
+        forks.join()
+        s += " Summary of " + s["plan"] + lp.gen("summary", max_tokens=4)
+
+    traced = prog.trace()
+    g = traced.graph
+    fork = next(n for n in g if isinstance(g.nodes[n]["node"], Fork))
+    join = next(n for n in g if isinstance(g.nodes[n]["node"], Join))
+    items = [n for n in g.successors(fork) if isinstance(g.nodes[n]["node"], ForkItem)]
+    assert len(items) == 3
+    text_into_join = [p for p in g.predecessors(join) if "text" in g.edges[p, join]["kind"]]
+    assert len(text_into_join) == 3  # every branch ends in the join
+    steps = [
+        n for n in g if isinstance(g.nodes[n]["node"], Gen) and g.nodes[n]["node"].name == "step"
+    ]
+    assert len(steps) == 3 and all((s, join) in _data_edges(traced) for s in steps)
+    plan = next(
+        n for n in g if isinstance(g.nodes[n]["node"], Gen) and g.nodes[n]["node"].name == "plan"
+    )
+    assert any(a == plan for a, _ in _data_edges(traced))  # s["plan"] is read later
+
+
+def test_nested_forks_and_inlined_programs():
+    @lp.function
+    def leaf(s, label):
+        s += " " + label + lp.gen("leaf", max_tokens=2)
+
+    @lp.function
+    def tree(s):
+        s += "Root."
+        outer = s.fork(2)
+        for i, branch in enumerate(outer):
+            inner = branch.fork(2)
+            for j, b in enumerate(inner):
+                leaf(b, f"{i}.{j}")  # another program, inlined
+            inner.join()
+        outer.join()
+
+    traced = tree.trace()
+    kinds = _kinds(traced)
+    assert kinds.count("Fork") == 3 and kinds.count("Join") == 3 and kinds.count("Gen") == 4
+    paths = {traced.graph.nodes[n]["path"] for n in traced.graph}
+    assert max(len(p) for p in paths) == 2  # branches of branches
+    assert any(
+        isinstance(n, Text) and n.value == " 1.0" for _, n in traced.stream(((0, 1), (2, 0)))
+    )
+
+
+def test_trace_stops_where_python_needs_a_value():
+    from react_loop import support_agent
+
+    traced = support_agent.trace(question="Where is my order?")
+    assert not traced.is_complete and "comparison" in traced.stopped
+    assert any(isinstance(d["node"], Select) for _, d in traced.graph.nodes(data=True))
+
+    @lp.function
+    def counts(s):
+        s += "n=" + lp.gen("n", max_tokens=2)
+        return int(s["n"])
+
+    assert "int()" in counts.trace().stopped
+
+
+def test_static_errors_before_any_request(engine):
+    @lp.function
+    def unknown(s):
+        s += "x" + s["missing"]
+
+    @lp.function
+    def twice(s):
+        s += lp.gen("a", max_tokens=1) + lp.gen("a", max_tokens=1)
+
+    @lp.function
+    def bad_regex(s):
+        s += lp.gen("a", regex="(unclosed")
+
+    @lp.function
+    def bad_schema(s):
+        s += lp.gen("a", json_schema="{not json")
+
+    @lp.function
+    def empty_select(s):
+        s += lp.select("a", choices=[])
+
+    @lp.function
+    def duplicate_select(s):
+        s += lp.select("a", choices=["x", "x"])
+
+    engine.reset_stats()
+    cases = [
+        (unknown, "missing"),
+        (twice, "produced twice"),
+        (bad_regex, "invalid regex"),
+        (bad_schema, "invalid JSON schema"),
+        (empty_select, "non-empty"),
+        (duplicate_select, "duplicate"),
+    ]
+    for program, message in cases:
+        with pytest.raises(ValueError, match=message):
+            program.trace()
+        with pytest.raises(ValueError, match=message):
+            program.run(backend=engine)
+    states = twice.run_batch([{}, {}], backend=engine)
+    assert all(isinstance(s.error(), ValueError) for s in states)
+    assert engine.stats()["forward_passes"] == 0  # nothing reached the engine
+
+
+@pytest.mark.parametrize(
+    ("module", "program", "kwargs"),
+    [
+        ("few_shot_qa", "few_shot_qa", {"question": "Who wrote Hamlet?"}),
+        ("select_classifier", "classify", {"message": "My parcel is late."}),
+        ("skeleton_of_thought", "skeleton_of_thought", {"topic": "tea"}),
+        ("react_loop", "support_agent", {"question": "Where is my order 1042?"}),
+    ],
+)
+def test_waves_give_the_same_results_as_eager_execution(engine, module, program, kwargs):
+    prog = getattr(__import__(module), program)
+    waves = prog.run(backend=engine, temperature=0, **kwargs)
+    eager = prog.run(backend=engine, temperature=0, eager=True, **kwargs)
+    assert waves.text() == eager.text()
+    assert waves.ret_value == eager.ret_value
+
+
+def test_run_batch_waves_prefill_a_shared_system_prompt_exactly_once(engine):
+    system = "You are the assistant of a small bookshop; answer briefly. " * 10
+
+    @lp.function
+    def ask(s, i):
+        s += lp.system(system)
+        s += lp.user(f"Question {i}?")
+        s += lp.assistant(lp.gen("a", max_tokens=2, temperature=0))
+
+    engine.flush_cache()
+    engine.reset_stats()
+    states = ask.run_batch([{"i": i} for i in range(64)], backend=engine)
+    assert all(s.error() is None for s in states)
+    rendered = engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}], tokenize=False
+    )
+    prefix_tokens = len(engine.encode(rendered))
+    suffix_tokens = len(engine.encode("Question 10?<|im_end|>\n<|im_start|>assistant\n")) + 2
+    stats = engine.stats()
+    assert prefix_tokens > 100
+    assert stats["prefill_tokens"] <= prefix_tokens + 64 * suffix_tokens
+    assert stats["cached_tokens"] >= 64 * (prefix_tokens - 2)
+    eager = ask.run_batch([{"i": i} for i in range(4)], backend=engine, eager=True)
+    assert [s.text() for s in eager] == [s.text() for s in states[:4]]
