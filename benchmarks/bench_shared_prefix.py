@@ -16,6 +16,7 @@ import random
 import time
 
 import torch
+from _baselines import hf_generate_seconds
 
 
 def make_prompts(args, vocab: int) -> list[list[int]]:
@@ -47,26 +48,6 @@ def run_engine(model_path: str, prompts, new_tokens: int, **config) -> tuple[flo
         return elapsed, engine.stats()
 
 
-def run_hf(model_path: str, prompts, new_tokens: int, batch_size: int) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch_size):
-            chunk = torch.tensor(prompts[i : i + batch_size])  # equal lengths: no padding
-            out = model.generate(
-                chunk,
-                attention_mask=torch.ones_like(chunk),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            assert out.shape[1] == chunk.shape[1] + new_tokens
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=8)
@@ -96,7 +77,7 @@ def main() -> None:
     print(f"  engine without cache: {total_out / plain_s:.1f} tok/s")
     hf = {}
     for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
-        hf[bs] = run_hf(model_path, prompts, args.new_tokens, bs)
+        hf[bs] = hf_generate_seconds(model_path, prompts, args.new_tokens, bs)
         print(f"  transformers batch {bs}: {total_out / hf[bs]:.1f} tok/s")
     best = min(hf, key=hf.get)
     prompt_tokens = cached_stats["prefill_tokens"] + cached_stats["cached_tokens"]

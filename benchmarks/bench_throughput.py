@@ -14,6 +14,7 @@ import argparse
 import time
 
 import torch
+from _baselines import hf_generate_seconds
 
 
 def make_prompts(tokenizer, num_prompts: int, prompt_len: int) -> list[list[int]]:
@@ -25,26 +26,6 @@ def make_prompts(tokenizer, num_prompts: int, prompt_len: int) -> list[list[int]
     ids = tokenizer(corpus.read_text(encoding="utf-8")).input_ids
     stride = (len(ids) - prompt_len) // num_prompts
     return [ids[i * stride : i * stride + prompt_len] for i in range(num_prompts)]
-
-
-def run_hf(model_path: str, prompts: list[list[int]], new_tokens: int, batch_size: int) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch_size):
-            chunk = torch.tensor(prompts[i : i + batch_size])
-            out = model.generate(
-                chunk,
-                attention_mask=torch.ones_like(chunk),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            assert out.shape[1] == chunk.shape[1] + new_tokens
-    return time.perf_counter() - start
 
 
 def run_engine(
@@ -104,7 +85,7 @@ def main() -> None:
         if seconds < engine_s:
             engine_s, stats = seconds, run_stats
         for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
-            seconds = run_hf(model_path, prompts, args.new_tokens, bs)
+            seconds = hf_generate_seconds(model_path, prompts, args.new_tokens, bs)
             print(f"  transformers batch {bs}: {total_out / seconds:.1f} tok/s")
             hf[bs] = min(hf.get(bs, float("inf")), seconds)
     best_bs = min(hf, key=hf.get)

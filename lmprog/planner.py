@@ -113,8 +113,6 @@ def _advance(run: _Run, path: Path, commits: list[list[int]]) -> bool:
         if isinstance(node, (Gen, Select)):
             return stream.pos != start
         if isinstance(node, Fork):
-            if st.role is not None:
-                raise ValueError("fork inside an open role: close the role first")
             if st.text:
                 commits.append(run.ops.backend.encode(st.text))
             stream.forks[node.fork_id] = (set(st.variables), len(st.text))

@@ -20,7 +20,42 @@ from lmprog.ir import Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, as_e
 JOIN_MODES = ("gather_variable", "concate_and_append")
 
 
-class ProgramState:
+class StateBlocks:
+    """`with s.user():`, `with s.assistant():`, `with s.system():` and `with s.var_scope(name):`,
+    for any state that can append a node."""
+
+    def _append_node(self, node: Expr) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def _role(self, role: str) -> Iterator[StateBlocks]:
+        self._append_node(RoleBegin(role))
+        try:
+            yield self
+        finally:
+            self._append_node(RoleEnd(role))
+
+    def system(self):
+        """`with s.system(): s += ...` writes a system message."""
+        return self._role("system")
+
+    def user(self):
+        return self._role("user")
+
+    def assistant(self):
+        return self._role("assistant")
+
+    @contextmanager
+    def var_scope(self, name: str) -> Iterator[StateBlocks]:
+        """Capture the text written inside the block as variable `name`."""
+        self._append_node(VarScopeBegin(name))
+        try:
+            yield self
+        finally:
+            self._append_node(VarScopeEnd(name))
+
+
+class ProgramState(StateBlocks):
     """The state `s` of one program run.
 
     Example:
@@ -52,32 +87,8 @@ class ProgramState:
     def __add__(self, other: object) -> None:
         raise TypeError("use `s += ...` to append to a program state")
 
-    @contextmanager
-    def _role(self, role: str) -> Iterator[ProgramState]:
-        self._executor.submit(RoleBegin(role))
-        try:
-            yield self
-        finally:
-            self._executor.submit(RoleEnd(role))
-
-    def system(self):
-        """`with s.system(): s += ...` writes a system message."""
-        return self._role("system")
-
-    def user(self):
-        return self._role("user")
-
-    def assistant(self):
-        return self._role("assistant")
-
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[ProgramState]:
-        """Capture the text written inside the block as variable `name`."""
-        self._executor.submit(VarScopeBegin(name))
-        try:
-            yield self
-        finally:
-            self._executor.submit(VarScopeEnd(name))
+    def _append_node(self, node: Expr) -> None:
+        self._executor.submit(node)
 
     def fork(self, num_branches: int) -> ProgramStateGroup:
         """`num_branches` copies of this state; the text so far is prefilled once."""
@@ -85,8 +96,6 @@ class ProgramState:
             raise ValueError(f"fork needs a positive number of branches, got {num_branches!r}")
         self.sync()
         self._raise_error()
-        if self._executor.state.role is not None:
-            raise ValueError("fork inside an open role: close the role first")
         base = self._executor.state
         if base.text:
             self._backend.commit_prefix(self._backend.encode(base.text))
@@ -187,31 +196,22 @@ class ProgramState:
         return "".join(out)
 
 
-class ProgramStateGroup:
-    """The branches of `s.fork(n)`: `group += expr | callable(i) | list`, `group[i]`, join."""
+class BranchGroup:
+    """The branches of a fork: `group += expr | callable(i) | list`, `group[i]`, iteration."""
 
-    def __init__(
-        self,
-        parent: ProgramState,
-        branches: list[ProgramState],
-        fork_pos: int,
-        parent_vars: set[str],
-    ) -> None:
-        self._parent = parent
+    def __init__(self, branches: list[Any]) -> None:
         self._branches = branches
-        self._fork_pos = fork_pos
-        self._parent_vars = parent_vars
 
     def __len__(self) -> int:
         return len(self._branches)
 
-    def __getitem__(self, i: int) -> ProgramState:
+    def __getitem__(self, i: int) -> Any:
         return self._branches[i]
 
-    def __iter__(self) -> Iterator[ProgramState]:
+    def __iter__(self) -> Iterator[Any]:
         return iter(self._branches)
 
-    def __iadd__(self, other: Expr | str | Callable[[int], Expr | str] | list) -> ProgramStateGroup:
+    def __iadd__(self, other: Expr | str | Callable[[int], Expr | str] | list) -> BranchGroup:
         if isinstance(other, list):
             if len(other) != len(self._branches):
                 raise ValueError(f"{len(other)} items for {len(self._branches)} branches")
@@ -224,11 +224,31 @@ class ProgramStateGroup:
             branch += item
         return self
 
+
+def check_join_mode(mode: str) -> None:
+    if mode not in JOIN_MODES:
+        raise ValueError(f"join mode must be one of {JOIN_MODES}, got {mode!r}")
+
+
+class ProgramStateGroup(BranchGroup):
+    """The branches of `s.fork(n)` in a running program."""
+
+    def __init__(
+        self,
+        parent: ProgramState,
+        branches: list[ProgramState],
+        fork_pos: int,
+        parent_vars: set[str],
+    ) -> None:
+        super().__init__(branches)
+        self._parent = parent
+        self._fork_pos = fork_pos
+        self._parent_vars = parent_vars
+
     def join(self, mode: str = "gather_variable") -> None:
         """Wait for every branch; then `gather_variable` sets parent[var] = [branch values]
         for variables the branches made, or `concate_and_append` appends each branch's text."""
-        if mode not in JOIN_MODES:
-            raise ValueError(f"join mode must be one of {JOIN_MODES}, got {mode!r}")
+        check_join_mode(mode)
         for branch in self._branches:
             branch.sync()
             branch._raise_error()

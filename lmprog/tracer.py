@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import networkx as nx
@@ -29,15 +27,13 @@ from lmprog.ir import (
     ForkItem,
     Gen,
     Join,
-    RoleBegin,
-    RoleEnd,
     Select,
     VarRef,
-    VarScopeBegin,
     VarScopeEnd,
     as_expr,
     flatten,
 )
+from lmprog.state import BranchGroup, StateBlocks, check_join_mode
 
 Path = tuple[tuple[int, int], ...]  # (fork id, branch index) from the root to a stream
 
@@ -96,7 +92,7 @@ class Tracer:
             self.graph.add_edge(producer, consumer, kind="data")
 
 
-class TracerState:
+class TracerState(StateBlocks):
     """What a traced program receives as `s`."""
 
     def __init__(self, tracer: Tracer, stream: _Stream) -> None:
@@ -143,26 +139,8 @@ class TracerState:
     def error(self) -> None:
         return None
 
-    @contextmanager
-    def _role(self, role: str) -> Iterator[TracerState]:
-        self._tracer.add(self._stream, RoleBegin(role))
-        yield self
-        self._tracer.add(self._stream, RoleEnd(role))
-
-    def system(self):
-        return self._role("system")
-
-    def user(self):
-        return self._role("user")
-
-    def assistant(self):
-        return self._role("assistant")
-
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[TracerState]:
-        self._tracer.add(self._stream, VarScopeBegin(name))
-        yield self
-        self._tracer.add(self._stream, VarScopeEnd(name))
+    def _append_node(self, node: Expr) -> None:
+        self._tracer.add(self._stream, node)
 
     def fork(self, num_branches: int) -> TracerGroup:
         if not isinstance(num_branches, int) or num_branches < 1:
@@ -179,39 +157,14 @@ class TracerState:
         return TracerGroup(self, branches, fork_id)
 
 
-class TracerGroup:
+class TracerGroup(BranchGroup):
     def __init__(self, parent: TracerState, branches: list[TracerState], fork_id: int) -> None:
+        super().__init__(branches)
         self._parent = parent
-        self._branches = branches
         self._fork_id = fork_id
 
-    def __len__(self) -> int:
-        return len(self._branches)
-
-    def __getitem__(self, i: int) -> TracerState:
-        return self._branches[i]
-
-    def __iter__(self) -> Iterator[TracerState]:
-        return iter(self._branches)
-
-    def __iadd__(self, other: Any) -> TracerGroup:
-        if isinstance(other, list):
-            if len(other) != len(self._branches):
-                raise ValueError(f"{len(other)} items for {len(self._branches)} branches")
-            items = other
-        elif callable(other) and not isinstance(other, Expr):
-            items = [other(i) for i in range(len(self._branches))]
-        else:
-            items = [other] * len(self._branches)
-        for branch, item in zip(self._branches, items):
-            branch += item
-        return self
-
     def join(self, mode: str = "gather_variable") -> None:
-        from lmprog.state import JOIN_MODES
-
-        if mode not in JOIN_MODES:
-            raise ValueError(f"join mode must be one of {JOIN_MODES}, got {mode!r}")
+        check_join_mode(mode)
         parent = self._parent._stream
         tracer = self._parent._tracer
         lasts = [b._stream.last for b in self._branches]
