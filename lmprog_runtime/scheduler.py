@@ -135,9 +135,11 @@ class Scheduler:
             for member in members:
                 self._claim(member)
             plan = self._plan_admission(members, entries, budget, chunk_size, used)
-            if plan is None:
-                for member in members:
+            planned = {id(m) for m, _, _ in plan or ()}
+            for member in members:
+                if id(member) not in planned:  # waits: give back its lock and row
                     self.req_cache.cache_finished(member, insert=False)
+            if not plan:
                 if req.group is not None or not entries:
                     continue  # a blocked group must not stall the rest
                 break
@@ -180,6 +182,8 @@ class Scheduler:
             if extend > budget:
                 if can_chunk and budget >= self.allocator.page_size:
                     extend = budget
+                elif plan and not entries:
+                    return plan  # a group larger than the budget is admitted in parts
                 elif entries or plan:
                     return None
             if chunk_size is not None and can_chunk and extend > chunk_size:

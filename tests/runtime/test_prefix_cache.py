@@ -225,3 +225,19 @@ def test_flush_cache_and_disabled_cache(tiny_path):
         _greedy(engine, _workload()[:3] * 2)
         assert engine.stats()["cached_tokens"] == 0
         assert engine.memory_state()["kv_slots_free"] == engine.memory_state()["kv_slots_total"]
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [{"max_running_requests": 4}, {"max_prefill_tokens": 64}, {"max_total_tokens": 160}],
+)
+def test_a_group_larger_than_the_engine_limits_runs_in_parts(tiny_path, limits):
+    prefix = _ids(60, 24)
+    prompts = [prefix + _ids(61 + i, 6) for i in range(10)]
+    config = {"max_total_tokens": 4096, **limits}
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    with Engine(tiny_path, **config) as engine:
+        grouped = engine.generate(input_ids=prompts, sampling_params=params, group=True)
+        alone = [engine.generate(input_ids=p, sampling_params=params) for p in prompts]
+        _clean(engine)
+    assert [o["output_ids"] for o in grouped] == [o["output_ids"] for o in alone]
