@@ -65,7 +65,11 @@ def gen(
         "presence_penalty": presence_penalty,
         "ignore_eos": ignore_eos,
     }
-    if isinstance(json_schema, dict):
+    if dtype is not None and dtype not in (int, float, bool, str):
+        raise ValueError(f"dtype must be int, float, bool or str, got {dtype!r}")
+    if hasattr(json_schema, "model_json_schema"):  # a pydantic model class
+        json_schema = json_schema.model_json_schema()
+    if isinstance(json_schema, (dict, bool)):
         import json
 
         json_schema = json.dumps(json_schema)
@@ -73,12 +77,12 @@ def gen(
 
 
 def gen_int(name: str | None = None, **kwargs: Any) -> Expr:
-    """Generate an integer (constrained decoding)."""
+    """Generate an integer (constrained decoding); `s[name]` is an int."""
     return gen(name, dtype=int, **kwargs)
 
 
 def gen_string(name: str | None = None, **kwargs: Any) -> Expr:
-    """Generate a string (constrained decoding)."""
+    """Generate a JSON string literal (constrained decoding); `s[name]` is the decoded str."""
     return gen(name, dtype=str, **kwargs)
 
 

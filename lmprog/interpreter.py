@@ -15,6 +15,7 @@ the queue; it is kept for `error()`.
 
 from __future__ import annotations
 
+import json
 import math
 import queue
 import random
@@ -53,6 +54,21 @@ SAMPLING_KEYS = {
     "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty",
     "ignore_eos": "ignore_eos",
+}
+
+
+# gen(dtype=...) -> the regex the runtime enforces, and how the text becomes a value.
+DTYPE_REGEX = {
+    int: r"-?(0|[1-9][0-9]*)",
+    float: r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?",
+    bool: r"(True|False)",
+    str: r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"',
+}
+DTYPE_PARSE: dict[type, Callable[[str], Any]] = {
+    int: int,
+    float: float,
+    bool: lambda text: text == "True",
+    str: json.loads,
 }
 
 
@@ -144,20 +160,30 @@ class ProgramOps:
 
     # ---- gen ------------------------------------------------------------------------------
     def gen_request(self, st: ExecState, gen: Gen) -> tuple[list[int], dict[str, Any]]:
-        if gen.regex is not None or gen.json_schema is not None or gen.dtype is not None:
-            raise NotImplementedError(
-                "regex / json_schema / dtype-constrained generation needs constrained decoding, "
-                "which the runtime does not provide yet"
-            )
         params = {SAMPLING_KEYS[k]: v for k, v in self.defaults.items() if v is not None}
         params.update({SAMPLING_KEYS[k]: v for k, v in gen.sampling.items() if v is not None})
+        if gen.regex is not None:
+            params["regex"] = gen.regex
+        elif gen.json_schema is not None:
+            params["json_schema"] = gen.json_schema
+        elif gen.dtype is not None:
+            params["regex"] = DTYPE_REGEX[gen.dtype]
         return self.backend.encode(st.text), params
 
     @staticmethod
     def finish_gen(st: ExecState, gen: Gen, out: dict[str, Any], emitted: bool = False) -> None:
         if not emitted:
             st.emit(out["text"], "gen", gen.name)
-        st.variables[gen.name] = out["text"]
+        reason = out["meta_info"].get("finish_reason") or {}
+        if reason.get("constraint") == "incomplete":
+            raise ValueError(
+                f"gen {gen.name!r} reached max_tokens before its output matched its "
+                f"constraint; got {out['text']!r}"
+            )
+        value: Any = out["text"]
+        if gen.dtype is not None and gen.regex is None and gen.json_schema is None:
+            value = DTYPE_PARSE[gen.dtype](value)
+        st.variables[gen.name] = value
         st.meta[gen.name] = out["meta_info"]
 
     # ---- select ---------------------------------------------------------------------------

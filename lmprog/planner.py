@@ -90,13 +90,20 @@ def _send_wave(backend: Backend, gens: list, selects: list) -> None:
     if gens:
         outs = backend.generate([g[3] for g in gens], [g[4] for g in gens])
         for (run, stream, node, _, _), out in zip(gens, outs):
-            run.ops.finish_gen(stream.state, node, out)
-            stream.pos += 1
+            _finish(run, stream, run.ops.finish_gen, stream.state, node, out)
     if selects:
         requests = [run.ops.select_requests(plan) for run, _, _, plan in selects]
         for (run, stream, node, plan), outs in zip(selects, score_requests(backend, requests)):
-            run.ops.finish_select(stream.state, node, plan, outs)
-            stream.pos += 1
+            _finish(run, stream, run.ops.finish_select, stream.state, node, plan, outs)
+
+
+def _finish(run: _Run, stream: _Stream, apply: Any, *args: Any) -> None:
+    """Apply one result; an error there fails its program only."""
+    try:
+        apply(*args)
+        stream.pos += 1
+    except Exception as error:  # noqa: BLE001 - this program fails, the others go on
+        run.error = error
 
 
 def _advance(run: _Run, path: Path, commits: list[list[int]]) -> bool:

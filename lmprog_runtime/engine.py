@@ -73,6 +73,11 @@ class Engine:
             self.config, runner.allocator, runner.req_to_token, req_cache, self._stats
         )
         self._commands: list[tuple[str, threading.Event, list[Any]]] = []
+        self._grammars: Any = None  # GrammarCache, built on the first constrained request
+        self._grammar_lock = threading.Lock()
+        self._grammar_eos = self.tokenizer.eos_token_id
+        if self._grammar_eos is None and self.eos_token_ids:
+            self._grammar_eos = min(self.eos_token_ids)
         self._rids = itertools.count()
         self._seeds = torch.Generator().manual_seed(self.config.random_seed)
         self._inbox: list[Req] = []
@@ -135,6 +140,8 @@ class Engine:
                 top_logprobs_num=item.top_logprobs_num,
                 stream=stream,
                 seed=int(torch.randint(0, 2**62, (1,), generator=self._seeds)),
+                matcher=item.grammar.new_matcher() if item.grammar is not None else None,
+                grammar_eos=self._grammar_eos,
             )
             for item in items
         ]
@@ -164,6 +171,19 @@ class Engine:
         for req in reqs:
             req.group = group
         return ([prefix_req] if prefix_req is not None else []) + reqs
+
+    def grammar(self, kind: str, pattern: str) -> Any:
+        """The compiled constraint for (kind, pattern), cached; ValueError if it is bad."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                from lmprog_runtime.constrained import GrammarCache
+                from lmprog_runtime.constrained.outlines_backend import OutlinesGrammarBackend
+
+                if self._grammar_eos is None:
+                    raise ValueError("constrained decoding needs a model with an EOS token")
+                backend = OutlinesGrammarBackend(self.tokenizer, self._grammar_eos)
+                self._grammars = GrammarCache(backend)
+        return self._grammars.get(kind, pattern)
 
     def stats(self) -> dict[str, float]:
         """Counters since start or the last `reset_stats()` (see DESIGN.md for the keys)."""

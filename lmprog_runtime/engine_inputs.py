@@ -20,6 +20,7 @@ class GenerateItem(NamedTuple):
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
+    grammar: Any  # a compiled constraint, or None
 
 
 def normalize_generate_inputs(
@@ -87,7 +88,8 @@ def normalize_generate_inputs(
                 f"prompt_tokens + max_new_tokens = {need} exceeds the KV pool of "
                 f"{engine.runner.num_kv_slots} tokens; raise max_total_tokens"
             )
-        items.append(GenerateItem(list(ids), sp, want_lp, start, top))
+        grammar = engine.grammar(*sp.constraint) if sp.constraint is not None else None
+        items.append(GenerateItem(list(ids), sp, want_lp, start, top, grammar))
     return items, is_single
 
 

@@ -32,6 +32,8 @@ class Req:
         top_logprobs_num: int = 0,
         stream: bool = False,
         seed: int = 0,
+        matcher: Any = None,
+        grammar_eos: int | None = None,
     ) -> None:
         self.rid = rid
         self.input_ids = input_ids
@@ -47,6 +49,8 @@ class Req:
         self.generator = torch.Generator().manual_seed(
             params.seed if params.seed is not None else seed
         )
+        self.matcher = matcher  # constrained decoding: which tokens may come next
+        self.grammar_eos = grammar_eos
 
         self.output_ids: list[int] = []
         self.req_pool_idx: int | None = None
@@ -107,6 +111,11 @@ class Req:
     def append_token(self, token_id: int) -> None:
         """Record a sampled token and decide whether the request is finished."""
         self.output_ids.append(token_id)
+        if self.matcher is not None:
+            if token_id == self.grammar_eos:  # only allowed where the pattern is complete
+                self.finished_reason = {"type": "stop", "matched": token_id}
+                return
+            self.matcher.advance(token_id)
         if self.can_stop:
             if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
                 self.finished_reason = {"type": "stop", "matched": token_id}
@@ -118,6 +127,9 @@ class Req:
                     return
         if len(self.output_ids) >= self.max_new_tokens:
             self.finished_reason = {"type": "length", "length": len(self.output_ids)}
+            if self.matcher is not None and not self.matcher.is_complete():
+                # The output is cut short of a full match: never present it as valid.
+                self.finished_reason["constraint"] = "incomplete"
 
     def finish_prefill_only(self) -> None:
         self.finished_reason = {"type": "length", "length": 0}

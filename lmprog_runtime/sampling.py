@@ -1,7 +1,8 @@
 """Turn a batch of next-token logits into tokens, one request per row.
 
 Order of operations per row: frequency/presence penalties, min_new_tokens masking of EOS
-and stop tokens, then greedy argmax (temperature 0 or top_k 1) or temperature, top-k,
+and stop tokens, the grammar mask of a constrained request (only tokens that keep the text
+a prefix of a match; EOS only where it is a full match), then greedy argmax (temperature 0 or top_k 1) or temperature, top-k,
 top-p and min-p filtering followed by a draw from the request's own seeded generator, so a
 request samples the same tokens whatever else shares its batch. Logprobs are reported from
 the model's raw distribution (log-softmax of the unprocessed logits).
@@ -77,6 +78,10 @@ def _apply_penalties_and_masks(logits: torch.Tensor, reqs: list[Req]) -> torch.T
                 if not cloned:
                     logits, cloned = logits.clone(), True
                 logits[i, banned] = float("-inf")
+        if req.matcher is not None:
+            if not cloned:
+                logits, cloned = logits.clone(), True
+            logits[i].masked_fill_(~req.matcher.allowed_mask(vocab), float("-inf"))
     return logits
 
 

@@ -35,6 +35,10 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
+    # Constrained decoding: the output must fully match `regex`, or be a JSON document valid
+    # against `json_schema` (JSON text). At most one of the two.
+    regex: str | None = None
+    json_schema: str | None = None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -105,6 +109,14 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.json_schema is not None:
+            return ("json_schema", self.json_schema)
+        return None
 
     @property
     def has_penalties(self) -> bool:

@@ -1,0 +1,172 @@
+"""Grammar backend on outlines-core: a token index per regex over the model's vocabulary.
+
+The vocabulary is handed to outlines-core as the bytes each token stands for: byte-level
+BPE tokens are mapped back through the GPT-2 byte-to-unicode table, byte-fallback tokens
+(`<0x0A>`) to their byte, SentencePiece's `▁` to a space. Special tokens are left out,
+except EOS, which the index allows only where the text is a complete match.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar, Matcher
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-level table: printable bytes map to themselves, the rest
+    to code points from 256 on, in byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def token_bytes(tokenizer: Any) -> dict[int, bytes]:
+    """token id -> the bytes it decodes to, for every ordinary (non-special) token."""
+    special = set(tokenizer.all_special_ids)
+    vocab = tokenizer.get_vocab()
+    byte_level = _is_byte_level(tokenizer)
+    table = _unicode_to_byte() if byte_level else None
+    out = {}
+    for piece, token_id in vocab.items():
+        if token_id in special:
+            continue
+        fallback = _BYTE_FALLBACK.match(piece)
+        if fallback:
+            out[token_id] = bytes([int(fallback.group(1), 16)])
+        elif table is not None:
+            if all(ch in table for ch in piece):
+                out[token_id] = bytes(table[ch] for ch in piece)
+        else:
+            out[token_id] = piece.replace("\u2581", " ").encode("utf-8")
+    return out
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    return "ByteLevel" in str(backend.pre_tokenizer) or "ByteLevel" in str(backend.decoder)
+
+
+class _OutlinesMatcher(Matcher):
+    def __init__(self, guide: Any) -> None:
+        self._guide = guide
+
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
+        words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
+        self._guide.write_mask_into(words.data_ptr(), words.numel(), 4)
+        bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        return bits.reshape(-1)[:vocab_size].bool()
+
+    def advance(self, token_id: int) -> None:
+        self._guide.advance(token_id, return_tokens=False)
+
+    def is_complete(self) -> bool:
+        return bool(self._guide.is_finished())
+
+
+class _OutlinesGrammar(Grammar):
+    def __init__(self, index: Any) -> None:
+        self._index = index
+
+    def new_matcher(self) -> Matcher:
+        from outlines_core import Guide
+
+        return _OutlinesMatcher(Guide(self._index))
+
+
+class OutlinesGrammarBackend(BaseGrammarBackend):
+    def __init__(self, tokenizer: Any, eos_token_id: int) -> None:
+        from outlines_core import Vocabulary
+
+        by_bytes: dict[bytes, list[int]] = {}
+        for token_id, data in token_bytes(tokenizer).items():
+            by_bytes.setdefault(data, []).append(token_id)
+        self._vocabulary = Vocabulary(eos_token_id, by_bytes)
+
+    def compile_regex(self, regex: str) -> Grammar:
+        from outlines_core import Index
+
+        try:
+            return _OutlinesGrammar(Index(regex, self._vocabulary))
+        except Exception as error:  # outlines-core raises ValueError / RuntimeError / panics
+            raise ValueError(f"cannot compile regex {regex!r}: {error}") from error
+
+    def schema_to_regex(self, schema: str) -> str:
+        import json
+
+        from outlines_core.json_schema import build_regex_from_schema
+
+        unsupported = sorted(_unsupported_keywords(json.loads(schema)))
+        if unsupported:
+            raise ValueError(
+                f"unsupported JSON schema feature(s) {unsupported}: outputs could not be "
+                "guaranteed to validate"
+            )
+        try:
+            # A single optional space between tokens keeps JSON compact and predictable.
+            return build_regex_from_schema(schema, r"[ ]?")
+        except Exception as error:
+            raise ValueError(f"unsupported JSON schema: {error}") from error
+
+
+# Keywords outlines-core's regex translation would ignore: refuse them rather than produce
+# documents that do not validate.
+UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
+    {
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentRequired",
+        "dependentSchemas",
+        "patternProperties",
+        "propertyNames",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "minProperties",
+        "maxProperties",
+    }
+)
+
+
+def _unsupported_keywords(schema: Any) -> set[str]:
+    found: set[str] = set()
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if key in UNSUPPORTED_SCHEMA_KEYWORDS:
+                found.add(key)
+            if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+                for sub in value.values():
+                    found |= _unsupported_keywords(sub)
+            elif key not in ("enum", "const", "default", "examples"):
+                found |= _unsupported_keywords(value)
+    elif isinstance(schema, list):
+        for item in schema:
+            found |= _unsupported_keywords(item)
+    return found
