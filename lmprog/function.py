@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmprog.backend import as_backend, get_default_backend
-from lmprog.interpreter import SAMPLING_KEYS
+from lmprog.interpreter import SAMPLING_KEYS, ExecState
+from lmprog.ir import Fork
 from lmprog.planner import resolve, run_waves
 from lmprog.state import ProgramState
 from lmprog.traced import TracedProgram
@@ -133,14 +134,19 @@ class Function:
         backend: Any,
         num_threads: int | None = None,
         progress: bool = False,
+        resume: list[tuple[ExecState, int] | None] | None = None,
     ) -> list[ProgramState]:
-        """One thread per program; each state's executor sends its requests as it goes."""
+        """One thread per program; each state's executor sends its requests as it goes.
+        `resume[i]` = (state, n): program i already ran its first n appends (as waves);
+        the Python code runs again and continues from there."""
         resolved = as_backend(backend) if backend is not None else get_default_backend()
         workers = num_threads or min(64, max(1, len(calls)))
+        resumes = resume or [None] * len(calls)
 
-        def one(call: tuple[tuple, dict]) -> ProgramState:
+        def one(call: tuple[tuple, dict], start: tuple[ExecState, int] | None) -> ProgramState:
             args, kwargs = call
-            state = ProgramState(resolved, defaults)
+            exec_state, skip = start if start is not None else (None, 0)
+            state = ProgramState(resolved, defaults, exec_state=exec_state, skip=skip)
             try:
                 state.ret_value = self.func(state, *args, **{**self.bound, **kwargs})
                 state.sync()
@@ -156,7 +162,7 @@ class Function:
 
             bar = tqdm(total=len(calls), desc=self.func.__name__)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(one, call) for call in calls]
+            futures = [pool.submit(one, call, start) for call, start in zip(calls, resumes)]
             states = []
             for future in futures:
                 states.append(future.result())
@@ -177,7 +183,7 @@ class Function:
     ) -> list[ProgramState]:
         resolved = as_backend(backend) if backend is not None else get_default_backend()
         states: list[ProgramState | None] = [None] * len(calls)
-        traced: list[tuple[int, TracedProgram]] = []
+        waves: list[tuple[int, TracedProgram]] = []  # complete traces, or stopped ones to resume
         eager: list[int] = []
         for i, (args, kwargs) in enumerate(calls):
             try:
@@ -187,21 +193,30 @@ class Function:
                     raise
                 states[i] = _failed_state(resolved, defaults, error)
                 continue
-            (traced if program.is_complete else eager).append(
-                (i, program) if program.is_complete else i
-            )
-        if eager:
-            subset = [calls[i] for i in eager]
-            for i, state in zip(eager, self._run_eager(subset, defaults, resolved)):
-                states[i] = state
-        if traced:
-            results = run_waves(resolved, defaults, [p for _, p in traced])
-            for (i, program), (exec_state, error) in zip(traced, results):
+            has_fork = any(isinstance(d["node"], Fork) for _, d in program.graph.nodes(data=True))
+            if program.is_complete or not has_fork:
+                waves.append((i, program))
+            else:
+                eager.append(i)  # a stopped trace with forks reruns whole, eagerly
+        results = run_waves(resolved, defaults, [p for _, p in waves]) if waves else []
+        resume_calls, resume_from = [], []
+        for (i, program), (exec_state, error) in zip(waves, results):
+            if program.is_complete or error is not None:
                 state = ProgramState(resolved, defaults, exec_state=exec_state)
                 state._executor.error = error
                 if error is None:
                     state.ret_value = resolve(program.ret, exec_state.variables)
                 states[i] = state
+            else:  # the traced part ran as waves; the rest runs eagerly from there
+                resume_calls.append(i)
+                resume_from.append((exec_state, len(program.stream(()))))
+        for i, state in zip(eager, self._run_eager([calls[i] for i in eager], defaults, resolved)):
+            states[i] = state
+        resumed = self._run_eager(
+            [calls[i] for i in resume_calls], defaults, resolved, resume=resume_from
+        )
+        for i, state in zip(resume_calls, resumed):
+            states[i] = state
         if raise_errors:
             states[0]._raise_error()
         if progress:

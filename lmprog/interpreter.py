@@ -283,8 +283,11 @@ class StreamExecutor:
         stream: bool = False,
         state: ExecState | None = None,
         gate: ForkGate | None = None,
+        skip: int = 0,
     ) -> None:
         self.ops = ProgramOps(backend, defaults)
+        # Replay: the first `skip` leaves were already executed (by waves) into `state`.
+        self._skip = skip
         self.is_stream = stream
         self.state = state or ExecState()
         self.state.on_emit = self._on_emit
@@ -301,7 +304,11 @@ class StreamExecutor:
     # ---- caller side ----------------------------------------------------------------------
     def submit(self, expr: Expr) -> None:
         for leaf in flatten(expr):
-            self._queue.put(self.name_leaf(leaf))
+            leaf = self.name_leaf(leaf)
+            if self._skip:
+                self._skip -= 1
+                continue
+            self._queue.put(leaf)
 
     def name_leaf(self, leaf: Expr) -> Expr:
         """Unnamed gens / selects get stable names: gen_0, gen_1, ..."""

@@ -71,11 +71,12 @@ class ProgramState(StateBlocks):
         stream: bool = False,
         exec_state: ExecState | None = None,
         gate: ForkGate | None = None,
+        skip: int = 0,
     ) -> None:
         self._backend = backend
         self._defaults = defaults
         self._executor = StreamExecutor(
-            backend, defaults, stream=stream, state=exec_state, gate=gate
+            backend, defaults, stream=stream, state=exec_state, gate=gate, skip=skip
         )
         self.ret_value: Any = None
 

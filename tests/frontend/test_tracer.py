@@ -200,3 +200,28 @@ def test_run_batch_waves_prefill_a_shared_system_prompt_exactly_once(engine):
     assert stats["cached_tokens"] >= 64 * (prefix_tokens - 2)
     eager = ask.run_batch([{"i": i} for i in range(4)], backend=engine, eager=True)
     assert [s.text() for s in eager] == [s.text() for s in states[:4]]
+
+
+def test_a_stopped_trace_runs_its_traced_part_as_waves_and_the_rest_eagerly(engine):
+    @lp.function
+    def branchy(s, topic):
+        s += "Topic: " + topic + ". Word:" + lp.gen("word", max_tokens=3, ignore_eos=True)
+        s += " Mood:" + lp.select("mood", choices=[" happy", " sad"])
+        if s["mood"] == " happy":  # the trace stops here
+            s += " Cheer:" + lp.gen("more", max_tokens=4, ignore_eos=True)
+        else:
+            s += " Comfort:" + lp.gen("more", max_tokens=4, ignore_eos=True)
+        return s["more"]
+
+    assert not branchy.trace(topic="tea").is_complete
+    runs = {}
+    for eager in (True, False):
+        engine.flush_cache()
+        engine.reset_stats()
+        states = branchy.run_batch(
+            [{"topic": t} for t in ("tea", "rain", "cats")], backend=engine, eager=eager, temperature=0
+        )
+        runs[eager] = ([s.text() for s in states], [s.ret_value for s in states], engine.stats())
+    assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
+    # Nothing ran twice: the resumed programs did not regenerate their traced part.
+    assert runs[False][2]["decode_tokens"] == runs[True][2]["decode_tokens"]
