@@ -172,14 +172,14 @@ class ProgramOps:
 
     @staticmethod
     def finish_gen(st: ExecState, gen: Gen, out: dict[str, Any], emitted: bool = False) -> None:
-        if not emitted:
-            st.emit(out["text"], "gen", gen.name)
         reason = out["meta_info"].get("finish_reason") or {}
         if reason.get("constraint") == "incomplete":
             raise ValueError(
-                f"gen {gen.name!r} reached max_tokens before its output matched its "
-                f"constraint; got {out['text']!r}"
+                f"gen {gen.name!r} stopped ({reason.get('type')}) before its output matched "
+                f"its constraint; got {out['text']!r}"
             )
+        if not emitted:
+            st.emit(out["text"], "gen", gen.name)
         value: Any = out["text"]
         if gen.dtype is not None and gen.regex is None and gen.json_schema is None:
             value = DTYPE_PARSE[gen.dtype](value)

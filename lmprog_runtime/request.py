@@ -119,17 +119,23 @@ class Req:
         if self.can_stop:
             if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
                 self.finished_reason = {"type": "stop", "matched": token_id}
+                self._mark_incomplete_constraint()
                 return
             if self.params.stop:
                 _, matched = self._visible_text()
                 if matched is not None:
                     self.finished_reason = {"type": "stop", "matched": matched}
+                    self._mark_incomplete_constraint()
                     return
         if len(self.output_ids) >= self.max_new_tokens:
             self.finished_reason = {"type": "length", "length": len(self.output_ids)}
-            if self.matcher is not None and not self.matcher.is_complete():
-                # The output is cut short of a full match: never present it as valid.
-                self.finished_reason["constraint"] = "incomplete"
+            self._mark_incomplete_constraint()
+
+    def _mark_incomplete_constraint(self) -> None:
+        """An output cut short of a full match (length, stop string): never present it as
+        valid."""
+        if self.matcher is not None and not self.matcher.is_complete():
+            self.finished_reason["constraint"] = "incomplete"
 
     def finish_prefill_only(self) -> None:
         self.finished_reason = {"type": "length", "length": 0}

@@ -73,7 +73,9 @@ def _apply_penalties_and_masks(logits: torch.Tensor, reqs: list[Req]) -> torch.T
             logits[i] -= params.frequency_penalty * counts
             logits[i] -= params.presence_penalty * (counts > 0).to(logits.dtype)
         if not req.can_stop:
-            banned = [t for t in req.eos_token_ids | req.stop_token_ids if 0 <= t < vocab]
+            # A grammar decides by itself where its output may end: its EOS stays allowed.
+            keep = {req.grammar_eos} if req.matcher is not None else set()
+            banned = [t for t in (req.eos_token_ids | req.stop_token_ids) - keep if 0 <= t < vocab]
             if banned:
                 if not cloned:
                     logits, cloned = logits.clone(), True

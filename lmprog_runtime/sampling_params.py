@@ -105,6 +105,19 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        for name in ("regex", "json_schema"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+        if self.regex is not None and self.json_schema is not None:
+            raise ValueError("pass at most one of regex and json_schema")
+        if self.json_schema is not None:
+            import json
+
+            try:
+                json.loads(self.json_schema)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"json_schema is not valid JSON: {error}") from error
 
     @property
     def is_greedy(self) -> bool:

@@ -113,7 +113,11 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
 
         from outlines_core.json_schema import build_regex_from_schema
 
-        unsupported = sorted(_unsupported_keywords(json.loads(schema)))
+        try:
+            parsed = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"json_schema is not valid JSON: {error}") from error
+        unsupported = sorted(_unsupported_keywords(parsed))
         if unsupported:
             raise ValueError(
                 f"unsupported JSON schema feature(s) {unsupported}: outputs could not be "
@@ -158,6 +162,10 @@ UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
 def _unsupported_keywords(schema: Any) -> set[str]:
     found: set[str] = set()
     if isinstance(schema, dict):
+        # A digit maximum without its minimum lets "1." or "1e+" count as complete.
+        for part in ("Fraction", "Exponent"):
+            if f"maxDigits{part}" in schema and f"minDigits{part}" not in schema:
+                found.add(f"maxDigits{part} without minDigits{part}")
         for key, value in schema.items():
             if key in UNSUPPORTED_SCHEMA_KEYWORDS:
                 found.add(key)

@@ -1,0 +1,306 @@
+"""Constrained decoding (regex / JSON schema) on the tiny random-weight model.
+
+References are independent of the library: `re.fullmatch` for regexes, `jsonschema.validate`
+(after `json.loads`) for schemas, and each request run alone for batch invariance. Patterns
+are bounded (bounded repeats, maxLength, maxItems, enums, digit limits) and max_new_tokens
+covers the longest possible output, so every generation must end with a grammar stop; an
+output cut short must say `"constraint": "incomplete"` and is never accepted as valid.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lmprog as lp
+
+HYPO = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+PROMPTS = ["Hi", "Answer:", '{"name": "Alice", "age":', "The list is"]
+# ---- regexes: (pattern, longest match in characters) ------------------------------------
+_literal = st.text("abcxyz0189_. -", min_size=1, max_size=3).map(
+    lambda s: ("".join("\\" + c if c in ".-" else c for c in s), len(s))
+)
+_klass = st.sampled_from(["[a-c]", "[0-9]", "[xyz]", "[a-f0-3]", "[._]"]).map(lambda c: (c, 1))
+
+
+def _regex_node(children):
+    repeat = st.tuples(children, st.integers(0, 3), st.integers(0, 3)).map(
+        lambda t: (f"({t[0][0]}){{{t[1]},{t[1] + t[2]}}}", t[0][1] * (t[1] + t[2]))
+    )
+    parts = st.lists(children, min_size=2, max_size=3)
+    alt = parts.map(lambda ps: ("(" + "|".join(p for p, _ in ps) + ")", max(n for _, n in ps)))
+    cat = parts.map(lambda ps: ("".join(p for p, _ in ps), sum(n for _, n in ps)))
+    return st.one_of(repeat, alt, cat)
+
+
+REGEXES = st.recursive(st.one_of(_literal, _klass), _regex_node, max_leaves=6).filter(
+    lambda p: p[1] <= 60
+)
+BOUNDED_NUMBER = dict(type="number", maxDigitsInteger=2, minDigitsFraction=1)
+BOUNDED_NUMBER.update(maxDigitsFraction=2, minDigitsExponent=1, maxDigitsExponent=1)
+# ---- JSON schemas: (schema, bound on output tokens: one token is at least one byte) ------
+_leaf = st.one_of(
+    st.just(({"type": "boolean"}, 5)),
+    st.just(({"type": "null"}, 4)),
+    st.lists(
+        st.one_of(st.text("abxyz", min_size=1, max_size=4), st.integers(-5, 99)),
+        min_size=1,
+        max_size=3,
+        unique_by=json.dumps,
+    ).map(lambda v: ({"enum": v}, 8)),
+    st.integers(0, 5).map(lambda k: ({"type": "string", "maxLength": k}, 2 + 4 * k)),
+    st.just(({"type": "string", "pattern": "^[a-z]{1,4}$"}, 6)),
+    st.just(({"type": "integer", "maxDigits": 3}, 4)),
+    st.just((BOUNDED_NUMBER, 10)),
+)
+
+
+def _schema_node(children):
+    array = st.tuples(children, st.integers(0, 1), st.integers(1, 3)).map(
+        lambda t: (
+            {"type": "array", "items": t[0][0], "minItems": t[1], "maxItems": t[2]},
+            4 + t[2] * (t[0][1] + 3),
+        )
+    )
+    obj = st.dictionaries(
+        st.sampled_from(["a", "id", "tag", "ok"]), children, min_size=1, max_size=3
+    ).flatmap(
+        lambda props: st.one_of(
+            st.just(sorted(props)), st.lists(st.sampled_from(sorted(props)), unique=True)
+        ).map(
+            lambda req: (
+                {
+                    "type": "object",
+                    "properties": {k: s for k, (s, _) in props.items()},
+                    "required": req,
+                },
+                4 + sum(len(k) + 8 + n for k, (_, n) in props.items()),
+            )
+        )
+    )
+    return st.one_of(array, obj)
+
+
+SCHEMAS = st.recursive(_leaf, _schema_node, max_leaves=5).filter(lambda p: p[1] <= 250)
+
+
+def _check_batch(engine, prompt, seed, key, pattern, max_new, valid):
+    """Generate at temperature 0 and 1 in one batch; every output must be a complete match."""
+    params = [
+        {key: pattern, "max_new_tokens": max_new, "temperature": t, "seed": seed} for t in (0, 1)
+    ]
+    for out in engine.generate([prompt, prompt], params):
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "stop" and "constraint" not in reason, (out, pattern)
+        assert out["output_ids"][-1] == engine._grammar_eos
+        valid(out["text"])
+
+
+@HYPO
+@given(REGEXES, st.sampled_from(PROMPTS), st.integers(0, 2**31))
+def test_generated_regexes_always_fullmatch(engine, case, prompt, seed):
+    regex, longest = case
+
+    def valid(text):
+        assert re.fullmatch(regex, text), (regex, text)
+
+    _check_batch(engine, prompt, seed, "regex", regex, longest + 4, valid)
+
+
+@HYPO
+@given(SCHEMAS, st.sampled_from(PROMPTS), st.integers(0, 2**31))
+def test_generated_json_schemas_always_validate(engine, case, prompt, seed):
+    schema, bound = case
+    text = json.dumps(schema)
+    check = lambda out: jsonschema.validate(json.loads(out), schema)  # noqa: E731
+    _check_batch(engine, prompt, seed, "json_schema", text, bound + 8, check)
+
+
+def test_mixed_batch_equals_each_request_alone(engine):
+    obj = {
+        "type": "object",
+        "properties": {
+            "k": {"enum": ["x", "y"]},
+            "v": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+        },
+        "required": ["k", "v"],
+    }
+    specs = [
+        {"regex": "[a-c]{1,5}(x|yz)"},
+        {"regex": "(cat|dog)s?[0-9]{2}"},
+        {"regex": "[0-9]{1,3}\\.[0-9]"},
+        {"json_schema": json.dumps(obj)},
+        {"json_schema": json.dumps({"type": "string", "maxLength": 4})},
+        {"json_schema": json.dumps({"enum": ["up", "down", 7]})},
+        {},
+        {},
+        {"ignore_eos": True},
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(len(specs))]
+    params = [{**spec, "max_new_tokens": 48, "temperature": 0} for spec in specs]
+    batch = engine.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, batch):
+        alone = engine.generate(prompt, p)
+        assert (out["text"], out["output_ids"]) == (alone["text"], alone["output_ids"])
+        if "regex" in p:
+            assert re.fullmatch(p["regex"], out["text"])
+        elif "json_schema" in p:
+            jsonschema.validate(json.loads(out["text"]), json.loads(p["json_schema"]))
+
+
+def _start(engine, prompt, params):
+    """Run a request on a thread (it shares batches with the caller's); returns join()."""
+    result = {}
+
+    def work():
+        try:
+            result.update(engine.generate(prompt, params))
+        except Exception as error:  # noqa: BLE001 - reported by the test's assertion
+            result["error"] = error
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    return lambda: (worker.join(), result)[1]
+
+
+BAD = [
+    ({"regex": "(unclosed"}, "cannot compile regex"),
+    ({"regex": "[z-a]"}, "cannot compile regex"),
+    ({"regex": "[^\\s\\S]"}, "incompatible"),  # no string matches: nothing can be generated
+    ({"json_schema": "{not json"}, "(?i)json.?schema"),  # BUG: bare JSONDecodeError
+    ({"json_schema": json.dumps({"type": "integer", "minimum": 3})}, "unsupported.*minimum"),
+    ({"json_schema": json.dumps({"type": "foo"})}, "unsupported JSON schema"),
+    ({"regex": "a", "json_schema": "{}"}, "regex.*json_schema|at most one"),  # BUG: accepted
+]
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD)
+def test_bad_constraint_is_refused_at_submit_while_another_request_runs(engine, bad, message):
+    free = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+    expected = engine.generate("Once upon a time", free)
+    join = _start(engine, "Once upon a time", free)
+    with pytest.raises(ValueError, match=message):
+        engine.generate("Hi", {**bad, "max_new_tokens": 16})
+    result = join()
+    assert result.get("output_ids") == expected["output_ids"], result.get("error")
+    assert result["meta_info"]["finish_reason"]["type"] == "length"
+    if len(bad) == 1:  # a refused pattern is not cached
+        assert next(iter(bad.items())) not in engine._grammars._entries
+
+
+def test_any_unicode_character_is_producible(engine):
+    """Byte-level BPE covers all 256 bytes, so no regex is unproducible for want of a
+    character; only an empty language (`[^\\s\\S]` above) is refused as incompatible."""
+    out = engine.generate("Hi", {"regex": "\u2603{1,2}", "max_new_tokens": 16, "temperature": 1})
+    assert re.fullmatch("\u2603{1,2}", out["text"])
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_too_few_tokens_is_marked_incomplete(engine, temperature):
+    out = engine.generate(
+        "Hi", {"regex": "[a-z]{30}", "max_new_tokens": 3, "temperature": temperature}
+    )
+    reason = out["meta_info"]["finish_reason"]
+    assert reason == {"type": "length", "length": 3, "constraint": "incomplete"}
+    assert re.fullmatch("[a-z]{0,29}", out["text"])
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_frontend_refuses_an_incomplete_constrained_gen(engine, eager):
+    @lp.function
+    def short(s):
+        s += "Word:" + lp.gen("x", regex="[a-z]{30}", max_tokens=3)
+
+    with pytest.raises((RuntimeError, ValueError), match="constraint"):
+        short.run(backend=engine, eager=eager)
+    state = short.run_batch([{}], backend=engine)[0]
+    assert "constraint" in str(state.error()) and "x" not in state
+
+
+def test_frontend_dtypes_schemas_and_one_compile_per_schema(engine, monkeypatch):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Item(pydantic.BaseModel):
+        name_7f3a: str = pydantic.Field(max_length=6)  # a name no other test compiles
+        ok: bool
+        kind: str = pydantic.Field(json_schema_extra={"enum": ["a", "b"]})
+
+    schema = {
+        "type": "object",
+        "properties": {"flag_7f3a": {"type": "boolean"}},
+        "required": ["flag_7f3a"],
+    }
+    engine.grammar("regex", "a")  # builds the grammar cache
+    compiles = []
+    backend = engine._grammars.backend
+    original = backend.schema_to_regex
+    monkeypatch.setattr(backend, "schema_to_regex", lambda s: compiles.append(s) or original(s))
+
+    @lp.function
+    def prog(s, i):
+        s += f"Case {i}. Count:" + lp.gen_int("n", max_tokens=48, temperature=0)
+        s += " Sure? " + lp.gen("b", dtype=bool, max_tokens=8, temperature=1)
+        s += " JSON:" + lp.gen("j", json_schema=schema, max_tokens=48, temperature=1)
+        s += " Item:" + lp.gen("p", json_schema=Item, max_tokens=96, temperature=1)
+
+    states = prog.run_batch([{"i": i} for i in range(4)], backend=engine)
+    states.append(prog.run(i=9, backend=engine, eager=True))
+    for state in states:
+        assert state.error() is None
+        assert type(state["n"]) is int and type(state["b"]) is bool
+        jsonschema.validate(json.loads(state["j"]), schema)
+        Item.model_validate_json(state["p"])
+        jsonschema.validate(json.loads(state["p"]), Item.model_json_schema())
+    assert len(compiles) == 2  # each schema compiled once, across 5 programs
+    keys = [k for k in engine._grammars._entries if "7f3a" in k[1]]
+    assert len(keys) == 2
+
+
+def test_min_new_tokens_with_a_constraint_does_not_break_other_requests(engine):
+    """BUG: when the pattern is complete before min_new_tokens, the sampler masks EOS (min
+    tokens) and everything else (grammar): all -inf. Greedy silently ends early (argmax of
+    all -inf is token 0, the EOS); sampling raises in the engine step, which fails every
+    request of that step, the unconstrained one running beside it included."""
+    free = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+    alone = engine.generate("Hello there", free)
+    constrained = {"regex": "ab", "min_new_tokens": 4, "max_new_tokens": 8, "temperature": 1}
+    engine.grammar("regex", "ab")  # compiled up front: the request joins the running batch
+    join = _start(engine, "Hello there", free)
+    try:
+        out = engine.generate("Hi", constrained)
+    except ValueError:
+        out = None  # refusing the combination at submit time would be fine
+    except RuntimeError as error:
+        out = error
+    result = join()
+    assert result.get("output_ids") == alone["output_ids"], result.get("error")
+    assert out is None or (isinstance(out, dict) and out["text"] == "ab"), out
+
+
+def test_number_digit_limits_never_give_invalid_json(engine):
+    """BUG (outlines-core translation passed through): maxDigitsFraction / maxDigitsExponent
+    without their min give `(\\.[0-9]{0,2})?` / `([eE][+-][0-9]{0,2})?`, so "1." and "1e+"
+    are complete matches, yet not JSON."""
+    for schema, text in [
+        ({"type": "number", "maxDigitsFraction": 2}, "1."),
+        ({"type": "number", "maxDigitsExponent": 2}, "1e+"),
+    ]:
+        try:
+            grammar = engine.grammar("json_schema", json.dumps(schema))
+        except ValueError:
+            continue  # refusing the keyword would be fine
+        matcher, vocab = grammar.new_matcher(), engine.runner.model_config.vocab_size
+        for token in engine.encode(text, add_special_tokens=False):
+            if not matcher.allowed_mask(vocab)[token]:
+                break
+            matcher.advance(token)
+        else:
+            assert not matcher.is_complete(), f"{text!r} is a full match for {schema}"
