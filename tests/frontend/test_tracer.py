@@ -219,7 +219,10 @@ def test_a_stopped_trace_runs_its_traced_part_as_waves_and_the_rest_eagerly(engi
         engine.flush_cache()
         engine.reset_stats()
         states = branchy.run_batch(
-            [{"topic": t} for t in ("tea", "rain", "cats")], backend=engine, eager=eager, temperature=0
+            [{"topic": t} for t in ("tea", "rain", "cats")],
+            backend=engine,
+            eager=eager,
+            temperature=0,
         )
         runs[eager] = ([s.text() for s in states], [s.ret_value for s in states], engine.stats())
     assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
