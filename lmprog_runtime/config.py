@@ -45,6 +45,10 @@ class RuntimeConfig:
     page_size: int = 1
     disable_radix_cache: bool = False
     eviction_policy: str = "lru"
+    # Constrained requests append the text their pattern forces in one extend step.
+    disable_jump_forward: bool = False
+    # A regex / JSON schema that takes longer than this to compile is refused.
+    grammar_compile_timeout_s: float = 60.0
     # Scales the share of future output tokens reserved at admission: 0 admits as much as
     # fits now (more retractions under pressure), larger values are more cautious.
     schedule_conservativeness: float = 1.0
@@ -70,6 +74,8 @@ class RuntimeConfig:
             raise ValueError(
                 f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}"
             )
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_timeout_s must be > 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:

@@ -142,9 +142,14 @@ class Engine:
                 seed=int(torch.randint(0, 2**62, (1,), generator=self._seeds)),
                 matcher=item.grammar.new_matcher() if item.grammar is not None else None,
                 grammar_eos=self._grammar_eos,
+                grammar=item.grammar,
+                char_fsm=self._char_fsm(item),
             )
             for item in items
         ]
+        for req in reqs:
+            if req.char_fsm is not None:
+                self._jump_forward(req, at_start=True)
         if group and len(reqs) > 1:
             self._submit(self._make_group(reqs))
         else:
@@ -182,8 +187,46 @@ class Engine:
                 if self._grammar_eos is None:
                     raise ValueError("constrained decoding needs a model with an EOS token")
                 backend = OutlinesGrammarBackend(self.tokenizer, self._grammar_eos)
-                self._grammars = GrammarCache(backend)
+                self._grammars = GrammarCache(backend, self.config.grammar_compile_timeout_s)
         return self._grammars.get(kind, pattern)
+
+    def _char_fsm(self, item: Any) -> Any:
+        """Jump-forward applies to constrained requests without stop strings or logprobs."""
+        if item.grammar is None or self.config.disable_jump_forward:
+            return None
+        if item.params.stop or item.return_logprob:
+            return None
+        return self._grammars.char_fsm(item.grammar)
+
+    def _jump_forward(self, req: Req, at_start: bool = False) -> bool:
+        """Append the text `req`'s pattern forces now, retokenizing the last sampled token
+        with it; the request then extends those tokens in one step. Returns whether it
+        jumped. At the start the forced text becomes the first output tokens."""
+        ids = req.output_ids
+        text = self.decode(ids)
+        if text.endswith("\ufffd"):
+            return False  # an incomplete UTF-8 sequence: wait for the next token
+        state = req.char_fsm.walk(text)
+        forced = req.char_fsm.forced(state) if state is not None else ""
+        if len(forced) < 2:
+            return False
+        kept = ids[:-1] if ids else []
+        kept_text = self.decode(kept)
+        if not text.startswith(kept_text):
+            return False
+        candidate = kept + self.encode(text[len(kept_text) :] + forced, add_special_tokens=False)
+        if len(candidate) >= req.max_new_tokens or self.decode(candidate) != text + forced:
+            return False
+        matcher = req.grammar.new_matcher()
+        if not matcher.accepts(candidate):
+            return False
+        for token in candidate:
+            matcher.advance(token)
+        req.output_ids, req.matcher = candidate, matcher
+        self._stats.add("jump_forward_tokens", len(candidate) - len(ids))
+        if not at_start:
+            self.scheduler.jump_forward(req)
+        return True
 
     def stats(self) -> dict[str, float]:
         """Counters since start or the last `reset_stats()` (see DESIGN.md for the keys)."""
@@ -360,6 +403,8 @@ class Engine:
                     if req.top_logprobs_num:
                         req.output_top_logprobs.append(logprob[1])
                 req.append_token(token)
+                if req.char_fsm is not None and not req.is_finished:
+                    self._jump_forward(req)
         for req in ready:
             if req.max_new_tokens == 0:
                 req.finish_prefill_only()

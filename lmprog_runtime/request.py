@@ -34,6 +34,8 @@ class Req:
         seed: int = 0,
         matcher: Any = None,
         grammar_eos: int | None = None,
+        grammar: Any = None,
+        char_fsm: Any = None,
     ) -> None:
         self.rid = rid
         self.input_ids = input_ids
@@ -51,6 +53,8 @@ class Req:
         )
         self.matcher = matcher  # constrained decoding: which tokens may come next
         self.grammar_eos = grammar_eos
+        self.grammar = grammar  # the compiled constraint (a new matcher after a jump)
+        self.char_fsm = char_fsm  # jump-forward: None when off or not applicable
 
         self.output_ids: list[int] = []
         self.req_pool_idx: int | None = None

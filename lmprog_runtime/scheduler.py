@@ -121,7 +121,7 @@ class Scheduler:
                 continue
             members = req.group.members if req.group is not None else [req]
             members = [m for m in members if m in self.waiting]
-            if len(members) == 1 and self._shares_uncached_prefix(req, blocks):
+            if len(members) == 1 and req.kv_len == 0 and self._shares_uncached_prefix(req, blocks):
                 continue  # compute the shared prefix once: this one reuses it next step
             room = min(cfg.max_running_requests - num_active, self.req_to_token.num_free)
             if len(members) > room:
@@ -132,8 +132,7 @@ class Scheduler:
                 else:
                     break
             # Lock the matched prefixes first: what is left evictable is then exact.
-            for member in members:
-                self._claim(member)
+            claimed = {id(m): self._claim(m) for m in members}
             plan = self._plan_admission(members, entries, budget, chunk_size, used)
             planned = {id(m) for m, _, _ in plan or ()}
             for member in members:
@@ -144,8 +143,8 @@ class Scheduler:
                     continue  # a blocked group must not stall the rest
                 break
             for member, n, need in plan:
-                self.stats.add("cached_tokens", member.kv_len)
-                member.cached_tokens = max(member.cached_tokens, member.kv_len)
+                self.stats.add("cached_tokens", claimed[id(member)])
+                member.cached_tokens = max(member.cached_tokens, claimed[id(member)])
                 entries.append((member, n))
                 admitted.add(id(member))
                 blocks.add(member.fill_ids)
@@ -205,10 +204,13 @@ class Scheduler:
         prefix = req.match.slots.numel() if req.match is not None else 0
         return blocks.shared_len(req.fill_ids) >= prefix + SHARED_PREFIX_BLOCK
 
-    def _claim(self, req: Req) -> None:
+    def _claim(self, req: Req) -> int:
+        """Lock the request's matched prefix; returns how many tokens it claimed."""
         if req.req_pool_idx is None:
             req.req_pool_idx = self.req_to_token.alloc()
+        before = req.kv_len
         self.req_cache.claim_prefix(req)
+        return req.kv_len - before
 
     def _alloc_extend(self, entries: list[tuple[Req, int]]) -> ScheduledBatch:
         slots_list, reqs, prefix_lens, extend_lens = [], [], [], []
@@ -275,6 +277,11 @@ class Scheduler:
             return None
         # The request that has made the least progress loses the least by recomputing.
         return min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
+
+    def jump_forward(self, req: Req) -> None:
+        """`req`'s output grew by forced tokens without K/V: extend it next, then decode."""
+        self.running.remove(req)
+        self.waiting.insert(0, req)
 
     def retract(self, req: Req) -> None:
         """Give `req`'s computed tokens to the cache, free its slots and requeue it."""

@@ -22,8 +22,16 @@ class Matcher(ABC):
     def is_complete(self) -> bool:
         """The text so far is a full match of the pattern."""
 
+    @abstractmethod
+    def accepts(self, token_ids: list[int]) -> bool:
+        """Whether the matcher could follow `token_ids` from where it is now."""
+
 
 class Grammar(ABC):
+    """A compiled constraint; `regex` is the pattern it enforces (for jump-forward)."""
+
+    regex: str
+
     @abstractmethod
     def new_matcher(self) -> Matcher: ...
 

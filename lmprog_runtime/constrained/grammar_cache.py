@@ -1,40 +1,70 @@
 """Compiled grammars, keyed by (kind, pattern): a repeated schema compiles once.
 
-Compilation happens in the submitting caller's thread (never on the engine loop), so a
-new schema's compile does not stall other requests, and its errors reach the caller as
-ValueError before anything is queued. Concurrent callers asking for the same pattern wait
-for one compile.
+Compilation runs on a worker thread, never on the engine loop, so the engine keeps
+serving while a new schema compiles. The submitting caller waits for it, at most
+`timeout_s`; errors (a bad pattern, one too large, one too slow to compile) reach the
+caller as ValueError before anything is queued. Concurrent callers asking for the same
+pattern share one compile.
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar
 
+MAX_PATTERN_CHARS = 50_000
+
 
 class GrammarCache:
-    def __init__(self, backend: BaseGrammarBackend) -> None:
+    def __init__(self, backend: BaseGrammarBackend, timeout_s: float = 60.0) -> None:
         self.backend = backend
+        self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, str], Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lmprog-grammar")
+
+    def char_fsm(self, grammar: Grammar):
+        """The character-level FSM of a compiled grammar, for jump-forward (built once)."""
+        fsm = getattr(grammar, "_char_fsm", None)
+        if fsm is None:
+            from lmprog_runtime.constrained.jump_forward import CharFSM
+
+            fsm = CharFSM(grammar.regex)
+            grammar._char_fsm = fsm  # type: ignore[attr-defined]
+        return fsm
 
     def get(self, kind: str, pattern: str) -> Grammar:
         """kind: "regex" or "json_schema" (JSON text). Raises ValueError for bad patterns."""
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise ValueError(f"{kind} is too large ({len(pattern)} > {MAX_PATTERN_CHARS} chars)")
         key = (kind, pattern)
         with self._lock:
             future = self._entries.get(key)
-            owner = future is None
-            if owner:
-                future = Future()
+            if future is None:
+                future = self._pool.submit(self._compile, kind, pattern)
                 self._entries[key] = future
-        if owner:
-            try:
-                regex = pattern if kind == "regex" else self.backend.schema_to_regex(pattern)
-                future.set_result(self.backend.compile_regex(regex))
-            except Exception as error:
-                future.set_exception(error)
-                with self._lock:
-                    del self._entries[key]  # a bad pattern is not remembered
-        return future.result()
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout as error:
+            self._forget(key, future)
+            raise ValueError(
+                f"{kind} took longer than {self.timeout_s:.0f} s to compile; simplify it"
+            ) from error
+        except Exception:
+            self._forget(key, future)  # a bad pattern is not remembered
+            raise
+
+    def _compile(self, kind: str, pattern: str) -> Grammar:
+        regex = pattern if kind == "regex" else self.backend.schema_to_regex(pattern)
+        if len(regex) > MAX_PATTERN_CHARS:
+            raise ValueError(f"the {kind} expands to a regex too large to compile")
+        grammar = self.backend.compile_regex(regex)
+        return grammar
+
+    def _forget(self, key: tuple[str, str], future: Future) -> None:
+        with self._lock:
+            if self._entries.get(key) is future:
+                del self._entries[key]

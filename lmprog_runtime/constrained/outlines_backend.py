@@ -80,10 +80,14 @@ class _OutlinesMatcher(Matcher):
     def is_complete(self) -> bool:
         return bool(self._guide.is_finished())
 
+    def accepts(self, token_ids: list[int]) -> bool:
+        return bool(self._guide.accepts_tokens(token_ids))
+
 
 class _OutlinesGrammar(Grammar):
-    def __init__(self, index: Any) -> None:
+    def __init__(self, index: Any, regex: str) -> None:
         self._index = index
+        self.regex = regex
 
     def new_matcher(self) -> Matcher:
         from outlines_core import Guide
@@ -104,7 +108,7 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         from outlines_core import Index
 
         try:
-            return _OutlinesGrammar(Index(regex, self._vocabulary))
+            return _OutlinesGrammar(Index(regex, self._vocabulary), regex)
         except Exception as error:  # outlines-core raises ValueError / RuntimeError / panics
             raise ValueError(f"cannot compile regex {regex!r}: {error}") from error
 
@@ -124,8 +128,9 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
                 "guaranteed to validate"
             )
         try:
-            # A single optional space between tokens keeps JSON compact and predictable.
-            return build_regex_from_schema(schema, r"[ ]?")
+            # Compact JSON (no whitespace between tokens): keys and punctuation are then
+            # fixed text that jump-forward can append without the model.
+            return build_regex_from_schema(schema, "")
         except Exception as error:
             raise ValueError(f"unsupported JSON schema: {error}") from error
 

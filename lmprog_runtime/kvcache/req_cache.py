@@ -37,9 +37,9 @@ class ReqCache:
 
     def match(self, req: Req) -> int:
         """Match `req` against the tree (no lock yet); remembers and returns the prefix length."""
-        if self.tree is None:
-            req.match = None
-            return 0
+        if self.tree is None or req.kv_len > 0:
+            req.match = None  # a request that already holds its K/V (jump-forward) continues
+            return req.kv_len
         key = req.fill_ids[: req.max_prefix_len()]
         req.match = self.tree.match_prefix(key)
         return req.match.slots.numel()
