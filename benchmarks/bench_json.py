@@ -110,10 +110,14 @@ def main() -> None:
     print("| system | docs/s | vs outlines | forward passes per output token | valid |")
     print("|---|---|---|---|---|")
     print(f"| outlines + transformers | {n / ol_s:.2f} | 1.00x | - | {valid(ol_out)}/{n} |")
-    print(f"| lmprog Engine, no jump-forward | {n / plain_s:.2f} | {ol_s / plain_s:.2f}x | "
-          f"{plain_stats['forwards_per_token']:.2f} | {valid(plain_out)}/{n} |")
-    print(f"| lmprog Engine, jump-forward | {n / jf_s:.2f} | {ol_s / jf_s:.2f}x | "
-          f"{jf_stats['forwards_per_token']:.2f} | {valid(jf_out)}/{n} |")
+    print(
+        f"| lmprog Engine, no jump-forward | {n / plain_s:.2f} | {ol_s / plain_s:.2f}x | "
+        f"{plain_stats['forwards_per_token']:.2f} | {valid(plain_out)}/{n} |"
+    )
+    print(
+        f"| lmprog Engine, jump-forward | {n / jf_s:.2f} | {ol_s / jf_s:.2f}x | "
+        f"{jf_stats['forwards_per_token']:.2f} | {valid(jf_out)}/{n} |"
+    )
 
 
 if __name__ == "__main__":

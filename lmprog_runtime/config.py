@@ -27,8 +27,8 @@ class RuntimeConfig:
     model_path: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
-    # "auto": the native C++ kernels for float32 on CPU (torch if they cannot be built),
-    # the torch reference elsewhere.
+    # "auto": Triton kernels on CUDA; the native C++ kernels for float32 on CPU (torch if
+    # they cannot be built); the torch reference elsewhere.
     attention_backend: str = "auto"
     # KV pool size in tokens; None = derived from `mem_fraction` of free memory.
     max_total_tokens: int | None = None

@@ -132,6 +132,10 @@ class ModelRunner:
 def _resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     if name != "auto":
         return name
+    if device.type == "cuda":
+        import importlib.util
+
+        return "triton" if importlib.util.find_spec("triton") is not None else "torch"
     if device.type != "cpu" or dtype != torch.float32:
         return "torch"
     from lmprog_runtime.native import load_native

@@ -21,11 +21,17 @@ def create_attention_backend(
         from lmprog_runtime.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(layout, kv_pool, req_to_token)
+    if name == "triton":
+        from lmprog_runtime.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(layout, kv_pool, req_to_token)
     if name == "native":
         from lmprog_runtime.attention.native_backend import NativeAttentionBackend
 
         return NativeAttentionBackend(layout, kv_pool, req_to_token)
-    raise ValueError(f"attention backend {name!r} is not available; available: ['torch', 'native']")
+    raise ValueError(
+        f"attention backend {name!r} is not available; available: ['torch', 'native', 'triton']"
+    )
 
 
 __all__ = ["AttentionLayout", "BaseAttentionBackend", "create_attention_backend"]
