@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from lmprog.backend import Backend
-from lmprog.interpreter import ExecState, ForkGate, StreamExecutor
+from lmprog.executor import ForkGate, StreamExecutor
+from lmprog.interpreter import ExecState
 from lmprog.ir import Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, as_expr
 
 JOIN_MODES = ("gather_variable", "concate_and_append")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lmprog_runtime.config import RuntimeConfig
+from lmprog_runtime.constrained.jump_forward import jump_forward
 from lmprog_runtime.engine_inputs import normalize_generate_inputs
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache.radix_cache import RadixCache
@@ -25,7 +26,7 @@ from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.model_runner import ModelRunner
 from lmprog_runtime.models.default_model import default_model_path
 from lmprog_runtime.request import Req
-from lmprog_runtime.sampling import sample, top_logprobs
+from lmprog_runtime.sampling import record_prompt_logprobs, sample
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, ScheduledBatch, Scheduler
 from lmprog_runtime.stats import EngineStats
@@ -198,35 +199,13 @@ class Engine:
             return None
         return self._grammars.char_fsm(item.grammar)
 
-    def _jump_forward(self, req: Req, at_start: bool = False) -> bool:
-        """Append the text `req`'s pattern forces now, retokenizing the last sampled token
-        with it; the request then extends those tokens in one step. Returns whether it
-        jumped. At the start the forced text becomes the first output tokens."""
-        ids = req.output_ids
-        text = self.decode(ids)
-        if text.endswith("\ufffd"):
-            return False  # an incomplete UTF-8 sequence: wait for the next token
-        state = req.char_fsm.walk(text)
-        forced = req.char_fsm.forced(state) if state is not None else ""
-        if len(forced) < 2:
-            return False
-        kept = ids[:-1] if ids else []
-        kept_text = self.decode(kept)
-        if not text.startswith(kept_text):
-            return False
-        candidate = kept + self.encode(text[len(kept_text) :] + forced, add_special_tokens=False)
-        if len(candidate) >= req.max_new_tokens or self.decode(candidate) != text + forced:
-            return False
-        matcher = req.grammar.new_matcher()
-        if not matcher.accepts(candidate):
-            return False
-        for token in candidate:
-            matcher.advance(token)
-        req.output_ids, req.matcher = candidate, matcher
-        self._stats.add("jump_forward_tokens", len(candidate) - len(ids))
+    def _jump_forward(self, req: Req, at_start: bool = False) -> None:
+        added = jump_forward(req, self)
+        if added is None:
+            return
+        self._stats.add("jump_forward_tokens", added)
         if not at_start:
-            self.scheduler.jump_forward(req)
-        return True
+            self.scheduler.jump_forward(req)  # extend the forced tokens next
 
     def stats(self) -> dict[str, float]:
         """Counters since start or the last `reset_stats()` (see DESIGN.md for the keys)."""
@@ -392,7 +371,7 @@ class Engine:
         batch.kv_committed = True
         row_of = {id(req): req_rows for req, req_rows in zip(batch.reqs, rows)}
         if batch.mode is ForwardMode.EXTEND:
-            self._record_prompt_logprobs(ready, logits, row_of)
+            record_prompt_logprobs(ready, logits, row_of)
         to_sample = [r for r in ready if r.max_new_tokens > len(r.output_ids)]
         if to_sample:
             last = torch.tensor([row_of[id(r)][-1] for r in to_sample])
@@ -420,29 +399,6 @@ class Engine:
             forward_seconds=forward_seconds,
             step_seconds=time.perf_counter() - start,
         )
-
-    def _record_prompt_logprobs(
-        self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
-    ) -> None:
-        for req in reqs:
-            if req.logprob_start_len < 0 or req.input_logprobs_done:
-                continue
-            req.input_logprobs_done = True
-            req_rows = row_of[id(req)]
-            first = req.prompt_len - len(req_rows)  # position of the first logits row
-            targets = req.input_ids[first + 1 :]
-            if req.logprob_start_len == 0:
-                req.input_token_logprobs.append((None, req.input_ids[0]))
-                req.input_top_logprobs.append(None)
-            if not targets:
-                continue
-            rows_t = torch.tensor(req_rows[:-1])
-            scored = torch.log_softmax(logits.index_select(0, rows_t), dim=-1)
-            chosen = scored.gather(1, torch.tensor(targets)[:, None]).squeeze(1).tolist()
-            for j, token in enumerate(targets):
-                req.input_token_logprobs.append((chosen[j], token))
-                if req.top_logprobs_num:
-                    req.input_top_logprobs.append(top_logprobs(scored[j], req.top_logprobs_num))
 
     def _finish(self, req: Req, error: BaseException | None = None) -> None:
         if error is not None:

@@ -108,3 +108,28 @@ def _filtered_probs(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
+
+
+def record_prompt_logprobs(
+    reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
+) -> None:
+    """Prompt-token logprobs of requests whose prefill just finished (from their rows)."""
+    for req in reqs:
+        if req.logprob_start_len < 0 or req.input_logprobs_done:
+            continue
+        req.input_logprobs_done = True
+        req_rows = row_of[id(req)]
+        first = req.prompt_len - len(req_rows)  # position of the first logits row
+        targets = req.input_ids[first + 1 :]
+        if req.logprob_start_len == 0:
+            req.input_token_logprobs.append((None, req.input_ids[0]))
+            req.input_top_logprobs.append(None)
+        if not targets:
+            continue
+        rows_t = torch.tensor(req_rows[:-1])
+        scored = torch.log_softmax(logits.index_select(0, rows_t), dim=-1)
+        chosen = scored.gather(1, torch.tensor(targets)[:, None]).squeeze(1).tolist()
+        for j, token in enumerate(targets):
+            req.input_token_logprobs.append((chosen[j], token))
+            if req.top_logprobs_num:
+                req.input_top_logprobs.append(top_logprobs(scored[j], req.top_logprobs_num))

@@ -9,7 +9,16 @@ tokens are the ones a tokenizer would produce for that text), and resyncs the ma
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from lmprog_runtime.request import Req
+
+
+class Codec(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class CharFSM:
@@ -49,3 +58,31 @@ class CharFSM:
             out.append(chars[0])
             state = nxt
         return "".join(out)
+
+
+def jump_forward(req: Req, codec: Codec) -> int | None:
+    """Append the text `req`'s pattern forces now, retokenizing the last sampled token with
+    it, and resync its matcher. Returns how many tokens were added (None: no jump). With
+    no output yet, the forced text simply becomes the first output tokens."""
+    ids = req.output_ids
+    text = codec.decode(ids)
+    if text.endswith("\ufffd"):
+        return None  # an incomplete UTF-8 sequence: wait for the next token
+    state = req.char_fsm.walk(text)
+    forced = req.char_fsm.forced(state) if state is not None else ""
+    if len(forced) < 2:
+        return None
+    kept = ids[:-1] if ids else []
+    kept_text = codec.decode(kept)
+    if not text.startswith(kept_text):
+        return None
+    candidate = kept + codec.encode(text[len(kept_text) :] + forced, add_special_tokens=False)
+    if len(candidate) >= req.max_new_tokens or codec.decode(candidate) != text + forced:
+        return None
+    matcher = req.grammar.new_matcher()
+    if not matcher.accepts(candidate):
+        return None
+    for token in candidate:
+        matcher.advance(token)
+    req.output_ids, req.matcher = candidate, matcher
+    return len(candidate) - len(ids)
