@@ -10,10 +10,13 @@
 //   k_buf, v_buf [num_slots, num_kv_heads, head_dim]
 //   req_to_token [num_rows, context_len] int64
 //   req_rows     [batch] int64, seq_lens [batch] int64
+//   key_starts   [batch] int64: first key position per request (the keys before it, a
+//                prefix shared with other requests, are attended to by the caller)
 //   order        [batch] int64: the order requests are processed in. Requests that share a
 //                cached prefix should be adjacent: each thread takes a contiguous run of
 //                the order, so a shared prefix is read from memory once and then from cache.
-//   out          [batch, num_heads, head_dim]
+//   returns      out [batch, num_heads, head_dim] and lse [batch, num_heads] (log-sum-exp
+//                of the scores, -inf when a request has no keys in range)
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -40,10 +43,11 @@ void check(const torch::Tensor& t, const char* name, int64_t dim, c10::ScalarTyp
 
 }  // namespace
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
-                               torch::Tensor req_to_token, torch::Tensor req_rows,
-                               torch::Tensor seq_lens, torch::Tensor order, double scale,
-                               int64_t sliding_window) {
+std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf,
+                                            torch::Tensor v_buf, torch::Tensor req_to_token,
+                                            torch::Tensor req_rows, torch::Tensor seq_lens,
+                                            torch::Tensor key_starts, torch::Tensor order,
+                                            double scale, int64_t sliding_window) {
   check(q, "q", 3, torch::kFloat32);
   check(k_buf, "k_buf", 3, torch::kFloat32);
   check(v_buf, "v_buf", 3, torch::kFloat32);
@@ -51,17 +55,22 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
   check(req_rows, "req_rows", 1, torch::kInt64);
   check(seq_lens, "seq_lens", 1, torch::kInt64);
   check(order, "order", 1, torch::kInt64);
+  check(key_starts, "key_starts", 1, torch::kInt64);
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_buf.size(1);
   TORCH_CHECK(k_buf.size(2) == head_dim && v_buf.sizes() == k_buf.sizes(), "K/V pool shape mismatch");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(req_rows.size(0) == batch && seq_lens.size(0) == batch && order.size(0) == batch,
+  TORCH_CHECK(req_rows.size(0) == batch && seq_lens.size(0) == batch && order.size(0) == batch &&
+                  key_starts.size(0) == batch,
               "batch size mismatch");
   const int64_t group = num_heads / num_kv_heads;
   const int64_t context_len = req_to_token.size(1);
   const int64_t num_slots = k_buf.size(0);
 
   auto out = torch::empty_like(q);
+  auto lse = torch::empty({batch, num_heads}, q.options());
+  float* lp = lse.data_ptr<float>();
+  const int64_t* firsts = key_starts.data_ptr<int64_t>();
   const float* qp = q.data_ptr<float>();
   const float* kp = k_buf.data_ptr<float>();
   const float* vp = v_buf.data_ptr<float>();
@@ -86,8 +95,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
     for (int64_t i = 0; i < batch; ++i) {
       const int64_t b = ord[i];
       const int64_t len = lens[b];
-      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t n = len - start;
+      int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      start = std::max(start, firsts[b]);  // keys before it are handled by the caller
+      const int64_t n = std::max<int64_t>(0, len - start);
       const int64_t* slots = table + rows[b] * context_len + start;
       const float* qb = qp + b * num_heads * head_dim;
       scores.assign(num_heads * n, 0.f);
@@ -113,8 +123,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
           s[j] = std::exp(s[j] - m);
           sum += s[j];
         }
-        const float inv = 1.f / sum;
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
         for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+        // log-sum-exp of the scores, so partial results over key ranges can be merged.
+        lp[b * num_heads + h] = sum > 0.f ? m + std::log(sum) : -std::numeric_limits<float>::infinity();
       }
       // Pass 2: weighted sum of value rows, again one contiguous row per position.
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -133,7 +145,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
     }
   }
   TORCH_CHECK(!bad_slot, "decode_attention: a KV slot index is out of range");
-  return out;
+  return {out, lse};
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

@@ -1,11 +1,16 @@
 """The native CPU backend: decode attention in C++ straight from the paged pool.
 
 Decode reads each request's keys and values through the request-to-token table with no
-padded gather (the reference backend's main cost at large batches). Extend (prefill) uses
-the reference path. float32 on CPU only.
+padded gather. Requests that share a cached prefix (the same leading KV slots: branches
+of a fork, prompts with one system prompt) get cascade attention: the shared prefix is
+attended to once per group as two batched matmuls, each request's own suffix in C++, and
+the two partial results are merged by their log-sum-exp. Extend (prefill) uses the
+reference path. float32 on CPU only.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -15,25 +20,59 @@ from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool
 from lmprog_runtime.native import load_native
 
+# A shared prefix shorter than this is not worth a separate pass.
+MIN_CASCADE_PREFIX = 64
+
+
+class _PrefixGroup(NamedTuple):
+    members: torch.Tensor  # [m] batch indices
+    slots: torch.Tensor  # [prefix_len] KV slots every member starts with
+    span: slice | None  # the same slots as a slice when they are consecutive (no copy)
+
 
 class NativeAttentionBackend(TorchAttentionBackend):
     def __init__(
         self, layout: AttentionLayout, kv_pool: KVPool, req_to_token: ReqToTokenPool
     ) -> None:
         super().__init__(layout, kv_pool, req_to_token)
-        if kv_pool.k_buffers[0].device.type != "cpu" or kv_pool.k_buffers[0].dtype != torch.float32:
+        buf = kv_pool.k_buffers[0]
+        if buf.device.type != "cpu" or buf.dtype != torch.float32:
             raise ValueError("attention_backend='native' runs float32 on CPU only")
         self._ops = load_native()
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.mode is ForwardMode.DECODE:
-            self._seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
-            # Requests that share a cached prefix share its first slot: process them
-            # together so the prefix is read from memory once per step, not once each.
-            first_slots = self.req_to_token.table[batch.req_pool_indices, 0]
-            self._order = torch.argsort(first_slots, stable=True)
+        if batch.mode is not ForwardMode.DECODE:
+            super().init_forward_metadata(batch)
             return
-        super().init_forward_metadata(batch)
+        self._seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
+        rows = self.req_to_token.table[batch.req_pool_indices]
+        # Requests that share a cached prefix share its first slot: process them together
+        # so the prefix is read from memory once per step, not once each.
+        self._order = torch.argsort(rows[:, 0], stable=True)
+        self._groups: list[_PrefixGroup] = []
+        self._key_starts = torch.zeros(batch.batch_size, dtype=torch.int64)
+        if self.layout.sliding_window is None:
+            self._find_prefix_groups(rows, batch.seq_lens)
+
+    def _find_prefix_groups(self, rows: torch.Tensor, seq_lens: list[int]) -> None:
+        first = rows[:, 0]
+        values, counts = torch.unique(first, return_counts=True)
+        for value in values[counts > 1].tolist():
+            members = torch.nonzero(first == value).flatten()
+            # Each member keeps at least its newest key for its own pass.
+            limit = min(seq_lens[i] for i in members.tolist()) - 1
+            if limit < MIN_CASCADE_PREFIX:
+                continue
+            block = rows[members, :limit]
+            same = (block == block[0]).all(dim=0)
+            shared = int(same.to(torch.int64).cumprod(0).sum())
+            if shared >= MIN_CASCADE_PREFIX:
+                slots = block[0, :shared].clone()
+                first_slot = int(slots[0])
+                consecutive = bool((slots == torch.arange(first_slot, first_slot + shared)).all())
+                span = slice(first_slot, first_slot + shared) if consecutive else None
+                self._groups.append(_PrefixGroup(members, slots, span))
+                self._key_starts[members] = shared
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -41,15 +80,57 @@ class NativeAttentionBackend(TorchAttentionBackend):
         if batch.mode is not ForwardMode.DECODE:
             return super().forward(q, k, v, layer_id, batch)
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
-        out = self._ops.decode_attention(
-            q.contiguous(),
-            self.kv_pool.k_buffers[layer_id],
-            self.kv_pool.v_buffers[layer_id],
+        k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
+        q = q.contiguous()
+        out, lse = self._ops.decode_attention(
+            q,
+            k_buf,
+            v_buf,
             self.req_to_token.table,
             batch.req_pool_indices,
             self._seq_lens,
+            self._key_starts,
             self._order,
             self.layout.scaling,
             self.layout.sliding_window or 0,
         )
+        for group in self._groups:
+            self._merge_prefix(group, q, k_buf, v_buf, out, lse)
         return out.view(q.shape[0], -1)
+
+    def _merge_prefix(
+        self,
+        group: _PrefixGroup,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """Attend the group's queries to its shared prefix; merge into `out` in place."""
+        kv_heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        heads = self.layout.num_heads
+        members = group.members
+        m = members.numel()
+        # [kv_heads, members * group, dim]: a kv head's query heads, for every member.
+        qg = q[members].view(m, kv_heads, heads // kv_heads, dim).permute(1, 0, 2, 3)
+        qg = qg.reshape(kv_heads, -1, dim)
+        index = group.span if group.span is not None else group.slots
+        keys = k_buf[index].permute(1, 2, 0)  # [kv_heads, dim, prefix]
+        values = v_buf[index].transpose(0, 1)  # [kv_heads, prefix, dim]
+        scores = torch.bmm(qg, keys) * self.layout.scaling
+        top = scores.amax(dim=-1, keepdim=True)
+        probs = torch.exp(scores - top)
+        total = probs.sum(dim=-1, keepdim=True)
+        part = torch.bmm(probs, values) / total  # [kv_heads, members * group, dim]
+        part_lse = (top + torch.log(total)).squeeze(-1)
+        # Back to [members, heads, dim] / [members, heads].
+        part = part.view(kv_heads, m, -1, dim).permute(1, 0, 2, 3).reshape(m, heads, dim)
+        part_lse = part_lse.view(kv_heads, m, -1).permute(1, 0, 2).reshape(m, heads)
+        own, own_lse = out[members], lse[members]
+        peak = torch.maximum(part_lse, own_lse)
+        w_prefix, w_own = torch.exp(part_lse - peak), torch.exp(own_lse - peak)
+        merged = (part * w_prefix[..., None] + own * w_own[..., None]) / (w_prefix + w_own)[
+            ..., None
+        ]
+        out[members] = merged

@@ -107,3 +107,43 @@ def test_native_and_torch_engines_agree_with_transformers(tiny_path, hf_tiny):
 
 def test_default_backend_on_cpu_is_native(engine):
     assert engine.runner.attention_backend == "native"
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
+def test_cascade_decode_over_a_shared_prefix_matches_torch(heads, kv_heads):
+    """Three requests share a 100-slot prefix (as after a fork), two do not: the native
+    backend attends the shared prefix once per group and merges by log-sum-exp."""
+    gen = torch.Generator().manual_seed(heads)
+    head_dim = 16
+    layout = AttentionLayout(heads, kv_heads, head_dim, head_dim**-0.5, None)
+    pool = KVPool(600, 1, kv_heads, head_dim, torch.float32, "cpu")
+    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=gen))
+    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=gen))
+    table = ReqToTokenPool(6, 256, "cpu")
+    slots = (torch.randperm(599, generator=gen) + 1).tolist()
+    shared, rest = slots[:100], slots[100:]
+    seq_lens, rows = [107, 112, 101, 30, 75], [5, 2, 0, 1, 4]
+    for i, (row, n) in enumerate(zip(rows, seq_lens)):
+        own = [rest.pop() for _ in range(n - (100 if i < 3 else 0))]
+        table.write(row, 0, torch.tensor((shared if i < 3 else []) + own))
+    batch = ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.zeros(5, dtype=torch.int64),
+        positions=torch.tensor([n - 1 for n in seq_lens]),
+        out_cache_loc=torch.stack([table.table[r, n - 1] for r, n in zip(rows, seq_lens)]),
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=seq_lens,
+        prefix_lens=[n - 1 for n in seq_lens],
+        logits_indices=torch.arange(5),
+    )
+    q = torch.randn(5, heads, head_dim, generator=gen)
+    k = torch.randn(5, kv_heads, head_dim, generator=gen)
+    v = torch.randn(5, kv_heads, head_dim, generator=gen)
+    outs = {}
+    for name in ("torch", "native"):
+        backend = create_attention_backend(name, layout, pool, table)
+        backend.init_forward_metadata(batch)
+        outs[name] = backend.forward(q, k, v, 0, batch)
+        if name == "native":
+            assert len(backend._groups) == 1 and backend._groups[0].slots.numel() == 100
+    torch.testing.assert_close(outs["native"], outs["torch"], rtol=1e-5, atol=1e-5)
