@@ -73,6 +73,10 @@ def gen(
         import json
 
         json_schema = json.dumps(json_schema)
+    if return_logprob:
+        # Not sampling parameters: the interpreter passes them to the backend per request.
+        sampling["return_logprob"] = True
+        sampling["top_logprobs_num"] = top_logprobs_num or 0
     return Gen(name, sampling, regex=regex, json_schema=json_schema, dtype=dtype)
 
 

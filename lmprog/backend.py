@@ -72,16 +72,30 @@ class EngineBackend(Backend):
     def generate(
         self, input_ids, params, *, group=False, return_logprob=False, logprob_start_len=None
     ):
+        # A gen's own `return_logprob` / `top_logprobs_num` travel inside its params.
+        params = [dict(p) for p in params]
+        want = [bool(p.pop("return_logprob", False)) or return_logprob for p in params]
+        tops = [int(p.pop("top_logprobs_num", 0)) for p in params]
         return self.engine.generate(
             input_ids=input_ids,
             sampling_params=params,
-            return_logprob=return_logprob,
+            return_logprob=want,
             logprob_start_len=logprob_start_len if logprob_start_len is not None else -1,
+            top_logprobs_num=tops,
             group=group,
         )
 
     def generate_stream(self, input_ids, params):
-        return self.engine.generate(input_ids=input_ids, sampling_params=params, stream=True)
+        params = dict(params)
+        want = bool(params.pop("return_logprob", False))
+        tops = int(params.pop("top_logprobs_num", 0))
+        return self.engine.generate(
+            input_ids=input_ids,
+            sampling_params=params,
+            return_logprob=want,
+            top_logprobs_num=tops,
+            stream=True,
+        )
 
     def render_chat(self, messages):
         if not getattr(self.tokenizer, "chat_template", None):

@@ -151,7 +151,9 @@ class ProgramOps:
     # ---- gen ------------------------------------------------------------------------------
     def gen_request(self, st: ExecState, gen: Gen) -> tuple[list[int], dict[str, Any]]:
         params = {SAMPLING_KEYS[k]: v for k, v in self.defaults.items() if v is not None}
-        params.update({SAMPLING_KEYS[k]: v for k, v in gen.sampling.items() if v is not None})
+        params.update(
+            {SAMPLING_KEYS.get(k, k): v for k, v in gen.sampling.items() if v is not None}
+        )
         if gen.regex is not None:
             params["regex"] = gen.regex
         elif gen.json_schema is not None:

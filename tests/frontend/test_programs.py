@@ -260,3 +260,20 @@ def test_repr_html_highlights_and_escapes(engine):
     page = state._repr_html_()
     assert html.escape("<b>bold</b> & co") in page and "<b>bold</b> & co" not in page
     assert 'title="reply"' in page and "<b>user</b>" in page and "<b>assistant</b>" in page
+
+
+def test_gen_logprobs_reach_the_meta_info(engine):
+    @lp.function
+    def prog(s):
+        s += "Once upon a time" + lp.gen(
+            "a", max_tokens=4, temperature=0, return_logprob=True, top_logprobs_num=2
+        )
+        s += "." + lp.gen("b", max_tokens=2, temperature=0)
+
+    state = prog.run(backend=engine)
+    info = state.get_meta_info("a")
+    assert len(info["output_token_logprobs"]) == 4 and len(info["output_top_logprobs"][0]) == 2
+    assert [t for _, t in info["output_token_logprobs"]] == engine.generate(
+        "Once upon a time", {"max_new_tokens": 4, "temperature": 0}
+    )["output_ids"]
+    assert "output_token_logprobs" not in state.get_meta_info("b")
