@@ -8,9 +8,12 @@ API; another runtime (a server, a mock for fast tests) only needs these few meth
 from __future__ import annotations
 
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
+
+from lmprog.chat_template import ChatRoles
 
 
 class Backend(ABC):
@@ -54,6 +57,13 @@ class Backend(ABC):
     @abstractmethod
     def context_token_id(self) -> int:
         """A neutral token to condition on when scoring text with no prompt."""
+
+    def chat_roles(self) -> ChatRoles:
+        """Role texts read off the chat template, computed once per backend."""
+        roles = getattr(self, "_chat_roles", None)
+        if roles is None:
+            roles = self._chat_roles = ChatRoles(self.render_chat)
+        return roles
 
 
 class EngineBackend(Backend):
@@ -135,9 +145,18 @@ def get_default_backend() -> Backend:
         return _default_backend
 
 
+_engine_backends: weakref.WeakKeyDictionary[Any, EngineBackend] = weakref.WeakKeyDictionary()
+_wrappers_lock = threading.Lock()
+
+
 def as_backend(backend: Any) -> Backend:
+    """A `Backend` for an Engine (one wrapper per engine, so its caches are shared)."""
     if isinstance(backend, Backend):
         return backend
     if hasattr(backend, "generate") and hasattr(backend, "tokenizer"):
-        return EngineBackend(backend)
+        with _wrappers_lock:
+            wrapper = _engine_backends.get(backend)
+            if wrapper is None:
+                wrapper = _engine_backends[backend] = EngineBackend(backend)
+        return wrapper
     raise TypeError(f"backend must be an lp.Engine or an lp.Backend, got {type(backend).__name__}")

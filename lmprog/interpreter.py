@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lmprog.backend import Backend
-from lmprog.chat_template import ChatRoles
 from lmprog.choices import ChoicesSamplingMethod, token_length_normalized
 from lmprog.ir import (
     Expr,
@@ -116,7 +115,7 @@ class ProgramOps:
     def __init__(self, backend: Backend, defaults: dict[str, Any]) -> None:
         self.backend = backend
         self.defaults = defaults
-        self.roles = ChatRoles(backend.render_chat)
+        self.roles = backend.chat_roles()
 
     def apply_constant(self, st: ExecState, node: Expr) -> None:
         """Text, roles, variable references and var scopes: no request needed."""
@@ -238,6 +237,15 @@ class ProgramOps:
             "cached_tokens": outs[index]["meta_info"]["cached_tokens"],
             "finish_reason": {"type": "select", "matched": choice},
         }
+
+
+def gathered_variables(before: set[str], branches: list[ExecState]) -> dict[str, list[Any]]:
+    """A `gather_variable` join: each variable the branches made (not in `before`), as the
+    list of its values in branch order."""
+    names: list[str] = []
+    for branch in branches:
+        names += [n for n in branch.variables if n not in before and n not in names]
+    return {name: [b.variables.get(name) for b in branches] for name in names}
 
 
 def score_requests(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmprog.backend import Backend
-from lmprog.interpreter import ExecState, ProgramOps, score_requests
+from lmprog.interpreter import ExecState, ProgramOps, gathered_variables, score_requests
 from lmprog.ir import Argument, Expr, Fork, ForkItem, Gen, Join, Select, VarRef
 from lmprog.traced import TracedProgram
 from lmprog.tracer import Path
@@ -147,11 +147,7 @@ def _join(parent: _Stream, node: Join, children: list[_Stream]) -> None:
     st = parent.state
     before, fork_len = parent.forks[node.fork_id]
     if node.mode == "gather_variable":
-        names: list[str] = []
-        for child in children:
-            names += [n for n in child.state.variables if n not in before and n not in names]
-        for name in names:
-            st.variables[name] = [c.state.variables.get(name) for c in children]
+        st.variables.update(gathered_variables(before, [c.state for c in children]))
         return
     for child in children:
         st.emit(child.state.text[fork_len:])

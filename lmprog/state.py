@@ -15,7 +15,7 @@ from typing import Any
 
 from lmprog.backend import Backend
 from lmprog.executor import ForkGate, StreamExecutor
-from lmprog.interpreter import ExecState
+from lmprog.interpreter import ExecState, gathered_variables
 from lmprog.ir import Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, as_expr
 
 JOIN_MODES = ("gather_variable", "concate_and_append")
@@ -256,13 +256,8 @@ class ProgramStateGroup(BranchGroup):
             branch._raise_error()
         parent = self._parent
         if mode == "gather_variable":
-            names: list[str] = []
-            for branch in self._branches:
-                for name in branch._executor.state.variables:
-                    if name not in self._parent_vars and name not in names:
-                        names.append(name)
-            for name in names:
-                values = [b._executor.state.variables.get(name) for b in self._branches]
+            branches = [b._executor.state for b in self._branches]
+            for name, values in gathered_variables(self._parent_vars, branches).items():
                 parent[name] = values
             return
         for branch in self._branches:

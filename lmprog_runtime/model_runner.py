@@ -6,6 +6,7 @@ Turns a `ScheduledBatch` (requests + their new KV slots) into the flat tensors o
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -69,8 +70,6 @@ class ModelRunner:
             return read_torch_dtype(self.config.dtype)
         if self.config.device == "cpu":
             return torch.float32
-        import json
-
         raw = json.loads((Path(model_path) / "config.json").read_text())
         name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
         return torch.float32 if name == "float32" else read_torch_dtype(name)

@@ -242,32 +242,35 @@ class Scheduler:
         )
 
     def _schedule_decode(self) -> ScheduledBatch:
-        slots = self._alloc_decode_slots()
+        slots, rows, kv_lens = self._alloc_decode_slots()
+        self.req_to_token.table[rows, kv_lens] = slots.to(self.req_to_token.table.device)
         reqs = list(self.running)
-        prefix_lens = []
-        for i, req in enumerate(reqs):
-            self.req_to_token.write(req.req_pool_idx, req.kv_len, slots[i : i + 1])
-            prefix_lens.append(req.kv_len)
         self.new_token_ratio = max(
             MIN_NEW_TOKEN_RATIO * self._ratio_scale, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
+        prefix_lens = kv_lens.tolist()
         return ScheduledBatch(ForwardMode.DECODE, reqs, slots, prefix_lens, [1] * len(reqs))
 
-    def _alloc_decode_slots(self) -> torch.Tensor:
+    def _alloc_decode_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One new slot per running request (evicting, then retracting, when short).
+        Returns (slots, table rows, positions), each [num_running]."""
+        table = self.req_to_token.table
         while True:
-            last = torch.tensor([self._last_slot(r) for r in self.running], dtype=torch.int64)
+            rows = torch.tensor([r.req_pool_idx for r in self.running], dtype=torch.int64)
+            kv_lens = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64)
+            # Running requests always hold K/V, so each has a last slot to continue from.
+            last = table[rows.to(table.device), (kv_lens - 1).to(table.device)].cpu()
             slots = self.allocator.alloc_decode(last)
             if slots is not None:
-                return slots
+                return slots, rows, kv_lens
             ps = self.allocator.page_size
             short = int(((last + 1) % ps == 0).sum()) * ps - self.allocator.num_free
             if self._evict(short) >= short:
                 continue
             victim = self._pick_victim()
             if victim is None:
-                raise RuntimeError(
-                    "KV pool exhausted by a single request"
-                )  # admission prevents this
+                # Admission checks every request fits the pool alone, so this cannot happen.
+                raise RuntimeError("KV pool exhausted by a single request")
             self.retract(victim)
 
     def _pick_victim(self) -> Req | None:

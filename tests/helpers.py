@@ -23,3 +23,28 @@ def hf_greedy(hf_tiny, prompt: str, max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, ids.shape[1] :].tolist()
+
+
+def decode_batch(table, rows: list[int], seq_lens: list[int]):
+    """A DECODE ForwardBatch: each request's newest token (position seq_len - 1) is new."""
+    from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
+
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.zeros(len(rows), dtype=torch.int64),
+        positions=torch.tensor([n - 1 for n in seq_lens]),
+        out_cache_loc=torch.stack([table.table[r, n - 1] for r, n in zip(rows, seq_lens)]),
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=list(seq_lens),
+        prefix_lens=[n - 1 for n in seq_lens],
+        logits_indices=torch.arange(len(rows)),
+    )
+
+
+def run_backend(name: str, layout, pool, table, batch, q, k, v):
+    """One attention layer of `batch` through backend `name`."""
+    from lmprog_runtime.attention import create_attention_backend
+
+    backend = create_attention_backend(name, layout, pool, table)
+    backend.init_forward_metadata(batch)
+    return backend.forward(q, k, v, 0, batch)

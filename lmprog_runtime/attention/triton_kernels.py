@@ -42,6 +42,17 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _kv_block(
+    req_to_token, row, stride_r, offs_n, mask_n, kv_h, stride_bt, stride_bh, offs_d, mask_d
+):
+    """Offsets into the K/V pool of one block of a request's positions, and their mask:
+    [BLOCK_N, BLOCK_D], found through the request's row of slot indices."""
+    slots = tl.load(req_to_token + row * stride_r + offs_n, mask=mask_n, other=0)
+    kv_off = slots[:, None] * stride_bt + kv_h * stride_bh + offs_d[None, :]
+    return kv_off, mask_n[:, None] & mask_d[None, :]
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr,
     o_ptr,
@@ -96,9 +107,9 @@ def _extend_kernel(
     for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        slots = tl.load(req_to_token + row * stride_r + offs_n, mask=mask_n, other=0)
-        kv_off = slots[:, None] * stride_bt + kv_h * stride_bh + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
+        kv_off, kv_mask = _kv_block(
+            req_to_token, row, stride_r, offs_n, mask_n, kv_h, stride_bt, stride_bh, offs_d, mask_d
+        )
         k = tl.load(k_buf + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
         allowed = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -173,9 +184,9 @@ def _decode_stage1_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        slots = tl.load(req_to_token + row * stride_r + offs_n, mask=mask_n, other=0)
-        kv_off = slots[:, None] * stride_bt + kv_h * stride_bh + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
+        kv_off, kv_mask = _kv_block(
+            req_to_token, row, stride_r, offs_n, mask_n, kv_h, stride_bt, stride_bh, offs_d, mask_d
+        )
         k = tl.load(k_buf + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.sum(q[None, :] * k, axis=1) * scale
         s = tl.where(mask_n, s, float("-inf"))

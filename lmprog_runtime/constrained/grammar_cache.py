@@ -61,8 +61,7 @@ class GrammarCache:
         regex = pattern if kind == "regex" else self.backend.schema_to_regex(pattern)
         if len(regex) > MAX_PATTERN_CHARS:
             raise ValueError(f"the {kind} expands to a regex too large to compile")
-        grammar = self.backend.compile_regex(regex)
-        return grammar
+        return self.backend.compile_regex(regex)
 
     def _forget(self, key: tuple[str, str], future: Future) -> None:
         with self._lock:

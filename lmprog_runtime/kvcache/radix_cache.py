@@ -97,14 +97,8 @@ class RadixCache:
         """Longest cached, page-aligned prefix of `key`; bumps recency along the path."""
         key = key[: len(key) // self.page_size * self.page_size]
         node, values, now = self.root, [], next(self._clock)
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                break
-            n = self._match_len(child.key, key)
-            if n < len(child.key):
-                child = self._split(child, n)  # only the matched part counts as used
-            child.last_access = now
+        while key and (step := self._descend(node, key, now)) is not None:
+            child, n = step
             child.hit_count += 1
             values.append(child.value)
             node, key = child, key[n:]
@@ -117,14 +111,8 @@ class RadixCache:
         if len(key) % self.page_size or len(key) != value.numel():
             raise ValueError("insert needs a page-aligned key and one slot per token")
         node, prefix_len, now = self.root, 0, next(self._clock)
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                break
-            n = self._match_len(child.key, key)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
+        while key and (step := self._descend(node, key, now)) is not None:
+            child, n = step
             prefix_len += n
             node, key, value = child, key[n:], value[n:]
         if key:
@@ -133,6 +121,18 @@ class RadixCache:
             node.children[self._child_key(key)] = leaf
             self.evictable_size += len(key)
         return prefix_len
+
+    def _descend(self, node: TreeNode, key: list[int], now: int) -> tuple[TreeNode, int] | None:
+        """The child of `node` that `key` continues into, cut at the end of the match (only
+        the matched part counts as used), and how many tokens matched; None if none."""
+        child = node.children.get(self._child_key(key))
+        if child is None:
+            return None
+        n = self._match_len(child.key, key)
+        if n < len(child.key):
+            child = self._split(child, n)
+        child.last_access = now
+        return child, n
 
     def _child_key(self, key: list[int]) -> int | tuple[int, ...]:
         return key[0] if self.page_size == 1 else tuple(key[: self.page_size])

@@ -51,7 +51,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class NativeOps(TorchOps):
-    """Fused C++ kernels; inputs other than float32 on CPU fall back to the reference."""
+    """Fused C++ kernels over float32 CPU tensors (the model holds one set; the runner only
+    picks this one for float32 on CPU)."""
 
     def __init__(self) -> None:
         from lmprog_runtime.native import load_native
@@ -59,8 +60,6 @@ class NativeOps(TorchOps):
         self._ops = load_native()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dim() != 2:
-            return TorchOps.rms_norm(x, weight, eps)
         return self._ops.rms_norm(x, weight, eps)
 
     def add_rms_norm(

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import PROMPTS, hf_greedy
+from helpers import PROMPTS, decode_batch, hf_greedy, run_backend
 
 from lmprog_runtime.attention import AttentionLayout, create_attention_backend
-from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool
 from lmprog_runtime.models.ops import NativeOps, TorchOps
 
@@ -71,25 +70,13 @@ def test_native_decode_attention_matches_torch(heads, kv_heads, head_dim, window
     for row, n in zip(rows, seq_lens):
         table.write(row, 0, slots[offset : offset + n])
         offset += n
-    batch = ForwardBatch(
-        mode=ForwardMode.DECODE,
-        input_ids=torch.zeros(4, dtype=torch.int64),
-        positions=torch.tensor([n - 1 for n in seq_lens]),
-        out_cache_loc=torch.stack([table.table[r, n - 1] for r, n in zip(rows, seq_lens)]),
-        req_pool_indices=torch.tensor(rows),
-        seq_lens=seq_lens,
-        prefix_lens=[n - 1 for n in seq_lens],
-        logits_indices=torch.arange(4),
-    )
+    batch = decode_batch(table, rows, seq_lens)
     q = torch.randn(4, heads, head_dim, generator=gen)
     k = torch.randn(4, kv_heads, head_dim, generator=gen)
     v = torch.randn(4, kv_heads, head_dim, generator=gen)
-    outs = []
-    for name in ("torch", "native"):
-        backend = create_attention_backend(name, layout, pool, table)
-        backend.init_forward_metadata(batch)
-        outs.append(backend.forward(q, k, v, 0, batch))
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    ref = run_backend("torch", layout, pool, table, batch, q, k, v)
+    got = run_backend("native", layout, pool, table, batch, q, k, v)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_native_and_torch_engines_agree_with_transformers(tiny_path, hf_tiny):
@@ -126,16 +113,7 @@ def test_cascade_decode_over_a_shared_prefix_matches_torch(heads, kv_heads):
     for i, (row, n) in enumerate(zip(rows, seq_lens)):
         own = [rest.pop() for _ in range(n - (100 if i < 3 else 0))]
         table.write(row, 0, torch.tensor((shared if i < 3 else []) + own))
-    batch = ForwardBatch(
-        mode=ForwardMode.DECODE,
-        input_ids=torch.zeros(5, dtype=torch.int64),
-        positions=torch.tensor([n - 1 for n in seq_lens]),
-        out_cache_loc=torch.stack([table.table[r, n - 1] for r, n in zip(rows, seq_lens)]),
-        req_pool_indices=torch.tensor(rows),
-        seq_lens=seq_lens,
-        prefix_lens=[n - 1 for n in seq_lens],
-        logits_indices=torch.arange(5),
-    )
+    batch = decode_batch(table, rows, seq_lens)
     q = torch.randn(5, heads, head_dim, generator=gen)
     k = torch.randn(5, kv_heads, head_dim, generator=gen)
     v = torch.randn(5, kv_heads, head_dim, generator=gen)

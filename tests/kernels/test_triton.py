@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import PROMPTS
+from helpers import PROMPTS, decode_batch, run_backend
 
-from lmprog_runtime.attention import AttentionLayout, create_attention_backend
+from lmprog_runtime.attention import AttentionLayout
 from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool, TokenSlotAllocator
 
@@ -32,12 +32,6 @@ def _setup(heads, kv_heads, head_dim, page_size, seq_lens, seed):
         table.write(row, 0, alloc.alloc(n))
     layout = AttentionLayout(heads, kv_heads, head_dim, head_dim**-0.5, None)
     return pool, table, rows, layout, gen
-
-
-def _run(name, layout, pool, table, batch, q, k, v):
-    backend = create_attention_backend(name, layout, pool, table)
-    backend.init_forward_metadata(batch)
-    return backend.forward(q, k, v, 0, batch)
 
 
 CASES = [  # (heads, kv_heads, head_dim, page_size, prefix_lens, extend_lens)
@@ -73,29 +67,20 @@ def test_extend_and_decode_match_the_torch_reference(
     q = torch.randn(num, heads, head_dim, generator=gen)
     k = torch.randn(num, kv_heads, head_dim, generator=gen)
     v = torch.randn(num, kv_heads, head_dim, generator=gen)
-    ref = _run("torch", layout, pool, table, batch, q, k, v)
-    got = _run("triton", layout, pool, table, batch, q, k, v)
+    ref = run_backend("torch", layout, pool, table, batch, q, k, v)
+    got = run_backend("triton", layout, pool, table, batch, q, k, v)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
     # One decode step on top: each request's next token at position seq_len.
     decode_lens = [n + 1 for n in seq_lens]
     for r, n in zip(rows, seq_lens):
         table.write(r, n, torch.tensor([int(table.table[r, 0])]))  # any valid slot
-    batch = ForwardBatch(
-        mode=ForwardMode.DECODE,
-        input_ids=torch.zeros(len(rows), dtype=torch.int64),
-        positions=torch.tensor(seq_lens),
-        out_cache_loc=torch.stack([table.table[r, n] for r, n in zip(rows, seq_lens)]),
-        req_pool_indices=torch.tensor(rows),
-        seq_lens=decode_lens,
-        prefix_lens=seq_lens,
-        logits_indices=torch.arange(len(rows)),
-    )
+    batch = decode_batch(table, rows, decode_lens)
     q = torch.randn(len(rows), heads, head_dim, generator=gen)
     k = torch.randn(len(rows), kv_heads, head_dim, generator=gen)
     v = torch.randn(len(rows), kv_heads, head_dim, generator=gen)
-    ref = _run("torch", layout, pool, table, batch, q, k, v)
-    got = _run("triton", layout, pool, table, batch, q, k, v)
+    ref = run_backend("torch", layout, pool, table, batch, q, k, v)
+    got = run_backend("triton", layout, pool, table, batch, q, k, v)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
