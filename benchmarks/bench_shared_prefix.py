@@ -1,29 +1,31 @@
 """Shared-prefix throughput: the Engine with the radix cache, without it, and transformers.
 
 Workload (issue 3): 8 groups x 16 prompts; each group has its own 1024-token system prompt,
-each prompt its own 64-token question; 32 output tokens each (EOS ignored); all 128 prompts
-shuffled and submitted at once; the built-in `small` model, float32, CPU. Reports output
-throughput side by side from one run, as ratios to transformers' batched `generate` (best
-of the listed batch sizes), and the engine's cache hit rate.
+each prompt its own 64-token question; exactly 32 greedy output tokens each (EOS masked by
+`min_new_tokens` on every side); all 128 prompts shuffled and submitted at once; float32.
+transformers runs at batch 16, 32, 64 and 128 in the first round and its best batch size
+in the others; rounds alternate their order, each engine's cache is flushed before each of
+its phases, and the outputs of all three are compared token by token.
 
-    .venv/bin/python benchmarks/bench_shared_prefix.py [--groups 8 --per-group 16]
+    .venv/bin/python benchmarks/bench_shared_prefix.py [--model small] [--groups 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import time
 
+import harness
 import torch
-from _baselines import hf_generate_seconds
+from harness import Phase
 
 
-def make_prompts(args, vocab: int) -> list[list[int]]:
+def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
-        return torch.randint(10, vocab, (n,), generator=gen).tolist()
+        # Above the low ids where tokenizers keep their special tokens.
+        return torch.randint(32, vocab, (n,), generator=gen).tolist()
 
     prompts = []
     for _ in range(args.groups):
@@ -33,71 +35,122 @@ def make_prompts(args, vocab: int) -> list[list[int]]:
     return prompts
 
 
-def run_engine(model_path: str, prompts, new_tokens: int, **config) -> tuple[float, dict]:
-    from lmprog_runtime import Engine
-
-    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-    with Engine(model_path, max_total_tokens=65536, max_running_requests=128, **config) as engine:
-        engine.generate(input_ids=[7, 8, 9], sampling_params={"max_new_tokens": 2})  # warm up
-        engine.flush_cache()
-        engine.reset_stats()
-        start = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
-        elapsed = time.perf_counter() - start
-        assert all(len(o["output_ids"]) == new_tokens for o in outs)
-        return elapsed, engine.stats()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_common_args(parser, repeats=2)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--per-group", type=int, default=16)
     parser.add_argument("--system-len", type=int, default=1024)
     parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--hf-batch-sizes", default="16,32")
-    parser.add_argument("--model", default=None, help="checkpoint dir (default: built-in small)")
+    parser.add_argument("--hf-batch-sizes", default="16,32,64,128")
+    parser.add_argument("--max-total-tokens", type=int, default=65536)
     args = parser.parse_args()
 
-    from lmprog_runtime import default_model_path
-    from lmprog_runtime.models import ModelConfig
+    from lmprog_runtime import Engine
 
-    model_path = args.model or default_model_path("small")
-    prompts = make_prompts(args, ModelConfig.from_path(model_path).vocab_size)
+    path = harness.resolve_model(args.model)
+    config = {
+        "dtype": args.dtype,
+        "max_total_tokens": args.max_total_tokens,
+        "max_running_requests": args.groups * args.per_group,
+    }
+    cached = Engine(path, **config)
+    plain = Engine(path, disable_radix_cache=True, **config)
+    hf = harness.load_hf_model(path, args.dtype)
+    vocab = min(cached.runner.model_config.vocab_size, len(cached.tokenizer))
+    prompts = make_prompts(args, vocab)
     total_out = len(prompts) * args.new_tokens
-    print(
-        f"model={model_path} threads={torch.get_num_threads()} {args.groups} groups x "
-        f"{args.per_group} prompts of {args.system_len}+{args.question_len} tokens, "
-        f"{args.new_tokens} new tokens each"
-    )
+    n = args.new_tokens
+    params = {"max_new_tokens": n, "min_new_tokens": n, "temperature": 0}
+    for engine in (cached, plain):
+        harness.warm_engine(engine)
+    harness.warm_hf(hf, cached.tokenizer)
+    print(f"model={path} {args.groups}x{args.per_group} prompts of {len(prompts[0])} tokens")
 
-    cached_s, cached_stats = run_engine(model_path, prompts, args.new_tokens)
-    print(f"  engine with radix cache: {total_out / cached_s:.1f} tok/s")
-    plain_s, _ = run_engine(model_path, prompts, args.new_tokens, disable_radix_cache=True)
-    print(f"  engine without cache: {total_out / plain_s:.1f} tok/s")
-    hf = {}
-    for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
-        hf[bs] = hf_generate_seconds(model_path, prompts, args.new_tokens, bs)
-        print(f"  transformers batch {bs}: {total_out / hf[bs]:.1f} tok/s")
-    best = min(hf, key=hf.get)
-    prompt_tokens = cached_stats["prefill_tokens"] + cached_stats["cached_tokens"]
-    hit_rate = cached_stats["cached_tokens"] / prompt_tokens
+    def engine_phase(name: str, engine: Engine) -> Phase:
+        def run() -> tuple[list[list[int]], dict[str, float]]:
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            return [o["output_ids"] for o in outs], engine.stats()
 
-    print()
-    print("| system | output tok/s | vs transformers |")
-    print("|---|---|---|")
-    print(f"| transformers generate (batch {best}) | {total_out / hf[best]:.1f} | 1.00x |")
-    print(
-        f"| lmprog Engine, radix cache off | {total_out / plain_s:.1f} | {hf[best] / plain_s:.2f}x |"
-    )
-    print(
-        f"| lmprog Engine, radix cache on | {total_out / cached_s:.1f} | {hf[best] / cached_s:.2f}x |"
-    )
-    print()
-    print(
-        f"cache hit rate: {hit_rate:.1%} of prompt tokens "
-        f"({int(cached_stats['prefill_tokens'])} computed, {int(cached_stats['cached_tokens'])} reused); "
-        f"{int(cached_stats['forward_passes'])} forwards"
+        return Phase(name, run, before=lambda: harness.flush(engine))
+
+    on, off = engine_phase("engine, cache on", cached), engine_phase("engine, cache off", plain)
+    hf_phases = {
+        bs: Phase(f"transformers batch {bs}", lambda bs=bs: harness.hf_generate(hf, prompts, n, bs))
+        for bs in (int(b) for b in args.hf_batch_sizes.split(","))
+    }
+    # One round over every batch size picks the baseline; the remaining rounds time only it.
+    harness.alternate([on, off, *hf_phases.values()], 1)
+    best_bs = min(hf_phases, key=lambda bs: hf_phases[bs].best)
+    base = hf_phases[best_bs]
+    harness.alternate([on, off, base], args.repeats - 1, first_round=1)
+
+    on_ids, stats = on.values[-1]
+    off_ids = off.values[-1][0]
+    same_cache = harness.compare_tokens(on_ids, off_ids)
+    vs_hf = harness.compare_tokens(on_ids, base.values[-1])
+    vs_hf_off = harness.compare_tokens(off_ids, base.values[-1])
+    hit_rate = stats["cached_tokens"] / (stats["prefill_tokens"] + stats["cached_tokens"])
+    dtypes = {"engine": harness.param_dtype(cached.runner.model), "hf": harness.param_dtype(hf)}
+    for engine in (cached, plain):
+        engine.shutdown()
+
+    def row(system: str, phase: Phase, outputs: str) -> dict[str, str]:
+        return {
+            "system": system,
+            "output tok/s (best)": f"{total_out / phase.best:.1f}",
+            "output tok/s (median)": f"{total_out / phase.median:.1f}",
+            "vs transformers (best / median)": harness.speedup(base, phase),
+            "outputs": outputs,
+        }
+
+    to_hf = "prompts token-identical to transformers"
+    harness.write_result(
+        args,
+        "shared_prefix",
+        {
+            "title": "Shared-prefix workload",
+            "workload": (
+                f"{args.groups} groups x {args.per_group} prompts (a {args.system_len}-token "
+                f"system prompt per group + a {args.question_len}-token question), exactly "
+                f"{n} greedy new tokens each, shuffled and submitted at once; transformers at "
+                f"batch {args.hf_batch_sizes} in round 1, its best in the other "
+                f"{args.repeats - 1}; rounds in alternating order, both engines warmed on "
+                "another prompt and flushed before each phase"
+            ),
+            "columns": [
+                "system",
+                "output tok/s (best)",
+                "output tok/s (median)",
+                "vs transformers (best / median)",
+                "outputs",
+            ],
+            "rows": [
+                row(f"transformers generate (batch {best_bs})", base, "reference"),
+                row(
+                    "lmprog Engine, radix cache off",
+                    off,
+                    harness.describe_match(vs_hf_off, to_hf),
+                ),
+                row(
+                    "lmprog Engine, radix cache on",
+                    on,
+                    harness.describe_match(vs_hf, to_hf)
+                    + "; "
+                    + harness.describe_match(same_cache, "equal to cache off"),
+                ),
+            ],
+            "notes": [
+                f"Cache hit rate: {hit_rate:.1%} of prompt tokens "
+                f"({int(stats['prefill_tokens']):,} computed, {int(stats['cached_tokens']):,} "
+                f"reused); {int(stats['forward_passes'])} forwards with the cache on."
+            ],
+            "param_dtypes": dtypes,
+            "timings": {p.name: p.timing() for p in [on, off, *hf_phases.values()]},
+            "token_match": {"on_vs_off": same_cache, "on_vs_hf": vs_hf, "off_vs_hf": vs_hf_off},
+            "engine_stats": stats,
+        },
     )
 
 

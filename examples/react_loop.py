@@ -2,9 +2,9 @@
 
     .venv/bin/python examples/react_loop.py
 
-Each step the model picks an action with select; the program runs the tool in Python and
-appends the observation; the loop ends on "finish" or after a few steps. Every step's
-prompt extends the previous one, so the prefix cache serves all but the newest tokens.
+Each step the model picks a tool with select; the program runs it in Python and appends
+the result; the loop ends on "answer now" or when no tool is left. Every step's prompt
+extends the previous one, so the prefix cache serves all but the newest tokens.
 """
 
 from __future__ import annotations
@@ -12,30 +12,43 @@ from __future__ import annotations
 import lmprog as lp
 
 TOOLS = {
-    "lookup_order": lambda: "Order 1042: shipped on Monday, carrier ParcelCo.",
-    "check_refund": lambda: "No refund has been requested for order 1042.",
+    "track the parcel": lambda: (
+        "Order 1042 was shipped on Monday with ParcelCo and arrives on Thursday."
+    ),
+    "check the refund": lambda: "No refund has been requested for order 1042.",
 }
 
 
 @lp.function
-def support_agent(s, question, max_steps=3):
-    s += "You help customers. Tools: lookup_order, check_refund. Say finish when done.\n"
-    s += f"Customer: {question}\n"
-    for step in range(max_steps):
-        s += f"Thought {step}:" + lp.gen(f"thought_{step}", max_tokens=12, stop="\n") + "\n"
-        s += "Action: " + lp.select(f"action_{step}", choices=[*TOOLS, "finish"]) + "\n"
-        action = s[f"action_{step}"]  # a concrete value: the program branches on it
-        if action == "finish":
+def support_agent(s, question):
+    s += lp.system(
+        f"You are a support agent. Before answering, pick a tool: {', '.join(TOOLS)}, or answer now."
+    )
+    s += lp.user(question)
+    facts, tools = [], list(TOOLS)
+    while tools:
+        step = f"action_{len(facts)}"
+        s += lp.assistant("Next step: " + lp.select(step, choices=[*tools, "answer now"]))
+        if s[step] == "answer now":  # a concrete value: the program branches on it
             break
-        s += f"Observation: {TOOLS[action]()}\n"
-    s += "Final answer:" + lp.gen("answer", max_tokens=24, stop="\n")
+        tools.remove(s[step])
+        facts.append(TOOLS[s[step]]())
+        s += lp.user(f"Result: {facts[-1]}")
+    info = " ".join(facts)
+    s += lp.user(
+        f"Information: {info}\nCustomer question: {question}\n"
+        "Write the reply to the customer in one sentence."
+    )
+    s += lp.assistant(lp.gen("answer", max_tokens=40, stop="\n"))
 
 
 def main() -> None:
-    with lp.Engine() as engine:
+    with lp.Engine("smollm2-135m-instruct") as engine:
         lp.set_default_backend(engine)
-        state = support_agent.run(question="Where is my order 1042?", temperature=0)
-        print(state.text())
+        for question in ["Where is my parcel for order 1042?", "Did I ask for a refund?"]:
+            state = support_agent.run(question=question, temperature=0)
+            steps = [state[f"action_{i}"] for i in range(len(TOOLS) + 1) if f"action_{i}" in state]
+            print(f"{question}\n  steps: {steps}\n  answer: {state['answer'].strip()}")
         print("cached prompt tokens:", int(engine.stats()["cached_tokens"]))
 
 

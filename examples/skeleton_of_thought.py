@@ -2,7 +2,9 @@
 
     .venv/bin/python examples/skeleton_of_thought.py
 
-The parent's prompt is prefilled once; the branches run as one co-scheduled request group.
+The outline is one gen; Python splits it into points (reading a generated value, so the
+program continues eagerly from there). The parent's prompt is prefilled once and the
+branches run as one co-scheduled request group. Model: SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
@@ -13,24 +15,25 @@ import lmprog as lp
 @lp.function
 def skeleton_of_thought(s, topic, num_points=3):
     s += lp.system("You write short, structured answers.")
-    s += lp.user(f"Give {num_points} key points about {topic}.")
-    with s.assistant():
-        for i in range(num_points):
-            s += f"{i + 1}. " + lp.gen(f"point_{i}", max_tokens=8, stop="\n") + "\n"
-    forks = s.fork(num_points)
-    for i, f in enumerate(forks):
-        f += lp.user(f"Expand point {i + 1} in two sentences.")
-        f += lp.assistant(lp.gen("detail", max_tokens=24))
-    forks.join()
-    return s["detail"]
+    s += lp.user(f"Give {num_points} short tips for {topic}, as a numbered list.")
+    s += lp.assistant(lp.gen("outline", max_tokens=80))
+    lines = [line.strip() for line in str(s["outline"]).splitlines()]
+    points = [line.split(".", 1)[-1].strip() for line in lines if line[:1].isdigit()]
+    points = points[:num_points] or [str(s["outline"])]  # a model that wrote no list
+    forks = s.fork(len(points))
+    for point, f in zip(points, forks):
+        f += lp.user(f"Explain this tip in one or two sentences: {point}")
+        f += lp.assistant(lp.gen("detail", max_tokens=48, stop="\n"))
+    forks.join()  # s["detail"] == [each branch's explanation]
+    return points
 
 
 def main() -> None:
-    with lp.Engine() as engine:
+    with lp.Engine("smollm2-135m-instruct") as engine:
         lp.set_default_backend(engine)
-        state = skeleton_of_thought.run(topic="packing for a hiking trip", temperature=0)
-        for i, detail in enumerate(state.ret_value):
-            print(f"point {i + 1}: {state[f'point_{i}']!r}\n  detail: {detail!r}")
+        state = skeleton_of_thought.run(topic="staying healthy", temperature=0)
+        for point, detail in zip(state.ret_value, state["detail"]):
+            print(f"- {point}\n  {detail}")
         stats = engine.stats()
         print(
             f"prefill {int(stats['prefill_tokens'])} tokens, reused {int(stats['cached_tokens'])}"

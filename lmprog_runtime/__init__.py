@@ -6,7 +6,20 @@ interface. Importing this package imports torch but never Triton and compiles no
 
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.engine import Engine
-from lmprog_runtime.models.default_model import default_model_path
+from lmprog_runtime.models import (
+    default_model_path,
+    local_model_dir,
+    named_models,
+    resolve_model_path,
+)
 from lmprog_runtime.sampling_params import SamplingParams
 
-__all__ = ["Engine", "RuntimeConfig", "SamplingParams", "default_model_path"]
+__all__ = [
+    "Engine",
+    "RuntimeConfig",
+    "SamplingParams",
+    "default_model_path",
+    "local_model_dir",
+    "named_models",
+    "resolve_model_path",
+]

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +26,7 @@ from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache.radix_cache import RadixCache
 from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.model_runner import ModelRunner
-from lmprog_runtime.models.default_model import default_model_path
+from lmprog_runtime.models.registry import local_model_dir, resolve_model_path
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling import record_prompt_logprobs, sample
 from lmprog_runtime.sampling_params import SamplingParams
@@ -37,6 +39,9 @@ logger = logging.getLogger(__name__)
 class Engine:
     """Runs a Llama-family checkpoint in this process with continuous batching.
 
+    `model_path` is a named model (`"smollm2-135m-instruct"`, `"tiny"`, ...), a Hugging Face
+    directory, a `.gguf` file or a Hub id; `None` is the embedded tiny model.
+
     Example:
         >>> with Engine() as engine:  # the embedded tiny default model, on CPU
         ...     out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
@@ -44,23 +49,31 @@ class Engine:
         ['meta_info', 'output_ids', 'text']
     """
 
-    def __init__(self, model_path: str | None = None, **config_fields: Any) -> None:
+    def __init__(
+        self, model_path: str | os.PathLike[str] | None = None, **config_fields: Any
+    ) -> None:
         unknown = sorted(set(config_fields) - RuntimeConfig.field_names())
         if unknown:
             raise TypeError(f"unknown Engine argument(s) {unknown}")
-        if model_path is None:
-            model_path = default_model_path("tiny")
-        self.config = RuntimeConfig(model_path=str(model_path), **config_fields)
+        # A name, a Hub id, a directory or a .gguf file; config.model_path records where
+        # the model lives, model_dir the checkpoint directory read (a GGUF's conversion).
+        self.config = RuntimeConfig(model_path=resolve_model_path(model_path), **config_fields)
+        model_dir = local_model_dir(self.config.model_path)
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         from lmprog_runtime.models import ModelConfig
 
-        ModelConfig.from_path(model_path)  # fail fast on a bad directory or architecture
-        from transformers import AutoTokenizer
+        ModelConfig.from_path(model_dir)  # fail fast on a bad directory or architecture
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        # A GGUF's tokenizer is the tokenizer.json built from its metadata, exactly as
+        # transformers' own GGUF loading builds it; AutoTokenizer would rebuild some model
+        # types' pipelines from the vocabulary instead (and is slower to import).
+        is_gguf = Path(self.config.model_path).is_file()
+        loader = PreTrainedTokenizerFast if is_gguf else AutoTokenizer
+        self.tokenizer = loader.from_pretrained(model_dir, local_files_only=True)
         self._tokenizer_lock = threading.Lock()
-        self.runner = ModelRunner(self.config, str(model_path))
+        self.runner = ModelRunner(self.config, model_dir)
         self.context_len = self.runner.context_len
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
         self._stats = EngineStats()

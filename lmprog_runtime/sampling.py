@@ -2,10 +2,12 @@
 
 Order of operations per row: frequency/presence penalties, min_new_tokens masking of EOS
 and stop tokens, the grammar mask of a constrained request (only tokens that keep the text
-a prefix of a match; EOS only where it is a full match), then greedy argmax (temperature 0 or top_k 1) or temperature, top-k,
-top-p and min-p filtering followed by a draw from the request's own seeded generator, so a
-request samples the same tokens whatever else shares its batch. Logprobs are reported from
-the model's raw distribution (log-softmax of the unprocessed logits).
+a prefix of a match; EOS only where it is a full match), then greedy argmax (temperature 0
+or top_k 1) or temperature, then top-k, top-p and min-p filtering, each filter applied to
+what the previous one kept (as transformers' warpers do), followed by a draw from the
+request's own seeded generator, so a request samples the same tokens whatever else shares
+its batch. Logprobs are reported from the model's raw distribution (log-softmax of the
+unprocessed logits).
 """
 
 from __future__ import annotations
@@ -88,23 +90,28 @@ def _apply_penalties_and_masks(logits: torch.Tensor, reqs: list[Req]) -> torch.T
 
 
 def _filtered_probs(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-    """Temperature, then top-k / top-p / min-p filtering. Returns unnormalised probs [n, vocab]."""
+    """Temperature, then top-k, then top-p, then min-p; each filter sees what the previous
+    one kept, renormalised (transformers' and vLLM's order). Returns unnormalised probs
+    [n, vocab]."""
     temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     vocab = probs.shape[-1]
-    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs]
-    top_p = [r.params.top_p for r in reqs]
-    if min(top_k) < vocab or min(top_p) < 1.0:
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs])
+    top_p = torch.tensor([r.params.top_p for r in reqs], dtype=probs.dtype)
+    if bool((top_k < vocab).any() or (top_p < 1.0).any()):
         sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab)[None, :]
-        drop = ranks >= torch.tensor(top_k)[:, None]
-        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= mass_before > torch.tensor(top_p, dtype=probs.dtype)[:, None]
+        sorted_probs = sorted_probs.masked_fill(ranks >= top_k[:, None], 0.0)
+        # Keep the smallest prefix of the top-k whose share of their mass reaches top_p
+        # (the first token is always kept).
+        kept_mass = sorted_probs.sum(dim=-1, keepdim=True)
+        share_before = (sorted_probs.cumsum(dim=-1) - sorted_probs) / kept_mass
+        drop = (share_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
     min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype)
     if bool((min_p > 0).any()):
+        # Relative to the most likely token, so unaffected by the renormalisation above.
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs

@@ -51,7 +51,7 @@ class GrammarCache:
         except FutureTimeout as error:
             self._forget(key, future)
             raise ValueError(
-                f"{kind} took longer than {self.timeout_s:.0f} s to compile; simplify it"
+                f"{kind} took longer than {self.timeout_s:g} s to compile; simplify it"
             ) from error
         except Exception:
             self._forget(key, future)  # a bad pattern is not remembered

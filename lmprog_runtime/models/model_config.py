@@ -137,11 +137,11 @@ class ModelConfig:
         if rope_type == "linear":
             inv_freq = inv_freq / float(scaling["factor"])
         elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
         return inv_freq
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.1 frequency-dependent RoPE scaling: low frequencies stretched by `factor`."""
     factor = float(scaling["factor"])
     low = float(scaling["low_freq_factor"])

@@ -125,3 +125,111 @@ def test_cascade_decode_over_a_shared_prefix_matches_torch(heads, kv_heads):
         if name == "native":
             assert len(backend._groups) == 1 and backend._groups[0].slots.numel() == 100
     torch.testing.assert_close(outs["native"], outs["torch"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(4, 4, None), (8, 2, None), (8, 2, 40)])
+def test_cascade_decode_with_several_prefix_groups_matches_torch(heads, kv_heads, window):
+    """Ten requests in one decode batch, rows and batch order shuffled:
+    - group A: three requests on a 100-slot prefix in consecutive slots (as one prefill
+      allocates them); one of them has a single key of its own;
+    - group B, nested: three requests on an 80-slot prefix in scattered slots, two of which
+      share 50 more slots after it, so the group's common prefix is the 80 only;
+    - two requests that share only 30 slots (too short for a group), and two with nothing
+      shared.
+    The native backend must form exactly groups A and B (no group with a sliding window,
+    where a shared prefix is not attended to in full) and match the torch reference."""
+    gen = torch.Generator().manual_seed(heads + (window or 0))
+    head_dim = 16
+    layout = AttentionLayout(heads, kv_heads, head_dim, head_dim**-0.5, window)
+    pool = KVPool(1200, 1, kv_heads, head_dim, torch.float32, "cpu")
+    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=gen))
+    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=gen))
+    free = (torch.randperm(1200 - 100, generator=gen) + 101).tolist()  # 1..100 are A's
+
+    def take(n: int) -> list[int]:
+        return [free.pop() for _ in range(n)]
+
+    prefix_a, prefix_b, extra_b, short = list(range(1, 101)), take(80), take(50), take(30)
+    sequences = {
+        "a1": prefix_a + take(7),
+        "a2": prefix_a + take(12),
+        "a3": prefix_a + take(1),
+        "b1": prefix_b + extra_b + take(5),
+        "b2": prefix_b + extra_b + take(9),
+        "b3": prefix_b + take(20),
+        "c1": short + take(40),
+        "c2": short + take(45),
+        "d1": take(40),
+        "d2": take(90),
+    }
+    names = ["b1", "d1", "a1", "c1", "b2", "a3", "d2", "a2", "c2", "b3"]
+    rows = torch.randperm(12, generator=gen)[: len(names)].tolist()
+    table = ReqToTokenPool(12, 256, "cpu")
+    for row, name in zip(rows, names):
+        table.write(row, 0, torch.tensor(sequences[name]))
+    batch = decode_batch(table, rows, [len(sequences[n]) for n in names])
+    q = torch.randn(len(names), heads, head_dim, generator=gen)
+    k = torch.randn(len(names), kv_heads, head_dim, generator=gen)
+    v = torch.randn(len(names), kv_heads, head_dim, generator=gen)
+
+    ref = run_backend("torch", layout, pool, table, batch, q, k, v)
+    native = create_attention_backend("native", layout, pool, table)
+    native.init_forward_metadata(batch)
+    got = native.forward(q, k, v, 0, batch)
+    groups = {
+        frozenset(names[i] for i in g.members.tolist()): (g.slots.tolist(), g.span is not None)
+        for g in native._groups
+    }
+    if window is None:
+        assert groups == {
+            frozenset({"a1", "a2", "a3"}): (prefix_a, True),
+            frozenset({"b1", "b2", "b3"}): (prefix_b, False),
+        }
+    else:
+        assert groups == {}
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_native_engine_decodes_two_prefix_groups_by_cascade_as_transformers(tiny_path, hf_tiny):
+    """Two groups of prompts, each sharing a different system prompt of 100 / 80 tokens, and
+    two prompts of their own, in one `generate`: the engine's decode steps form two prefix
+    groups over the radix cache's shared slots, and greedy tokens equal transformers'."""
+    from lmprog_runtime import Engine
+
+    gen = torch.Generator().manual_seed(5)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(10, 2000, (n,), generator=gen).tolist()
+
+    system_a, system_b = ids(100), ids(80)
+    prompts = [system_a + ids(3 + i) for i in range(3)] + [system_b + ids(4 + i) for i in range(3)]
+    prompts += [ids(20), ids(70)]
+    model, _ = hf_tiny
+    expected = []
+    for p in prompts:
+        input_ids = torch.tensor([p])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=8,
+                do_sample=False,
+            )
+        expected.append(out[0, len(p) :].tolist())
+
+    num_groups: list[int] = []
+    with Engine(tiny_path, attention_backend="native", max_total_tokens=4096) as engine:
+        backend = engine.runner.attention
+        init = backend.init_forward_metadata
+
+        def spy(batch):
+            init(batch)
+            if batch.mode.name == "DECODE":
+                num_groups.append(len(backend._groups))
+
+        backend.init_forward_metadata = spy
+        outs = engine.generate(
+            input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0}
+        )
+    assert [o["output_ids"] for o in outs] == expected
+    assert max(num_groups) == 2

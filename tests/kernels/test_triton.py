@@ -13,7 +13,7 @@ from lmprog_runtime.kvcache import KVPool, ReqToTokenPool, TokenSlotAllocator
 pytest.importorskip("triton")
 
 
-def _setup(heads, kv_heads, head_dim, page_size, seq_lens, seed):
+def _setup(heads, kv_heads, head_dim, page_size, seq_lens, seed, window=None):
     """A pool whose requests hold shuffled, paged slots (as after churn), filled randomly."""
     gen = torch.Generator().manual_seed(seed)
     alloc = TokenSlotAllocator(512, page_size)
@@ -30,27 +30,30 @@ def _setup(heads, kv_heads, head_dim, page_size, seq_lens, seed):
     rows = [4, 1, 3, 0][: len(seq_lens)]
     for row, n in zip(rows, seq_lens):
         table.write(row, 0, alloc.alloc(n))
-    layout = AttentionLayout(heads, kv_heads, head_dim, head_dim**-0.5, None)
+    layout = AttentionLayout(heads, kv_heads, head_dim, head_dim**-0.5, window)
     return pool, table, rows, layout, gen
 
 
-CASES = [  # (heads, kv_heads, head_dim, page_size, prefix_lens, extend_lens)
-    (4, 4, 64, 1, [0, 3, 17], [5, 9, 2]),
-    (4, 2, 64, 16, [16, 0, 32], [7, 20, 1]),
-    (8, 2, 128, 1, [5, 0], [11, 4]),
-    (4, 1, 128, 16, [0, 48, 16], [33, 3, 16]),
+CASES = [  # (heads, kv_heads, head_dim, page_size, prefix_lens, extend_lens, sliding window)
+    (4, 4, 64, 1, [0, 3, 17], [5, 9, 2], None),
+    (4, 2, 64, 16, [16, 0, 32], [7, 20, 1], None),
+    (8, 2, 128, 1, [5, 0], [11, 4], None),
+    (4, 1, 128, 16, [0, 48, 16], [33, 3, 16], None),
+    # A window shorter than prefixes and extends: keys drop out inside a block and across
+    # the cached prefix, in extend and in decode.
+    (4, 2, 32, 4, [9, 0, 20], [7, 19, 3], 6),
 ]
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "page_size", "prefixes", "extends"), CASES
+    ("heads", "kv_heads", "head_dim", "page_size", "prefixes", "extends", "window"), CASES
 )
 def test_extend_and_decode_match_the_torch_reference(
-    heads, kv_heads, head_dim, page_size, prefixes, extends
+    heads, kv_heads, head_dim, page_size, prefixes, extends, window
 ):
     seq_lens = [p + e for p, e in zip(prefixes, extends)]
     pool, table, rows, layout, gen = _setup(
-        heads, kv_heads, head_dim, page_size, seq_lens, len(seq_lens)
+        heads, kv_heads, head_dim, page_size, seq_lens, len(seq_lens), window
     )
     num = sum(extends)
     out_loc = torch.cat([table.table[r, p : p + e] for r, p, e in zip(rows, prefixes, extends)])

@@ -20,9 +20,8 @@ from hypothesis import strategies as st
 
 import lmprog as lp
 
-HYPO = settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+HYPO = settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+MANY = settings(HYPO, max_examples=250)  # the slow tier
 PROMPTS = ["Hi", "Answer:", '{"name": "Alice", "age":', "The list is"]
 # ---- regexes: (pattern, longest match in characters) ------------------------------------
 _literal = st.text("abcxyz0189_. -", min_size=1, max_size=3).map(
@@ -104,9 +103,7 @@ def _check_batch(engine, prompt, seed, key, pattern, max_new, valid):
         valid(out["text"])
 
 
-@HYPO
-@given(REGEXES, st.sampled_from(PROMPTS), st.integers(0, 2**31))
-def test_generated_regexes_always_fullmatch(engine, case, prompt, seed):
+def _regex_fullmatches(engine, case, prompt, seed):
     regex, longest = case
 
     def valid(text):
@@ -115,13 +112,37 @@ def test_generated_regexes_always_fullmatch(engine, case, prompt, seed):
     _check_batch(engine, prompt, seed, "regex", regex, longest + 4, valid)
 
 
-@HYPO
-@given(SCHEMAS, st.sampled_from(PROMPTS), st.integers(0, 2**31))
-def test_generated_json_schemas_always_validate(engine, case, prompt, seed):
+def _schema_validates(engine, case, prompt, seed):
     schema, bound = case
     text = json.dumps(schema)
     check = lambda out: jsonschema.validate(json.loads(out), schema)  # noqa: E731
     _check_batch(engine, prompt, seed, "json_schema", text, bound + 8, check)
+
+
+@HYPO
+@given(REGEXES, st.sampled_from(PROMPTS), st.integers(0, 2**31))
+def test_generated_regexes_always_fullmatch(engine, case, prompt, seed):
+    _regex_fullmatches(engine, case, prompt, seed)
+
+
+@HYPO
+@given(SCHEMAS, st.sampled_from(PROMPTS), st.integers(0, 2**31))
+def test_generated_json_schemas_always_validate(engine, case, prompt, seed):
+    _schema_validates(engine, case, prompt, seed)
+
+
+@pytest.mark.slow
+@MANY
+@given(REGEXES, st.sampled_from(PROMPTS), st.integers(0, 2**31))
+def test_many_generated_regexes_always_fullmatch(engine, case, prompt, seed):
+    _regex_fullmatches(engine, case, prompt, seed)
+
+
+@pytest.mark.slow
+@MANY
+@given(SCHEMAS, st.sampled_from(PROMPTS), st.integers(0, 2**31))
+def test_many_generated_json_schemas_always_validate(engine, case, prompt, seed):
+    _schema_validates(engine, case, prompt, seed)
 
 
 def test_mixed_batch_equals_each_request_alone(engine):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from helpers import PROMPTS, hf_greedy
@@ -171,24 +169,67 @@ def test_stream_chunks_concatenate_to_the_final_text(engine):
     assert len(chunks) > 1
 
 
-def test_requests_join_while_others_run(engine):
-    results = {}
+def test_a_request_joins_a_running_decode_batch(engine, monkeypatch):
+    """A request submitted while another decodes is admitted at once, then decodes in the
+    same batches as the running one and finishes while that one still runs; both outputs
+    equal their runs alone.
 
-    def long_request():
-        results["long"] = engine.generate(
-            PROMPTS[7], {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-        )
+    The scheduler's batches are recorded. Once the long request has `long_at` tokens, the
+    engine loop is held (a condition wait, not a sleep) until the short request has reached
+    the engine, so the short one arrives mid-decode however the threads are scheduled. An
+    engine that served the requests one after another would show no batch with both and
+    `short_new - 1` more forward passes."""
+    long_at, long_new, short_new = 4, 48, 6
+    long_params = {"max_new_tokens": long_new, "temperature": 0, "ignore_eos": True}
+    short_params = {"max_new_tokens": short_new, "temperature": 0, "ignore_eos": True}
+    long_alone = engine.generate(PROMPTS[7], long_params)["output_ids"]
+    short_alone = engine.generate(PROMPTS[2], short_params)["output_ids"]
+    long_len, short_len = len(engine.encode(PROMPTS[7])), len(engine.encode(PROMPTS[2]))
+    assert long_len != short_len  # batches name their requests by prompt length
 
+    batches = []  # per step: (mode, [(prompt length, tokens so far) per request])
+    held = []
+    next_batch = engine.scheduler.next_batch
+
+    def recording_next_batch():
+        running = [(r.prompt_len, len(r.output_ids)) for r in engine.scheduler.running]
+        if not held and running == [(long_len, long_at)]:
+            held.append(True)
+            with engine._cv:  # until the caller's short request has reached the engine
+                engine._cv.wait_for(lambda: engine._inbox or engine.scheduler.waiting, 60)
+        batch = next_batch()
+        if batch is not None:
+            reqs = [(r.prompt_len, len(r.output_ids)) for r in batch.reqs]
+            batches.append((batch.mode.name, reqs))
+        return batch
+
+    monkeypatch.setattr(engine.scheduler, "next_batch", recording_next_batch)
     engine.reset_stats()
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    short = engine.generate(PROMPTS[:4], {"max_new_tokens": 4, "temperature": 0})
-    thread.join()
-    assert all(len(o["output_ids"]) <= 4 for o in short)
-    assert len(results["long"]["output_ids"]) == 200
+    stream = engine.generate(PROMPTS[7], long_params, stream=True)
+    long_ids = []
+    while len(long_ids) < long_at:  # every step that adds a token sends a chunk
+        long_ids += next(stream)["output_ids"]
+    short = engine.generate(PROMPTS[2], short_params)
+    long_ids += sum((chunk["output_ids"] for chunk in stream), [])
+    monkeypatch.undo()
+
+    assert long_ids == long_alone and short["output_ids"] == short_alone
+    # The short request's prefill ran alone, once the long one had `long_at` tokens or more.
+    short_extend = batches.index(("EXTEND", [(short_len, 0)]))
+    mode, [(prompt_len, num_long)] = batches[short_extend - 1]
+    assert (mode, prompt_len) == ("DECODE", long_len) and num_long + 1 >= long_at
+    # Every later step until the short one finished decoded both requests together ...
+    together = [
+        ("DECODE", [(long_len, num_long + 1 + i), (short_len, 1 + i)]) for i in range(short_new - 1)
+    ]
+    assert batches[short_extend + 1 : short_extend + short_new] == together
+    # ... and the long one went on decoding after the short one had finished.
+    assert batches[short_extend + short_new] == ("DECODE", [(long_len, num_long + short_new)])
+    assert batches[-1] == ("DECODE", [(long_len, long_new - 1)])
     stats = engine.stats()
-    assert stats["max_running_requests_seen"] >= 2
-    assert stats["decode_tokens"] >= 199
+    assert stats["max_running_requests_seen"] == 2
+    assert stats["decode_tokens"] == (long_new - 1) + (short_new - 1)
+    assert stats["forward_passes"] == 2 + (long_new - 1)  # the short one's decodes were shared
 
 
 def test_generation_stops_at_the_context_length(tiny_path):

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
 
 from lmprog_runtime import Engine
+from lmprog_runtime.constrained.outlines_backend import OutlinesGrammarBackend
 
 SCHEMA = {
     "type": "object",
@@ -107,10 +109,63 @@ def test_jump_forward_at_the_start_and_in_a_program(engines):
     assert state["record"].startswith('{"customer_full_name_on_the_order":"')
 
 
-def test_patterns_too_large_or_too_slow_to_compile_are_refused(tiny_path):
-    with Engine(tiny_path, max_total_tokens=1024, grammar_compile_timeout_s=0.005) as engine:
+def _block_compiles_of(monkeypatch, regex: str) -> tuple[threading.Event, threading.Event]:
+    """Make compiling `regex` block until released. Returns (started, release) events."""
+    started, release = threading.Event(), threading.Event()
+    compile_regex = OutlinesGrammarBackend.compile_regex
+
+    def blocking(self, pattern):
+        if pattern == regex:
+            started.set()
+            if not release.wait(timeout=120):
+                raise RuntimeError("the test never released the compile")
+        return compile_regex(self, pattern)
+
+    monkeypatch.setattr(OutlinesGrammarBackend, "compile_regex", blocking)
+    return started, release
+
+
+def test_patterns_too_large_or_too_slow_to_compile_are_refused(tiny_path, monkeypatch):
+    """A pattern over the size limit is refused before compiling; one whose compile outlasts
+    `grammar_compile_timeout_s` is refused with ValueError, is not remembered, and the engine
+    keeps serving. The compile is held until the caller has its answer, so the timeout has
+    passed whatever the machine's speed."""
+    slow = "(a|b){3}-compiled-slowly"  # cheap to compile once released
+    _, release = _block_compiles_of(monkeypatch, slow)
+    with Engine(tiny_path, max_total_tokens=1024, grammar_compile_timeout_s=0.05) as engine:
         with pytest.raises(ValueError, match="too large"):
             engine.generate("x", {"regex": "a" * 60_000})
-        with pytest.raises(ValueError, match="longer than"):
-            engine.generate("x", {"regex": "(a|b)*a(a|b){13}", "max_new_tokens": 4})
+        try:
+            with pytest.raises(ValueError, match="longer than"):
+                engine.generate("x", {"regex": slow, "max_new_tokens": 4})
+        finally:
+            release.set()
+        assert ("regex", slow) not in engine._grammars._entries
         assert len(engine.generate("still serving", {"max_new_tokens": 3})["output_ids"]) == 3
+
+
+def test_the_engine_serves_other_requests_while_a_pattern_compiles(engines, monkeypatch):
+    """Compiles run on a worker thread: while one is held, an unconstrained request is
+    served to the end; released, the constrained request completes and matches."""
+    on, _ = engines
+    regex = "[xy]{2}-held-compile"
+    started, release = _block_compiles_of(monkeypatch, regex)
+    result = {}
+
+    def constrained():
+        try:
+            result.update(on.generate("Code:", {"regex": regex, "max_new_tokens": 32}))
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = error
+
+    worker = threading.Thread(target=constrained)
+    worker.start()
+    try:
+        assert started.wait(timeout=120), "the compile never started"
+        free = on.generate("Once upon a time", {"max_new_tokens": 8, "ignore_eos": True})
+        assert len(free["output_ids"]) == 8 and "output_ids" not in result
+    finally:
+        release.set()
+        worker.join()
+    assert "error" not in result, result["error"]
+    assert re.fullmatch(regex, result["text"]), result

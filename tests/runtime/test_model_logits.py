@@ -2,14 +2,17 @@
 
 Tiny random checkpoints are built with transformers (weights re-drawn at a scale that makes
 logits far from constant), saved as safetensors and loaded with `lmprog_runtime`'s loader.
-`ModelRunner` + `Scheduler` then drive the paged KV pool and the torch attention backend
-through a mixed-length EXTEND (logits at every prompt position), DECODE steps of the whole
+`ModelRunner` + `Scheduler` then drive the paged KV pool and each attention backend (the
+torch reference, the native C++ kernels, Triton under `TRITON_INTERPRET=1`) through a
+mixed-length EXTEND (logits at every prompt position), DECODE steps of the whole
 batch (one request leaving midway), and an EXTEND on top of a cached prefix batched with a
 fresh request. Every logits row must match transformers' float32 forward of the full
 sequence within 1e-4 relative error (max |ours - ref| / max |ref|). Cases cover Llama (GQA,
 tied + MHA + biases + linear RoPE, llama3 RoPE from `rope_parameters`), Mistral with a
 sliding window shorter than the sequences, Qwen2 (qkv bias, tied) and Qwen3 (q/k norm,
-head_dim != hidden / heads). Every test ends with all KV slots and request rows free.
+head_dim != hidden / heads). The torch and Triton backends are the references of the kernel
+tests, so they are held to transformers here too. Every test ends with all KV slots and
+request rows free.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ from lmprog_runtime.scheduler import ScheduledBatch, Scheduler  # noqa: E402
 from lmprog_runtime.stats import EngineStats  # noqa: E402
 
 REL_TOL = 1e-4
+BACKENDS = ["torch", "native", "triton"]
+# Triton under the interpreter takes seconds per case: `make test` runs it on GQA and the
+# sliding window, `pytest -m slow` on every case.
+FAST_TRITON_CASES = {"llama-gqa", "mistral-sliding-window"}
 BASE = dict(
     hidden_size=64,
     num_hidden_layers=2,
@@ -106,9 +113,17 @@ def checkpoint(tmp_path_factory):
     return build
 
 
-def _setup(path: str):
-    config = RuntimeConfig(max_total_tokens=4096, max_running_requests=8, model_path=path)
+def _setup(path: str, backend: str, case: str):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    config = RuntimeConfig(
+        max_total_tokens=4096, max_running_requests=8, model_path=path, attention_backend=backend
+    )
     runner = ModelRunner(config, path)
+    assert runner.attention_backend == backend
+    # The sliding-window case must really run each backend's windowed path.
+    expected_window = CASES[case][1].get("sliding_window")
+    assert runner.attention.layout.sliding_window == expected_window
     # No prefix cache here: these tests check the forward pass, not reuse.
     req_cache = ReqCache(None, runner.allocator, runner.req_to_token)
     return runner, Scheduler(
@@ -150,10 +165,21 @@ def _release_all(runner, scheduler, reqs) -> None:
     assert runner.req_to_token.num_free == runner.req_to_token.num_reqs
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_extend_then_decode_matches_transformers(case, checkpoint):
+@pytest.mark.parametrize(
+    ("case", "backend"),
+    [
+        pytest.param(
+            case,
+            backend,
+            marks=pytest.mark.slow if backend == "triton" and case not in FAST_TRITON_CASES else (),
+        )
+        for case in CASES
+        for backend in BACKENDS
+    ],
+)
+def test_extend_then_decode_matches_transformers(case, backend, checkpoint):
     path, hf = checkpoint(case)
-    runner, scheduler = _setup(path)
+    runner, scheduler = _setup(path, backend, case)
     gen = torch.Generator().manual_seed(2)
     reqs = [
         _req(i, torch.randint(0, 256, (n,), generator=gen).tolist(), runner)
@@ -182,14 +208,15 @@ def test_extend_then_decode_matches_transformers(case, checkpoint):
     _release_all(runner, scheduler, reqs)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["llama-gqa", "mistral-sliding-window", "qwen3-qk-norm"])
-def test_extend_after_cached_prefix_matches_transformers(case, checkpoint):
+def test_extend_after_cached_prefix_matches_transformers(case, backend, checkpoint):
     """Request A: 7 prompt tokens, then 12 more in a second EXTEND that attends to the cached
     7 (chunked-prefill style), batched with a fresh request B; then two DECODE steps.
 
     The second EXTEND is built by hand so the test controls exactly what is cached."""
     path, hf = checkpoint(case)
-    runner, scheduler = _setup(path)
+    runner, scheduler = _setup(path, backend, case)
     gen = torch.Generator().manual_seed(3)
     full_a = torch.randint(0, 256, (19,), generator=gen).tolist()
     a = _req(0, full_a[:7], runner)

@@ -1,5 +1,10 @@
 """The radix prefix cache on the real engine: reuse, page sizes, memory pressure, chunked
-prefill, request groups, and the reference documents' eviction and scheduling examples."""
+prefill, request groups, and the reference documents' eviction and scheduling examples.
+
+Greedy outputs are checked against transformers' own `generate(do_sample=False)` of the same
+checkpoint: with the cache cold, warm, one prompt at a time or off, and under a pool so small
+that the engine evicts and retracts, with page sizes 1, 4 and 16 on every attention backend
+(`make test` runs a subset of that matrix, `pytest -m slow` the rest)."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import torch
 from lmprog_runtime import Engine
 
 SYSTEM = list(range(100, 100 + 96))  # a shared "system prompt" of 96 token ids
+MAX_NEW_TOKENS = 12
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -26,18 +32,34 @@ def _workload() -> list[list[int]]:
     return [SYSTEM + tasks[i % 2] + _ids(10 + i, 5 + 3 * i) for i in range(12)]
 
 
-def _greedy(engine: Engine, prompts, max_new_tokens=12):
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+def _greedy(engine: Engine, prompts, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=False):
+    # EOS is not ignored by default: transformers' generate stops at it too.
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": ignore_eos}
     return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_path):
-    with Engine(tiny_path, disable_radix_cache=True, max_total_tokens=8192) as engine:
-        outs = _greedy(engine, _workload())
-        assert engine.stats()["cached_tokens"] == 0
-        assert engine.memory_state()["kv_slots_cached"] == 0
+def _hf_generate(hf_tiny, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy `generate`, one prompt at a time (no padding involved)."""
+    model, _ = hf_tiny
+    outs = []
+    for ids in prompts:
+        input_ids = torch.tensor([ids])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )
+        outs.append(out[0, len(ids) :].tolist())
+    # A reference cut short by EOS would make the workload (and its pressure) lighter.
+    assert all(len(o) == max_new_tokens for o in outs)
     return outs
+
+
+@pytest.fixture(scope="module")
+def reference(hf_tiny):
+    return _hf_generate(hf_tiny, _workload(), MAX_NEW_TOKENS)
 
 
 def _clean(engine: Engine) -> None:
@@ -82,6 +104,62 @@ def test_a_pool_a_tenth_of_the_workload_evicts_and_retracts(tiny_path, reference
     assert stats["evicted_tokens"] > 0
     if conservativeness == 0.0:
         assert stats["retracted_requests"] > 0
+
+
+def _pressure_workload() -> list[list[int]]:
+    """Six prompts under a 24-token system prompt and two task prefixes: the nested sharing
+    of `_workload` at a size Triton can afford under the interpreter."""
+    system = _ids(3, 24)
+    tasks = [_ids(1, 10), _ids(2, 6)]
+    return [system + tasks[i % 2] + _ids(10 + i, 3 + 2 * i) for i in range(6)]
+
+
+PRESSURE_NEW_TOKENS = 6
+# `make test` runs every page size on the default (native) backend and one page size on each
+# of the others; `pytest -m slow` runs the rest of the matrix.
+FAST_PRESSURE_CASES = {("native", 1), ("native", 4), ("native", 16), ("torch", 4), ("triton", 16)}
+PRESSURE_CASES = [
+    pytest.param(
+        backend,
+        page_size,
+        marks=() if (backend, page_size) in FAST_PRESSURE_CASES else pytest.mark.slow,
+    )
+    for backend in ("native", "torch", "triton")
+    for page_size in (1, 4, 16)
+]
+
+
+@pytest.fixture(scope="module")
+def pressure_reference(hf_tiny):
+    return _hf_generate(hf_tiny, _pressure_workload(), PRESSURE_NEW_TOKENS)
+
+
+@pytest.mark.parametrize(("backend", "page_size"), PRESSURE_CASES)
+def test_greedy_under_pressure_matches_transformers(
+    tiny_path, pressure_reference, backend, page_size
+):
+    """A pool a fifth of the workload (or one request plus a page, whichever is larger), with
+    nothing reserved for future output: the engine evicts cached prefixes and retracts running
+    requests, and every greedy output still equals transformers' `generate`."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    prompts = _pressure_workload()
+    needs = [len(p) + PRESSURE_NEW_TOKENS for p in prompts]
+    pages_for_largest = -(-max(needs) // page_size) + 1
+    pool = max(sum(needs) // 5, pages_for_largest * page_size)
+    with Engine(
+        tiny_path,
+        attention_backend=backend,
+        page_size=page_size,
+        max_total_tokens=pool,
+        schedule_conservativeness=0.0,
+    ) as engine:
+        assert engine.runner.attention_backend == backend
+        outs = _greedy(engine, prompts, PRESSURE_NEW_TOKENS)
+        stats = engine.stats()
+        _clean(engine)
+    assert outs == pressure_reference
+    assert stats["evicted_tokens"] > 0 and stats["retracted_requests"] > 0
 
 
 @pytest.mark.parametrize("together", [True, False])
@@ -163,7 +241,7 @@ def test_cache_aware_scheduling_practice(tiny_path, policy, expected):
 def test_chunked_prefill_interleaves_with_decode(tiny_path):
     long_prompt = _ids(40, 600)
     with Engine(tiny_path, chunked_prefill_size=64, max_total_tokens=4096) as engine:
-        reference = _greedy(engine, [long_prompt], 5)
+        reference = _greedy(engine, [long_prompt], 5, ignore_eos=True)
         engine.flush_cache()
         trace: list[tuple[str, list[int]]] = []
         forward = engine.runner.forward
@@ -175,12 +253,14 @@ def test_chunked_prefill_interleaves_with_decode(tiny_path):
         engine.runner.forward = traced
         results = {}
         runner = threading.Thread(
-            target=lambda: results.setdefault("short", _greedy(engine, [_ids(41, 10)], 150))
+            target=lambda: results.setdefault(
+                "short", _greedy(engine, [_ids(41, 10)], 150, ignore_eos=True)
+            )
         )
         runner.start()
         while not any(mode == "DECODE" for mode, _ in trace):
             pass
-        results["long"] = _greedy(engine, [long_prompt], 5)
+        results["long"] = _greedy(engine, [long_prompt], 5, ignore_eos=True)
         runner.join()
         _clean(engine)
     assert results["long"] == reference
@@ -214,7 +294,7 @@ def test_request_group_computes_its_prefix_once_and_decodes_together(engine):
     assert decode_sizes and all(n == 4 for n in decode_sizes)
 
 
-def test_flush_cache_and_disabled_cache(tiny_path):
+def test_flush_cache_and_disabled_cache(tiny_path, reference):
     with Engine(tiny_path, max_total_tokens=2048) as engine:
         _greedy(engine, _workload()[:3])
         assert engine.memory_state()["kv_slots_cached"] > 0
@@ -222,7 +302,7 @@ def test_flush_cache_and_disabled_cache(tiny_path):
         state = engine.memory_state()
         assert state["kv_slots_cached"] == 0 and state["kv_slots_free"] == state["kv_slots_total"]
     with Engine(tiny_path, max_total_tokens=2048, disable_radix_cache=True) as engine:
-        _greedy(engine, _workload()[:3] * 2)
+        assert _greedy(engine, _workload()[:3] * 2) == reference[:3] * 2
         assert engine.stats()["cached_tokens"] == 0
         assert engine.memory_state()["kv_slots_free"] == engine.memory_state()["kv_slots_total"]
 

@@ -160,16 +160,25 @@ class RadixModel(RuleBasedStateMachine):
         assert self.alloc.num_free == self.alloc.num_slots and self.cache.total_size == 0
 
 
-def machine_test(page_size, policy):
+def machine_test(page_size, policy, max_examples, slow=False):
     attrs = {"PAGE_SIZE": page_size, "POLICY": policy}
-    case = type(f"RadixPage{page_size}{policy.upper()}", (RadixModel,), attrs).TestCase
-    case.settings = settings(max_examples=150, deadline=None, stateful_step_count=40)
+    name = f"RadixPage{page_size}{policy.upper()}" + ("Many" if slow else "")
+    case = type(name, (RadixModel,), attrs).TestCase
+    case.settings = settings(max_examples=max_examples, stateful_step_count=40)
+    if slow:
+        case.pytestmark = [pytest.mark.slow]
     return case
 
 
-TestRadixPage1LRU = machine_test(1, "lru")
-TestRadixPage4LRU = machine_test(4, "lru")
-TestRadixPage1LFU = machine_test(1, "lfu")
+TestRadixPage1LRU = machine_test(1, "lru", 50)
+TestRadixPage4LRU = machine_test(4, "lru", 50)
+TestRadixPage1LFU = machine_test(1, "lfu", 50)
+TestRadixPage4LFU = machine_test(4, "lfu", 50)
+# The slow tier runs ten times as many operation sequences.
+TestRadixPage1LRUMany = machine_test(1, "lru", 500, slow=True)
+TestRadixPage4LRUMany = machine_test(4, "lru", 500, slow=True)
+TestRadixPage1LFUMany = machine_test(1, "lfu", 500, slow=True)
+TestRadixPage4LFUMany = machine_test(4, "lfu", 500, slow=True)
 
 
 # ---- targeted examples ---------------------------------------------------------------------

@@ -1,0 +1,256 @@
+"""The harness every benchmark runs through, so that each ratio compares equal work.
+
+It owns what the benchmarks must do alike: resolve `--model`, load transformers' baseline
+on the same weights and dtype, warm both sides the same way, time phases in alternating
+order (ABBA...) with caches flushed between them, compare outputs, record the machine, and
+write one JSON result per benchmark and model into `benchmarks/results/`, from which
+`report.py` writes the README tables. Timings never leave this harness as assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import torch
+
+START = time.perf_counter()
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+# Warm-ups use a prompt no benchmark uses, so no cache keeps a benchmark prompt from them.
+WARMUP_TEXT = "Warm-up only: a short sentence that no benchmark prompt starts with."
+
+
+def add_common_args(parser: argparse.ArgumentParser, repeats: int = 3) -> None:
+    parser.add_argument(
+        "--model", default="small", help="named model (tiny, small, ...), HF dir or .gguf"
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=repeats, help="rounds, order alternating")
+    parser.add_argument("--results-dir", default=str(RESULTS_DIR))
+
+
+def resolve_model(name_or_path: str) -> str:
+    """The local path of a named model, HF directory or GGUF file."""
+    from lmprog_runtime import resolve_model_path
+
+    return resolve_model_path(name_or_path)
+
+
+def model_label(name_or_path: str) -> str:
+    """A file-name-safe model name: `small`, `smollm2-135m-instruct`, a path's stem."""
+    from lmprog_runtime.models.registry import ALIASES  # `instruct` -> its full name
+
+    stem = ALIASES.get(name_or_path, Path(name_or_path).name)
+    stem = stem[: -len(".gguf")] if stem.endswith(".gguf") else stem
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).lower() or "model"
+
+
+def load_hf_model(path: str, dtype: str) -> Any:
+    """transformers' own model for the baseline, on the weights the engine runs.
+
+    A GGUF file is read from its converted checkpoint directory (dequantized once by
+    lmprog_runtime; tests/runtime/test_gguf.py checks that conversion against transformers'
+    own GGUF loading), which loads in seconds where `gguf_file=` takes half a minute.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from lmprog_runtime import local_model_dir
+
+    return AutoModelForCausalLM.from_pretrained(
+        local_model_dir(path), dtype=getattr(torch, dtype)
+    ).eval()
+
+
+def load_hf_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    from lmprog_runtime import local_model_dir
+
+    return AutoTokenizer.from_pretrained(local_model_dir(path))
+
+
+def param_dtype(model: torch.nn.Module) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def hf_generate(
+    model: Any, prompts: Sequence[list[int]], new_tokens: int, batch_size: int
+) -> list[list[int]]:
+    """Greedy batched `generate` over equal-length prompts (no padding); exactly `new_tokens`
+    each: `min_new_tokens` masks EOS as the engine's `min_new_tokens` does."""
+    outs: list[list[int]] = []
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch_size):
+            chunk = torch.tensor(prompts[i : i + batch_size])  # [batch, prompt_len]
+            out = model.generate(
+                chunk,
+                attention_mask=torch.ones_like(chunk),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.extend(out[:, chunk.shape[1] :].tolist())
+    return outs
+
+
+def warm_hf(model: Any, tokenizer: Any) -> None:
+    """A short generate on the warm-up prompt: the same warm-up the engine gets."""
+    ids = tokenizer(WARMUP_TEXT).input_ids
+    hf_generate(model, [ids], 4, 1)
+
+
+def warm_engine(engine: Any, params: dict[str, Any] | None = None) -> None:
+    """A short generate on the warm-up prompt, then a flush: nothing of it stays cached."""
+    engine.generate(WARMUP_TEXT, {"temperature": 0, **(params or {}), "max_new_tokens": 4})
+    flush(engine)
+
+
+def flush(engine: Any) -> None:
+    if not engine.flush_cache():
+        raise RuntimeError("flush_cache refused: requests still running")
+    engine.reset_stats()
+
+
+@dataclass
+class Phase:
+    """One timed side of a comparison: `before` (untimed: flush, reset) then `run`."""
+
+    name: str
+    run: Callable[[], Any]
+    before: Callable[[], None] | None = None
+    seconds: list[float] = field(default_factory=list)
+    values: list[Any] = field(default_factory=list)
+
+    @property
+    def best(self) -> float:
+        return min(self.seconds)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    def timing(self) -> dict[str, Any]:
+        return {"min_s": self.best, "median_s": self.median, "all_s": self.seconds}
+
+
+def alternate(phases: Sequence[Phase], rounds: int, first_round: int = 0) -> None:
+    """Run every phase once per round, forward order in even rounds and reversed in odd
+    ones (ABBA...), so neither side always runs first on a machine that warms or drifts."""
+    for r in range(first_round, first_round + rounds):
+        order = list(phases) if r % 2 == 0 else list(reversed(phases))
+        for phase in order:
+            if phase.before is not None:
+                phase.before()
+            gc.collect()
+            start = time.perf_counter()
+            value = phase.run()
+            phase.seconds.append(time.perf_counter() - start)
+            phase.values.append(value)
+            print(f"  round {r + 1}: {phase.name}: {phase.seconds[-1]:.2f} s", flush=True)
+
+
+def compare_tokens(ours: Sequence[list[int]], reference: Sequence[list[int]]) -> dict[str, Any]:
+    """How many sequences are token-identical, and where the others first differ."""
+    first_diff = []
+    for a, b in zip(ours, reference, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if a != b:
+            first_diff.append(n)
+    return {"num": len(ours), "num_equal": len(ours) - len(first_diff), "first_diff": first_diff}
+
+
+def describe_match(cmp: dict[str, Any], what: str) -> str:
+    """`64/64 token-identical to transformers`, with first differences when some differ."""
+    text = f"{cmp['num_equal']}/{cmp['num']} {what}"
+    if cmp["first_diff"]:
+        text += f" (others differ from token {min(cmp['first_diff'])})"
+    return text
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model and the flags that decide kernels and dtypes; library versions; threads."""
+    cpu, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                cpu = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "cpu_flags": {f: f in flags for f in CPU_FLAGS},
+        "logical_cpus": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def command_line() -> str:
+    script = Path(sys.argv[0]).resolve()
+    rel = script.relative_to(script.parent.parent) if script.parent.name == "benchmarks" else script
+    return shlex.join([".venv/bin/python", str(rel), *sys.argv[1:]])
+
+
+def write_result(args: argparse.Namespace, bench: str, result: dict[str, Any]) -> Path:
+    """`<results-dir>/<bench>-<model>.json`: what `report.py` turns into a README table.
+
+    `result` holds `title`, `workload`, `columns` and `rows` (dicts of display cells,
+    one key per column), plus raw timings and checks for anyone who wants to look deeper.
+    """
+    label = model_label(args.model)
+    payload = {
+        "bench": bench,
+        "model": label,
+        "model_path": resolve_model(args.model),
+        "command": command_line(),
+        "date": date.today().isoformat(),
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "total_seconds": round(time.perf_counter() - START, 1),  # the whole script's run
+        "machine": machine_info(),
+        **result,
+    }
+    out = Path(args.results_dir) / f"{bench}-{label}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    print_table(payload)
+    print(f"wrote {out}")
+    return out
+
+
+def print_table(payload: dict[str, Any]) -> None:
+    cols = payload["columns"]
+    print()
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for row in payload["rows"]:
+        print("| " + " | ".join(str(row[c]) for c in cols) + " |")
+    for note in payload.get("notes", []):
+        print(note)
+
+
+def speedup(baseline: Phase, ours: Phase) -> str:
+    """`best / median` speed relative to the baseline, each from its own rounds."""
+    return f"{baseline.best / ours.best:.2f}x / {baseline.median / ours.median:.2f}x"
