@@ -33,17 +33,26 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format lmprog lmprog_runtime tests examples benchmarks
 	$(VENV)/bin/ruff check --fix lmprog lmprog_runtime tests examples benchmarks
 
-# Every benchmark on each of BENCH_MODELS, then the README tables from their JSON results.
-# outlines (JSON baseline) and gguf (transformers reading .gguf) are for benchmarks only,
-# pinned to the installed torch and transformers so pip cannot replace them.
-BENCH_MODELS ?= small
+# Every benchmark on the built-in `small` model at full size, then on the real instruct
+# model at the smaller sizes below (about 5x the compute per token), then the README tables
+# from their JSON results. outlines (the JSON baseline) is for benchmarks only, pinned to
+# the installed torch and transformers so pip cannot replace them.
 BENCHES := throughput shared_prefix waves json
+INSTRUCT := --model smollm2-135m-instruct --repeats 2
+INSTRUCT_throughput := --num-prompts 32 --hf-batch-sizes 16,32
+INSTRUCT_shared_prefix := --groups 4 --per-group 8 --system-len 512 --question-len 32 \
+	--new-tokens 16 --hf-batch-sizes 16,32
+INSTRUCT_waves := --inputs 8
+INSTRUCT_json := --docs 8
 
 bench: $(STAMP)
 	$(PY) -m pip freeze | grep -iE '^(torch|transformers)==' > $(VENV)/bench-constraints.txt
-	$(PY) -m pip install -q -c $(VENV)/bench-constraints.txt outlines gguf
-	set -e; for model in $(BENCH_MODELS); do for bench in $(BENCHES); do \
-		$(PY) benchmarks/bench_$$bench.py --model $$model; done; done
+	$(PY) -m pip install -q -c $(VENV)/bench-constraints.txt outlines
+	set -e; for bench in $(BENCHES); do $(PY) benchmarks/bench_$$bench.py --model small; done
+	$(PY) benchmarks/bench_throughput.py $(INSTRUCT) $(INSTRUCT_throughput)
+	$(PY) benchmarks/bench_shared_prefix.py $(INSTRUCT) $(INSTRUCT_shared_prefix)
+	$(PY) benchmarks/bench_waves.py $(INSTRUCT) $(INSTRUCT_waves)
+	$(PY) benchmarks/bench_json.py $(INSTRUCT) $(INSTRUCT_json)
 	$(PY) benchmarks/report.py
 
 clean:

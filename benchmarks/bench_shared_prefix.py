@@ -115,8 +115,8 @@ def main() -> None:
                 f"{args.groups} groups x {args.per_group} prompts (a {args.system_len}-token "
                 f"system prompt per group + a {args.question_len}-token question), exactly "
                 f"{n} greedy new tokens each, shuffled and submitted at once; transformers at "
-                f"batch {args.hf_batch_sizes} in round 1, its best in the other "
-                f"{args.repeats - 1}; rounds in alternating order, both engines warmed on "
+                f"batch {args.hf_batch_sizes} in round 1, its best batch size in the other "
+                f"{args.repeats - 1} round(s); rounds in alternating order, both engines warmed on "
                 "another prompt and flushed before each phase"
             ),
             "columns": [
