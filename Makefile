@@ -53,6 +53,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_shared_prefix.py $(INSTRUCT) $(INSTRUCT_shared_prefix)
 	$(PY) benchmarks/bench_waves.py $(INSTRUCT) $(INSTRUCT_waves)
 	$(PY) benchmarks/bench_json.py $(INSTRUCT) $(INSTRUCT_json)
+	$(PY) benchmarks/bench_json.py $(INSTRUCT) --workload records
 	$(PY) benchmarks/report.py
 
 clean:

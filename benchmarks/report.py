@@ -46,10 +46,17 @@ def machine_line(result: dict[str, Any]) -> str:
     flags = f"flags {' '.join(has) or 'none of interest'}"
     if lacks:
         flags += f" (no {' '.join(lacks)})"
+    # The dtypes the loaded weights really had, per side (not the requested --dtype).
+    dtypes = result.get("param_dtypes") or {"engine": result["dtype"]}
+    sides = sorted(set(dtypes.values()))
+    if len(dtypes) > 1 and len(sides) == 1:
+        weights = f"{sides[0]} weights on both sides"
+    else:
+        weights = ", ".join(f"{side} weights {dtype}" for side, dtype in dtypes.items())
     return (
         f"{m['cpu']}, {m['logical_cpus']} logical CPUs, {flags}; torch {m['torch']} with "
-        f"{m['torch_threads']} threads, transformers {m['transformers']}; {result['dtype']} "
-        f"on both sides; {result['repeats']} rounds; {result['date']}"
+        f"{m['torch_threads']} threads, transformers {m['transformers']}; {weights}; "
+        f"{result['repeats']} rounds; {result['date']}"
     )
 
 

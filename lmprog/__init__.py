@@ -18,6 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 from lmprog.api import (
+    REGEX_BOOL,
+    REGEX_FLOAT,
+    REGEX_INT,
+    REGEX_STR,
     assistant,
     assistant_begin,
     assistant_end,
@@ -43,6 +47,10 @@ from lmprog.function import Function, function
 from lmprog.state import ProgramState, ProgramStateGroup
 
 __all__ = [
+    "REGEX_BOOL",
+    "REGEX_FLOAT",
+    "REGEX_INT",
+    "REGEX_STR",
     "Backend",
     "Engine",
     "EngineBackend",

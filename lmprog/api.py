@@ -18,6 +18,19 @@ from typing import Any
 from lmprog.choices import ChoicesSamplingMethod, token_length_normalized
 from lmprog.ir import Concat, Expr, Gen, RoleBegin, RoleEnd, Select, as_expr
 
+# The patterns `gen(dtype=...)` enforces (SGLang's names). Numbers are bounded by what the
+# value's machine type holds (18 digits always fit int64; float64 keeps 15-17 significant
+# digits), so a model that has lost track cannot write digits until `max_tokens`. One of
+# NUMBER_END may follow a number: a model ends "... a day is 24" with "." or " hours", and
+# with only digits or EOS allowed it writes "2400..." instead (a lone space is a rare token).
+# The value read back (`s[name]`) leaves it out; the text keeps it.
+NUMBER_END = " \n.,"
+REGEX_INT = r"-?(0|[1-9][0-9]{0,17})[ \n.,]?"
+REGEX_FLOAT = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})?[ \n.,]?"
+REGEX_BOOL = r"(True|False)"
+# A JSON string literal: ends where the model closes the quote; escapes stay whole.
+REGEX_STR = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"'
+
 
 def gen(
     name: str | None = None,

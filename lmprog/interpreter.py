@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from lmprog.api import NUMBER_END, REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 from lmprog.backend import Backend
 from lmprog.choices import ChoicesSamplingMethod, token_length_normalized
 from lmprog.ir import (
@@ -47,15 +48,10 @@ SAMPLING_KEYS = {
 
 
 # gen(dtype=...) -> the regex the runtime enforces, and how the text becomes a value.
-DTYPE_REGEX = {
-    int: r"-?(0|[1-9][0-9]*)",
-    float: r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?",
-    bool: r"(True|False)",
-    str: r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"',
-}
+DTYPE_REGEX = {int: REGEX_INT, float: REGEX_FLOAT, bool: REGEX_BOOL, str: REGEX_STR}
 DTYPE_PARSE: dict[type, Callable[[str], Any]] = {
-    int: int,
-    float: float,
+    int: lambda text: int(text.rstrip(NUMBER_END)),
+    float: lambda text: float(text.rstrip(NUMBER_END)),
     bool: lambda text: text == "True",
     str: json.loads,
 }

@@ -63,9 +63,10 @@ class EngineRegistry:
         self.leaks_at_shutdown: list[str] = []
 
     def _leak(self, engine) -> str | None:
-        if engine in self.reported or engine._stopping or not engine._thread.is_alive():
+        if engine in self.reported or engine._stopping:
             return None
-        state = engine_leak(engine)
+        # A loop thread that died without a shutdown strands every request: report it.
+        state = engine_leak(engine) if engine._thread.is_alive() else "its loop thread died"
         if state is None:
             return None
         self.reported.add(engine)

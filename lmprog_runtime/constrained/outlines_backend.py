@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar, Matcher
+from lmprog_runtime.constrained.json_schema import schema_to_regex
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -113,73 +114,4 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
             raise ValueError(f"cannot compile regex {regex!r}: {error}") from error
 
     def schema_to_regex(self, schema: str) -> str:
-        import json
-
-        from outlines_core.json_schema import build_regex_from_schema
-
-        try:
-            parsed = json.loads(schema)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"json_schema is not valid JSON: {error}") from error
-        unsupported = sorted(_unsupported_keywords(parsed))
-        if unsupported:
-            raise ValueError(
-                f"unsupported JSON schema feature(s) {unsupported}: outputs could not be "
-                "guaranteed to validate"
-            )
-        try:
-            # Compact JSON (no whitespace between tokens): keys and punctuation are then
-            # fixed text that jump-forward can append without the model.
-            return build_regex_from_schema(schema, "")
-        except Exception as error:
-            raise ValueError(f"unsupported JSON schema: {error}") from error
-
-
-# Keywords outlines-core's regex translation would ignore: refuse them rather than produce
-# documents that do not validate.
-UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
-    {
-        "minimum",
-        "maximum",
-        "exclusiveMinimum",
-        "exclusiveMaximum",
-        "multipleOf",
-        "uniqueItems",
-        "contains",
-        "minContains",
-        "maxContains",
-        "not",
-        "if",
-        "then",
-        "else",
-        "dependentRequired",
-        "dependentSchemas",
-        "patternProperties",
-        "propertyNames",
-        "unevaluatedProperties",
-        "unevaluatedItems",
-        "minProperties",
-        "maxProperties",
-    }
-)
-
-
-def _unsupported_keywords(schema: Any) -> set[str]:
-    found: set[str] = set()
-    if isinstance(schema, dict):
-        # A digit maximum without its minimum lets "1." or "1e+" count as complete.
-        for part in ("Fraction", "Exponent"):
-            if f"maxDigits{part}" in schema and f"minDigits{part}" not in schema:
-                found.add(f"maxDigits{part} without minDigits{part}")
-        for key, value in schema.items():
-            if key in UNSUPPORTED_SCHEMA_KEYWORDS:
-                found.add(key)
-            if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
-                for sub in value.values():
-                    found |= _unsupported_keywords(sub)
-            elif key not in ("enum", "const", "default", "examples"):
-                found |= _unsupported_keywords(value)
-    elif isinstance(schema, list):
-        for item in schema:
-            found |= _unsupported_keywords(item)
-    return found
+        return schema_to_regex(schema)

@@ -66,9 +66,21 @@ def convert_gguf(gguf_path: str | Path) -> str:
 
 def conversion_dir(path: Path) -> Path:
     stat = path.stat()
-    key = f"{CONVERTER_VERSION}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    # The libraries that shape the output (dequantization, tokenizer.json) are part of the
+    # key, so an upgrade converts again instead of reusing a stale directory.
+    versions = f"{_version('gguf')}:{_version('transformers')}"
+    key = f"{CONVERTER_VERSION}:{versions}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{path.stem}-{digest}"
+
+
+def _version(distribution: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "none"
 
 
 def write_checkpoint(checkpoint: GGUFCheckpoint, out_dir: Path) -> None:

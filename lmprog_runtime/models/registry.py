@@ -74,7 +74,8 @@ def resolve_model_path(name_or_path: str | os.PathLike[str] | None = None) -> st
         return default_model_path(name)
     if name in PACKAGED_MODELS:
         return packaged_model_path(PACKAGED_MODELS[name])
-    if _HUB_ID.match(value):
+    # A missing file such as `models/x.gguf` also looks like `org/name`: never a Hub id.
+    if _HUB_ID.match(value) and not value.endswith(".gguf"):
         return _local_path(Path(hub_snapshot_path(value)))
     raise ValueError(
         f"model {value!r} is not a local path, a named model {named_models()} "
@@ -128,7 +129,10 @@ def hub_snapshot_path(repo_id: str) -> str:
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
-        return huggingface_hub.snapshot_download(repo_id, local_files_only=True)
+        local = huggingface_hub.snapshot_download(repo_id, local_files_only=True)
+        # A partial entry (say config.json alone) is not a checkpoint: fetch the rest.
+        if any(Path(local).glob("*.safetensors")):
+            return local
     except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
         pass
     if huggingface_hub.is_offline_mode():

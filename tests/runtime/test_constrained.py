@@ -15,7 +15,7 @@ import threading
 
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import lmprog as lp
@@ -58,6 +58,11 @@ _leaf = st.one_of(
     st.integers(0, 5).map(lambda k: ({"type": "string", "maxLength": k}, 2 + 4 * k)),
     st.just(({"type": "string", "pattern": "^[a-z]{1,4}$"}, 6)),
     st.just(({"type": "integer", "maxDigits": 3}, 4)),
+    st.just(({"type": "integer"}, 20)),  # int64: 19 digits and a sign
+    st.just(({"type": "number", "minimum": -5, "exclusiveMaximum": 5.5}, 20)),
+    st.tuples(st.integers(-300, 300), st.integers(0, 50)).map(
+        lambda t: ({"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}, 4)
+    ),
     st.just((BOUNDED_NUMBER, 10)),
 )
 
@@ -197,7 +202,10 @@ BAD = [
     ({"regex": "[z-a]"}, "cannot compile regex"),
     ({"regex": "[^\\s\\S]"}, "incompatible"),  # no string matches: nothing can be generated
     ({"json_schema": "{not json"}, "(?i)json.?schema"),  # BUG: bare JSONDecodeError
-    ({"json_schema": json.dumps({"type": "integer", "minimum": 3})}, "unsupported.*minimum"),
+    # Between two integers: no `n` or `n.f` fits, so the bounds cannot be enforced.
+    ({"json_schema": json.dumps({"type": "number", "minimum": 0.2, "maximum": 0.8})}, "minimum"),
+    ({"json_schema": json.dumps({"maximum": 3})}, "unsupported.*maximum"),  # no type
+    ({"json_schema": json.dumps({"type": "integer", "minimum": 3, "maximum": 2})}, "empty"),
     ({"json_schema": json.dumps({"type": "foo"})}, "unsupported JSON schema"),
     ({"regex": "a", "json_schema": "{}"}, "regex.*json_schema|at most one"),  # BUG: accepted
 ]
@@ -325,3 +333,62 @@ def test_number_digit_limits_never_give_invalid_json(engine):
             matcher.advance(token)
         else:
             assert not matcher.is_complete(), f"{text!r} is a full match for {schema}"
+
+
+# ---- bounded integers ---------------------------------------------------------------
+@HYPO
+# Ranges where a value is a prefix of another ("1" of "12", "-1" of "-15"): the index must
+# let a complete value go on to the longer one.
+@example(lo=0, size=120, prompt="Hi", seed=0)
+@example(lo=-15, size=22, prompt="Hi", seed=1)
+@given(
+    st.integers(-1000, 1000),
+    st.integers(0, 4),
+    st.sampled_from(PROMPTS),
+    st.integers(0, 2**31),
+)
+def test_sampled_integers_stay_in_range_and_every_value_is_reachable(
+    engine, lo, size, prompt, seed
+):
+    """Random sampling on the tiny model stays inside [lo, lo + size]; the compiled token
+    index itself accepts every value of the range, in the tokens the tokenizer gives it,
+    and no value just outside it (every value is reachable)."""
+    hi = lo + size
+    schema = json.dumps({"type": "integer", "minimum": lo, "maximum": hi})
+    params = {"json_schema": schema, "max_new_tokens": 8, "temperature": 1.5, "seed": seed}
+    for out in engine.generate([prompt] * 4, [{**params, "seed": seed + i} for i in range(4)]):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        assert lo <= int(out["text"]) <= hi, (lo, hi, out["text"])
+    grammar = engine.grammar("json_schema", schema)
+    for value in range(lo - 2, hi + 3):
+        assert _index_accepts(engine, grammar, str(value)) == (lo <= value <= hi), value
+
+
+def _index_accepts(engine, grammar, text):
+    matcher, vocab = grammar.new_matcher(), engine.runner.model_config.vocab_size
+    for token in engine.encode(text, add_special_tokens=False):
+        if not matcher.allowed_mask(vocab)[token]:
+            return False
+        matcher.advance(token)
+    return matcher.is_complete()
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"enum": [1, 12, 123, "a", -4, -45]},  # some values are prefixes of others
+        {"type": "number", "minimum": -20, "maximum": 20},
+        {"type": "integer", "exclusiveMinimum": -130, "maximum": 130},
+    ],
+)
+def test_every_value_of_a_small_schema_is_reachable(engine, schema):
+    """The compiled index accepts every integer and enum value the schema allows
+    (`jsonschema` decides), and nothing it refuses, halves included. (Halves of a bounded
+    number may be refused although valid: outlines-core's index drops some tokens that run
+    through a complete match, as "19" in "-19.5" runs through "-1"; never an invalid one.)"""
+    grammar = engine.grammar("json_schema", json.dumps(schema))
+    values = [*schema.get("enum", []), *range(-140, 141), *(n + 0.5 for n in range(-25, 25))]
+    for value in values:
+        valid = jsonschema.Draft7Validator(schema).is_valid(value)
+        accepted = _index_accepts(engine, grammar, json.dumps(value))
+        assert accepted == valid or (valid and isinstance(value, float)), (schema, value)

@@ -106,7 +106,7 @@ def test_jump_forward_at_the_start_and_in_a_program(engines):
     state = extract.run(text="Alice ordered", backend=on, temperature=0)
     record = json.loads(state["record"])
     jsonschema.validate(record, SCHEMA)
-    assert state["record"].startswith('{"customer_full_name_on_the_order":"')
+    assert state["record"].startswith('{"customer_full_name_on_the_order": "')
 
 
 def _block_compiles_of(monkeypatch, regex: str) -> tuple[threading.Event, threading.Event]:

@@ -1,0 +1,191 @@
+"""JSON schema and dtype patterns, checked as regexes (no model): numbers that end, exact
+integer ranges, bounded numbers, strings that end at their quote, the JSON layouts.
+
+References are independent of the library: `jsonschema` (after `json.loads`) decides what
+is valid, `re.fullmatch` what the pattern accepts, `json.dumps` what each layout looks like.
+The token-level side (the compiled index, sampling) is in tests/runtime/test_constrained.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmprog.api import NUMBER_END, REGEX_FLOAT, REGEX_INT, REGEX_STR
+from lmprog_runtime.constrained.json_schema import Layout, schema_to_regex
+
+# A bound keyword: (name, value); draft 4's boolean exclusive flags ride on minimum/maximum.
+_BOUND = st.one_of(st.integers(-(10**6), 10**6), st.floats(-1e4, 1e4).map(lambda x: round(x, 1)))
+
+
+@st.composite
+def _integer_schemas(draw, span=10**5):
+    """(schema, draft): bounds inclusive or exclusive, in draft 4's style (a boolean flag
+    beside the bound) or draft 6+'s (the exclusive bound is the keyword's value)."""
+    draft = draw(st.sampled_from([4, 7]))
+    schema = {"type": "integer"}
+    lo = draw(st.one_of(st.none(), _BOUND))
+    hi = draw(st.one_of(st.none(), _BOUND.map(lambda b: b if lo is None else lo + abs(b) % span)))
+    for key, value, flag in (
+        ("minimum", lo, "exclusiveMinimum"),
+        ("maximum", hi, "exclusiveMaximum"),
+    ):
+        if value is None:
+            continue
+        if not draw(st.booleans()):
+            schema[key] = value
+        elif draft == 7:
+            schema[flag] = value
+        else:
+            schema[key], schema[flag] = value, True
+    return schema, draft
+
+
+def _window(schema):
+    """Integers around every bound the schema names, around 0 and around int64's limits."""
+    edges = [0, -(2**63), 2**63 - 1]
+    edges += [int(v) for k, v in schema.items() if k != "type" and not isinstance(v, bool)]
+    return sorted({v for e in edges for v in range(e - 3, e + 4)})
+
+
+@given(_integer_schemas(), st.lists(st.integers(-(2**64), 2**64), max_size=20))
+def test_integer_pattern_matches_exactly_the_values_the_schema_accepts(case, extra):
+    """`jsonschema` is the reference; an unbounded integer means int64."""
+    schema, draft = case
+    validator = (jsonschema.Draft4Validator if draft == 4 else jsonschema.Draft7Validator)(schema)
+    values = _window(schema) + extra
+    try:
+        regex = schema_to_regex(json.dumps(schema))
+    except ValueError as error:
+        assert "empty" in str(error)
+        assert not any(validator.is_valid(v) for v in values)
+        return
+    for v in values:
+        expected = validator.is_valid(v) and -(2**63) <= v < 2**63
+        assert bool(re.fullmatch(regex, str(v))) == expected, (schema, v, regex)
+    assert not re.fullmatch(regex, "-0") and not re.fullmatch(regex, "007")
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_schema_regex_layouts_match_json_dumps(layout):
+    """Bounded integers inside objects and arrays; the layout's whitespace is json.dumps'."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": -5, "exclusiveMaximum": 120},
+            "xs": {"type": "array", "items": {"type": ["integer", "null"], "maximum": 3}},
+            "f": {"type": "number"},
+        },
+        "required": ["n", "xs", "f"],
+    }
+    regex = schema_to_regex(json.dumps(schema), layout)
+    separators = (",", ":") if layout is Layout.COMPACT else (", ", ": ")
+    for n in range(-8, 124):
+        for xs in ([], [3, None], [4], [-7, 0]):
+            doc = {"n": n, "xs": xs, "f": 2.5e-3 if n % 2 else -17}
+            text = json.dumps(doc, separators=separators)
+            assert bool(re.fullmatch(regex, text)) == jsonschema.Draft7Validator(schema).is_valid(
+                doc
+            ), text
+    assert not re.fullmatch(regex, '{"n":1,"xs":[],"f":1' + "0" * 17 + "}")  # float64 digits
+    pretty = '{\n"n" : 1,\n"xs": [ 2],"f":1 }'
+    assert bool(re.fullmatch(regex, pretty)) == (layout is Layout.OPTIONAL)
+    assert not re.fullmatch(regex, pretty.replace(" :", "  :"))  # at most one space
+
+
+@pytest.mark.parametrize("max_length", [None, 0, 1, 3])
+@given(
+    st.lists(
+        st.sampled_from(["a", " ", "é", "\u2603", "\\n", '\\"', "\\\\", "\\", '"']), max_size=5
+    )
+)
+def test_strings_end_at_the_closing_quote_and_never_inside_an_escape(max_length, pieces):
+    """`json.loads` + `jsonschema` are the reference: a cut by `maxLength` counts whole
+    characters, an escape is one character, and a dangling backslash is never complete."""
+    schema = (
+        {"type": "string"} if max_length is None else {"type": "string", "maxLength": max_length}
+    )
+    regex = schema_to_regex(json.dumps(schema))
+    text = '"' + "".join(pieces) + '"'
+    try:
+        expected = jsonschema.Draft7Validator(schema).is_valid(json.loads(text))
+    except ValueError:
+        expected = False
+    assert bool(re.fullmatch(regex, text)) == expected, (regex, text)
+
+
+@given(
+    st.sampled_from(["minimum", "exclusiveMinimum", None]),
+    st.sampled_from(["maximum", "exclusiveMaximum", None]),
+    st.floats(-60, 60).map(lambda x: round(x, 1)),
+    st.floats(0, 80).map(lambda x: round(x, 1)),
+)
+def test_bounded_numbers_stay_in_range(lower, upper, lo, width):
+    """Every decimal the pattern matches validates (`jsonschema`); every integer that
+    validates matches; `n.5` matches wherever all of [n, n + 1] is inside the bounds."""
+    schema = {"type": "number"}
+    schema.update({lower: lo} if lower else {})
+    schema.update({upper: lo + width} if upper else {})
+    try:
+        regex = schema_to_regex(json.dumps(schema))
+    except ValueError as error:
+        assert "minimum" in str(error).lower() or "maximum" in str(error).lower()
+        return
+    validator = jsonschema.Draft7Validator(schema)
+    for n in range(int(lo) - 3, int(lo + width) + 4):
+        for text in (str(n), f"{n}.5", f"{n}.0", f"{n}.999", f"-0.{abs(n)}", f"{n}e1"):
+            if re.fullmatch(regex, text):
+                assert validator.is_valid(json.loads(text)), (schema, text)
+        assert bool(re.fullmatch(regex, str(n))) == validator.is_valid(n), (schema, n)
+        inside = validator.is_valid(n) and validator.is_valid(n + 1)
+        if inside and n >= 0:
+            assert re.fullmatch(regex, f"{n}.5"), (schema, n)
+
+
+@given(st.integers(-(10**20), 10**20), st.sampled_from(["", " ", "\n", ".", ",", "  ", ".,", "x"]))
+def test_dtype_int_and_float_patterns_end(value, tail):
+    """`gen(dtype=int | float)`: what fits the machine type matches, with at most one of
+    NUMBER_END after it (the value read back leaves it out); longer numbers never match."""
+    ends = tail == "" or (len(tail) == 1 and tail in NUMBER_END)
+    text = str(value) + tail
+    assert bool(re.fullmatch(REGEX_INT, text)) == (len(str(abs(value))) <= 18 and ends), text
+    if re.fullmatch(REGEX_INT, text):
+        assert int(text.rstrip(NUMBER_END)) == value
+    decimal = f"{value / 7:.6f}{tail}"
+    assert bool(re.fullmatch(REGEX_FLOAT, decimal)) == (abs(value / 7) < 1e16 and ends), decimal
+    if re.fullmatch(REGEX_FLOAT, decimal):
+        assert float(decimal.rstrip(NUMBER_END)) == float(f"{value / 7:.6f}")
+    assert not re.fullmatch(REGEX_FLOAT, "1." + "0" * 17) and not re.fullmatch(REGEX_FLOAT, "1e+")
+
+
+@given(st.text(max_size=6))
+def test_dtype_str_pattern_is_a_json_string_literal(value):
+    text = json.dumps(value, ensure_ascii=False)
+    printable = not any(ord(c) < 0x20 and c not in "\b\f\n\r\t" for c in value)
+    if printable:
+        assert re.fullmatch(REGEX_STR, text) and json.loads(text) == value
+    assert not re.fullmatch(REGEX_STR, text[:-1] + '\\"')  # a quote escaped is not an end
+
+
+def test_bounds_apply_through_refs_and_oddly_named_properties():
+    """A property named like a keyword and a `$ref` into `$defs` get their bounds too."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "default": {"type": "integer", "minimum": 0, "maximum": 5},
+            "enum": {"$ref": "#/$defs/small"},
+        },
+        "required": ["default", "enum"],
+        "$defs": {"small": {"type": "integer", "minimum": 1, "exclusiveMaximum": 4}},
+    }
+    regex = schema_to_regex(json.dumps(schema))
+    for a in range(-2, 8):
+        for b in range(-2, 8):
+            doc = {"default": a, "enum": b}
+            expected = jsonschema.Draft202012Validator(schema).is_valid(doc)
+            assert bool(re.fullmatch(regex, json.dumps(doc))) == expected, doc
