@@ -61,6 +61,52 @@ def test_json_with_long_keys_is_valid_and_needs_few_forwards(engines):
     assert stats_on["forward_passes"] < stats_off["forward_passes"] / 2
 
 
+@pytest.mark.parametrize("disable_radix_cache", [False, True])
+def test_tokens_after_a_jump_see_the_kv_of_a_fresh_prefill_of_the_same_ids(
+    engines, tiny_path, monkeypatch, disable_radix_cache
+):
+    """After a jump the engine must sample from the logits a plain prefill of
+    prompt + output so far gives: no stale K/V of the retokenized token, no wrong positions
+    or slots, no cached K/V of another tokenization. Reference: prompt logprobs of the
+    final token ids from the engine with jump-forward off (one fresh prefill)."""
+    import lmprog_runtime.engine as engine_mod
+
+    _, off = engines
+    rows = {}  # (rid, output length when sampled) -> log-softmax of the raw logits
+    real_sample = engine_mod.sample
+
+    def spy(logits, reqs):
+        for row, req in zip(logits.float(), reqs):
+            rows[(req.rid, len(req.output_ids))] = row.log_softmax(-1)
+        return real_sample(logits, reqs)
+
+    monkeypatch.setattr(engine_mod, "sample", spy)
+    params = {"max_new_tokens": 160, "temperature": 0, "json_schema": json.dumps(SCHEMA)}
+    with Engine(
+        tiny_path, max_total_tokens=8192, disable_radix_cache=disable_radix_cache
+    ) as on:
+        on.generate(PROMPTS[:1], params)  # leaves K/V of a jump-forward run in the cache
+        outs, stats = _run(on, PROMPTS, params)
+        assert stats["jump_forward_tokens"] > 40
+        checked = 0
+        for prompt, out in zip(PROMPTS, outs):
+            prompt_ids, out_ids = on.encode(prompt), out["output_ids"]
+            ref = off.generate(
+                input_ids=prompt_ids + out_ids[:-1],
+                sampling_params={"max_new_tokens": 0},
+                return_logprob=True,
+                logprob_start_len=len(prompt_ids),
+            )["meta_info"]["input_token_logprobs"]
+            rid = out["meta_info"]["id"]
+            for n, token in enumerate(out_ids[:-1]):
+                if (rid, n) not in rows:
+                    continue  # a forced token: no sampling step
+                assert ref[n][1] == token
+                assert rows[rid, n][token].item() == pytest.approx(ref[n][0], abs=1e-3)
+                checked += 1
+        assert checked >= 3 * 5  # every sampled token after a jump (and the rest)
+
+
 @pytest.mark.parametrize(
     "regex",
     [r"[0-9]{2}-confirmed-by-the-warehouse", r"(yes|no) - the parcel was delivered", r"[a-c]{3}"],

