@@ -82,9 +82,7 @@ def test_tokens_after_a_jump_see_the_kv_of_a_fresh_prefill_of_the_same_ids(
 
     monkeypatch.setattr(engine_mod, "sample", spy)
     params = {"max_new_tokens": 160, "temperature": 0, "json_schema": json.dumps(SCHEMA)}
-    with Engine(
-        tiny_path, max_total_tokens=8192, disable_radix_cache=disable_radix_cache
-    ) as on:
+    with Engine(tiny_path, max_total_tokens=8192, disable_radix_cache=disable_radix_cache) as on:
         on.generate(PROMPTS[:1], params)  # leaves K/V of a jump-forward run in the cache
         outs, stats = _run(on, PROMPTS, params)
         assert stats["jump_forward_tokens"] > 40
@@ -104,7 +102,7 @@ def test_tokens_after_a_jump_see_the_kv_of_a_fresh_prefill_of_the_same_ids(
                 assert ref[n][1] == token
                 assert rows[rid, n][token].item() == pytest.approx(ref[n][0], abs=1e-3)
                 checked += 1
-        assert checked >= 3 * 5  # every sampled token after a jump (and the rest)
+        assert checked >= 3 * len(PROMPTS)  # a value token after each key's jump, at least
 
 
 @pytest.mark.parametrize(
