@@ -8,6 +8,7 @@ them, never written back here. Environment variables are read in `env.py` only.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
@@ -70,6 +71,9 @@ class RuntimeConfig:
             raise ValueError(
                 f"eviction_policy must be 'lru' or 'lfu', got {self.eviction_policy!r}"
             )
+        for name in ("schedule_conservativeness", "grammar_compile_timeout_s"):
+            if not math.isfinite(getattr(self, name)):  # nan passes every comparison below
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.schedule_conservativeness < 0:
             raise ValueError(
                 f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}"

@@ -4,6 +4,10 @@ Callers' threads validate and tokenize their input, hand `Req`s to the loop and 
 loop thread alone owns the scheduler, the model runner and every KV slot: each step it
 admits or decodes, runs one forward, samples, and finishes requests the moment they stop.
 An exception in one step fails only the requests of that step; the loop keeps serving.
+
+The loop thread holds the engine only weakly (a strong reference for one step at a time,
+none while it waits), so an engine nobody references is collected with its model and KV
+pool, and its finalizer wakes the thread to exit.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -95,9 +100,15 @@ class Engine:
         self._rids = itertools.count()
         self._seeds = torch.Generator().manual_seed(self.config.random_seed)
         self._inbox: list[Req] = []
+        # Reentrant (the default RLock): the finalizer may run on the loop thread inside `cv`.
         self._cv = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="lmprog-engine", daemon=True)
+        # The thread gets a weak reference and the condition variable, never `self` (a bound
+        # method would keep the engine alive as long as the thread runs, i.e. forever).
+        self._thread = threading.Thread(
+            target=_serve, args=(weakref.ref(self), self._cv), name="lmprog-engine", daemon=True
+        )
+        weakref.finalize(self, _wake, self._cv)
         self._thread.start()
 
     # ---- public API ---------------------------------------------------------------------
@@ -263,12 +274,6 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def __del__(self) -> None:
-        if getattr(self, "_thread", None) is not None and not self._stopping:
-            self._stopping = True
-            with self._cv:
-                self._cv.notify_all()
-
     # ---- tokenizer access (shared by caller threads and the loop) -----------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         with self._tokenizer_lock:
@@ -317,43 +322,40 @@ class Engine:
         if req.error is not None:
             raise RuntimeError(f"request {req.rid} failed: {req.error}") from req.error
 
-    # ---- the loop -----------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while (
-                    not self._stopping
-                    and not self._inbox
-                    and not self._commands
-                    and not self.scheduler.has_work
-                ):
-                    self._cv.wait()
-                if self._stopping:
-                    return
-                new, self._inbox = self._inbox, []
-                commands, self._commands = self._commands, []
-            for req in new:
-                self.scheduler.add(req)
-            for name, done, result in commands:
-                result.append(self._run_command(name))
-                done.set()
-            batch = None
-            try:
-                batch = self.scheduler.next_batch()
-                if batch is None:
-                    self._fail_unschedulable()
-                    continue
-                self._step(batch)
-            except Exception as error:  # one bad step must not take the loop down
-                logger.exception("engine step failed")
-                if batch is None:
-                    continue
-                if not batch.kv_committed:  # the slots of this step hold no valid K/V
-                    for req, n in zip(batch.reqs, batch.extend_lens):
-                        req.kv_len += n
-                for req in batch.reqs:
-                    if not req.done.is_set():
-                        self._finish(req, error)
+    # ---- the loop (run by `_serve` on the loop thread) ----------------------------------
+    def _is_idle(self) -> bool:
+        """Nothing to do until a caller submits or commands (call with `_cv` held)."""
+        return not (self._inbox or self._commands or self.scheduler.has_work)
+
+    def _run_once(self) -> None:
+        """Take what callers handed in, then schedule and run one step (call without `_cv`)."""
+        with self._cv:
+            new, self._inbox = self._inbox, []
+            commands, self._commands = self._commands, []
+        for req in new:
+            self.scheduler.add(req)
+        for name, done, result in commands:
+            result.append(self._run_command(name))
+            done.set()
+        batch = None
+        try:
+            batch = self.scheduler.next_batch()
+            if batch is None:
+                self._fail_unschedulable()
+                return
+            self._step(batch)
+        except Exception as error:  # one bad step must not take the loop down
+            logger.exception("engine step failed")
+            if batch is not None:
+                self._fail_step(batch, error)
+
+    def _fail_step(self, batch: ScheduledBatch, error: Exception) -> None:
+        if not batch.kv_committed:  # the slots of this step hold no valid K/V
+            for req, n in zip(batch.reqs, batch.extend_lens):
+                req.kv_len += n
+        for req in batch.reqs:
+            if not req.done.is_set():
+                self._finish(req, error)
 
     def _run_command(self, name: str) -> Any:
         if name == "flush_cache":
@@ -424,6 +426,37 @@ class Engine:
                 req.stream_queue.put(chunk)
             req.stream_queue.put(None)
         req.done.set()
+
+
+def _serve(engine_ref: weakref.ref[Engine], cv: threading.Condition) -> None:
+    """The loop thread: run steps while the engine has work, until it is shut down or gone.
+
+    A strong reference is taken for one check or step and dropped before waiting, so while
+    the engine is idle only callers keep it alive. The idle check and the wait share one
+    acquisition of `cv`, so a submit cannot slip between them; the engine's
+    finalizer notifies `cv`, and the next check finds the reference dead.
+    """
+    while True:
+        with cv:
+            engine = engine_ref()
+            if engine is None or engine._stopping:
+                return
+            if engine._is_idle():
+                # Dropping the last reference runs the finalizer here (`cv` is reentrant), and
+                # its notify would be lost: check again before waiting.
+                del engine
+                if engine_ref() is None:
+                    return
+                cv.wait()
+                continue
+        engine._run_once()
+        del engine  # the last reference may be dropped here: the next check then exits
+
+
+def _wake(cv: threading.Condition) -> None:
+    """An engine's finalizer: wake its loop thread, which then finds the engine gone."""
+    with cv:
+        cv.notify_all()
 
 
 def _common_prefix_len(seqs: list[list[int]]) -> int:

@@ -7,10 +7,13 @@ never reaches the engine loop.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MAX_NEW_TOKENS = 128
+# Every float-valued parameter; each must be a finite number.
+FLOAT_PARAMS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty")
 
 
 @dataclass
@@ -80,10 +83,14 @@ class SamplingParams:
                 f"min_new_tokens ({self.min_new_tokens}) must be <= "
                 f"max_new_tokens ({self.max_new_tokens})"
             )
-        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty"):
+        for name in FLOAT_PARAMS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            # nan compares false with every bound below and inf turns the logits into nan,
+            # so either would pass the range checks and fail a whole step in the sampler.
+            if not _is_finite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -134,3 +141,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _is_finite(value: int | float) -> bool:
+    """Whether `value` is a finite float; an int too large for a float is not."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

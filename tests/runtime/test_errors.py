@@ -8,8 +8,10 @@ import shutil
 import pytest
 
 from lmprog_runtime import Engine
+from lmprog_runtime.sampling_params import FLOAT_PARAMS
 
 OK = {"max_new_tokens": 3, "temperature": 0}
+NAN, INF = float("nan"), float("inf")
 
 
 @pytest.mark.parametrize(
@@ -25,6 +27,13 @@ OK = {"max_new_tokens": 3, "temperature": 0}
         ({"prompt": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
         ({"prompt": "hi", "sampling_params": {"top_k": 0}}, "top_k"),
         ({"prompt": "hi", "sampling_params": {"min_p": 2.0}}, "min_p"),
+        # Non-finite numbers: nan passes every range comparison and would fail in the sampler.
+        *[
+            ({"prompt": "hi", "sampling_params": {name: value}}, f"{name} must be a finite")
+            for name in FLOAT_PARAMS
+            for value in (NAN, INF, -INF)
+        ],
+        ({"prompt": "hi", "sampling_params": {"temperature": 10**400}}, "temperature"),
         ({"prompt": "hi", "sampling_params": {"max_tokens": 5}}, "unknown sampling parameter"),
         (
             {"prompt": "hi", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 3}},
@@ -57,10 +66,11 @@ def test_wrong_types_are_type_errors(engine, kwargs):
         engine.generate(**kwargs)
 
 
-def test_a_bad_request_in_a_list_fails_before_any_is_sent(engine):
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"temperature": NAN}, {"top_p": NAN}])
+def test_a_bad_request_in_a_list_fails_before_any_is_sent(engine, bad):
     engine.reset_stats()
-    with pytest.raises(ValueError, match="temperature"):
-        engine.generate(["a", "b"], [OK, {"temperature": -1}])
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        engine.generate(["a", "b"], [OK, bad])
     assert engine.stats()["forward_passes"] == 0
 
 
@@ -85,6 +95,9 @@ def test_bad_runtime_config(tiny_path):
         Engine(tiny_path, attention_backend="cuda-magic")
     with pytest.raises(TypeError, match="unknown Engine argument"):
         Engine(tiny_path, max_batch=3)
+    for name in ("schedule_conservativeness", "grammar_compile_timeout_s", "mem_fraction"):
+        with pytest.raises(ValueError, match=name):
+            Engine(tiny_path, **{name: float("nan")})
 
 
 def test_request_larger_than_the_pool_is_refused(tiny_path):

@@ -1,0 +1,87 @@
+"""An Engine nobody references is collected: its loop thread exits and its KV pool is freed.
+
+The loop thread holds the engine only weakly, so dropping the last reference (as re-running a
+notebook cell that builds `lp.Engine(...)` does) must not leak a model, a KV pool and a
+thread each time.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+
+from lmprog_runtime import Engine
+
+OK = {"max_new_tokens": 3, "temperature": 0}
+JOIN_S = 30.0  # bounds how long a thread that never exits takes to be reported
+
+
+def _build(tiny_path: str, use: str) -> tuple[weakref.ref, weakref.ref, threading.Thread]:
+    """Build and use an engine; return weak references to it and its KV pool, and its loop
+    thread. Built in a helper so that no frame of the test keeps a strong reference."""
+    engine = Engine(tiny_path, max_total_tokens=1024)
+    if use == "generate":
+        assert len(engine.generate("hello", OK)["output_ids"]) == 3
+    elif use == "stream":
+        assert "".join(c["text"] for c in engine.generate("hello", OK, stream=True))
+    assert engine._thread.is_alive()
+    return weakref.ref(engine), weakref.ref(engine.runner.kv_pool), engine._thread
+
+
+def _is_collected(refs: tuple[weakref.ref, ...], thread: threading.Thread) -> bool:
+    gc.collect()
+    thread.join(JOIN_S)
+    return all(ref() is None for ref in refs) and not thread.is_alive()
+
+
+@pytest.mark.parametrize("use", ["none", "generate", "stream"])
+def test_an_unreferenced_engine_is_collected_and_its_thread_exits(tiny_path, use):
+    engine_ref, pool_ref, thread = _build(tiny_path, use)
+    assert _is_collected((engine_ref, pool_ref), thread)
+
+
+def test_recreating_engines_does_not_accumulate_threads(tiny_path):
+    """The notebook case: a cell that rebuilds the engine, run again and again."""
+    gc.collect()
+    num_threads = threading.active_count()
+    for _ in range(5):
+        engine_ref, pool_ref, thread = _build(tiny_path, "generate")
+        assert _is_collected((engine_ref, pool_ref), thread)
+    assert threading.active_count() == num_threads
+
+
+def test_a_shut_down_engine_is_collected_too(tiny_path):
+    engine = Engine(tiny_path, max_total_tokens=1024)
+    engine.generate("hello", OK)
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    refs, thread = (weakref.ref(engine),), engine._thread
+    del engine
+    assert not thread.is_alive()  # shutdown joined it
+    assert _is_collected(refs, thread)
+
+
+def test_a_referenced_idle_engine_keeps_serving(tiny_path):
+    """Dropping the reference while waiting must not make the loop give up on a live engine."""
+    with Engine(tiny_path, max_total_tokens=1024) as engine:
+        for _ in range(3):
+            gc.collect()
+            assert len(engine.generate("hello", OK)["output_ids"]) == 3
+        assert engine._thread.is_alive()
+
+
+def _abandon_a_stream(tiny_path: str) -> tuple[weakref.ref, threading.Thread]:
+    engine = Engine(tiny_path, max_total_tokens=1024)
+    chunks = engine.generate("hello", {"max_new_tokens": 64, "ignore_eos": True}, stream=True)
+    next(chunks)
+    return weakref.ref(engine), engine._thread  # `chunks` (and its request) is dropped here
+
+
+def test_an_engine_dropped_mid_request_is_collected_when_the_loop_lets_go(tiny_path):
+    """The loop thread holds the engine while it steps, so it may drop the last reference."""
+    engine_ref, thread = _abandon_a_stream(tiny_path)
+    thread.join(JOIN_S)  # it finishes the abandoned request, then finds the engine gone
+    assert _is_collected((engine_ref,), thread)
