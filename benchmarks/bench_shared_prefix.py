@@ -97,13 +97,7 @@ def main() -> None:
         engine.shutdown()
 
     def row(system: str, phase: Phase, outputs: str) -> dict[str, str]:
-        return {
-            "system": system,
-            "output tok/s (best)": f"{total_out / phase.best:.1f}",
-            "output tok/s (median)": f"{total_out / phase.median:.1f}",
-            "vs transformers (best / median)": harness.speedup(base, phase),
-            "outputs": outputs,
-        }
+        return harness.throughput_row(system, phase, base, total_out, outputs)
 
     to_hf = "prompts token-identical to transformers"
     harness.write_result(
@@ -119,13 +113,7 @@ def main() -> None:
                 f"{args.repeats - 1} round(s); rounds in alternating order, both engines warmed on "
                 "another prompt and flushed before each phase"
             ),
-            "columns": [
-                "system",
-                "output tok/s (best)",
-                "output tok/s (median)",
-                "vs transformers (best / median)",
-                "outputs",
-            ],
+            "columns": harness.THROUGHPUT_COLUMNS,
             "rows": [
                 row(f"transformers generate (batch {best_bs})", base, "reference"),
                 row(

@@ -89,13 +89,7 @@ def main() -> None:
     engine.shutdown()
 
     def row(system: str, phase: Phase, outputs: str) -> dict[str, str]:
-        return {
-            "system": system,
-            "output tok/s (best)": f"{total_out / phase.best:.1f}",
-            "output tok/s (median)": f"{total_out / phase.median:.1f}",
-            "vs transformers (best / median)": harness.speedup(base, phase),
-            "outputs": outputs,
-        }
+        return harness.throughput_row(system, phase, base, total_out, outputs)
 
     harness.write_result(
         args,
@@ -109,13 +103,7 @@ def main() -> None:
                 f"{args.repeats} rounds in alternating order, both sides warmed on another "
                 "prompt, the engine's cache flushed before each round"
             ),
-            "columns": [
-                "system",
-                "output tok/s (best)",
-                "output tok/s (median)",
-                "vs transformers (best / median)",
-                "outputs",
-            ],
+            "columns": harness.THROUGHPUT_COLUMNS,
             "rows": [
                 row(f"transformers generate (batch {best_bs})", base, "reference"),
                 row(

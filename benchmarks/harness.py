@@ -254,3 +254,26 @@ def print_table(payload: dict[str, Any]) -> None:
 def speedup(baseline: Phase, ours: Phase) -> str:
     """`best / median` speed relative to the baseline, each from its own rounds."""
     return f"{baseline.best / ours.best:.2f}x / {baseline.median / ours.median:.2f}x"
+
+
+# The columns of a table of output throughput against transformers.
+THROUGHPUT_COLUMNS = [
+    "system",
+    "output tok/s (best)",
+    "output tok/s (median)",
+    "vs transformers (best / median)",
+    "outputs",
+]
+
+
+def throughput_row(
+    system: str, phase: Phase, base: Phase, total_out: int, outputs: str
+) -> dict[str, str]:
+    """One row of a THROUGHPUT_COLUMNS table: `phase` against the baseline `base`."""
+    return {
+        "system": system,
+        "output tok/s (best)": f"{total_out / phase.best:.1f}",
+        "output tok/s (median)": f"{total_out / phase.median:.1f}",
+        "vs transformers (best / median)": speedup(base, phase),
+        "outputs": outputs,
+    }

@@ -17,6 +17,47 @@ PROMPTS = [
 ]
 
 
+def random_hf_model(model_type: str, **config):
+    """A transformers model of `model_type` with weights re-drawn at a scale that makes its
+    logits far from constant (default initialisation gives near-uniform logits, which would
+    make logits comparisons vacuous). Eager attention: a path independent of ours (SDPA)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(model_type, **config)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * noise)
+            elif p.ndim == 1:  # biases
+                p.copy_(0.5 * noise)
+            elif "embed" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise * 1.5 / p.shape[1] ** 0.5)
+    return model
+
+
+def hf_greedy_ids(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy `generate` on token ids, one prompt at a time (no padding)."""
+    outs = []
+    for ids in prompts:
+        input_ids = torch.tensor([ids])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )
+        outs.append(out[0, len(ids) :].tolist())
+    return outs
+
+
 def hf_greedy(hf_tiny, prompt: str, max_new_tokens: int) -> list[int]:
     model, tokenizer = hf_tiny
     ids = tokenizer(prompt, return_tensors="pt").input_ids

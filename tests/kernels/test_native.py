@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import PROMPTS, decode_batch, hf_greedy, run_backend
+from helpers import PROMPTS, decode_batch, hf_greedy, hf_greedy_ids, run_backend
 
 from lmprog_runtime.attention import AttentionLayout, create_attention_backend
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool
@@ -204,18 +204,7 @@ def test_native_engine_decodes_two_prefix_groups_by_cascade_as_transformers(tiny
     system_a, system_b = ids(100), ids(80)
     prompts = [system_a + ids(3 + i) for i in range(3)] + [system_b + ids(4 + i) for i in range(3)]
     prompts += [ids(20), ids(70)]
-    model, _ = hf_tiny
-    expected = []
-    for p in prompts:
-        input_ids = torch.tensor([p])
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=8,
-                do_sample=False,
-            )
-        expected.append(out[0, len(p) :].tolist())
+    expected = hf_greedy_ids(hf_tiny[0], prompts, 8)
 
     num_groups: list[int] = []
     with Engine(tiny_path, attention_backend="native", max_total_tokens=4096) as engine:

@@ -21,6 +21,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from helpers import random_hf_model  # noqa: E402
+
 from lmprog_runtime.models import gguf_convert  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -87,23 +89,7 @@ def source_model(case: str) -> torch.nn.Module:
 
 
 def random_model(model_type: str, **overrides):
-    torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **overrides})
-    cfg._attn_implementation = "eager"  # an attention path independent of ours
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * noise)
-            elif p.ndim == 1:  # biases
-                p.copy_(0.5 * noise)
-            elif "embed" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise * 1.5 / p.shape[1] ** 0.5)
-    return model
+    return random_hf_model(model_type, **{**BASE, **overrides})
 
 
 def write_gguf(model, path: Path, case: str, qtype, tokenizer_dir: str) -> Path:

@@ -25,6 +25,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import random_hf_model  # noqa: E402
+
 from lmprog_runtime.config import RuntimeConfig  # noqa: E402
 from lmprog_runtime.forward_batch import ForwardMode  # noqa: E402
 from lmprog_runtime.kvcache.req_cache import ReqCache  # noqa: E402
@@ -89,22 +91,7 @@ def checkpoint(tmp_path_factory):
     def build(case: str):
         if case not in built:
             model_type, overrides = CASES[case]
-            torch.manual_seed(0)
-            cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **overrides})
-            cfg._attn_implementation = "eager"  # an attention path independent of ours (SDPA)
-            model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-            gen = torch.Generator().manual_seed(1)
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    noise = torch.randn(p.shape, generator=gen)
-                    if "norm" in name:
-                        p.copy_(1.0 + 0.3 * noise)
-                    elif p.ndim == 1:  # biases
-                        p.copy_(0.5 * noise)
-                    elif "embed" in name:
-                        p.copy_(noise)
-                    else:
-                        p.copy_(noise * 1.5 / p.shape[1] ** 0.5)
+            model = random_hf_model(model_type, **{**BASE, **overrides})
             path = tmp_path_factory.mktemp(case)
             model.save_pretrained(path, safe_serialization=True)
             built[case] = (str(path), model)

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from helpers import hf_greedy_ids
 
 from lmprog_runtime import Engine
 
@@ -40,18 +41,7 @@ def _greedy(engine: Engine, prompts, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=F
 
 def _hf_generate(hf_tiny, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy `generate`, one prompt at a time (no padding involved)."""
-    model, _ = hf_tiny
-    outs = []
-    for ids in prompts:
-        input_ids = torch.tensor([ids])
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-            )
-        outs.append(out[0, len(ids) :].tolist())
+    outs = hf_greedy_ids(hf_tiny[0], prompts, max_new_tokens)
     # A reference cut short by EOS would make the workload (and its pressure) lighter.
     assert all(len(o) == max_new_tokens for o in outs)
     return outs
