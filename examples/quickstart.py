@@ -44,7 +44,7 @@ def tips(s, topic):
     forks = s.fork(2)  # the shared prompt is computed once; the branches decode together
     for f, aspect in zip(forks, ["sleep", "exercise"]):
         f += lp.user(f"Give one tip about {aspect} for {topic}, in one short sentence.")
-        f += lp.assistant(lp.gen("tip", max_tokens=30, stop="\n"))
+        f += lp.assistant(lp.gen("tip", max_tokens=60, stop="\n"))
     forks.join()  # s["tip"] == [the sleep tip, the exercise tip]
     s += lp.user(f"Summarize in one sentence: {s['tip'][0]} {s['tip'][1]}")
     s += lp.assistant(lp.gen("summary", max_tokens=40, stop="\n"))

@@ -21,8 +21,9 @@ TOOLS = {
 
 @lp.function
 def support_agent(s, question):
+    tool_list = ", ".join(TOOLS)
     s += lp.system(
-        f"You are a support agent. Before answering, pick a tool: {', '.join(TOOLS)}, or answer now."
+        f"You are a support agent. Before answering, pick a tool: {tool_list}, or answer now."
     )
     s += lp.user(question)
     facts, tools = [], list(TOOLS)

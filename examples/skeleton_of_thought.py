@@ -23,7 +23,7 @@ def skeleton_of_thought(s, topic, num_points=3):
     forks = s.fork(len(points))
     for point, f in zip(points, forks):
         f += lp.user(f"Explain this tip in one or two sentences: {point}")
-        f += lp.assistant(lp.gen("detail", max_tokens=48, stop="\n"))
+        f += lp.assistant(lp.gen("detail", max_tokens=72, stop="\n"))
     forks.join()  # s["detail"] == [each branch's explanation]
     return points
 

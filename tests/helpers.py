@@ -17,6 +17,27 @@ PROMPTS = [
 ]
 
 
+# The shape of the tiny random checkpoints built per architecture (logits and GGUF tests).
+TINY_ARCH_CONFIG = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    intermediate_size=128,
+    max_position_embeddings=256,
+)
+# Llama 3.1 frequency-dependent RoPE scaling, with a short original context so it matters.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
 def random_hf_model(model_type: str, **config):
     """A transformers model of `model_type` with weights re-drawn at a scale that makes its
     logits far from constant (default initialisation gives near-uniform logits, which would

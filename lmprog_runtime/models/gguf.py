@@ -2,9 +2,9 @@
 
 `GGUFCheckpoint.open` validates the whole header before any weight is read: the magic and
 version, the metadata and tensor table (a truncated file fails there), the architecture,
-every tensor's name, type and shape. Anything wrong raises a `ValueError` naming it. `hf_config` turns the metadata into
-a transformers `config.json` dict, and `hf_tensors` yields the weights under transformers'
-names, dequantized with the `gguf` package (llama.cpp's own reader) and with llama.cpp's
+every tensor's name, type and shape. Anything wrong raises a `ValueError` naming it.
+`hf_config` turns the metadata into a transformers `config.json` dict, and `hf_tensors`
+yields the weights under transformers' names, dequantized with the `gguf` package (llama.cpp's own reader) and with llama.cpp's
 Q/K row permutation undone. This module only reads; `gguf_convert.py` writes the result
 out as a checkpoint directory, and the tokenizer is built there.
 """

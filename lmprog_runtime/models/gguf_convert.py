@@ -103,17 +103,20 @@ def _write_weights(checkpoint: GGUFCheckpoint, out_dir: Path) -> None:
 
     shards: list[list[str]] = []  # the tensor names of each shard written
     pending: dict[str, torch.Tensor] = {}
+    total = pending_bytes = 0
 
     def flush() -> None:
+        nonlocal pending_bytes
         save_file(pending, str(out_dir / f"shard-{len(shards)}"), metadata={"format": "pt"})
         shards.append(list(pending))
         pending.clear()
+        pending_bytes = 0
 
-    total = 0
     for name, tensor in checkpoint.hf_tensors():
         pending[name] = tensor
         total += tensor.nbytes
-        if sum(t.nbytes for t in pending.values()) >= SHARD_BYTES:
+        pending_bytes += tensor.nbytes
+        if pending_bytes >= SHARD_BYTES:
             flush()
     if pending or not shards:
         flush()

@@ -4,8 +4,9 @@
 name (`tiny`, `small`), a named model shipped in a pip package (`smollm2-135m-instruct`,
 alias `instruct`), a Hugging Face directory, a `.gguf` file (or a directory holding one), or
 a Hugging Face Hub id, read from huggingface_hub's local cache (and fetched into it when
-missing, unless HF_HUB_OFFLINE is set). `local_model_dir` goes one step further and returns a checkpoint directory every part of the runtime reads, converting
-a GGUF once into the cache. Nothing here loads weights.
+missing, unless HF_HUB_OFFLINE is set). `local_model_dir` goes one step further and
+returns a checkpoint directory every part of the runtime reads, converting a GGUF once into
+the cache. Nothing here loads weights.
 """
 
 from __future__ import annotations

@@ -21,28 +21,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from helpers import random_hf_model  # noqa: E402
+from helpers import LLAMA3_ROPE, TINY_ARCH_CONFIG, random_hf_model  # noqa: E402
 
 from lmprog_runtime.models import gguf_convert  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-BASE = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    max_position_embeddings=256,
-    vocab_size=2048,  # the built-in tiny tokenizer's vocabulary
-)
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
+BASE = {**TINY_ARCH_CONFIG, "vocab_size": 2048}  # the built-in tiny tokenizer's vocabulary
 # name -> (transformers model type, config overrides, GGUF architecture, general.name)
 ARCHS = {
     "llama": ("llama", {}, "llama", "tiny llama"),

@@ -25,7 +25,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import random_hf_model  # noqa: E402
+from helpers import LLAMA3_ROPE, TINY_ARCH_CONFIG, random_hf_model  # noqa: E402
 
 from lmprog_runtime.config import RuntimeConfig  # noqa: E402
 from lmprog_runtime.forward_batch import ForwardMode  # noqa: E402
@@ -42,23 +42,7 @@ BACKENDS = ["torch", "native", "triton"]
 # Triton under the interpreter takes seconds per case: `make test` runs it on GQA and the
 # sliding window, `pytest -m slow` on every case.
 FAST_TRITON_CASES = {"llama-gqa", "mistral-sliding-window"}
-BASE = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    intermediate_size=128,
-    max_position_embeddings=256,
-)
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
+BASE = TINY_ARCH_CONFIG
 CASES = {
     "llama-gqa": ("llama", {}),
     "llama-tied-mha-bias-linear-rope": (
