@@ -37,12 +37,11 @@ format: $(STAMP)
 # model at the smaller sizes below (about 5x the compute per token), then the README tables
 # from their JSON results. outlines (the JSON baseline) is for benchmarks only, pinned to
 # the installed torch and transformers so pip cannot replace them.
-BENCHES := throughput shared_prefix waves json
+BENCHES := throughput shared_prefix json
 INSTRUCT := --model smollm2-135m-instruct --repeats 2
 INSTRUCT_throughput := --num-prompts 32 --hf-batch-sizes 16,32
 INSTRUCT_shared_prefix := --groups 4 --per-group 8 --system-len 512 --question-len 32 \
 	--new-tokens 16 --hf-batch-sizes 16,32
-INSTRUCT_waves := --inputs 8
 INSTRUCT_json := --docs 8
 
 bench: $(STAMP)
@@ -51,9 +50,9 @@ bench: $(STAMP)
 	set -e; for bench in $(BENCHES); do $(PY) benchmarks/bench_$$bench.py --model small; done
 	$(PY) benchmarks/bench_throughput.py $(INSTRUCT) $(INSTRUCT_throughput)
 	$(PY) benchmarks/bench_shared_prefix.py $(INSTRUCT) $(INSTRUCT_shared_prefix)
-	$(PY) benchmarks/bench_waves.py $(INSTRUCT) $(INSTRUCT_waves)
 	$(PY) benchmarks/bench_json.py $(INSTRUCT) $(INSTRUCT_json)
 	$(PY) benchmarks/bench_json.py $(INSTRUCT) --workload records
+	$(PY) benchmarks/bench_programs.py  # small and the instruct model, one run
 	$(PY) benchmarks/report.py
 
 clean:

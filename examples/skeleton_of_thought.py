@@ -2,9 +2,9 @@
 
     .venv/bin/python examples/skeleton_of_thought.py
 
-The outline is one gen; Python splits it into points (reading a generated value, so the
-program continues eagerly from there). The parent's prompt is prefilled once and the
-branches run as one co-scheduled request group. Model: SmolLM2-135M-Instruct.
+The outline is one gen; Python splits it into points (reading a generated value waits
+for that gen only). The parent's prompt is prefilled once and the branches run as one
+co-scheduled request group. Model: SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations

@@ -16,20 +16,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmprog.choices import ChoicesSamplingMethod, token_length_normalized
-from lmprog.ir import Concat, Expr, Gen, RoleBegin, RoleEnd, Select, as_expr
+from lmprog.ir import (  # noqa: F401 - REGEX_* are public here too
+    REGEX_BOOL,
+    REGEX_FLOAT,
+    REGEX_INT,
+    REGEX_STR,
+    Concat,
+    Expr,
+    Gen,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    as_expr,
+)
 
-# The patterns `gen(dtype=...)` enforces (SGLang's names). Numbers are bounded by what the
-# value's machine type holds (18 digits always fit int64; float64 keeps 15-17 significant
-# digits), so a model that has lost track cannot write digits until `max_tokens`. One of
-# NUMBER_END may follow a number: a model ends "... a day is 24" with "." or " hours", and
-# with only digits or EOS allowed it writes "2400..." instead (a lone space is a rare token).
-# The value read back (`s[name]`) leaves it out; the text keeps it.
-NUMBER_END = " \n.,"
-REGEX_INT = r"-?(0|[1-9][0-9]{0,17})[ \n.,]?"
-REGEX_FLOAT = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})?[ \n.,]?"
-REGEX_BOOL = r"(True|False)"
-# A JSON string literal: ends where the model closes the quote; escapes stay whole.
-REGEX_STR = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"'
+DTYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
 def gen(
@@ -38,6 +39,7 @@ def gen(
     min_tokens: int | None = None,
     stop: str | list[str] | None = None,
     stop_token_ids: list[int] | None = None,
+    stop_regex: str | list[str] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -46,8 +48,10 @@ def gen(
     presence_penalty: float | None = None,
     ignore_eos: bool | None = None,
     return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
     top_logprobs_num: int | None = None,
-    dtype: type | None = None,
+    return_text_in_logprobs: bool | None = None,
+    dtype: type | str | None = None,
     regex: str | None = None,
     json_schema: str | dict | None = None,
     choices: Sequence[str] | None = None,
@@ -55,7 +59,11 @@ def gen(
 ) -> Expr:
     """Generate text into variable `name` (an automatic `gen_N` when None).
 
-    With `choices`, this is `select(name, choices, ...)`.
+    With `choices`, this is `select(name, choices, ...)`. With `dtype` (`int`, `float`,
+    `bool`, `str` or their names) the output is constrained to that type's pattern and the
+    value is the generated text, as in SGLang: `int(s["n"])`. A number may end with a
+    space, newline, "." or ","; that end is consumed like a stop string (it is neither in
+    the text nor in the value), so "... a day is " + gen_int() + " hours" reads naturally.
     """
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -70,6 +78,7 @@ def gen(
         "min_tokens": min_tokens,
         "stop": stop,
         "stop_token_ids": stop_token_ids,
+        "stop_regex": stop_regex,
         "temperature": temperature,
         "top_p": top_p,
         "top_k": top_k,
@@ -78,8 +87,10 @@ def gen(
         "presence_penalty": presence_penalty,
         "ignore_eos": ignore_eos,
     }
+    if isinstance(dtype, str) and dtype in DTYPES:
+        dtype = DTYPES[dtype]
     if dtype is not None and dtype not in (int, float, bool, str):
-        raise ValueError(f"dtype must be int, float, bool or str, got {dtype!r}")
+        raise ValueError(f"dtype must be int, float, bool or str (or their names), got {dtype!r}")
     if hasattr(json_schema, "model_json_schema"):  # a pydantic model class
         json_schema = json_schema.model_json_schema()
     if isinstance(json_schema, (dict, bool)):
@@ -90,16 +101,19 @@ def gen(
         # Not sampling parameters: the interpreter passes them to the backend per request.
         sampling["return_logprob"] = True
         sampling["top_logprobs_num"] = top_logprobs_num or 0
+        sampling["logprob_start_len"] = logprob_start_len
+        sampling["return_text_in_logprobs"] = return_text_in_logprobs
     return Gen(name, sampling, regex=regex, json_schema=json_schema, dtype=dtype)
 
 
 def gen_int(name: str | None = None, **kwargs: Any) -> Expr:
-    """Generate an integer (constrained decoding); `s[name]` is an int."""
+    """Generate an integer (constrained decoding); `s[name]` is its text: `int(s[name])`."""
     return gen(name, dtype=int, **kwargs)
 
 
 def gen_string(name: str | None = None, **kwargs: Any) -> Expr:
-    """Generate a JSON string literal (constrained decoding); `s[name]` is the decoded str."""
+    """Generate a JSON string literal (constrained decoding); `s[name]` is the literal, quotes
+    included, as in SGLang: `json.loads(s[name])` is the string."""
     return gen(name, dtype=str, **kwargs)
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from lmprog.chat_template import ChatRoles
@@ -21,7 +22,8 @@ class Backend(ABC):
 
     Example:
         >>> backend = EngineBackend(lp.Engine())  # doctest: +SKIP
-        >>> backend.generate([backend.encode("Hi")], [{"max_new_tokens": 4}])  # doctest: +SKIP
+        >>> futures = backend.submit([backend.encode("Hi")], [{"max_new_tokens": 4}])  # doctest: +SKIP
+        >>> futures[0].result()["text"]  # doctest: +SKIP
     """
 
     @abstractmethod
@@ -29,7 +31,11 @@ class Backend(ABC):
         """Token ids of a prompt text (special tokens written in the text are honoured)."""
 
     @abstractmethod
-    def generate(
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids."""
+
+    @abstractmethod
+    def submit(
         self,
         input_ids: list[list[int]],
         params: list[dict[str, Any]],
@@ -37,17 +43,17 @@ class Backend(ABC):
         group: bool = False,
         return_logprob: bool = False,
         logprob_start_len: list[int] | None = None,
-    ) -> list[dict[str, Any]]:
-        """Run requests together; `group=True` co-schedules them (fork branches, choices).
-        Results are `{"text", "output_ids", "meta_info"}` as in `Engine.generate`."""
+        on_chunk: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> list[Future]:
+        """Submit requests without waiting: one Future per request, resolved with
+        `{"text", "output_ids", "meta_info"}` as in `Engine.generate`. `group=True`
+        co-schedules them (fork branches, choices); `on_chunk(i, chunk)` streams request
+        i. Bad input raises here (ValueError / TypeError), before anything is submitted;
+        callbacks must not block."""
 
-    @abstractmethod
-    def generate_stream(self, input_ids: list[int], params: dict[str, Any]) -> Iterator[dict]:
-        """One request, streamed: chunks whose `text` fields concatenate to the result."""
-
-    def commit_prefix(self, input_ids: list[int]) -> None:
-        """Compute (prefill) a prefix so later requests that start with it reuse it."""
-        self.generate([input_ids], [{"max_new_tokens": 0}])
+    def generate(self, input_ids, params, **options: Any) -> list[dict[str, Any]]:
+        """`submit` and wait for every result."""
+        return [future.result() for future in self.submit(input_ids, params, **options)]
 
     @abstractmethod
     def render_chat(self, messages: list[dict[str, str]]) -> str:
@@ -79,32 +85,36 @@ class EngineBackend(Backend):
         # A chat template that writes the BOS token itself must not get a second one.
         return self.engine.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 
-    def generate(
-        self, input_ids, params, *, group=False, return_logprob=False, logprob_start_len=None
+    def decode(self, ids: list[int]) -> str:
+        return self.engine.decode(ids)
+
+    def submit(
+        self,
+        input_ids,
+        params,
+        *,
+        group=False,
+        return_logprob=False,
+        logprob_start_len=None,
+        on_chunk=None,
     ):
-        # A gen's own `return_logprob` / `top_logprobs_num` travel inside its params.
+        # A gen's own request options travel inside its params.
         params = [dict(p) for p in params]
         want = [bool(p.pop("return_logprob", False)) or return_logprob for p in params]
-        tops = [int(p.pop("top_logprobs_num", 0)) for p in params]
-        return self.engine.generate(
+        tops = [int(p.pop("top_logprobs_num", None) or 0) for p in params]
+        own_starts = [p.pop("logprob_start_len", None) for p in params]
+        for p in params:
+            p.pop("return_text_in_logprobs", None)
+        if logprob_start_len is None:
+            logprob_start_len = [-1 if s is None else s for s in own_starts]
+        return self.engine.submit(
             input_ids=input_ids,
             sampling_params=params,
             return_logprob=want,
-            logprob_start_len=logprob_start_len if logprob_start_len is not None else -1,
+            logprob_start_len=logprob_start_len,
             top_logprobs_num=tops,
             group=group,
-        )
-
-    def generate_stream(self, input_ids, params):
-        params = dict(params)
-        want = bool(params.pop("return_logprob", False))
-        tops = int(params.pop("top_logprobs_num", 0))
-        return self.engine.generate(
-            input_ids=input_ids,
-            sampling_params=params,
-            return_logprob=want,
-            top_logprobs_num=tops,
-            stream=True,
+            on_chunk=on_chunk,
         )
 
     def render_chat(self, messages):

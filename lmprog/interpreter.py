@@ -1,276 +1,444 @@
-"""Executes a program's expressions against a backend.
+"""The interpreter: submits the ready nodes of every running state to its backend.
 
-`ProgramOps` holds the rules, one per node type: constant nodes (text, roles, variable
-references, var scopes) change the state directly; `gen` and `select` are split into
-"the requests to send" and "apply the results", so the eager executor (`executor.py`) can
-send them one at a time and the wave planner (`planner.py`) can batch them across branches
-and programs.
+Each state (a program's root or a fork branch) is a `Stream`: the IR nodes its program
+appended, in text order, and how far they have run. A program's thread only appends nodes
+and, when Python needs a value, waits for the nodes that value depends on. One interpreter
+thread per process does the rest: it applies constant nodes, turns `gen` and `select`
+into requests and submits them without waiting (the runtime's continuous batching
+co-schedules whatever arrives together), and applies each result the moment its request
+finishes, moving that stream on. There is no barrier between streams: a stream waits only
+for its own request, for its parent to reach the fork, or at a join for its branches.
+The thread exits when no stream is running, so nothing outlives its programs.
+
+Threads: `lock` guards every stream's nodes, position and flags; a stream's `ExecState`
+is written by the interpreter thread only (outside the lock) and read by its program once
+the nodes it waits for have run.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import random
+import functools
+import threading
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from concurrent.futures import Future
+from typing import Any
 
-from lmprog.api import NUMBER_END, REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 from lmprog.backend import Backend
-from lmprog.choices import ChoicesSamplingMethod, token_length_normalized
-from lmprog.ir import (
-    Expr,
-    Gen,
-    RoleBegin,
-    RoleEnd,
-    Select,
-    Text,
-    VarRef,
-    VarScopeBegin,
-    VarScopeEnd,
-)
-
-# gen() argument -> runtime sampling parameter.
-SAMPLING_KEYS = {
-    "max_tokens": "max_new_tokens",
-    "min_tokens": "min_new_tokens",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "ignore_eos": "ignore_eos",
-}
+from lmprog.ir import Expr, Fork, Gen, Join, Select
+from lmprog.ops import ExecState, ProgramOps, SelectPlan, gathered_variables
 
 
-# gen(dtype=...) -> the regex the runtime enforces, and how the text becomes a value.
-DTYPE_REGEX = {int: REGEX_INT, float: REGEX_FLOAT, bool: REGEX_BOOL, str: REGEX_STR}
-DTYPE_PARSE: dict[type, Callable[[str], Any]] = {
-    int: lambda text: int(text.rstrip(NUMBER_END)),
-    float: lambda text: float(text.rstrip(NUMBER_END)),
-    bool: lambda text: text == "True",
-    str: json.loads,
-}
+class Stream:
+    """The nodes of one state in text order, and where their execution stands."""
+
+    def __init__(
+        self,
+        interpreter: Interpreter,
+        backend: Backend,
+        defaults: dict[str, Any],
+        *,
+        parent: Stream | None = None,
+        fork_id: int = -1,
+        is_streaming: bool = False,
+    ) -> None:
+        self.interpreter = interpreter
+        self.ops = ProgramOps(backend, defaults)
+        self.parent = parent
+        self.fork_id = fork_id  # which fork of the parent this branch belongs to
+        self.is_streaming = is_streaming or (parent is not None and parent.is_streaming)
+        self.nodes: list[Expr] = []
+        self.pos = 0  # nodes[:pos] have run
+        self.hold: int | None = None  # nodes from this index wait (a fork being filled)
+        self.producers: dict[str, int] = {}  # variable -> index of the last node setting it
+        self.auto_names = 0
+        self.branches: dict[int, list[Stream]] = {}  # fork id -> its branch streams
+        self.fork_base: tuple[set[str], int] = (set(), 0)  # parent's variables, text length
+        self.st = ExecState()
+        self.st.on_emit = self._on_emit
+        self.events: list[tuple[str | None, str, dict[str, Any] | None]] = []
+        self.error: BaseException | None = None
+        self.is_started = parent is None  # a branch starts when its parent reaches the fork
+        self.is_busy = False  # a request in flight, or a join waiting for its branches
+        self.is_closed = False  # no more nodes will be appended
+        self.is_done = False
+        self.is_queued = False
+        self.cv = threading.Condition(interpreter.lock)
+        interpreter.add_live()
+
+    # ---- program side (any thread) --------------------------------------------------------
+    def append(self, nodes: list[tuple[Expr, str | None]]) -> int:
+        """Append `(node, variable it sets or None)` pairs as one step of the program (one
+        `+=`); returns the index of the first."""
+        with self.cv:
+            if self.is_closed:
+                raise RuntimeError("this state's program has ended; nothing can be appended")
+            first = len(self.nodes)
+            for node, produces in nodes:
+                if produces is not None:
+                    self.producers[produces] = len(self.nodes)
+                self.nodes.append(node)
+            if self.hold is not None and not isinstance(nodes[-1][0], Fork):
+                self.hold = None  # the parent moves on: its forked branches are filled
+            parent = self.parent
+            if parent is not None and parent.hold is not None:
+                held = parent.nodes[parent.hold]
+                if all(b.nodes for b in parent.branches[held.fork_id]):
+                    parent.hold = None
+                    self.interpreter.wake(parent)
+            self.interpreter.wake(self)
+            return first
+
+    def close(self) -> None:
+        """The program will append nothing more here (nor in the branches of this state)."""
+        with self.cv:
+            for stream in self.lineage():
+                stream.is_closed = True
+                stream.hold = None
+                self.interpreter.wake(stream)
+
+    def lineage(self) -> list[Stream]:
+        """This stream and every branch below it."""
+        out, todo = [], [self]
+        while todo:
+            stream = todo.pop()
+            out.append(stream)
+            for branches in stream.branches.values():
+                todo.extend(branches)
+        return out
+
+    def wait(self, ready: Callable[[], bool]) -> None:
+        """Wait (lock held) until `ready()` or this stream has ended; forks being filled
+        above it are released, since the reader needs them to run."""
+        stream: Stream | None = self
+        while stream is not None:
+            if stream.hold is not None:
+                stream.hold = None
+                self.interpreter.wake(stream)
+            stream = stream.parent
+        while not (ready() or self.is_done):
+            self.cv.wait()
+
+    def is_synced(self) -> bool:
+        """Everything appended so far has run (lock held)."""
+        return self.is_started and not self.is_busy and self.pos == len(self.nodes)
+
+    def has_run(self, name: str) -> bool:
+        """The latest node setting `name` that was appended has run (lock held)."""
+        index = self.producers.get(name)
+        return self.is_synced() if index is None else self.pos > index
+
+    def next_events(self, start: int) -> tuple[list, bool]:
+        """Text events from `start` on, waiting for at least one or the end; and whether
+        the stream has ended (then no event comes after these)."""
+        with self.cv:
+            self.wait(lambda: len(self.events) > start)
+            return self.events[start:], self.is_done
+
+    def _on_emit(self, name: str | None, text: str) -> None:
+        if self.is_streaming:
+            meta = self.st.meta.get(name) if name is not None else None
+            with self.cv:
+                self.events.append((name, text, meta))
+                self.cv.notify_all()
 
 
-@dataclass
-class Span:
-    """A piece of the state's text, for notebooks: kind is text, gen, select or role."""
+class Interpreter:
+    """The process-wide interpreter thread (see the module docstring)."""
 
-    kind: str
-    text: str
-    name: str | None = None
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._cv = threading.Condition(self.lock)
+        self._queue: deque[Stream | Callable[[], None]] = deque()
+        self._num_live = 0
+        self._thread: threading.Thread | None = None
 
+    # ---- any thread -----------------------------------------------------------------------
+    def add_live(self) -> None:
+        with self.lock:
+            self._num_live += 1
 
-@dataclass
-class ExecState:
-    text: str = ""
-    variables: dict[str, Any] = field(default_factory=dict)
-    meta: dict[str, dict[str, Any]] = field(default_factory=dict)
-    messages: list[dict[str, str]] = field(default_factory=list)
-    spans: list[Span] = field(default_factory=list)
-    role: str | None = None  # the open role
-    role_start: int = 0
-    scopes: dict[str, int] = field(default_factory=dict)
-    on_emit: Callable[[str | None, str], None] | None = None  # streaming listener
+    def wake(self, stream: Stream) -> None:
+        """Look at `stream` again soon."""
+        with self.lock:
+            if not stream.is_queued:
+                stream.is_queued = True
+                self._queue.append(stream)
+                self._start()
 
-    def copy(self) -> ExecState:
-        return ExecState(
-            self.text,
-            dict(self.variables),
-            {k: dict(v) for k, v in self.meta.items()},
-            [dict(m) for m in self.messages],
-            list(self.spans),
-            self.role,
-            self.role_start,
-            dict(self.scopes),
-        )
+    def post(self, work: Callable[[], None]) -> None:
+        """Run `work` on the interpreter thread (results arrive from the engine's thread)."""
+        with self.lock:
+            self._queue.append(work)
+            self._start()
 
-    def emit(self, text: str, kind: str = "text", name: str | None = None) -> None:
-        self.text += text
-        if text:
-            self.spans.append(Span(kind, text, name))
-        if self.on_emit is not None:
-            self.on_emit(name, text)
-
-
-class SelectPlan(NamedTuple):
-    prompt_len: int
-    fulls: list[list[int]]  # prompt + choice token ids, per choice
-    starts: list[int]  # first scored position, per choice
-    bare: list[list[int]] | None  # context token + choice tokens, for unconditional scores
-
-
-class ProgramOps:
-    """The execution rules, shared by eager and wave execution."""
-
-    def __init__(self, backend: Backend, defaults: dict[str, Any]) -> None:
-        self.backend = backend
-        self.defaults = defaults
-        self.roles = backend.chat_roles()
-
-    def apply_constant(self, st: ExecState, node: Expr) -> None:
-        """Text, roles, variable references and var scopes: no request needed."""
-        if isinstance(node, Text):
-            st.emit(node.value)
-        elif isinstance(node, VarRef):
-            if node.name not in st.variables:
-                raise KeyError(
-                    f"unknown variable {node.name!r}; this state has {sorted(st.variables)}"
-                )
-            st.emit(str(st.variables[node.name]))
-        elif isinstance(node, RoleBegin):
-            if st.role is not None:
-                raise ValueError(f"nested roles: {node.role!r} opened inside {st.role!r}")
-            text = self.roles.role_text(node.role, [m["role"] for m in st.messages])
-            st.emit(text.begin, "role", node.role)
-            st.role, st.role_start = node.role, len(st.text)
-        elif isinstance(node, RoleEnd):
-            if st.role != node.role:
-                raise ValueError(f"{node.role!r} role ended but {st.role!r} is open")
-            previous = [m["role"] for m in st.messages]
-            st.messages.append({"role": node.role, "content": st.text[st.role_start :]})
-            st.role = None
-            st.emit(self.roles.role_text(node.role, previous).end, "role", node.role)
-        elif isinstance(node, VarScopeBegin):
-            st.scopes[node.name] = len(st.text)
-        elif isinstance(node, VarScopeEnd):
-            st.variables[node.name] = st.text[st.scopes.pop(node.name) :]
-        else:
-            raise TypeError(f"the interpreter has no rule for {type(node).__name__} nodes")
-
-    # ---- gen ------------------------------------------------------------------------------
-    def gen_request(self, st: ExecState, gen: Gen) -> tuple[list[int], dict[str, Any]]:
-        params = {SAMPLING_KEYS[k]: v for k, v in self.defaults.items() if v is not None}
-        params.update(
-            {SAMPLING_KEYS.get(k, k): v for k, v in gen.sampling.items() if v is not None}
-        )
-        if gen.regex is not None:
-            params["regex"] = gen.regex
-        elif gen.json_schema is not None:
-            params["json_schema"] = gen.json_schema
-        elif gen.dtype is not None:
-            params["regex"] = DTYPE_REGEX[gen.dtype]
-        return self.backend.encode(st.text), params
-
-    @staticmethod
-    def finish_gen(st: ExecState, gen: Gen, out: dict[str, Any], emitted: bool = False) -> None:
-        reason = out["meta_info"].get("finish_reason") or {}
-        if reason.get("constraint") == "incomplete":
-            raise ValueError(
-                f"gen {gen.name!r} stopped ({reason.get('type')}) before its output matched "
-                f"its constraint; got {out['text']!r}"
+    def _start(self) -> None:
+        self._cv.notify()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="lmprog-interpreter", daemon=True
             )
-        if not emitted:
-            st.emit(out["text"], "gen", gen.name)
-        value: Any = out["text"]
-        if gen.dtype is not None and gen.regex is None and gen.json_schema is None:
-            value = DTYPE_PARSE[gen.dtype](value)
-        st.variables[gen.name] = value
-        st.meta[gen.name] = out["meta_info"]
+            self._thread.start()
 
-    # ---- select ---------------------------------------------------------------------------
-    def select_plan(self, st: ExecState, sel: Select) -> SelectPlan:
-        prompt = self.backend.encode(st.text)
-        if not prompt:
-            raise ValueError("select needs some prompt text before it")
-        fulls, starts = [], []
-        for choice in sel.choices:
-            full = self.backend.encode(st.text + choice)
-            if len(full) < 2:  # the whole prompt merged into one token with the choice
-                full = [self.backend.context_token_id, *full]
-            # A choice whose first token merges with the prompt's last token is scored from
-            # that merged token on: the way the model would have produced the text.
-            k = max(1, min(_common_prefix_len(prompt, full), len(full) - 1))
-            fulls.append(full)
-            starts.append(k)
-        bare = None
-        if _method(sel).needs_unconditional:
-            ctx = self.backend.context_token_id
-            bare = [[ctx, *full[k:]] for full, k in zip(fulls, starts)]
-        return SelectPlan(len(prompt), fulls, starts, bare)
+    # ---- the interpreter thread -----------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                while not self._queue:
+                    if self._num_live == 0:
+                        self._thread = None
+                        return
+                    self._cv.wait()
+                items = list(self._queue)
+                self._queue.clear()
+                for item in items:
+                    if isinstance(item, Stream):
+                        item.is_queued = False
+            outbox = Outbox()
+            for item in items:
+                if isinstance(item, Stream):
+                    self.advance(item, outbox)
+                else:
+                    item()
+            outbox.flush(self)
 
-    def select_requests(self, plan: SelectPlan) -> tuple[list[list[int]], list[int]]:
-        """All prefill-only scoring requests of one select: (input ids, logprob starts)."""
-        ids, starts = list(plan.fulls), list(plan.starts)
-        if plan.bare is not None:
-            ids += plan.bare
-            starts += [1] * len(plan.bare)
-        return ids, starts
+    def advance(self, stream: Stream, outbox: Outbox) -> None:
+        """Run `stream`'s nodes until one needs a request, a join waits, or none is left."""
+        while True:
+            with stream.cv:
+                if stream.is_done or stream.is_busy or not stream.is_started:
+                    return
+                limit = len(stream.nodes) if stream.hold is None else stream.hold
+                if stream.error is not None or stream.pos >= limit:
+                    if stream.error is not None or (
+                        stream.is_closed and stream.pos == len(stream.nodes)
+                    ):
+                        self._end(stream)
+                    return
+                node = stream.nodes[stream.pos]
+            try:
+                finished = self._visit(stream, node, outbox)
+            except Exception as error:  # noqa: BLE001 - the stream's program fails, others go on
+                self.fail(stream, error)
+                return
+            with stream.cv:
+                if finished:
+                    stream.pos += 1
+                stream.cv.notify_all()
+
+    def _visit(self, stream: Stream, node: Expr, outbox: Outbox) -> bool:
+        """Run one node; False when it waits (a request, or a join's branches)."""
+        st, ops = stream.st, stream.ops
+        if isinstance(node, Gen):
+            ids, params = ops.gen_request(st, node)
+            if self._set_busy(stream):
+                outbox.gens.append((stream, node, ids, params))
+            return False
+        if isinstance(node, Select):
+            plan = ops.select_plan(st, node)
+            if self._set_busy(stream):
+                outbox.selects.append((stream, node, plan))
+            return False
+        if isinstance(node, Fork):
+            base = (set(st.variables), len(st.text))
+            for branch in stream.branches[node.fork_id]:
+                branch.st = st.copy()
+                branch.st.on_emit = branch._on_emit
+                branch.fork_base = base
+                with branch.cv:
+                    branch.is_started = True
+                self.advance(branch, outbox)
+            return True
+        if isinstance(node, Join):
+            branches = stream.branches[node.fork_id]
+            with stream.cv:
+                failed = [b.error for b in branches if b.error is not None]
+                if failed:
+                    raise failed[0]
+                if not all(b.is_done for b in branches):
+                    stream.is_busy = True  # the last branch to end wakes this stream
+                    return False
+            before, text_len = branches[0].fork_base
+            if node.mode == "gather_variable":
+                st.variables.update(gathered_variables(before, [b.st for b in branches]))
+            else:
+                for branch in branches:
+                    st.emit(branch.st.text[text_len:])
+            return True
+        ops.apply_constant(st, node)
+        return True
 
     @staticmethod
-    def finish_select(st: ExecState, sel: Select, plan: SelectPlan, outs: list[dict]) -> None:
-        n = len(sel.choices)
-        token_lps = [[lp for lp, _ in o["meta_info"]["input_token_logprobs"]] for o in outs[:n]]
-        unconditional = None
-        if plan.bare is not None:
-            unconditional = [
-                [lp for lp, _ in o["meta_info"]["input_token_logprobs"]] for o in outs[n:]
-            ]
-        method = _method(sel)
-        decision = method.decide(token_lps, unconditional)
-        index = decision.index
-        if sel.temperature > 0:
-            top = max(decision.scores)
-            weights = [math.exp((s - top) / sel.temperature) for s in decision.scores]
-            index = random.choices(range(n), weights=weights)[0]
-        choice = sel.choices[index]
-        st.emit(choice, "select", sel.name)
-        st.variables[sel.name] = choice
-        st.meta[sel.name] = {
-            "choice": choice,
-            "choices": list(sel.choices),
-            "method": method.name,
-            "scores": decision.scores,
-            "token_logprobs": token_lps,
-            "unconditional_token_logprobs": unconditional,
-            "prompt_tokens": plan.prompt_len,
-            "completion_tokens": len(plan.fulls[index]) - plan.starts[index],
-            "cached_tokens": outs[index]["meta_info"]["cached_tokens"],
-            "finish_reason": {"type": "select", "matched": choice},
-        }
+    def _set_busy(stream: Stream) -> bool:
+        """Mark a request in flight, unless the program has just failed (its thread may
+        fail it at any time): then nothing is sent and the stream ends."""
+        with stream.cv:
+            if stream.error is not None:
+                return False
+            stream.is_busy = True
+            return True
+
+    def fail(self, stream: Stream, error: BaseException) -> None:
+        """The stream's program failed: its own error, or one of its requests was refused.
+        It ends once its request in flight (if any) is back; branches not started end now."""
+        with stream.cv:
+            if stream.error is None:
+                stream.error = error
+            for branches in stream.branches.values():
+                for branch in branches:
+                    if not branch.is_started:
+                        branch.is_started = True
+                        self.fail(branch, error)
+            if not stream.is_busy:
+                self._end(stream)
+
+    def _end(self, stream: Stream) -> None:
+        with stream.cv:
+            if stream.is_done:
+                return
+            stream.is_done = True
+            stream.cv.notify_all()
+            self._num_live -= 1
+            parent = stream.parent
+            if parent is not None and parent.is_busy and not parent.is_done:
+                node = parent.nodes[parent.pos]
+                if isinstance(node, Join) and stream in parent.branches[node.fork_id]:
+                    parent.is_busy = False
+                    self.wake(parent)
+
+    # ---- results (posted by the backend's callbacks) --------------------------------------
+    def _resume(self, stream: Stream, apply: Callable[[], None]) -> None:
+        """A request of `stream` came back: apply it (unless the stream failed) and go on."""
+        try:
+            if stream.error is None:
+                apply()
+                with stream.cv:
+                    stream.pos += 1
+        except Exception as error:  # noqa: BLE001 - the stream's program fails, others go on
+            with stream.cv:
+                stream.error = stream.error or error
+        with stream.cv:
+            stream.is_busy = False
+            stream.cv.notify_all()
+        if stream.error is not None:
+            self.fail(stream, stream.error)
+        else:
+            self.wake(stream)
+
+    def gen_done(self, stream: Stream, gen: Gen, streamed: bool, future: Future) -> None:
+        def apply() -> None:
+            stream.ops.finish_gen(stream.st, gen, future.result(), emitted=streamed)
+
+        self._resume(stream, apply)
+
+    def gen_chunk(self, stream: Stream, gen: Gen, chunk: dict[str, Any]) -> None:
+        if stream.error is not None:
+            return
+        meta = dict(chunk["meta_info"])
+        logprobs = meta.get("output_token_logprobs")
+        if logprobs is not None:  # the engine's live list: take this chunk's snapshot
+            logprobs = list(logprobs[: meta["completion_tokens"]])
+            if stream.ops.defaults_or(gen, "return_text_in_logprobs"):
+                logprobs = stream.ops.with_text(logprobs)
+            meta["output_token_logprobs"] = logprobs
+        stream.st.meta[gen.name] = meta
+        stream.st.emit(chunk["text"], "gen", gen.name)
+
+    def select_done(
+        self, stream: Stream, sel: Select, plan: SelectPlan, futures: list[Future]
+    ) -> None:
+        def apply() -> None:
+            outs = [f.result() for f in futures]
+            stream.ops.finish_select(stream.st, sel, plan, outs)
+
+        self._resume(stream, apply)
 
 
-def gathered_variables(before: set[str], branches: list[ExecState]) -> dict[str, list[Any]]:
-    """A `gather_variable` join: each variable the branches made (not in `before`), as the
-    list of its values in branch order."""
-    names: list[str] = []
-    for branch in branches:
-        names += [n for n in branch.variables if n not in before and n not in names]
-    return {name: [b.variables.get(name) for b in branches] for name in names}
+class Outbox:
+    """The requests of one interpreter round, submitted together at its end. Sibling fork
+    branches' gens go as one request group; a request the backend refuses fails only its
+    own stream."""
+
+    def __init__(self) -> None:
+        self.gens: list[tuple[Stream, Gen, list[int], dict[str, Any]]] = []
+        self.selects: list[tuple[Stream, Select, SelectPlan]] = []
+
+    def flush(self, interp: Interpreter) -> None:
+        groups: dict[tuple[int, int], list] = {}
+        for item in self.gens:
+            stream = item[0]
+            key = (id(stream.parent), stream.fork_id) if stream.parent else (0, 0)
+            groups.setdefault(key, []).append(item)
+        for key, items in groups.items():
+            self._submit_gens(interp, items, group=key != (0, 0) and len(items) > 1)
+        for stream, sel, plan in self.selects:
+            ids, starts = stream.ops.select_requests(plan)
+            try:
+                futures = stream.ops.backend.submit(
+                    ids,
+                    [{"max_new_tokens": 0}] * len(ids),
+                    group=True,
+                    return_logprob=True,
+                    logprob_start_len=starts,
+                )
+            except Exception as error:  # noqa: BLE001 - refused: this program fails
+                interp.post(functools.partial(_refused, interp, stream, error))
+                continue
+            done = functools.partial(interp.select_done, stream, sel, plan, futures)
+            countdown = _Countdown(len(futures), lambda done=done: interp.post(done))
+            for future in futures:
+                future.add_done_callback(countdown)
+
+    def _submit_gens(self, interp: Interpreter, items: list, group: bool) -> None:
+        backend = items[0][0].ops.backend
+        streamed = [
+            stream.is_streaming and not stream.ops.is_number_gen(gen) for stream, gen, _, _ in items
+        ]
+
+        def on_chunk(i: int, chunk: dict[str, Any]) -> None:
+            if streamed[i]:
+                stream, gen = items[i][0], items[i][1]
+                interp.post(functools.partial(interp.gen_chunk, stream, gen, chunk))
+
+        try:
+            futures = backend.submit(
+                [ids for _, _, ids, _ in items],
+                [params for _, _, _, params in items],
+                group=group,
+                on_chunk=on_chunk if any(streamed) else None,
+            )
+        except Exception as error:  # noqa: BLE001 - find the refused one(s): submit alone
+            if len(items) > 1:
+                for item in items:
+                    self._submit_gens(interp, [item], group=False)
+            else:
+                interp.post(functools.partial(_refused, interp, items[0][0], error))
+            return
+        for (stream, gen, _, _), future, is_streamed in zip(items, futures, streamed):
+            done = functools.partial(interp.gen_done, stream, gen, is_streamed)
+            future.add_done_callback(lambda f, done=done: interp.post(functools.partial(done, f)))
 
 
-def score_requests(
-    backend: Backend, requests: list[tuple[list[list[int]], list[int]]]
-) -> list[list[dict]]:
-    """Send several selects' scoring requests as one co-scheduled batch."""
-    ids = [i for req_ids, _ in requests for i in req_ids]
-    starts = [s for _, req_starts in requests for s in req_starts]
-    outs = backend.generate(
-        ids,
-        [{"max_new_tokens": 0}] * len(ids),
-        group=True,
-        return_logprob=True,
-        logprob_start_len=starts,
-    )
-    split, offset = [], 0
-    for req_ids, _ in requests:
-        split.append(outs[offset : offset + len(req_ids)])
-        offset += len(req_ids)
-    return split
+class _Countdown:
+    """Calls `then` once, when it has been called `count` times (from any threads)."""
+
+    def __init__(self, count: int, then: Callable[[], None]) -> None:
+        self._count = count
+        self._then = then
+        self._lock = threading.Lock()
+
+    def __call__(self, _: Any) -> None:
+        with self._lock:
+            self._count -= 1
+            is_last = self._count == 0
+        if is_last:
+            self._then()
 
 
-def _method(sel: Select) -> ChoicesSamplingMethod:
-    return sel.choices_method or token_length_normalized
+def _refused(interp: Interpreter, stream: Stream, error: BaseException) -> None:
+    with stream.cv:
+        stream.is_busy = False
+    interp.fail(stream, error)
 
 
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+INTERPRETER = Interpreter()

@@ -11,6 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Patterns for typed values (SGLang's names). Numbers are bounded by what the value's machine
+# type holds (18 digits always fit int64; float64 keeps 15-17 significant digits), so a
+# model that has lost track cannot write digits until `max_tokens`. As in SGLang, a number
+# may end with a space or a newline, which keeps it valid JSON next to `stop=[" ", "\n"]`.
+INT_PATTERN = r"-?(0|[1-9][0-9]{0,17})"
+FLOAT_PATTERN = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})?"
+NUMBER_END = " \n"
+REGEX_INT = INT_PATTERN + "[ \n]?"
+REGEX_FLOAT = FLOAT_PATTERN + "[ \n]?"
+REGEX_BOOL = r"(True|False)"
+# A JSON string literal: ends where the model closes the quote; escapes stay whole.
+REGEX_STR = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"'
+
 
 class ConcreteValueNeeded(TypeError):
     """Python code asked a placeholder for its value (str(), an f-string, `if`, ==, int())."""
@@ -151,6 +164,14 @@ class VarScopeBegin(Expr):
 @dataclass(frozen=True, eq=False, repr=False)
 class VarScopeEnd(Expr):
     name: str
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class SetVar(Expr):
+    """`s[name] = value`: sets a variable at this point of the text order."""
+
+    name: str
+    value: Any
 
 
 @dataclass(frozen=True, eq=False, repr=False)

@@ -1,22 +1,36 @@
 """The prompt state a program builds: `ProgramState` and the branches of a fork.
 
-`s += expr` queues `expr` on the state's executor and returns at once; reading (`s[name]`,
-`s.text()`, `s.messages()`) waits for what was queued. `s.fork(n)` commits the text so far
-(prefilled once in the runtime) and returns `n` branch states whose `gen`s are sent as one
-request group; `join()` brings their results back.
+`s += expr` appends IR nodes to the state's stream (`interpreter.py` runs them) and
+returns at once; reading (`s[name]`, `s.text()`, `s.messages()`) waits for the nodes the
+value depends on. `s.fork(n)` returns `n` branch states whose first requests go to the
+runtime as one group; `join()` appends the join, which waits for every branch.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from lmprog.backend import Backend
-from lmprog.executor import ForkGate, StreamExecutor
-from lmprog.interpreter import ExecState, gathered_variables
-from lmprog.ir import Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, as_expr
+from lmprog.interpreter import INTERPRETER, Stream
+from lmprog.ir import (
+    Expr,
+    Fork,
+    Gen,
+    Join,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    SetVar,
+    VarScopeBegin,
+    VarScopeEnd,
+    as_expr,
+    flatten,
+)
+from lmprog.static_checks import check_static
 
 JOIN_MODES = ("gather_variable", "concate_and_append")
 
@@ -57,108 +71,184 @@ class StateBlocks:
 
 
 class ProgramState(StateBlocks):
-    """The state `s` of one program run.
+    """The state `s` of one program run (or of one branch of a fork).
+
+    Appending returns at once; reading a value waits for the nodes it depends on.
 
     Example:
         >>> state = qa.run(question="Where is my parcel?")  # doctest: +SKIP
         >>> state["answer"], state.text(), state.messages()  # doctest: +SKIP
     """
 
-    def __init__(
-        self,
-        backend: Backend,
-        defaults: dict[str, Any],
-        *,
-        stream: bool = False,
-        exec_state: ExecState | None = None,
-        gate: ForkGate | None = None,
-        skip: int = 0,
-    ) -> None:
-        self._backend = backend
-        self._defaults = defaults
-        self._executor = StreamExecutor(
-            backend, defaults, stream=stream, state=exec_state, gate=gate, skip=skip
-        )
+    def __init__(self, stream: Stream) -> None:
+        self._stream = stream
         self.ret_value: Any = None
+
+    @classmethod
+    def start(cls, backend: Backend, defaults: dict[str, Any], *, stream: bool = False):
+        """The root state of a new program."""
+        return cls(Stream(INTERPRETER, backend, defaults, is_streaming=stream))
 
     # ---- building -----------------------------------------------------------------------
     def __iadd__(self, expr: Expr | str) -> ProgramState:
-        self._executor.submit(as_expr(expr))
+        stream = self._stream
+        nodes = []
+        for leaf in flatten(as_expr(expr)):
+            produces = None
+            if isinstance(leaf, (Gen, Select)):
+                if leaf.name is None:
+                    leaf = replace(leaf, name=f"gen_{stream.auto_names}")
+                    stream.auto_names += 1
+                check_static(leaf)
+                produces = leaf.name
+            elif isinstance(leaf, VarScopeEnd):
+                produces = leaf.name
+            nodes.append((leaf, produces))
+        if nodes:
+            stream.append(nodes)
         return self
 
     def __add__(self, other: object) -> None:
         raise TypeError("use `s += ...` to append to a program state")
 
     def _append_node(self, node: Expr) -> None:
-        self._executor.submit(node)
+        self._stream.append([(node, node.name if isinstance(node, VarScopeEnd) else None)])
 
-    def fork(self, num_branches: int) -> ProgramStateGroup:
-        """`num_branches` copies of this state; the text so far is prefilled once."""
-        if not isinstance(num_branches, int) or num_branches < 1:
-            raise ValueError(f"fork needs a positive number of branches, got {num_branches!r}")
-        self.sync()
-        self._raise_error()
-        base = self._executor.state
-        if base.text:
-            self._backend.commit_prefix(self._backend.encode(base.text))
-        gate = ForkGate(self._backend, num_branches)
-        branches = [
-            ProgramState(self._backend, self._defaults, exec_state=base.copy(), gate=gate)
-            for _ in range(num_branches)
-        ]
-        return ProgramStateGroup(self, branches, len(base.text), set(base.variables))
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
+        """`size` copies of this state, each going on from the text so far.
+
+        Their first requests go to the runtime as one group (the shared text is computed
+        once); the program goes on at once and joins them with `join()`.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"fork size must be a positive int, got {size!r}")
+        parent = self._stream
+        with parent.cv:
+            fork_id = len(parent.branches)
+            branches = [
+                Stream(
+                    INTERPRETER,
+                    parent.ops.backend,
+                    parent.ops.defaults,
+                    parent=parent,
+                    fork_id=fork_id,
+                )
+                for _ in range(size)
+            ]
+            parent.branches[fork_id] = branches
+            index = parent.append([(Fork(fork_id, size), None)])
+            if parent.hold is None:  # released once every branch has a node, or on a read
+                parent.hold = index
+        return ProgramStateGroup(self, [ProgramState(b) for b in branches], fork_id)
 
     # ---- reading ------------------------------------------------------------------------
     def sync(self) -> None:
-        """Wait until everything appended so far has run."""
-        self._executor.sync()
+        """Wait until everything appended so far has run (or the program failed)."""
+        stream = self._stream
+        with stream.cv:
+            stream.wait(stream.is_synced)
+
+    def _wait_done(self) -> None:
+        """Wait until this state and every branch below it have ended (after `close`)."""
+        for stream in self._stream.lineage():
+            with stream.cv:
+                stream.wait(lambda: False)
 
     def error(self) -> BaseException | None:
+        """The exception that ended the program (its own, or a refused request), or None."""
         self.sync()
-        return self._executor.error
+        return self._stream.error
 
     def _raise_error(self) -> None:
-        if self._executor.error is not None:
-            raise RuntimeError(
-                f"the program failed: {self._executor.error}"
-            ) from self._executor.error
+        if self._stream.error is not None:
+            raise self._stream.error
 
     def text(self) -> str:
         self.sync()
-        return self._executor.state.text
+        return self._stream.st.text
 
     def messages(self) -> list[dict[str, str]]:
         self.sync()
-        return [dict(m) for m in self._executor.state.messages]
+        return [dict(m) for m in self._stream.st.messages]
+
+    def _wait_var(self, name: str) -> None:
+        stream = self._stream
+        with stream.cv:
+            stream.wait(lambda: stream.has_run(name))
 
     def __getitem__(self, name: str) -> Any:
-        self.sync()
-        variables = self._executor.state.variables
+        """The value of variable `name`, once the node producing it has run."""
+        self._wait_var(name)
+        variables = self._stream.st.variables
         if name not in variables:
             self._raise_error()
             raise KeyError(f"unknown variable {name!r}; this state has {sorted(variables)}")
         return variables[name]
 
+    def get_var(self, name: str) -> Any:
+        return self[name]
+
     def __setitem__(self, name: str, value: Any) -> None:
-        self.sync()
-        self._executor.state.variables[name] = value
+        """Set a variable at this point of the program (later reads see it)."""
+        self._stream.append([(SetVar(name, value), name)])
+
+    def set_var(self, name: str, value: Any) -> None:
+        self[name] = value
 
     def __contains__(self, name: str) -> bool:
-        self.sync()
-        return name in self._executor.state.variables
+        self._wait_var(name)
+        return name in self._stream.st.variables
 
     def get_meta_info(self, name: str) -> dict[str, Any]:
-        self.sync()
-        meta = self._executor.state.meta
+        self._wait_var(name)
+        meta = self._stream.st.meta
         if name not in meta:
             self._raise_error()
             raise KeyError(f"no generation named {name!r}; this state has {sorted(meta)}")
         return meta[name]
 
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
-        """Text as it is produced (`run(stream=True)`): all of it, or one variable's."""
-        self._executor.close()
-        yield from self._executor.events(var_name)
+        """The text as it is produced (all of it, or one variable's) for `run(stream=True)`;
+        for any other state, the whole text (or the variable) once it is there."""
+        if not self._stream.is_streaming:
+            yield self.text() if var_name is None else self[var_name]
+            return
+        start = 0
+        while True:
+            events, is_done = self._stream.next_events(start)
+            start += len(events)
+            for name, delta, _ in events:
+                if var_name is None or name == var_name:
+                    yield delta
+            if is_done:
+                break
+        self._raise_error()
+
+    async def text_async_iter(
+        self, var_name: str | None = None, return_meta_data: bool = False
+    ) -> AsyncIterator[Any]:
+        """`text_iter` for asyncio. With `return_meta_data`, yields `(delta, meta_info)`: the
+        gen's meta info so far (its `output_token_logprobs` grow chunk by chunk)."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        if not self._stream.is_streaming:
+            await loop.run_in_executor(None, self.sync)
+            if var_name is None:
+                yield (self.text(), None) if return_meta_data else self.text()
+            else:
+                value = self[var_name]
+                yield (value, self._stream.st.meta.get(var_name)) if return_meta_data else value
+            return
+        start = 0
+        while True:
+            events, is_done = await loop.run_in_executor(None, self._stream.next_events, start)
+            start += len(events)
+            for name, delta, meta in events:
+                if var_name is None or name == var_name:
+                    yield (delta, meta) if return_meta_data else delta
+            if is_done:
+                break
         self._raise_error()
 
     def __str__(self) -> str:
@@ -174,7 +264,7 @@ class ProgramState(StateBlocks):
             ['<div class="lmprog-state" style="font-family:monospace;white-space:pre-wrap">'],
             False,
         )
-        for span in self._executor.state.spans:
+        for span in self._stream.st.spans:
             text = html.escape(span.text)
             if span.kind == "role":
                 if not in_role:
@@ -213,6 +303,11 @@ class BranchGroup:
     def __iter__(self) -> Iterator[Any]:
         return iter(self._branches)
 
+    def __setitem__(self, i: int, value: Any) -> None:
+        """`forks[i] += expr` appends to branch i, then assigns it back."""
+        if value is not self._branches[i]:
+            raise TypeError("forks[i] can only be appended to: `forks[i] += ...`")
+
     def __iadd__(self, other: Expr | str | Callable[[int], Expr | str] | list) -> BranchGroup:
         if isinstance(other, list):
             if len(other) != len(self._branches):
@@ -233,32 +328,25 @@ def check_join_mode(mode: str) -> None:
 
 
 class ProgramStateGroup(BranchGroup):
-    """The branches of `s.fork(n)` in a running program."""
+    """The branches of `s.fork(n)` in a running program: `forks[i] += ...`, `forks[i][name]`."""
 
-    def __init__(
-        self,
-        parent: ProgramState,
-        branches: list[ProgramState],
-        fork_pos: int,
-        parent_vars: set[str],
-    ) -> None:
+    def __init__(self, parent: ProgramState, branches: list[ProgramState], fork_id: int) -> None:
         super().__init__(branches)
         self._parent = parent
-        self._fork_pos = fork_pos
-        self._parent_vars = parent_vars
+        self._fork_id = fork_id
 
     def join(self, mode: str = "gather_variable") -> None:
-        """Wait for every branch; then `gather_variable` sets parent[var] = [branch values]
-        for variables the branches made, or `concate_and_append` appends each branch's text."""
+        """End the branches: `gather_variable` sets parent[var] = [branch values] for the
+        variables the branches made; `concate_and_append` appends each branch's new text.
+        Returns at once; reading the parent waits for the branches."""
         check_join_mode(mode)
-        for branch in self._branches:
-            branch.sync()
-            branch._raise_error()
-        parent = self._parent
+        branches = [b._stream for b in self._branches]
+        for branch in branches:
+            branch.close()
+        parent = self._parent._stream
+        index = parent.append([(Join(self._fork_id, mode), None)])
         if mode == "gather_variable":
-            branches = [b._executor.state for b in self._branches]
-            for name, values in gathered_variables(self._parent_vars, branches).items():
-                parent[name] = values
-            return
-        for branch in self._branches:
-            parent += branch._executor.state.text[self._fork_pos :]
+            with parent.cv:
+                for branch in branches:
+                    for name in branch.producers:
+                        parent.producers[name] = index

@@ -38,7 +38,7 @@ class TracedProgram:
     def prefix(self) -> str:
         """The constant leading text: everything before the first generated or symbolic
         value. Roles are rendered with the backend's chat template when one is known."""
-        from lmprog.interpreter import ExecState, ProgramOps
+        from lmprog.ops import ExecState, ProgramOps
 
         backend = self._backend
         if backend is None:

@@ -14,7 +14,6 @@ produces, conflicting variable names in one scope, and invalid regexes or JSON s
 from __future__ import annotations
 
 import inspect
-import json
 from typing import Any
 
 import networkx as nx
@@ -34,6 +33,7 @@ from lmprog.ir import (
     flatten,
 )
 from lmprog.state import BranchGroup, StateBlocks, check_join_mode
+from lmprog.static_checks import check_static
 
 Path = tuple[tuple[int, int], ...]  # (fork id, branch index) from the root to a stream
 
@@ -61,7 +61,7 @@ class Tracer:
         self._next_fork = 0
 
     def add(self, stream: _Stream, node: Expr, after: list[int] | None = None) -> int:
-        _check_static(node)
+        check_static(node)
         nid = self._next_id
         self._next_id += 1
         self.graph.add_node(nid, node=node, path=stream.path)
@@ -142,9 +142,10 @@ class TracerState(StateBlocks):
     def _append_node(self, node: Expr) -> None:
         self._tracer.add(self._stream, node)
 
-    def fork(self, num_branches: int) -> TracerGroup:
-        if not isinstance(num_branches, int) or num_branches < 1:
-            raise ValueError(f"fork needs a positive number of branches, got {num_branches!r}")
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> TracerGroup:
+        num_branches = size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"fork size must be a positive int, got {size!r}")
         tracer = self._tracer
         fork_id = tracer._next_fork
         tracer._next_fork += 1
@@ -205,25 +206,3 @@ def _produced_name(node: Expr) -> str | None:
     if isinstance(node, VarScopeEnd):
         return node.name
     return None
-
-
-def _check_static(node: Expr) -> None:
-    if isinstance(node, Gen):
-        if node.regex is not None:
-            try:
-                import interegular
-
-                interegular.parse_pattern(node.regex)
-            except Exception as error:
-                raise ValueError(
-                    f"gen {node.name!r} has an invalid regex {node.regex!r}: {error}"
-                ) from error
-        if node.json_schema is not None:
-            try:
-                schema = json.loads(node.json_schema)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"gen {node.name!r} has an invalid JSON schema: {error}"
-                ) from error
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError(f"gen {node.name!r}: a JSON schema must be an object or a bool")

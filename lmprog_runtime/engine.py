@@ -1,24 +1,20 @@
-"""The in-process engine: a public `generate` API over a background scheduling loop.
+"""The in-process engine: a public `generate` / `submit` API over a background loop.
 
-Callers' threads validate and tokenize their input, hand `Req`s to the loop and wait. The
-loop thread alone owns the scheduler, the model runner and every KV slot: each step it
-admits or decodes, runs one forward, samples, and finishes requests the moment they stop.
-An exception in one step fails only the requests of that step; the loop keeps serving.
-
-The loop thread holds the engine only weakly (a strong reference for one step at a time,
-none while it waits), so an engine nobody references is collected with its model and KV
-pool, and its finalizer wakes the thread to exit.
+Callers' threads validate and tokenize their input, hand `Req`s to the loop and wait (or,
+with `submit`, get futures). The loop thread (`engine_loop.py`) alone owns the scheduler,
+the model runner and every KV slot.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
 import threading
-import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +23,20 @@ import torch
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.constrained.jump_forward import jump_forward
 from lmprog_runtime.engine_inputs import normalize_generate_inputs
-from lmprog_runtime.forward_batch import ForwardMode
+from lmprog_runtime.engine_loop import EngineLoop, serve, wake
 from lmprog_runtime.kvcache.radix_cache import RadixCache
 from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.model_runner import ModelRunner
 from lmprog_runtime.models.registry import local_model_dir, resolve_model_path
 from lmprog_runtime.request import Req
-from lmprog_runtime.sampling import record_prompt_logprobs, sample
 from lmprog_runtime.sampling_params import SamplingParams
-from lmprog_runtime.scheduler import RequestGroup, ScheduledBatch, Scheduler
+from lmprog_runtime.scheduler import RequestGroup, Scheduler
 from lmprog_runtime.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(EngineLoop):
     """Runs a Llama-family checkpoint in this process with continuous batching.
 
     `model_path` is a named model (`"smollm2-135m-instruct"`, `"tiny"`, ...), a Hugging Face
@@ -106,9 +101,9 @@ class Engine:
         # The thread gets a weak reference and the condition variable, never `self` (a bound
         # method would keep the engine alive as long as the thread runs, i.e. forever).
         self._thread = threading.Thread(
-            target=_serve, args=(weakref.ref(self), self._cv), name="lmprog-engine", daemon=True
+            target=serve, args=(weakref.ref(self), self._cv), name="lmprog-engine", daemon=True
         )
-        weakref.finalize(self, _wake, self._cv)
+        weakref.finalize(self, wake, self._cv)
         self._thread.start()
 
     # ---- public API ---------------------------------------------------------------------
@@ -139,6 +134,77 @@ class Engine:
         Example:
             >>> engine.generate(["a", "b"], {"max_new_tokens": 4})  # doctest: +SKIP
         """
+        reqs, is_single = self._make_reqs(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            stream=stream,
+        )
+        if stream and not is_single:
+            raise ValueError("stream=True takes a single prompt")
+        self._submit(self._make_group(reqs) if group and len(reqs) > 1 else reqs)
+        if stream:
+            return self._stream(reqs[0])
+        outputs = [self._wait(req) for req in reqs]
+        return outputs[0] if is_single else outputs
+
+    def submit(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] = -1,
+        top_logprobs_num: int | list[int] = 0,
+        group: bool = False,
+        on_chunk: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> list[Future]:
+        """`generate` without waiting: one `concurrent.futures.Future` per prompt, resolved
+        with the result dict (or the request's error) when it finishes. `on_chunk(i, chunk)`
+        receives prompt i's streamed deltas. Callbacks (`on_chunk` and the futures' done
+        callbacks) run on the engine's loop thread: they must hand the result on, not block.
+        Input errors raise here, before anything is submitted.
+
+        Example:
+            >>> futures = engine.submit(["a", "b"], {"max_new_tokens": 4})  # doctest: +SKIP
+            >>> [f.result()["text"] for f in futures]  # doctest: +SKIP
+        """
+        reqs, _ = self._make_reqs(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            stream=False,
+        )
+        futures: list[Future] = []
+        for i, req in enumerate(reqs):
+            future: Future = Future()
+            future.set_running_or_notify_cancel()
+            req.on_done = functools.partial(_resolve, future)
+            if on_chunk is not None:
+                req.on_chunk = functools.partial(on_chunk, i)
+            futures.append(future)
+        self._submit(self._make_group(reqs) if group and len(reqs) > 1 else reqs)
+        return futures
+
+    def _make_reqs(
+        self,
+        prompt,
+        sampling_params,
+        input_ids,
+        return_logprob,
+        logprob_start_len,
+        top_logprobs_num,
+        *,
+        stream: bool,
+    ) -> tuple[list[Req], bool]:
+        """Validate and tokenize the inputs into requests (ValueError / TypeError here)."""
         if self._stopping:
             raise RuntimeError("the engine has been shut down")
         items, is_single = normalize_generate_inputs(
@@ -150,8 +216,6 @@ class Engine:
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
         )
-        if stream and not is_single:
-            raise ValueError("stream=True takes a single prompt")
         reqs = [
             Req(
                 next(self._rids),
@@ -175,14 +239,7 @@ class Engine:
         for req in reqs:
             if req.char_fsm is not None:
                 self._jump_forward(req, at_start=True)
-        if group and len(reqs) > 1:
-            self._submit(self._make_group(reqs))
-        else:
-            self._submit(reqs)
-        if stream:
-            return self._stream(reqs[0])
-        outputs = [self._wait(req) for req in reqs]
-        return outputs[0] if is_single else outputs
+        return reqs, is_single
 
     def _make_group(self, reqs: list[Req]) -> list[Req]:
         """Tie `reqs` into a group, behind an internal prefill of their common prefix."""
@@ -219,7 +276,7 @@ class Engine:
         """Jump-forward applies to constrained requests without stop strings or logprobs."""
         if item.grammar is None or self.config.disable_jump_forward:
             return None
-        if item.params.stop or item.return_logprob:
+        if item.params.stop or item.params.stop_regex or item.return_logprob:
             return None
         return self._grammars.char_fsm(item.grammar)
 
@@ -322,141 +379,15 @@ class Engine:
         if req.error is not None:
             raise RuntimeError(f"request {req.rid} failed: {req.error}") from req.error
 
-    # ---- the loop (run by `_serve` on the loop thread) ----------------------------------
-    def _is_idle(self) -> bool:
-        """Nothing to do until a caller submits or commands (call with `_cv` held)."""
-        return not (self._inbox or self._commands or self.scheduler.has_work)
 
-    def _run_once(self) -> None:
-        """Take what callers handed in, then schedule and run one step (call without `_cv`)."""
-        with self._cv:
-            new, self._inbox = self._inbox, []
-            commands, self._commands = self._commands, []
-        for req in new:
-            self.scheduler.add(req)
-        for name, done, result in commands:
-            result.append(self._run_command(name))
-            done.set()
-        batch = None
-        try:
-            batch = self.scheduler.next_batch()
-            if batch is None:
-                self._fail_unschedulable()
-                return
-            self._step(batch)
-        except Exception as error:  # one bad step must not take the loop down
-            logger.exception("engine step failed")
-            if batch is not None:
-                self._fail_step(batch, error)
-
-    def _fail_step(self, batch: ScheduledBatch, error: Exception) -> None:
-        if not batch.kv_committed:  # the slots of this step hold no valid K/V
-            for req, n in zip(batch.reqs, batch.extend_lens):
-                req.kv_len += n
-        for req in batch.reqs:
-            if not req.done.is_set():
-                self._finish(req, error)
-
-    def _run_command(self, name: str) -> Any:
-        if name == "flush_cache":
-            if self.scheduler.has_work or self.tree_cache is None:
-                return self.tree_cache is None and not self.scheduler.has_work
-            self.tree_cache.flush()
-            return True
-        raise ValueError(f"unknown engine command {name!r}")
-
-    def _fail_unschedulable(self) -> None:
-        """Nothing runs and nothing can be admitted. Evicting the whole cache must make room
-        (every request was checked to fit the pool); if it does not, fail the head of the
-        queue rather than spin."""
-        sched = self.scheduler
-        if sched.running or sched.chunked_req is not None or not sched.waiting:
-            return
-        if self.tree_cache is not None and self.tree_cache.evictable_size:
-            self._stats.add("evicted_tokens", self.tree_cache.evict(self.tree_cache.evictable_size))
-            return
-        req = sched.waiting[0]
-        self._finish(req, RuntimeError("the request could not be scheduled"))
-
-    def _step(self, batch: ScheduledBatch) -> None:
-        start = time.perf_counter()
-        logits, rows = self.runner.forward(batch)
-        forward_seconds = time.perf_counter() - start
-        ready = self.scheduler.on_forward_done(batch)
-        batch.kv_committed = True
-        row_of = {id(req): req_rows for req, req_rows in zip(batch.reqs, rows)}
-        if batch.mode is ForwardMode.EXTEND:
-            record_prompt_logprobs(ready, logits, row_of)
-        to_sample = [r for r in ready if r.max_new_tokens > len(r.output_ids)]
-        if to_sample:
-            last = torch.tensor([row_of[id(r)][-1] for r in to_sample])
-            out = sample(logits.index_select(0, last), to_sample)
-            for req, token, logprob in zip(to_sample, out.token_ids, out.logprobs):
-                if logprob is not None:
-                    req.output_token_logprobs.append((logprob[0], token))
-                    if req.top_logprobs_num:
-                        req.output_top_logprobs.append(logprob[1])
-                req.append_token(token)
-                if req.char_fsm is not None and not req.is_finished:
-                    self._jump_forward(req)
-        for req in ready:
-            if req.max_new_tokens == 0:
-                req.finish_prefill_only()
-            if req.is_finished:
-                self._finish(req)
-            elif req.stream_queue is not None:
-                chunk = req.stream_delta()
-                if chunk is not None:
-                    req.stream_queue.put(chunk)
-        self._stats.record_step(
-            batch,
-            num_running=len(self.scheduler.running),
-            forward_seconds=forward_seconds,
-            step_seconds=time.perf_counter() - start,
-        )
-
-    def _finish(self, req: Req, error: BaseException | None = None) -> None:
-        if error is not None:
-            req.abort(error)
-        self.scheduler.release(req, insert=error is None)
-        req.finalize_text()
-        if req.stream_queue is not None:
-            chunk = req.stream_delta() if error is None else None
-            if chunk is not None:
-                req.stream_queue.put(chunk)
-            req.stream_queue.put(None)
-        req.done.set()
-
-
-def _serve(engine_ref: weakref.ref[Engine], cv: threading.Condition) -> None:
-    """The loop thread: run steps while the engine has work, until it is shut down or gone.
-
-    A strong reference is taken for one check or step and dropped before waiting, so while
-    the engine is idle only callers keep it alive. The idle check and the wait share one
-    acquisition of `cv`, so a submit cannot slip between them; the engine's
-    finalizer notifies `cv`, and the next check finds the reference dead.
-    """
-    while True:
-        with cv:
-            engine = engine_ref()
-            if engine is None or engine._stopping:
-                return
-            if engine._is_idle():
-                # Dropping the last reference runs the finalizer here (`cv` is reentrant), and
-                # its notify would be lost: check again before waiting.
-                del engine
-                if engine_ref() is None:
-                    return
-                cv.wait()
-                continue
-        engine._run_once()
-        del engine  # the last reference may be dropped here: the next check then exits
-
-
-def _wake(cv: threading.Condition) -> None:
-    """An engine's finalizer: wake its loop thread, which then finds the engine gone."""
-    with cv:
-        cv.notify_all()
+def _resolve(future: Future, req: Req) -> None:
+    """A submitted request finished: its future gets the result or the error."""
+    if req.error is not None:
+        error = RuntimeError(f"request {req.rid} failed: {req.error}")
+        error.__cause__ = req.error
+        future.set_exception(error)
+    else:
+        future.set_result(req.to_output())
 
 
 def _common_prefix_len(seqs: list[list[int]]) -> int:

@@ -1,18 +1,25 @@
 """A request's life inside the engine: tokens, stop conditions, text and results.
 
 The engine loop is the only writer of a `Req` after submission; the caller's thread only
-waits on `done` (or reads `stream_queue`) and then reads the finished fields.
+waits on `done` (or reads `stream_queue`) and then reads the finished fields. A request
+submitted without waiting (`Engine.submit`) gets `on_chunk` / `on_done` callbacks instead,
+called on the loop thread: they must only hand the result on, never block.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
+import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lmprog_runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class Req:
@@ -36,6 +43,8 @@ class Req:
         grammar_eos: int | None = None,
         grammar: Any = None,
         char_fsm: Any = None,
+        on_chunk: Callable[[dict[str, Any]], None] | None = None,
+        on_done: Callable[[Req], None] | None = None,
     ) -> None:
         self.rid = rid
         self.input_ids = input_ids
@@ -77,6 +86,8 @@ class Req:
         self.stream_queue: queue.Queue[dict[str, Any] | None] | None = (
             queue.Queue() if stream else None
         )
+        self.on_chunk = on_chunk  # streamed deltas, without a queue
+        self.on_done = on_done
         self._streamed_text = ""
         self._num_streamed_ids = 0
 
@@ -88,6 +99,19 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def is_streamed(self) -> bool:
+        return self.stream_queue is not None or self.on_chunk is not None
+
+    def emit_chunk(self, chunk: dict[str, Any]) -> None:
+        if self.stream_queue is not None:
+            self.stream_queue.put(chunk)
+        if self.on_chunk is not None:
+            try:
+                self.on_chunk(chunk)
+            except Exception:  # a caller's callback must not fail the step of others
+                logger.exception("on_chunk callback of request %d failed", self.rid)
 
     @property
     def is_finished(self) -> bool:
@@ -125,7 +149,7 @@ class Req:
                 self.finished_reason = {"type": "stop", "matched": token_id}
                 self._mark_incomplete_constraint()
                 return
-            if self.params.stop:
+            if self.params.stop or self.params.stop_regex:
                 _, matched = self._visible_text()
                 if matched is not None:
                     self.finished_reason = {"type": "stop", "matched": matched}
@@ -162,6 +186,10 @@ class Req:
             index = text.find(stop)
             if index != -1 and index < cut:
                 cut, matched = index, stop
+        for pattern in self.params.stop_regex:
+            found = re.search(pattern, text)
+            if found is not None and found.start() < cut:
+                cut, matched = found.start(), found.group()
         return text[:cut], matched
 
     # ---- results -----------------------------------------------------------------------
@@ -173,6 +201,8 @@ class Req:
         text, _ = self._visible_text()
         if not self.is_finished:
             hold = max((len(s) - 1 for s in self.params.stop), default=0)
+            if self.params.stop_regex:  # a match may start anywhere: nothing is final yet
+                hold = len(text)
             stable = len(text) - hold
             while stable > 0 and text[stable - 1] == "\ufffd":  # an incomplete UTF-8 sequence
                 stable -= 1

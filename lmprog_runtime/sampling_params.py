@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Generation also stops where the output first matches one of these (`re.search`); the
+    # text is cut before the match, as before a stop string.
+    stop_regex: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
@@ -60,6 +64,8 @@ class SamplingParams:
         values = {k: v for k, v in params.items() if v is not None}
         if isinstance(values.get("stop"), str):
             values["stop"] = [values["stop"]]
+        if isinstance(values.get("stop_regex"), str):
+            values["stop_regex"] = [values["stop_regex"]]
         if isinstance(values.get("stop_token_ids"), int):
             values["stop_token_ids"] = [values["stop_token_ids"]]
         out = cls(**values)
@@ -106,6 +112,17 @@ class SamplingParams:
             raise TypeError("stop must be a string or a list of strings")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not isinstance(self.stop_regex, list) or not all(
+            isinstance(s, str) for s in self.stop_regex
+        ):
+            raise TypeError("stop_regex must be a string or a list of strings")
+        for pattern in self.stop_regex:
+            try:
+                compiled = re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {error}") from error
+            if compiled.search(""):
+                raise ValueError(f"stop_regex {pattern!r} matches the empty string")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise TypeError("stop_token_ids must be a list of ints")
         if self.seed is not None and (

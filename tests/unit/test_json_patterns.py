@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmprog.api import NUMBER_END, REGEX_FLOAT, REGEX_INT, REGEX_STR
+from lmprog.ir import NUMBER_END, REGEX_FLOAT, REGEX_INT, REGEX_STR
+from lmprog.ops import DTYPE_NUMBER_END, DTYPE_REGEX
 from lmprog_runtime.constrained.json_schema import Layout, schema_to_regex
 
 # A bound keyword: (name, value); draft 4's boolean exclusive flags ride on minimum/maximum.
@@ -147,20 +148,28 @@ def test_bounded_numbers_stay_in_range(lower, upper, lo, width):
             assert re.fullmatch(regex, f"{n}.5"), (schema, n)
 
 
+@pytest.mark.parametrize(
+    ("int_regex", "float_regex", "ends"),
+    [
+        (REGEX_INT, REGEX_FLOAT, NUMBER_END),  # lp.REGEX_*: SGLang's whitespace end
+        (DTYPE_REGEX[int], DTYPE_REGEX[float], DTYPE_NUMBER_END),  # gen(dtype=...)
+    ],
+)
 @given(st.integers(-(10**20), 10**20), st.sampled_from(["", " ", "\n", ".", ",", "  ", ".,", "x"]))
-def test_dtype_int_and_float_patterns_end(value, tail):
-    """`gen(dtype=int | float)`: what fits the machine type matches, with at most one of
-    NUMBER_END after it (the value read back leaves it out); longer numbers never match."""
-    ends = tail == "" or (len(tail) == 1 and tail in NUMBER_END)
+def test_int_and_float_patterns_end(int_regex, float_regex, ends, value, tail):
+    """What fits the machine type matches, with at most one end character after it;
+    longer numbers never match."""
+    ok_end = tail == "" or (len(tail) == 1 and tail in ends)
     text = str(value) + tail
-    assert bool(re.fullmatch(REGEX_INT, text)) == (len(str(abs(value))) <= 18 and ends), text
-    if re.fullmatch(REGEX_INT, text):
-        assert int(text.rstrip(NUMBER_END)) == value
+    assert bool(re.fullmatch(int_regex, text)) == (len(str(abs(value))) <= 18 and ok_end), text
+    if re.fullmatch(int_regex, text):
+        assert int(text.rstrip(ends)) == value
     decimal = f"{value / 7:.6f}{tail}"
-    assert bool(re.fullmatch(REGEX_FLOAT, decimal)) == (abs(value / 7) < 1e16 and ends), decimal
-    if re.fullmatch(REGEX_FLOAT, decimal):
-        assert float(decimal.rstrip(NUMBER_END)) == float(f"{value / 7:.6f}")
-    assert not re.fullmatch(REGEX_FLOAT, "1." + "0" * 17) and not re.fullmatch(REGEX_FLOAT, "1e+")
+    fits = abs(value / 7) < 1e16 and ok_end
+    assert bool(re.fullmatch(float_regex, decimal)) == fits, decimal
+    if re.fullmatch(float_regex, decimal):
+        assert float(decimal.rstrip(ends)) == float(f"{value / 7:.6f}")
+    assert not re.fullmatch(float_regex, "1." + "0" * 17) and not re.fullmatch(float_regex, "1e+")
 
 
 @given(st.text(max_size=6))

@@ -1,0 +1,292 @@
+"""The rules of execution, one per node type, shared by the interpreter and `trace()`.
+
+Constant nodes (text, roles, variable references and assignments, var scopes) change an
+`ExecState` directly; `gen` and `select` are split into "the request to send" and "apply
+its result", so the interpreter (`interpreter.py`) can send them without waiting and
+batch them across branches and programs.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from lmprog.backend import Backend
+from lmprog.choices import ChoicesSamplingMethod, token_length_normalized
+from lmprog.ir import (
+    FLOAT_PATTERN,
+    INT_PATTERN,
+    REGEX_BOOL,
+    REGEX_STR,
+    Expr,
+    Gen,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    SetVar,
+    Text,
+    VarRef,
+    VarScopeBegin,
+    VarScopeEnd,
+)
+
+# gen() argument -> runtime sampling parameter.
+SAMPLING_KEYS = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "stop_regex": "stop_regex",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "ignore_eos": "ignore_eos",
+}
+
+
+# Per-request options (not sampling parameters) a program may set for all its gens.
+REQUEST_KEYS = (
+    "return_logprob",
+    "top_logprobs_num",
+    "logprob_start_len",
+    "return_text_in_logprobs",
+)
+
+# gen(dtype=...) -> the pattern the runtime enforces. A number may end with one of
+# DTYPE_NUMBER_END: a model ends "... a day is 24" with "." or " hours", and with only
+# digits or EOS allowed it writes "2400..." instead. The end is consumed like a stop string.
+DTYPE_NUMBER_END = " \n.,"
+DTYPE_REGEX = {
+    int: INT_PATTERN + "[ \n.,]?",
+    float: FLOAT_PATTERN + "[ \n.,]?",
+    bool: REGEX_BOOL,
+    str: REGEX_STR,
+}
+
+
+@dataclass
+class Span:
+    """A piece of the state's text, for notebooks: kind is text, gen, select or role."""
+
+    kind: str
+    text: str
+    name: str | None = None
+
+
+@dataclass
+class ExecState:
+    text: str = ""
+    variables: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, dict[str, Any]] = field(default_factory=dict)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+    role: str | None = None  # the open role
+    role_start: int = 0
+    scopes: dict[str, int] = field(default_factory=dict)
+    on_emit: Callable[[str | None, str], None] | None = None  # streaming listener
+
+    def copy(self) -> ExecState:
+        return ExecState(
+            self.text,
+            dict(self.variables),
+            {k: dict(v) for k, v in self.meta.items()},
+            [dict(m) for m in self.messages],
+            list(self.spans),
+            self.role,
+            self.role_start,
+            dict(self.scopes),
+        )
+
+    def emit(self, text: str, kind: str = "text", name: str | None = None) -> None:
+        self.text += text
+        if text:
+            self.spans.append(Span(kind, text, name))
+        if self.on_emit is not None:
+            self.on_emit(name, text)
+
+
+class SelectPlan(NamedTuple):
+    prompt_len: int
+    fulls: list[list[int]]  # prompt + choice token ids, per choice
+    starts: list[int]  # first scored position, per choice
+    bare: list[list[int]] | None  # context token + choice tokens, for unconditional scores
+
+
+class ProgramOps:
+    """The execution rules of one program's streams (its root state and fork branches)."""
+
+    def __init__(self, backend: Backend, defaults: dict[str, Any]) -> None:
+        self.backend = backend
+        self.defaults = defaults
+        self.roles = backend.chat_roles()
+
+    def apply_constant(self, st: ExecState, node: Expr) -> None:
+        """Text, roles, variable references and var scopes: no request needed."""
+        if isinstance(node, Text):
+            st.emit(node.value)
+        elif isinstance(node, VarRef):
+            if node.name not in st.variables:
+                raise KeyError(
+                    f"unknown variable {node.name!r}; this state has {sorted(st.variables)}"
+                )
+            st.emit(str(st.variables[node.name]))
+        elif isinstance(node, RoleBegin):
+            if st.role is not None:
+                raise ValueError(f"nested roles: {node.role!r} opened inside {st.role!r}")
+            text = self.roles.role_text(node.role, [m["role"] for m in st.messages])
+            st.emit(text.begin, "role", node.role)
+            st.role, st.role_start = node.role, len(st.text)
+        elif isinstance(node, RoleEnd):
+            if st.role != node.role:
+                raise ValueError(f"{node.role!r} role ended but {st.role!r} is open")
+            previous = [m["role"] for m in st.messages]
+            st.messages.append({"role": node.role, "content": st.text[st.role_start :]})
+            st.role = None
+            st.emit(self.roles.role_text(node.role, previous).end, "role", node.role)
+        elif isinstance(node, SetVar):
+            st.variables[node.name] = node.value
+        elif isinstance(node, VarScopeBegin):
+            st.scopes[node.name] = len(st.text)
+        elif isinstance(node, VarScopeEnd):
+            st.variables[node.name] = st.text[st.scopes.pop(node.name) :]
+        else:
+            raise TypeError(f"the interpreter has no rule for {type(node).__name__} nodes")
+
+    # ---- gen ------------------------------------------------------------------------------
+    def gen_request(self, st: ExecState, gen: Gen) -> tuple[list[int], dict[str, Any]]:
+        """The prompt ids and parameters of `gen`: the program's defaults, then the gen's own.
+        Request options (`return_logprob`, ...) travel in the parameters to the backend."""
+        params = {SAMPLING_KEYS.get(k, k): v for k, v in self.defaults.items() if v is not None}
+        params.update(
+            {SAMPLING_KEYS.get(k, k): v for k, v in gen.sampling.items() if v is not None}
+        )
+        if gen.regex is not None:
+            params["regex"] = gen.regex
+        elif gen.json_schema is not None:
+            params["json_schema"] = gen.json_schema
+        elif gen.dtype is not None:
+            params["regex"] = DTYPE_REGEX[gen.dtype]
+        return self.backend.encode(st.text), params
+
+    @staticmethod
+    def is_number_gen(gen: Gen) -> bool:
+        return gen.dtype in (int, float) and gen.regex is None and gen.json_schema is None
+
+    def finish_gen(
+        self, st: ExecState, gen: Gen, out: dict[str, Any], emitted: bool = False
+    ) -> None:
+        """Append a finished gen's text and set its variable. A constrained output cut short
+        (by `max_tokens` or a stop) is kept as it is; its `finish_reason` says
+        `"constraint": "incomplete"`."""
+        text = out["text"]
+        if self.is_number_gen(gen) and text[-1:] and text[-1] in DTYPE_NUMBER_END:
+            text = text[:-1]  # the number's end is consumed, like a stop string
+        if not emitted:
+            st.emit(text, "gen", gen.name)
+        meta = dict(out["meta_info"])
+        if meta.get("output_token_logprobs") is not None and self.defaults_or(
+            gen, "return_text_in_logprobs"
+        ):
+            meta["output_token_logprobs"] = self.with_text(meta["output_token_logprobs"])
+        st.variables[gen.name] = text
+        st.meta[gen.name] = meta
+
+    def defaults_or(self, gen: Gen, key: str) -> Any:
+        value = gen.sampling.get(key)
+        return self.defaults.get(key) if value is None else value
+
+    def with_text(self, logprobs: list) -> list:
+        """`(logprob, token_id)` pairs as SGLang's `(logprob, token_id, token_text)` triples."""
+        return [(lp, tid, self.backend.decode([tid])) for lp, tid, *_ in logprobs]
+
+    # ---- select ---------------------------------------------------------------------------
+    def select_plan(self, st: ExecState, sel: Select) -> SelectPlan:
+        prompt = self.backend.encode(st.text)
+        if not prompt:
+            raise ValueError("select needs some prompt text before it")
+        fulls, starts = [], []
+        for choice in sel.choices:
+            full = self.backend.encode(st.text + choice)
+            if len(full) < 2:  # the whole prompt merged into one token with the choice
+                full = [self.backend.context_token_id, *full]
+            # A choice whose first token merges with the prompt's last token is scored from
+            # that merged token on: the way the model would have produced the text.
+            k = max(1, min(_common_prefix_len(prompt, full), len(full) - 1))
+            fulls.append(full)
+            starts.append(k)
+        bare = None
+        if _method(sel).needs_unconditional:
+            ctx = self.backend.context_token_id
+            bare = [[ctx, *full[k:]] for full, k in zip(fulls, starts)]
+        return SelectPlan(len(prompt), fulls, starts, bare)
+
+    def select_requests(self, plan: SelectPlan) -> tuple[list[list[int]], list[int]]:
+        """All prefill-only scoring requests of one select: (input ids, logprob starts)."""
+        ids, starts = list(plan.fulls), list(plan.starts)
+        if plan.bare is not None:
+            ids += plan.bare
+            starts += [1] * len(plan.bare)
+        return ids, starts
+
+    @staticmethod
+    def finish_select(st: ExecState, sel: Select, plan: SelectPlan, outs: list[dict]) -> None:
+        n = len(sel.choices)
+        token_lps = [[lp for lp, _ in o["meta_info"]["input_token_logprobs"]] for o in outs[:n]]
+        unconditional = None
+        if plan.bare is not None:
+            unconditional = [
+                [lp for lp, _ in o["meta_info"]["input_token_logprobs"]] for o in outs[n:]
+            ]
+        method = _method(sel)
+        decision = method.decide(token_lps, unconditional)
+        index = decision.index
+        if sel.temperature > 0:
+            top = max(decision.scores)
+            weights = [math.exp((s - top) / sel.temperature) for s in decision.scores]
+            index = random.choices(range(n), weights=weights)[0]
+        choice = sel.choices[index]
+        st.emit(choice, "select", sel.name)
+        st.variables[sel.name] = choice
+        st.meta[sel.name] = {
+            # SGLang's keys: the mean token logprob of each choice, and the scored tokens
+            "normalized_prompt_logprobs": [sum(lps) / len(lps) for lps in token_lps],
+            "input_token_logprobs": [o["meta_info"]["input_token_logprobs"] for o in outs[:n]],
+            "output_token_logprobs": [[] for _ in range(n)],  # prefill only: nothing decoded
+            "choice": choice,
+            "choices": list(sel.choices),
+            "method": method.name,
+            "scores": decision.scores,
+            "token_logprobs": token_lps,
+            "unconditional_token_logprobs": unconditional,
+            "prompt_tokens": plan.prompt_len,
+            "completion_tokens": len(plan.fulls[index]) - plan.starts[index],
+            "cached_tokens": outs[index]["meta_info"]["cached_tokens"],
+            "finish_reason": {"type": "select", "matched": choice},
+        }
+
+
+def gathered_variables(before: set[str], branches: list[ExecState]) -> dict[str, list[Any]]:
+    """A `gather_variable` join: each variable the branches made (not in `before`), as the
+    list of its values in branch order."""
+    names: list[str] = []
+    for branch in branches:
+        names += [n for n in branch.variables if n not in before and n not in names]
+    return {name: [b.variables.get(name) for b in branches] for name in names}
+
+
+def _method(sel: Select) -> ChoicesSamplingMethod:
+    return sel.choices_method or token_length_normalized
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

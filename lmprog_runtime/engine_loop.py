@@ -1,0 +1,177 @@
+"""The engine's loop thread: each step it takes what callers handed in, schedules, runs one
+forward, samples, and finishes requests the moment they stop.
+
+`EngineLoop` holds the loop-side methods of `Engine` (the caller side, validation and the
+public API live in `engine.py`). Only the loop thread runs them: it alone owns the
+scheduler, the model runner and every KV slot. An exception in one step fails only the
+requests of that step; the loop keeps serving.
+
+The loop thread holds the engine only weakly (a strong reference for one step at a time,
+none while it waits), so an engine nobody references is collected with its model and KV
+pool, and its finalizer wakes the thread to exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmprog_runtime.forward_batch import ForwardMode
+from lmprog_runtime.request import Req
+from lmprog_runtime.sampling import record_prompt_logprobs, sample
+from lmprog_runtime.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from lmprog_runtime.engine import Engine
+
+logger = logging.getLogger("lmprog_runtime.engine")
+
+
+class EngineLoop:
+    """The loop-side half of `Engine` (a mixin: `Engine` sets every attribute used here)."""
+
+    def _is_idle(self) -> bool:
+        """Nothing to do until a caller submits or commands (call with `_cv` held)."""
+        return not (self._inbox or self._commands or self.scheduler.has_work)
+
+    def _run_once(self) -> None:
+        """Take what callers handed in, then schedule and run one step (call without `_cv`)."""
+        with self._cv:
+            new, self._inbox = self._inbox, []
+            commands, self._commands = self._commands, []
+        for req in new:
+            self.scheduler.add(req)
+        for name, done, result in commands:
+            result.append(self._run_command(name))
+            done.set()
+        batch = None
+        try:
+            batch = self.scheduler.next_batch()
+            if batch is None:
+                self._fail_unschedulable()
+                return
+            self._step(batch)
+        except Exception as error:  # one bad step must not take the loop down
+            logger.exception("engine step failed")
+            if batch is not None:
+                self._fail_step(batch, error)
+
+    def _fail_step(self, batch: ScheduledBatch, error: Exception) -> None:
+        if not batch.kv_committed:  # the slots of this step hold no valid K/V
+            for req, n in zip(batch.reqs, batch.extend_lens):
+                req.kv_len += n
+        for req in batch.reqs:
+            if not req.done.is_set():
+                self._finish(req, error)
+
+    def _run_command(self, name: str) -> Any:
+        if name == "flush_cache":
+            if self.scheduler.has_work or self.tree_cache is None:
+                return self.tree_cache is None and not self.scheduler.has_work
+            self.tree_cache.flush()
+            return True
+        raise ValueError(f"unknown engine command {name!r}")
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing runs and nothing can be admitted. Evicting the whole cache must make room
+        (every request was checked to fit the pool); if it does not, fail the head of the
+        queue rather than spin."""
+        sched = self.scheduler
+        if sched.running or sched.chunked_req is not None or not sched.waiting:
+            return
+        if self.tree_cache is not None and self.tree_cache.evictable_size:
+            self._stats.add("evicted_tokens", self.tree_cache.evict(self.tree_cache.evictable_size))
+            return
+        req = sched.waiting[0]
+        self._finish(req, RuntimeError("the request could not be scheduled"))
+
+    def _step(self, batch: ScheduledBatch) -> None:
+        start = time.perf_counter()
+        logits, rows = self.runner.forward(batch)
+        forward_seconds = time.perf_counter() - start
+        ready = self.scheduler.on_forward_done(batch)
+        batch.kv_committed = True
+        row_of = {id(req): req_rows for req, req_rows in zip(batch.reqs, rows)}
+        if batch.mode is ForwardMode.EXTEND:
+            record_prompt_logprobs(ready, logits, row_of)
+        to_sample = [r for r in ready if r.max_new_tokens > len(r.output_ids)]
+        if to_sample:
+            last = torch.tensor([row_of[id(r)][-1] for r in to_sample])
+            out = sample(logits.index_select(0, last), to_sample)
+            for req, token, logprob in zip(to_sample, out.token_ids, out.logprobs):
+                if logprob is not None:
+                    req.output_token_logprobs.append((logprob[0], token))
+                    if req.top_logprobs_num:
+                        req.output_top_logprobs.append(logprob[1])
+                req.append_token(token)
+                if req.char_fsm is not None and not req.is_finished:
+                    self._jump_forward(req)
+        for req in ready:
+            if req.max_new_tokens == 0:
+                req.finish_prefill_only()
+            if req.is_finished:
+                self._finish(req)
+            elif req.is_streamed:
+                chunk = req.stream_delta()
+                if chunk is not None:
+                    req.emit_chunk(chunk)
+        self._stats.record_step(
+            batch,
+            num_running=len(self.scheduler.running),
+            forward_seconds=forward_seconds,
+            step_seconds=time.perf_counter() - start,
+        )
+
+    def _finish(self, req: Req, error: BaseException | None = None) -> None:
+        if error is not None:
+            req.abort(error)
+        self.scheduler.release(req, insert=error is None)
+        req.finalize_text()
+        if req.is_streamed:
+            chunk = req.stream_delta() if error is None else None
+            if chunk is not None:
+                req.emit_chunk(chunk)
+            if req.stream_queue is not None:
+                req.stream_queue.put(None)
+        req.done.set()
+        if req.on_done is not None:
+            try:
+                req.on_done(req)
+            except Exception:  # a caller's callback must not fail the step of others
+                logger.exception("on_done callback of request %d failed", req.rid)
+
+
+def serve(engine_ref: weakref.ref[Engine], cv: threading.Condition) -> None:
+    """The loop thread: run steps while the engine has work, until it is shut down or gone.
+
+    A strong reference is taken for one check or step and dropped before waiting, so while
+    the engine is idle only callers keep it alive. The idle check and the wait share one
+    acquisition of `cv`, so a submit cannot slip between them; the engine's
+    finalizer notifies `cv`, and the next check finds the reference dead.
+    """
+    while True:
+        with cv:
+            engine = engine_ref()
+            if engine is None or engine._stopping:
+                return
+            if engine._is_idle():
+                # Dropping the last reference runs the finalizer here (`cv` is reentrant), and
+                # its notify would be lost: check again before waiting.
+                del engine
+                if engine_ref() is None:
+                    return
+                cv.wait()
+                continue
+        engine._run_once()
+        del engine  # the last reference may be dropped here: the next check then exits
+
+
+def wake(cv: threading.Condition) -> None:
+    """An engine's finalizer: wake its loop thread, which then finds the engine gone."""
+    with cv:
+        cv.notify_all()

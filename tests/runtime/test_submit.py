@@ -1,0 +1,84 @@
+"""`Engine.submit` (futures, streamed chunks through a callback) and `stop_regex`, on the tiny
+model; references: transformers' greedy tokens, the engine's own blocking `generate`, and
+`re.search` over the unstopped output."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+from helpers import PROMPTS, hf_greedy
+
+
+def test_submit_returns_futures_with_transformers_greedy_tokens(engine, hf_tiny):
+    params = {"max_new_tokens": 12, "temperature": 0}
+    chunks: dict[int, list[str]] = {}
+    threads: set[str] = set()
+
+    def on_chunk(i: int, chunk: dict) -> None:
+        threads.add(threading.current_thread().name)
+        chunks.setdefault(i, []).append(chunk["text"])
+
+    futures = engine.submit(PROMPTS[:4], params, on_chunk=on_chunk)
+    outs = [f.result(timeout=120) for f in futures]
+    for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
+        assert out["output_ids"] == hf_greedy(hf_tiny, prompt, 12), prompt
+        assert "".join(chunks[i]) == out["text"]  # the chunks concatenate to the text
+        assert out["meta_info"]["id"] != outs[i - 1]["meta_info"]["id"]
+    assert threads == {"lmprog-engine"}  # callbacks run on the loop thread
+
+
+def test_submit_refuses_bad_input_before_submitting_anything(engine):
+    engine.reset_stats()
+    too_long = [5] * (engine.context_len + 1)
+    with pytest.raises(ValueError, match="longer than the context"):
+        engine.submit(input_ids=[[5, 6, 7], too_long], sampling_params={"max_new_tokens": 2})
+    with pytest.raises(ValueError, match="temperature"):
+        engine.submit("hi", {"temperature": float("nan")})
+    assert engine.stats()["forward_passes"] == 0  # the good prompt was not sent either
+
+
+def test_a_failing_callback_does_not_fail_the_other_requests(engine):
+    def bad(i: int, chunk: dict) -> None:
+        raise RuntimeError("a caller's bug")
+
+    params = {"max_new_tokens": 6, "temperature": 0}
+    failing = engine.submit(PROMPTS[:2], params, on_chunk=bad)
+    fine = engine.submit(PROMPTS[2:4], params)
+    for future, prompt in zip(failing + fine, PROMPTS[:4]):
+        assert (
+            future.result(timeout=120)["output_ids"]
+            == engine.generate(prompt, params)["output_ids"]
+        )
+
+
+@pytest.mark.parametrize("pattern", [r"[A-Z]\w", r"\d", r"[aeiou]{2}", r"qu?i"])
+def test_stop_regex_cuts_at_the_first_match_of_the_unstopped_output(engine, pattern):
+    base = {"max_new_tokens": 40, "temperature": 0}
+    for prompt in PROMPTS[:6]:
+        full = engine.generate(prompt, base)
+        stopped = engine.generate(prompt, {**base, "stop_regex": pattern})
+        found = re.search(pattern, full["text"])
+        if found is None:
+            assert stopped["text"] == full["text"]
+            continue
+        assert stopped["text"] == full["text"][: found.start()]
+        reason = stopped["meta_info"]["finish_reason"]
+        assert reason["type"] == "stop" and re.fullmatch(pattern, reason["matched"])
+        # it stopped at the token that completed the match, not later
+        assert len(stopped["output_ids"]) <= len(full["output_ids"])
+        assert stopped["output_ids"] == full["output_ids"][: len(stopped["output_ids"])]
+        streamed = "".join(
+            c["text"] for c in engine.generate(prompt, {**base, "stop_regex": pattern}, stream=True)
+        )
+        assert streamed == stopped["text"]  # never streams text a match would take back
+
+
+def test_stop_regex_is_checked_at_submit(engine):
+    with pytest.raises(ValueError, match="not a valid regex"):
+        engine.generate("hi", {"stop_regex": "("})
+    with pytest.raises(ValueError, match="empty string"):
+        engine.generate("hi", {"stop_regex": "a*"})
+    with pytest.raises(TypeError, match="stop_regex"):
+        engine.generate("hi", {"stop_regex": [3]})
