@@ -189,8 +189,15 @@ class ProgramState(StateBlocks):
         return self[name]
 
     def __setitem__(self, name: str, value: Any) -> None:
-        """Set a variable at this point of the program (later reads see it)."""
-        self._stream.append([(SetVar(name, value), name)])
+        """Set a variable at this point of the program (later reads see it); on a finished
+        state, set it at once."""
+        stream = self._stream
+        with stream.cv:
+            if not stream.is_closed:
+                stream.append([(SetVar(name, value), name)])
+                return
+            stream.wait(lambda: False)  # its program has ended: wait for its last nodes
+            stream.st.variables[name] = value
 
     def set_var(self, name: str, value: Any) -> None:
         self[name] = value
@@ -218,7 +225,7 @@ class ProgramState(StateBlocks):
             events, is_done = self._stream.next_events(start)
             start += len(events)
             for name, delta, _ in events:
-                if var_name is None or name == var_name:
+                if delta and (var_name is None or name == var_name):
                     yield delta
             if is_done:
                 break
@@ -245,7 +252,7 @@ class ProgramState(StateBlocks):
             events, is_done = await loop.run_in_executor(None, self._stream.next_events, start)
             start += len(events)
             for name, delta, meta in events:
-                if var_name is None or name == var_name:
+                if delta and (var_name is None or name == var_name):
                     yield (delta, meta) if return_meta_data else delta
             if is_done:
                 break

@@ -48,6 +48,9 @@ class RuntimeConfig:
     eviction_policy: str = "lru"
     # Constrained requests append the text their pattern forces in one extend step.
     disable_jump_forward: bool = False
+    # Running requests decode in the same forward as the prompts being admitted (one
+    # forward per step instead of an extend step that makes every decode wait).
+    disable_mixed_batches: bool = False
     # A regex / JSON schema that takes longer than this to compile is refused.
     grammar_compile_timeout_s: float = 60.0
     # Scales the share of future output tokens reserved at admission: 0 admits as much as

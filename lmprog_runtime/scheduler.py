@@ -1,7 +1,8 @@
 """Continuous batching over the radix prefix cache: what runs in the next forward.
 
-Each step is either an extend (prefill) of newly admitted requests, or one decode step of
-every running request. Admission matches prompts against the radix tree so only uncached
+Each step is an extend (prefill) of newly admitted requests, with one decode token of
+every running request mixed in (a decode is an extend of one token), or a decode step of
+every running request when nothing is admitted. Admission matches prompts against the radix tree so only uncached
 suffixes are computed, orders the queue by the schedule policy, admits request groups
 atomically, splits long prompts into chunks that alternate with decode steps, and reserves
 an (optimistic) share of each request's future output. When the pool runs dry it evicts
@@ -39,6 +40,7 @@ class ScheduledBatch:
     prefix_lens: list[int]  # per request: tokens already in the pool before this forward
     extend_lens: list[int]  # per request: tokens computed by this forward
     kv_committed: bool = False  # set once the forward's K/V are accounted to the requests
+    num_decodes: int = 0  # an extend's last requests: running ones decoding one token
 
 
 class RequestGroup:
@@ -88,10 +90,37 @@ class Scheduler:
             batch = self._schedule_decode()  # a long prompt must not stall running requests
         else:
             batch = self._schedule_extend()
+            if batch is not None and self.running and not self.config.disable_mixed_batches:
+                self._mix_decodes(batch)
             if batch is None and self.running:
                 batch = self._schedule_decode()
-        self._last_was_extend = batch is not None and batch.mode is ForwardMode.EXTEND
+        self._last_was_extend = (
+            batch is not None and batch.mode is ForwardMode.EXTEND and not batch.num_decodes
+        )
         return batch
+
+    def _mix_decodes(self, batch: ScheduledBatch) -> None:
+        """Add one decode token of every running request to an extend batch, if a slot for
+        each is free now (otherwise they decode next step, evicting or retracting there)."""
+        table = self.req_to_token.table
+        rows = torch.tensor([r.req_pool_idx for r in self.running], dtype=torch.int64)
+        kv_lens = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64)
+        last = table[rows.to(table.device), (kv_lens - 1).to(table.device)].cpu()
+        slots = self.allocator.alloc_decode(last)
+        if slots is None:
+            return
+        table[rows.to(table.device), kv_lens.to(table.device)] = slots.to(table.device)
+        batch.reqs += self.running
+        batch.out_cache_loc = torch.cat([batch.out_cache_loc, slots])
+        batch.prefix_lens += kv_lens.tolist()
+        batch.extend_lens += [1] * len(self.running)
+        batch.num_decodes = len(self.running)
+        self._decay_new_token_ratio()
+
+    def _decay_new_token_ratio(self) -> None:
+        self.new_token_ratio = max(
+            MIN_NEW_TOKEN_RATIO * self._ratio_scale, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
 
     def _reserved_tokens(self) -> int:
         remaining = sum(r.max_new_tokens - len(r.output_ids) for r in self.running)
@@ -245,9 +274,7 @@ class Scheduler:
         slots, rows, kv_lens = self._alloc_decode_slots()
         self.req_to_token.table[rows, kv_lens] = slots.to(self.req_to_token.table.device)
         reqs = list(self.running)
-        self.new_token_ratio = max(
-            MIN_NEW_TOKEN_RATIO * self._ratio_scale, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
-        )
+        self._decay_new_token_ratio()
         prefix_lens = kv_lens.tolist()
         return ScheduledBatch(ForwardMode.DECODE, reqs, slots, prefix_lens, [1] * len(reqs))
 
@@ -316,8 +343,11 @@ class Scheduler:
             for req in batch.reqs:
                 req.kv_len += 1
             return list(batch.reqs)
+        num_extends = len(batch.reqs) - batch.num_decodes
+        for req in batch.reqs[num_extends:]:
+            req.kv_len += 1
         done = []
-        for req, n in zip(batch.reqs, batch.extend_lens):
+        for req, n in zip(batch.reqs[:num_extends], batch.extend_lens):
             req.kv_len += n
             self.req_cache.cache_unfinished(req)
             if req.kv_len < len(req.fill_ids):
@@ -326,7 +356,7 @@ class Scheduler:
                 self.chunked_req = None
             self.running.append(req)
             done.append(req)
-        return done
+        return done + batch.reqs[num_extends:]
 
     def release(self, req: Req, insert: bool = True) -> None:
         """A finished (or failed) request leaves: its KV goes to the cache, the rest is freed."""

@@ -55,7 +55,8 @@ class EngineStats:
             v = self._values
             v["forward_passes"] += 1
             if batch.mode is ForwardMode.EXTEND:
-                v["prefill_tokens"] += num_new
+                v["prefill_tokens"] += num_new - batch.num_decodes
+                v["decode_tokens"] += batch.num_decodes
             else:
                 v["decode_tokens"] += num_new
             v["finished_requests"] += sum(1 for r in batch.reqs if r.is_finished)

@@ -278,3 +278,79 @@ def test_gen_logprobs_reach_the_meta_info(engine):
         "Once upon a time", {"max_new_tokens": 4, "temperature": 0}
     )["output_ids"]
     assert "output_token_logprobs" not in state.get_meta_info("b")
+
+
+def test_run_level_logprob_options_reach_every_gen(engine):
+    @lp.function
+    def prog(s):
+        s += "Once upon a time" + lp.gen("a", max_tokens=3)
+        s += "." + lp.gen("b", max_tokens=2, return_logprob=False)
+
+    state = prog.run(
+        backend=engine,
+        temperature=0,
+        return_logprob=True,
+        top_logprobs_num=1,
+        return_text_in_logprobs=True,
+        use_thread=False,  # SGLang's option, nothing to do in-process
+    )
+    info = state.get_meta_info("a")
+    reference = engine.generate(
+        "Once upon a time", {"max_new_tokens": 3, "temperature": 0}, return_logprob=True
+    )
+    got = info["output_token_logprobs"]
+    want = reference["meta_info"]["output_token_logprobs"]
+    assert [(tid, text) for _, tid, text in got] == [(t, engine.decode([t])) for _, t in want]
+    assert [v for v, _, _ in got] == pytest.approx([v for v, _ in want], abs=1e-4)
+    assert len(info["output_top_logprobs"]) == 3
+    # a gen's own False is None-like only when unset: here it inherits the run's True
+    assert "output_token_logprobs" in state.get_meta_info("b")
+
+
+def test_generator_style_yields_states_as_they_finish(engine):
+    @lp.function
+    def write(s, n):
+        s += f"Item {n}:" + lp.gen("x", max_tokens=n, ignore_eos=True, temperature=0)
+        return n
+
+    lengths = [40, 1, 2, 30, 1]
+    finished = list(
+        write.run_batch(
+            [{"n": n} for n in lengths], backend=engine, generator_style=True, num_threads=5
+        )
+    )
+    assert sorted(s.ret_value for s in finished) == sorted(lengths)
+    order = [s.ret_value for s in finished]
+    # The 40-token program cannot finish before the 1- and 2-token ones it ran beside.
+    assert order.index(40) > max(order.index(1), order.index(2))
+    assert all(s.get_meta_info("x")["completion_tokens"] == s.ret_value for s in finished)
+
+
+def test_bounded_pool_and_no_thread_left_behind(engine):
+    import threading
+
+    running, peak = [0], [0]
+    lock = threading.Lock()
+
+    @lp.function
+    def prog(s, i):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        s += f"Number {i}:" + lp.gen("x", max_tokens=2, temperature=0)
+        s["x"]  # noqa: B018 - the body waits for its gen, holding its pool thread
+        with lock:
+            running[0] -= 1
+
+    before = {t.ident for t in threading.enumerate()}
+    states = prog.run_batch([{"i": i} for i in range(24)], backend=engine, num_threads=3)
+    assert all(s.error() is None for s in states) and peak[0] <= 3
+    with pytest.raises(ValueError, match="num_threads"):
+        prog.run_batch([{"i": 0}], backend=engine, num_threads=0)
+    # The interpreter thread exits once no program runs (it may take a moment to notice).
+    import time
+
+    deadline = time.monotonic() + 10
+    while {t.ident for t in threading.enumerate()} - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not {t.name for t in threading.enumerate() if t.ident not in before}

@@ -214,22 +214,27 @@ def test_a_request_joins_a_running_decode_batch(engine, monkeypatch):
     monkeypatch.undo()
 
     assert long_ids == long_alone and short["output_ids"] == short_alone
-    # The short request's prefill ran alone, once the long one had `long_at` tokens or more.
-    short_extend = batches.index(("EXTEND", [(short_len, 0)]))
+    # The short request's prefill ran once the long one had `long_at` tokens or more, with
+    # the long one's next decode token in the same forward (a mixed batch).
+    short_extend = next(
+        i for i, (mode, reqs) in enumerate(batches) if mode == "EXTEND" and reqs[0][0] == short_len
+    )
     mode, [(prompt_len, num_long)] = batches[short_extend - 1]
     assert (mode, prompt_len) == ("DECODE", long_len) and num_long + 1 >= long_at
+    assert batches[short_extend] == ("EXTEND", [(short_len, 0), (long_len, num_long + 1)])
     # Every later step until the short one finished decoded both requests together ...
     together = [
-        ("DECODE", [(long_len, num_long + 1 + i), (short_len, 1 + i)]) for i in range(short_new - 1)
+        ("DECODE", [(long_len, num_long + 2 + i), (short_len, 1 + i)]) for i in range(short_new - 1)
     ]
     assert batches[short_extend + 1 : short_extend + short_new] == together
     # ... and the long one went on decoding after the short one had finished.
-    assert batches[short_extend + short_new] == ("DECODE", [(long_len, num_long + short_new)])
+    assert batches[short_extend + short_new] == ("DECODE", [(long_len, num_long + 1 + short_new)])
     assert batches[-1] == ("DECODE", [(long_len, long_new - 1)])
     stats = engine.stats()
     assert stats["max_running_requests_seen"] == 2
     assert stats["decode_tokens"] == (long_new - 1) + (short_new - 1)
-    assert stats["forward_passes"] == 2 + (long_new - 1)  # the short one's decodes were shared
+    # One forward per token of the long request: the short one's prefill and decodes shared them.
+    assert stats["forward_passes"] == 1 + (long_new - 1)
 
 
 def test_generation_stops_at_the_context_length(tiny_path):

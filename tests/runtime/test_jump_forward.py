@@ -69,7 +69,7 @@ def test_tokens_after_a_jump_see_the_kv_of_a_fresh_prefill_of_the_same_ids(
     prompt + output so far gives: no stale K/V of the retokenized token, no wrong positions
     or slots, no cached K/V of another tokenization. Reference: prompt logprobs of the
     final token ids from the engine with jump-forward off (one fresh prefill)."""
-    import lmprog_runtime.engine as engine_mod
+    import lmprog_runtime.engine_loop as engine_mod
 
     _, off = engines
     rows = {}  # (rid, output length when sampled) -> log-softmax of the raw logits
