@@ -247,6 +247,7 @@ class Interpreter:
                 branch.fork_base = base
                 with branch.cv:
                     branch.is_started = True
+                    branch.cv.notify_all()  # a reader may wait for the branch's text
                 self.advance(branch, outbox)
             return True
         if isinstance(node, Join):

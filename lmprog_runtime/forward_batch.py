@@ -29,6 +29,8 @@ class ForwardBatch:
     prefix_lens: list[int]  # [batch] tokens whose KV was already in the pool
     # Rows of the flat token batch whose logits are needed, in output order.
     logits_indices: torch.Tensor
+    # An extend's last `num_decodes` requests are running ones decoding one token each.
+    num_decodes: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -41,3 +43,26 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def split_decodes(self) -> tuple[ForwardBatch, ForwardBatch]:
+        """A mixed extend as (its extend part, its decode part), for backends that attend
+        the two differently. Both share this batch's tensors (views, no copies)."""
+        n_reqs = self.batch_size - self.num_decodes
+        n_tokens = self.num_tokens - self.num_decodes
+
+        def part(mode: ForwardMode, reqs: slice, tokens: slice) -> ForwardBatch:
+            return ForwardBatch(
+                mode=mode,
+                input_ids=self.input_ids[tokens],
+                positions=self.positions[tokens],
+                out_cache_loc=self.out_cache_loc[tokens],
+                req_pool_indices=self.req_pool_indices[reqs],
+                seq_lens=self.seq_lens[reqs],
+                prefix_lens=self.prefix_lens[reqs],
+                logits_indices=self.logits_indices[:0],  # not used by attention
+            )
+
+        return (
+            part(ForwardMode.EXTEND, slice(0, n_reqs), slice(0, n_tokens)),
+            part(ForwardMode.DECODE, slice(n_reqs, None), slice(n_tokens, None)),
+        )

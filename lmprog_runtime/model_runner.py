@@ -124,6 +124,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             prefix_lens=list(batch.prefix_lens),
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+            num_decodes=batch.num_decodes,
         )
         return fb, rows_per_req
 

@@ -5,7 +5,8 @@ padded gather. Requests that share a cached prefix (the same leading KV slots: b
 of a fork, prompts with one system prompt) get cascade attention: the shared prefix is
 attended to once per group as two batched matmuls, each request's own suffix in C++, and
 the two partial results are merged by their log-sum-exp. Extend (prefill) uses the
-reference path. float32 on CPU only.
+reference path; in a mixed extend the running requests' decode tokens still take the C++
+path. float32 on CPU only.
 """
 
 from __future__ import annotations
@@ -41,9 +42,17 @@ class NativeAttentionBackend(TorchAttentionBackend):
         self._ops = load_native()
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.mode is not ForwardMode.DECODE:
+        self._parts = None
+        if batch.mode is ForwardMode.EXTEND and batch.num_decodes:
+            self._parts = batch.split_decodes()
+            super().init_forward_metadata(self._parts[0])
+            self._init_native_decode(self._parts[1])
+        elif batch.mode is not ForwardMode.DECODE:
             super().init_forward_metadata(batch)
-            return
+        else:
+            self._init_native_decode(batch)
+
+    def _init_native_decode(self, batch: ForwardBatch) -> None:
         self._seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
         rows = self.req_to_token.table[batch.req_pool_indices]
         # Requests that share a cached prefix share its first slot: process them together
@@ -77,8 +86,22 @@ class NativeAttentionBackend(TorchAttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
+        if self._parts is not None:  # a mixed extend: [extend tokens ; decode tokens]
+            extend, decode = self._parts
+            n = extend.num_tokens
+            return torch.cat(
+                [
+                    super().forward(q[:n], k[:n], v[:n], layer_id, extend),
+                    self._forward_native_decode(q[n:], k[n:], v[n:], layer_id, decode),
+                ]
+            )
         if batch.mode is not ForwardMode.DECODE:
             return super().forward(q, k, v, layer_id, batch)
+        return self._forward_native_decode(q, k, v, layer_id, batch)
+
+    def _forward_native_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         q = q.contiguous()
