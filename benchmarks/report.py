@@ -102,12 +102,12 @@ def render(results: list[dict[str, Any]]) -> str:
 def rewrite(text: str, bench: str, block: str) -> str | None:
     """`text` with the part between bench's markers replaced; None if it has no markers."""
     pattern = re.compile(
-        rf"(<!-- bench:{re.escape(bench)} -->\n).*?(\n<!-- /bench:{re.escape(bench)} -->)",
+        rf"(<!-- bench:{re.escape(bench)} -->\n)(?:.*?\n)?(<!-- /bench:{re.escape(bench)} -->)",
         re.DOTALL,
     )
     if not pattern.search(text):
         return None
-    return pattern.sub(lambda m: m.group(1) + block + m.group(2), text, count=1)
+    return pattern.sub(lambda m: m.group(1) + block.rstrip("\n") + "\n" + m.group(2), text, count=1)
 
 
 def main() -> None:

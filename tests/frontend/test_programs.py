@@ -354,3 +354,23 @@ def test_bounded_pool_and_no_thread_left_behind(engine):
     while {t.ident for t in threading.enumerate()} - before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not {t.name for t in threading.enumerate() if t.ident not in before}
+
+
+def test_gen_logprob_start_len_gives_prompt_logprobs(engine):
+    @lp.function
+    def prog(s):
+        s += "Once upon a time there was" + lp.gen(
+            "a", max_tokens=2, temperature=0, return_logprob=True, logprob_start_len=3
+        )
+
+    state = prog.run(backend=engine)
+    ids = engine.encode("Once upon a time there was")
+    reference = engine.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 2, "temperature": 0},
+        return_logprob=True,
+        logprob_start_len=3,
+    )["meta_info"]["input_token_logprobs"]
+    got = state.get_meta_info("a")["input_token_logprobs"]
+    assert [t for _, t in got] == ids[3:] == [t for _, t in reference]
+    assert [v for v, _ in got] == pytest.approx([v for v, _ in reference], abs=1e-4)
