@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from lmprog.backend import Backend
-from lmprog.interpreter import INTERPRETER, Stream
+from lmprog.interpreter import INTERPRETER
 from lmprog.ir import (
     Expr,
     Fork,
@@ -31,6 +31,7 @@ from lmprog.ir import (
     flatten,
 )
 from lmprog.static_checks import check_static
+from lmprog.stream import Stream
 
 JOIN_MODES = ("gather_variable", "concate_and_append")
 

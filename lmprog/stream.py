@@ -1,0 +1,135 @@
+"""A `Stream`: the IR nodes of one state (a program's root or a fork branch) in text order,
+and where their execution stands.
+
+The program's thread appends nodes and waits on the stream's condition for the nodes a
+value depends on; the interpreter thread (`interpreter.py`) runs them. Every field but
+`st` is guarded by the interpreter's lock (each stream's `cv` is a condition on it);
+`st` is written by the interpreter thread only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lmprog.backend import Backend
+from lmprog.ir import Expr, Fork
+from lmprog.ops import ExecState, ProgramOps
+
+if TYPE_CHECKING:
+    from lmprog.interpreter import Interpreter
+
+
+class Stream:
+    """The nodes of one state in text order, and where their execution stands."""
+
+    def __init__(
+        self,
+        interpreter: Interpreter,
+        backend: Backend,
+        defaults: dict[str, Any],
+        *,
+        parent: Stream | None = None,
+        fork_id: int = -1,
+        is_streaming: bool = False,
+    ) -> None:
+        self.interpreter = interpreter
+        self.ops = ProgramOps(backend, defaults)
+        self.parent = parent
+        self.fork_id = fork_id  # which fork of the parent this branch belongs to
+        self.is_streaming = is_streaming or (parent is not None and parent.is_streaming)
+        self.nodes: list[Expr] = []
+        self.pos = 0  # nodes[:pos] have run
+        self.hold: int | None = None  # nodes from this index wait (a fork being filled)
+        self.producers: dict[str, int] = {}  # variable -> index of the last node setting it
+        self.auto_names = 0
+        self.branches: dict[int, list[Stream]] = {}  # fork id -> its branch streams
+        self.fork_base: tuple[set[str], int] = (set(), 0)  # parent's variables, text length
+        self.st = ExecState()
+        self.st.on_emit = self._on_emit
+        self.events: list[tuple[str | None, str, dict[str, Any] | None]] = []
+        self.error: BaseException | None = None
+        self.is_started = parent is None  # a branch starts when its parent reaches the fork
+        self.is_busy = False  # a request in flight, or a join waiting for its branches
+        self.is_closed = False  # no more nodes will be appended
+        self.is_done = False
+        self.is_queued = False
+        self.cv = threading.Condition(interpreter.lock)
+        interpreter.add_live()
+
+    # ---- program side (any thread) --------------------------------------------------------
+    def append(self, nodes: list[tuple[Expr, str | None]]) -> int:
+        """Append `(node, variable it sets or None)` pairs as one step of the program (one
+        `+=`); returns the index of the first."""
+        with self.cv:
+            if self.is_closed:
+                raise RuntimeError("this state's program has ended; nothing can be appended")
+            first = len(self.nodes)
+            for node, produces in nodes:
+                if produces is not None:
+                    self.producers[produces] = len(self.nodes)
+                self.nodes.append(node)
+            if self.hold is not None and not isinstance(nodes[-1][0], Fork):
+                self.hold = None  # the parent moves on: its forked branches are filled
+            parent = self.parent
+            if parent is not None and parent.hold is not None:
+                held = parent.nodes[parent.hold]
+                if all(b.nodes for b in parent.branches[held.fork_id]):
+                    parent.hold = None
+                    self.interpreter.wake(parent)
+            self.interpreter.wake(self)
+            return first
+
+    def close(self) -> None:
+        """The program will append nothing more here (nor in the branches of this state)."""
+        with self.cv:
+            for stream in self.lineage():
+                stream.is_closed = True
+                stream.hold = None
+                self.interpreter.wake(stream)
+
+    def lineage(self) -> list[Stream]:
+        """This stream and every branch below it."""
+        out, todo = [], [self]
+        while todo:
+            stream = todo.pop()
+            out.append(stream)
+            for branches in stream.branches.values():
+                todo.extend(branches)
+        return out
+
+    def wait(self, ready: Callable[[], bool]) -> None:
+        """Wait (lock held) until `ready()` or this stream has ended; forks being filled
+        above it are released, since the reader needs them to run."""
+        stream: Stream | None = self
+        while stream is not None:
+            if stream.hold is not None:
+                stream.hold = None
+                self.interpreter.wake(stream)
+            stream = stream.parent
+        while not (ready() or self.is_done):
+            self.cv.wait()
+
+    def is_synced(self) -> bool:
+        """Everything appended so far has run (lock held)."""
+        return self.is_started and not self.is_busy and self.pos == len(self.nodes)
+
+    def has_run(self, name: str) -> bool:
+        """The latest node setting `name` that was appended has run (lock held)."""
+        index = self.producers.get(name)
+        return self.is_synced() if index is None else self.pos > index
+
+    def next_events(self, start: int) -> tuple[list, bool]:
+        """Text events from `start` on, waiting for at least one or the end; and whether
+        the stream has ended (then no event comes after these)."""
+        with self.cv:
+            self.wait(lambda: len(self.events) > start)
+            return self.events[start:], self.is_done
+
+    def _on_emit(self, name: str | None, text: str) -> None:
+        if self.is_streaming:
+            meta = self.st.meta.get(name) if name is not None else None
+            with self.cv:
+                self.events.append((name, text, meta))
+                self.cv.notify_all()
