@@ -18,6 +18,7 @@ the nodes it waits for have run.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from typing import Any
 from lmprog.ir import Expr, Fork, Gen, Join, Select
 from lmprog.ops import SelectPlan, gathered_variables
 from lmprog.stream import Stream
+
+logger = logging.getLogger(__name__)
 
 
 class Interpreter:
@@ -82,11 +85,17 @@ class Interpreter:
                         item.is_queued = False
             outbox = Outbox()
             for item in items:
-                if isinstance(item, Stream):
-                    self.advance(item, outbox)
-                else:
-                    item()
-            outbox.flush(self)
+                try:
+                    if isinstance(item, Stream):
+                        self.advance(item, outbox)
+                    else:
+                        item()
+                except BaseException:  # noqa: BLE001 - the thread must outlive any one item
+                    logger.exception("lmprog interpreter: an item failed")
+            try:
+                outbox.flush(self)
+            except BaseException:  # noqa: BLE001
+                logger.exception("lmprog interpreter: submitting failed")
 
     def advance(self, stream: Stream, outbox: Outbox) -> None:
         """Run `stream`'s nodes until one needs a request, a join waits, or none is left."""
@@ -104,7 +113,7 @@ class Interpreter:
                 node = stream.nodes[stream.pos]
             try:
                 finished = self._visit(stream, node, outbox)
-            except Exception as error:  # noqa: BLE001 - the stream's program fails, others go on
+            except BaseException as error:  # noqa: BLE001 - this program fails, others go on
                 self.fail(stream, error)
                 return
             with stream.cv:
@@ -167,13 +176,14 @@ class Interpreter:
 
     def fail(self, stream: Stream, error: BaseException) -> None:
         """The stream's program failed: its own error, or one of its requests was refused.
-        It ends once its request in flight (if any) is back; branches not started end now."""
+        It and its branches end once their requests in flight (if any) are back; branches
+        not started end now."""
         with stream.cv:
             if stream.error is None:
                 stream.error = error
             for branches in stream.branches.values():
                 for branch in branches:
-                    if not branch.is_started:
+                    if not branch.is_done:
                         branch.is_started = True
                         self.fail(branch, error)
             if not stream.is_busy:
@@ -201,7 +211,7 @@ class Interpreter:
                 apply()
                 with stream.cv:
                     stream.pos += 1
-        except Exception as error:  # noqa: BLE001 - the stream's program fails, others go on
+        except BaseException as error:  # noqa: BLE001 - this program fails, others go on
             with stream.cv:
                 stream.error = stream.error or error
         with stream.cv:
@@ -221,12 +231,25 @@ class Interpreter:
     def gen_chunk(self, stream: Stream, gen: Gen, chunk: dict[str, Any]) -> None:
         if stream.error is not None:
             return
+        try:
+            self._apply_chunk(stream, gen, chunk)
+        except BaseException as error:  # noqa: BLE001 - this program fails, others go on
+            with stream.cv:
+                stream.error = stream.error or error  # it ends when its request is back
+
+    def _apply_chunk(self, stream: Stream, gen: Gen, chunk: dict[str, Any]) -> None:
         meta = dict(chunk["meta_info"])
         logprobs = meta.get("output_token_logprobs")
-        if logprobs is not None:  # the engine's live list: take this chunk's snapshot
-            logprobs = list(logprobs[: meta["completion_tokens"]])
+        num_tokens = meta["completion_tokens"]
+        for key in ("output_top_logprobs",):  # the engine's live lists: this chunk's snapshot
+            if meta.get(key) is not None:
+                meta[key] = list(meta[key][:num_tokens])
+        if logprobs is not None:
+            logprobs = list(logprobs[:num_tokens])
             if stream.ops.defaults_or(gen, "return_text_in_logprobs"):
-                logprobs = stream.ops.with_text(logprobs)
+                # Only the new entries get their text; earlier chunks' are kept.
+                done = (stream.st.meta.get(gen.name) or {}).get("output_token_logprobs") or []
+                logprobs = done + stream.ops.with_text(logprobs[len(done) :])
             meta["output_token_logprobs"] = logprobs
         stream.st.meta[gen.name] = meta
         stream.st.emit(chunk["text"], "gen", gen.name)
@@ -251,13 +274,14 @@ class Outbox:
         self.selects: list[tuple[Stream, Select, SelectPlan]] = []
 
     def flush(self, interp: Interpreter) -> None:
-        groups: dict[tuple[int, int], list] = {}
+        groups: dict[tuple[int, ...], list] = {}  # (backend, [parent, fork]) -> its gens
         for item in self.gens:
             stream = item[0]
-            key = (id(stream.parent), stream.fork_id) if stream.parent else (0, 0)
+            backend = id(stream.ops.backend)
+            key = (backend, id(stream.parent), stream.fork_id) if stream.parent else (backend,)
             groups.setdefault(key, []).append(item)
         for key, items in groups.items():
-            self._submit_gens(interp, items, group=key != (0, 0) and len(items) > 1)
+            self._submit_gens(interp, items, group=len(key) > 1 and len(items) > 1)
         for stream, sel, plan in self.selects:
             ids, starts = stream.ops.select_requests(plan)
             try:

@@ -125,6 +125,8 @@ class ProgramState(StateBlocks):
             raise ValueError(f"fork size must be a positive int, got {size!r}")
         parent = self._stream
         with parent.cv:
+            if parent.is_closed:
+                raise RuntimeError("this state's program has ended; it cannot fork")
             fork_id = len(parent.branches)
             branches = [
                 Stream(
@@ -140,6 +142,8 @@ class ProgramState(StateBlocks):
             index = parent.append([(Fork(fork_id, size), None)])
             if parent.hold is None:  # released once every branch has a node, or on a read
                 parent.hold = index
+            if parent.is_done:  # the program has failed: its fork never runs
+                INTERPRETER.fail(parent, parent.error or RuntimeError("the program ended"))
         return ProgramStateGroup(self, [ProgramState(b) for b in branches], fork_id)
 
     # ---- reading ------------------------------------------------------------------------

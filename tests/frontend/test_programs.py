@@ -374,3 +374,64 @@ def test_gen_logprob_start_len_gives_prompt_logprobs(engine):
     got = state.get_meta_info("a")["input_token_logprobs"]
     assert [t for _, t in got] == ids[3:] == [t for _, t in reference]
     assert [v for v, _ in got] == pytest.approx([v for v, _ in reference], abs=1e-4)
+
+
+def test_a_fork_after_the_program_failed_ends_and_a_finished_state_cannot_fork(engine):
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+
+    @lp.function
+    def refused_then_fork(s):
+        s += "x " * (engine.context_len + 10) + lp.gen("a", max_tokens=2)
+        s.error()  # returns once the refused request has failed the program
+        forks = s.fork(2)
+        forks += lp.gen("b", max_tokens=2)
+        forks.join()
+
+    with pytest.raises(ValueError, match="longer than the context"):
+        refused_then_fork.run(backend=engine)
+
+    @lp.function
+    def short(s):
+        s += "hi" + lp.gen("a", max_tokens=2)
+
+    state = short.run(backend=engine)
+    with pytest.raises(RuntimeError, match="cannot fork"):
+        state.fork(2)
+    # Nothing is left running: the interpreter thread exits (it may take a moment).
+    import time
+
+    deadline = time.monotonic() + 10
+    while {t.ident for t in threading.enumerate()} - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t.name for t in threading.enumerate() if t.ident not in before]
+
+
+def test_programs_on_two_engines_at_once_each_use_their_own(engine, tiny_path):
+    from lmprog_runtime import Engine
+
+    @lp.function
+    def prog(s, i):
+        s += f"Number {i}:" + lp.gen("x", max_tokens=3, temperature=0, ignore_eos=True)
+
+    with Engine(tiny_path, max_total_tokens=2048, random_seed=7) as other:
+        other.reset_stats()
+        engine.reset_stats()
+        results = {}
+
+        def run(name, backend):
+            results[name] = prog.run_batch([{"i": i} for i in range(8)], backend=backend)
+
+        import threading
+
+        threads = [
+            threading.Thread(target=run, args=("a", engine)),
+            threading.Thread(target=run, args=("b", other)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert other.stats()["decode_tokens"] == engine.stats()["decode_tokens"] == 8 * 2
+    assert [s.text() for s in results["a"]] == [s.text() for s in results["b"]]
