@@ -67,6 +67,17 @@ def render_chat(engine, messages, generation_prompt=True) -> str:
     )
 
 
+def qa_prompt(engine, question: str) -> str:
+    """The prompt `qa` sends for its answer: system and user messages, then the assistant's."""
+    return render_chat(
+        engine,
+        [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": question},
+        ],
+    )
+
+
 def reference(engine, prompt: str, **params) -> str:
     """What the engine itself generates for `prompt` (greedy)."""
     return engine.generate(prompt, {"temperature": 0, **params})["text"]
@@ -598,13 +609,7 @@ def test_stream_text_iter_and_var(default_engine):
     assert all(isinstance(p, str) for p in pieces)
     assert "".join(pieces) == ret["answer"] == plain["answer"]
     assert len(pieces) > 1
-    prompt = render_chat(
-        engine,
-        [
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": question},
-        ],
-    )
+    prompt = qa_prompt(engine, question)
     assert ret["answer"] == reference(engine, prompt, max_new_tokens=16, ignore_eos=True)
     # As in SGLang, a delta is never empty (a token that completes no character yet, such
     # as part of a UTF-8 sequence, adds its text to the next delta).
@@ -641,13 +646,7 @@ def test_stream_with_logprobs_async(default_engine):
         seen = so_far
     assert [entry for inc in increments for entry in inc] == final
     assert sum(1 for inc in increments if inc) > 1  # they arrived in more than one chunk
-    prompt = render_chat(
-        engine,
-        [
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": question},
-        ],
-    )
+    prompt = qa_prompt(engine, question)
     expected = engine.generate(
         prompt, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}, return_logprob=True
     )["meta_info"]["output_token_logprobs"]
