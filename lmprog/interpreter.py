@@ -239,11 +239,11 @@ class Interpreter:
 
     def _apply_chunk(self, stream: Stream, gen: Gen, chunk: dict[str, Any]) -> None:
         meta = dict(chunk["meta_info"])
-        logprobs = meta.get("output_token_logprobs")
         num_tokens = meta["completion_tokens"]
-        for key in ("output_top_logprobs",):  # the engine's live lists: this chunk's snapshot
-            if meta.get(key) is not None:
-                meta[key] = list(meta[key][:num_tokens])
+        # The logprob lists are the engine's live ones: take this chunk's snapshot.
+        if meta.get("output_top_logprobs") is not None:
+            meta["output_top_logprobs"] = list(meta["output_top_logprobs"][:num_tokens])
+        logprobs = meta.get("output_token_logprobs")
         if logprobs is not None:
             logprobs = list(logprobs[:num_tokens])
             if stream.ops.defaults_or(gen, "return_text_in_logprobs"):

@@ -18,8 +18,8 @@ from typing import Any
 INT_PATTERN = r"-?(0|[1-9][0-9]{0,17})"
 FLOAT_PATTERN = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})?"
 NUMBER_END = " \n"
-REGEX_INT = INT_PATTERN + "[ \n]?"
-REGEX_FLOAT = FLOAT_PATTERN + "[ \n]?"
+REGEX_INT = f"{INT_PATTERN}[{NUMBER_END}]?"
+REGEX_FLOAT = f"{FLOAT_PATTERN}[{NUMBER_END}]?"
 REGEX_BOOL = r"(True|False)"
 # A JSON string literal: ends where the model closes the quote; escapes stay whole.
 REGEX_STR = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"'

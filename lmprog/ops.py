@@ -63,8 +63,8 @@ REQUEST_KEYS = (
 # digits or EOS allowed it writes "2400..." instead. The end is consumed like a stop string.
 DTYPE_NUMBER_END = " \n.,"
 DTYPE_REGEX = {
-    int: INT_PATTERN + "[ \n.,]?",
-    float: FLOAT_PATTERN + "[ \n.,]?",
+    int: f"{INT_PATTERN}[{DTYPE_NUMBER_END}]?",
+    float: f"{FLOAT_PATTERN}[{DTYPE_NUMBER_END}]?",
     bool: REGEX_BOOL,
     str: REGEX_STR,
 }

@@ -86,7 +86,9 @@ class ProgramState(StateBlocks):
         self.ret_value: Any = None
 
     @classmethod
-    def start(cls, backend: Backend, defaults: dict[str, Any], *, stream: bool = False):
+    def start(
+        cls, backend: Backend, defaults: dict[str, Any], *, stream: bool = False
+    ) -> ProgramState:
         """The root state of a new program."""
         return cls(Stream(INTERPRETER, backend, defaults, is_streaming=stream))
 
@@ -225,15 +227,11 @@ class ProgramState(StateBlocks):
         if not self._stream.is_streaming:
             yield self.text() if var_name is None else self[var_name]
             return
-        start = 0
-        while True:
-            events, is_done = self._stream.next_events(start)
-            start += len(events)
-            for name, delta, _ in events:
-                if delta and (var_name is None or name == var_name):
-                    yield delta
-            if is_done:
-                break
+        start, is_done = 0, False
+        while not is_done:
+            deltas, start, is_done = self._stream.next_deltas(start, var_name)
+            for delta, _ in deltas:
+                yield delta
         self._raise_error()
 
     async def text_async_iter(
@@ -252,15 +250,13 @@ class ProgramState(StateBlocks):
                 value = self[var_name]
                 yield (value, self._stream.st.meta.get(var_name)) if return_meta_data else value
             return
-        start = 0
-        while True:
-            events, is_done = await loop.run_in_executor(None, self._stream.next_events, start)
-            start += len(events)
-            for name, delta, meta in events:
-                if delta and (var_name is None or name == var_name):
-                    yield (delta, meta) if return_meta_data else delta
-            if is_done:
-                break
+        start, is_done = 0, False
+        while not is_done:
+            deltas, start, is_done = await loop.run_in_executor(
+                None, self._stream.next_deltas, start, var_name
+            )
+            for delta, meta in deltas:
+                yield (delta, meta) if return_meta_data else delta
         self._raise_error()
 
     def __str__(self) -> str:

@@ -120,12 +120,21 @@ class Stream:
         index = self.producers.get(name)
         return self.is_synced() if index is None else self.pos > index
 
-    def next_events(self, start: int) -> tuple[list, bool]:
-        """Text events from `start` on, waiting for at least one or the end; and whether
-        the stream has ended (then no event comes after these)."""
+    def next_deltas(
+        self, start: int, var_name: str | None
+    ) -> tuple[list[tuple[str, dict[str, Any] | None]], int, bool]:
+        """The non-empty text deltas (of `var_name`, or all) among the events from `start`
+        on, waiting for at least one event or the end; returns them with their meta info,
+        where the next call starts, and whether the stream has ended (no event after)."""
         with self.cv:
             self.wait(lambda: len(self.events) > start)
-            return self.events[start:], self.is_done
+            events, is_done = self.events[start:], self.is_done
+        deltas = [
+            (delta, meta)
+            for name, delta, meta in events
+            if delta and (var_name is None or name == var_name)
+        ]
+        return deltas, start + len(events), is_done
 
     def _on_emit(self, name: str | None, text: str) -> None:
         if self.is_streaming:

@@ -372,7 +372,7 @@ class Engine(EngineLoop):
             if not self._thread.is_alive():
                 raise RuntimeError("the engine loop has stopped")
         if req.error is not None:
-            raise RuntimeError(f"request {req.rid} failed: {req.error}") from req.error
+            raise _request_error(req)
         return req.to_output()
 
     def _stream(self, req: Req) -> Iterator[dict[str, Any]]:
@@ -383,15 +383,20 @@ class Engine(EngineLoop):
                 break
             yield chunk
         if req.error is not None:
-            raise RuntimeError(f"request {req.rid} failed: {req.error}") from req.error
+            raise _request_error(req)
+
+
+def _request_error(req: Req) -> RuntimeError:
+    """What a caller gets for a failed request: the request named, its error as the cause."""
+    error = RuntimeError(f"request {req.rid} failed: {req.error}")
+    error.__cause__ = req.error
+    return error
 
 
 def _resolve(future: Future, req: Req) -> None:
     """A submitted request finished: its future gets the result or the error."""
     if req.error is not None:
-        error = RuntimeError(f"request {req.rid} failed: {req.error}")
-        error.__cause__ = req.error
-        future.set_exception(error)
+        future.set_exception(_request_error(req))
     else:
         future.set_result(req.to_output())
 

@@ -2,13 +2,13 @@
 
 Each step is an extend (prefill) of newly admitted requests, with one decode token of
 every running request mixed in (a decode is an extend of one token), or a decode step of
-every running request when nothing is admitted. Admission matches prompts against the radix tree so only uncached
-suffixes are computed, orders the queue by the schedule policy, admits request groups
-atomically, splits long prompts into chunks that alternate with decode steps, and reserves
-an (optimistic) share of each request's future output. When the pool runs dry it evicts
-unlocked cache leaves first, then retracts running requests (their computed tokens go to
-the cache, they requeue, and resume exactly where they were). The scheduler never touches
-the model's tensors.
+every running request when nothing is admitted. Admission matches prompts against the
+radix tree so only uncached suffixes are computed, orders the queue by the schedule policy,
+admits request groups atomically, splits long prompts into chunks that run beside the
+decodes, and reserves an (optimistic) share of each request's future output. When the pool
+runs dry it evicts unlocked cache leaves first, then retracts running requests (their
+computed tokens go to the cache, they requeue, and resume exactly where they were). The
+scheduler never touches the model's tensors.
 """
 
 from __future__ import annotations
@@ -102,14 +102,11 @@ class Scheduler:
     def _mix_decodes(self, batch: ScheduledBatch) -> None:
         """Add one decode token of every running request to an extend batch, if a slot for
         each is free now (otherwise they decode next step, evicting or retracting there)."""
-        table = self.req_to_token.table
-        rows = torch.tensor([r.req_pool_idx for r in self.running], dtype=torch.int64)
-        kv_lens = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64)
-        last = table[rows.to(table.device), (kv_lens - 1).to(table.device)].cpu()
+        rows, kv_lens, last = self._decode_positions()
         slots = self.allocator.alloc_decode(last)
         if slots is None:
             return
-        table[rows.to(table.device), kv_lens.to(table.device)] = slots.to(table.device)
+        self._write_decode_slots(rows, kv_lens, slots)
         batch.reqs += self.running
         batch.out_cache_loc = torch.cat([batch.out_cache_loc, slots])
         batch.prefix_lens += kv_lens.tolist()
@@ -272,7 +269,7 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch:
         slots, rows, kv_lens = self._alloc_decode_slots()
-        self.req_to_token.table[rows, kv_lens] = slots.to(self.req_to_token.table.device)
+        self._write_decode_slots(rows, kv_lens, slots)
         reqs = list(self.running)
         self._decay_new_token_ratio()
         prefix_lens = kv_lens.tolist()
@@ -281,12 +278,8 @@ class Scheduler:
     def _alloc_decode_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One new slot per running request (evicting, then retracting, when short).
         Returns (slots, table rows, positions), each [num_running]."""
-        table = self.req_to_token.table
         while True:
-            rows = torch.tensor([r.req_pool_idx for r in self.running], dtype=torch.int64)
-            kv_lens = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64)
-            # Running requests always hold K/V, so each has a last slot to continue from.
-            last = table[rows.to(table.device), (kv_lens - 1).to(table.device)].cpu()
+            rows, kv_lens, last = self._decode_positions()
             slots = self.allocator.alloc_decode(last)
             if slots is not None:
                 return slots, rows, kv_lens
@@ -299,6 +292,21 @@ class Scheduler:
                 # Admission checks every request fits the pool alone, so this cannot happen.
                 raise RuntimeError("KV pool exhausted by a single request")
             self.retract(victim)
+
+    def _decode_positions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per running request: its table row, its next position, and the KV slot of the
+        position before (running requests always hold K/V, so there is one)."""
+        table = self.req_to_token.table
+        rows = torch.tensor([r.req_pool_idx for r in self.running], dtype=torch.int64)
+        kv_lens = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64)
+        last = table[rows.to(table.device), (kv_lens - 1).to(table.device)].cpu()
+        return rows, kv_lens, last
+
+    def _write_decode_slots(
+        self, rows: torch.Tensor, kv_lens: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        table = self.req_to_token.table
+        table[rows.to(table.device), kv_lens.to(table.device)] = slots.to(table.device)
 
     def _pick_victim(self) -> Req | None:
         if self.chunked_req is not None:
