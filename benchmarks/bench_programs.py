@@ -535,13 +535,15 @@ def main() -> None:
             run_args = argparse.Namespace(
                 model=model, dtype=args.dtype, repeats=args.repeats, results_dir=args.results_dir
             )
-            bench = "programs"
+            # On a94fbee's own runtime the result is the system as it was: kept apart.
+            bench = "programs" if args.old_runtime != OLD_COMMIT else "programs_a94fbee"
             argv, sys.argv = sys.argv, [*without_model(sys.argv), "--model", model]
             harness.write_result(  # the command recorded is this model's alone
                 run_args,
                 bench,
                 {
-                    "title": "Lazy executor vs a94fbee's waves and thread-per-program executors",
+                    "title": "Lazy executor vs a94fbee's waves and thread-per-program executors"
+                    + (" (each on its own runtime)" if args.old_runtime == OLD_COMMIT else ""),
                     "workload": (
                         f"{args.programs} programs per workload, greedy; every gen has a stop "
                         f"string and a max_tokens drawn from {list(LENGTHS)} (1 in 6 long); "

@@ -51,6 +51,10 @@ class Backend(ABC):
         i. Bad input raises here (ValueError / TypeError), before anything is submitted;
         callbacks must not block."""
 
+    def abort(self, futures: list[Future]) -> None:  # noqa: B027 - optional to override
+        """Cancel the requests behind `futures` (from `submit`); their futures then fail.
+        A backend that cannot cancel lets them run to the end."""
+
     def generate(self, input_ids, params, **options: Any) -> list[dict[str, Any]]:
         """`submit` and wait for every result."""
         return [future.result() for future in self.submit(input_ids, params, **options)]
@@ -116,6 +120,11 @@ class EngineBackend(Backend):
             group=group,
             on_chunk=on_chunk,
         )
+
+    def abort(self, futures):
+        for future in futures:
+            if not future.done():
+                self.engine.abort(future.request_id)
 
     def render_chat(self, messages):
         if not getattr(self.tokenizer, "chat_template", None):

@@ -98,7 +98,11 @@ class Function:
         state = ProgramState.start(_resolve(backend), defaults, stream=stream)
         self._execute(state, args, arguments)
         if not stream:
-            state._wait_done()
+            try:
+                state._wait_done()
+            except BaseException as error:  # Ctrl-C: its requests stop, then it goes on
+                state._cancel(error)
+                raise
             state._raise_error()
         return state
 
@@ -150,11 +154,18 @@ class Function:
 
             bar = tqdm(total=len(calls), desc=self.func.__name__)
 
+        running: dict[int, ProgramState] = {}
+        cancelled: list[BaseException] = []
+
         def one(i: int) -> tuple[int, ProgramState]:
             args, kwargs = calls[i]
             state = ProgramState.start(backend, defaults)
+            running[i] = state
+            if cancelled:  # started while the batch was being cancelled
+                state._cancel(cancelled[0])
             self._execute(state, args, kwargs)
             state._wait_done()
+            del running[i]
             return i, state
 
         with ThreadPoolExecutor(
@@ -166,8 +177,16 @@ class Function:
                     if bar is not None:
                         bar.update(1)
                     yield future.result()
+            except BaseException as error:  # Ctrl-C: the programs still running stop
+                if not isinstance(error, GeneratorExit):
+                    cancelled.append(error)
+                    for future in futures:
+                        future.cancel()
+                    for state in list(running.values()):
+                        state._cancel(error)
+                raise
             finally:
-                for future in futures:
+                for future in futures:  # programs not started yet never start
                     future.cancel()
                 if bar is not None:
                     bar.close()
@@ -177,8 +196,10 @@ class Function:
         stream = state._stream
         try:
             state.ret_value = self.func(state, *args, **{**self.bound, **kwargs})
-        except BaseException as error:  # noqa: BLE001 - kept in the state, never lost
+        except Exception as error:  # noqa: BLE001 - kept in the state, never lost
             stream.interpreter.fail(stream, error)
+        except BaseException as error:  # Ctrl-C in the body: its requests stop too
+            stream.interpreter.cancel(stream, error)
         finally:
             stream.close()
 

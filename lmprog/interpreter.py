@@ -189,6 +189,18 @@ class Interpreter:
             if not stream.is_busy:
                 self._end(stream)
 
+    def cancel(self, stream: Stream, error: BaseException) -> None:
+        """(any thread) Fail `stream`'s program now, with `error`, and abort its requests in
+        flight (Ctrl-C while it runs): their slots are freed within one engine step."""
+        self.post(functools.partial(self._cancel, stream, error))
+
+    def _cancel(self, stream: Stream, error: BaseException) -> None:
+        lineage = stream.lineage()
+        self.fail(stream, error)
+        for each in lineage:
+            if each.inflight:
+                each.ops.backend.abort(each.inflight)
+
     def _end(self, stream: Stream) -> None:
         with stream.cv:
             if stream.is_done:
@@ -206,6 +218,7 @@ class Interpreter:
     # ---- results (posted by the backend's callbacks) --------------------------------------
     def _resume(self, stream: Stream, apply: Callable[[], None]) -> None:
         """A request of `stream` came back: apply it (unless the stream failed) and go on."""
+        stream.inflight = []
         try:
             if stream.error is None:
                 apply()
@@ -295,6 +308,7 @@ class Outbox:
             except Exception as error:  # noqa: BLE001 - refused: this program fails
                 interp.post(functools.partial(_refused, interp, stream, error))
                 continue
+            stream.inflight = futures
             done = functools.partial(interp.select_done, stream, sel, plan, futures)
             countdown = _Countdown(len(futures), lambda done=done: interp.post(done))
             for future in futures:
@@ -326,6 +340,7 @@ class Outbox:
                 interp.post(functools.partial(_refused, interp, items[0][0], error))
             return
         for (stream, gen, _, _), future, is_streamed in zip(items, futures, streamed):
+            stream.inflight = [future]
             done = functools.partial(interp.gen_done, stream, gen, is_streamed)
             future.add_done_callback(lambda f, done=done: interp.post(functools.partial(done, f)))
 

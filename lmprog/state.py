@@ -161,6 +161,10 @@ class ProgramState(StateBlocks):
             with stream.cv:
                 stream.wait(lambda: False)
 
+    def _cancel(self, error: BaseException) -> None:
+        """Fail the program with `error` and abort its requests in flight."""
+        self._stream.interpreter.cancel(self._stream, error)
+
     def error(self) -> BaseException | None:
         """The exception that ended the program (its own, or a refused request), or None."""
         self.sync()

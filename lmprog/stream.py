@@ -55,6 +55,7 @@ class Stream:
         self.is_closed = False  # no more nodes will be appended
         self.is_done = False
         self.is_queued = False
+        self.inflight: list[Any] = []  # the futures of its request(s) in flight
         self.cv = threading.Condition(interpreter.lock)
         interpreter.add_live()
 

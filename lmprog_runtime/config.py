@@ -56,6 +56,9 @@ class RuntimeConfig:
     # Scales the share of future output tokens reserved at admission: 0 admits as much as
     # fits now (more retractions under pressure), larger values are more cautious.
     schedule_conservativeness: float = 1.0
+    # At most this many requests may wait to be admitted; a submit beyond it raises
+    # `QueueFull` at once. None: unbounded.
+    max_queued_requests: int | None = 65536
     random_seed: int = 0
     # Threads for torch's CPU ops; None leaves torch's default.
     num_threads: int | None = None
@@ -99,6 +102,10 @@ class RuntimeConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < 4 * self.page_size:
             raise ValueError("max_total_tokens must hold at least 4 pages")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(
+                f"max_queued_requests must be >= 1 or None, got {self.max_queued_requests}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

@@ -7,6 +7,7 @@ the model runner and every KV slot.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -99,6 +100,14 @@ class Engine(EngineLoop):
         self._seeds = random.Random(self.config.random_seed)
         self._seeds_lock = threading.Lock()
         self._inbox: list[Req] = []
+        self._aborts: list[tuple[int, BaseException]] = []
+        self._num_unfinished = 0  # submitted and not finished (guarded by `_cv`)
+        # Loop thread only: every submitted request not yet finished, by id; those with a
+        # deadline; how many scheduling attempts in a row have raised.
+        self._live: dict[int, Req] = {}
+        self._deadlines: list[Req] = []
+        self._schedule_failures = 0
+        self._fault_hook: Callable[[str, Req], None] | None = None
         # Reentrant (the default RLock): the finalizer may run on the loop thread inside `cv`.
         self._cv = threading.Condition()
         self._stopping = False
@@ -151,8 +160,8 @@ class Engine(EngineLoop):
             raise ValueError("stream=True takes a single prompt")
         self._submit(self._make_group(reqs) if group and len(reqs) > 1 else reqs)
         if stream:
-            return self._stream(reqs[0])
-        outputs = [self._wait(req) for req in reqs]
+            return RequestStream(self, reqs[0])
+        outputs = self._wait_all(reqs)
         return outputs[0] if is_single else outputs
 
     def submit(
@@ -190,6 +199,7 @@ class Engine(EngineLoop):
         for i, req in enumerate(reqs):
             future: Future = Future()
             future.set_running_or_notify_cancel()
+            future.request_id = req.rid  # type: ignore[attr-defined] - for `abort`
             req.on_done = functools.partial(_resolve, future)
             if on_chunk is not None:
                 req.on_chunk = functools.partial(on_chunk, i)
@@ -315,6 +325,27 @@ class Engine(EngineLoop):
             "num_waiting": len(self.scheduler.waiting) + len(self._inbox),
         }
 
+    def abort(self, request_id: int) -> None:
+        """Cancel a request (`meta_info["id"]`, or a future's `request_id`) before its next
+        step: it fails with `RequestAborted`, its slots are freed and what it computed stays
+        in the prefix cache. An id that has already finished (or never existed) is ignored."""
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
+        with self._cv:
+            self._aborts.append((request_id, RequestAborted(f"request {request_id} was aborted")))
+            self._cv.notify_all()
+
+    @property
+    def fault_hook(self) -> Callable[[str, Req], None] | None:
+        """Tests only: called as `hook(point, req)` at "schedule" (admission) and "sample";
+        raising there fails that request alone."""
+        return self._fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: Callable[[str, Req], None] | None) -> None:
+        self._fault_hook = hook
+        self.scheduler.fault = hook if hook is not None else _no_fault
+
     def flush_cache(self) -> bool:
         """Drop every cached prefix. Returns False (and drops nothing) while requests run."""
         return bool(self._command("flush_cache"))
@@ -364,8 +395,27 @@ class Engine(EngineLoop):
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the engine has been shut down")
+            limit = self.config.max_queued_requests
+            queued = self._num_unfinished - len(self.scheduler.running)
+            if limit is not None and queued + len(reqs) > limit:
+                raise QueueFull(
+                    f"the engine's queue is full: {queued} requests wait and "
+                    f"max_queued_requests={limit}; submit fewer at a time or raise the limit"
+                )
+            self._num_unfinished += len(reqs)
             self._inbox.extend(reqs)
             self._cv.notify_all()
+
+    def _wait_all(self, reqs: list[Req]) -> list[dict[str, Any]]:
+        """Wait for every request; if the wait is interrupted (Ctrl-C), abort the ones still
+        running before the interrupt goes on."""
+        try:
+            return [self._wait(req) for req in reqs]
+        except BaseException:
+            for req in reqs:
+                if not req.done.is_set():
+                    self.abort(req.rid)
+            raise
 
     def _wait(self, req: Req) -> dict[str, Any]:
         while not req.done.wait(0.5):
@@ -375,19 +425,65 @@ class Engine(EngineLoop):
             raise _request_error(req)
         return req.to_output()
 
-    def _stream(self, req: Req) -> Iterator[dict[str, Any]]:
+
+class RequestAborted(RuntimeError):
+    """A request was cancelled: `Engine.abort`, a closed stream or an interrupted wait."""
+
+
+class QueueFull(RuntimeError):
+    """More requests wait to be admitted than the engine's `max_queued_requests`."""
+
+
+class RequestStream:
+    """The chunks of one streamed request. Closing it (or dropping it) before the end
+    aborts the request."""
+
+    def __init__(self, engine: Engine, req: Req) -> None:
         assert req.stream_queue is not None
-        while True:
-            chunk = req.stream_queue.get()
-            if chunk is None:
-                break
-            yield chunk
-        if req.error is not None:
-            raise _request_error(req)
+        self._engine = engine
+        self._req = req
+        self._is_over = False
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._is_over:
+            raise StopIteration
+        try:
+            chunk = self._req.stream_queue.get()
+        except BaseException:
+            self.close()
+            raise
+        if chunk is not None:
+            return chunk
+        self._is_over = True
+        if self._req.error is not None:
+            raise _request_error(self._req)
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop reading: the request is aborted if it has not finished."""
+        if not self._is_over:
+            self._is_over = True
+            if not self._req.done.is_set():
+                self._engine.abort(self._req.rid)
+
+    def __del__(self) -> None:
+        if not self._is_over and not self._req.done.is_set() and not self._engine._stopping:
+            with contextlib.suppress(Exception):  # never raise from a finalizer
+                self._engine.abort(self._req.rid)
 
 
-def _request_error(req: Req) -> RuntimeError:
-    """What a caller gets for a failed request: the request named, its error as the cause."""
+def _no_fault(point: str, req: Req) -> None:
+    pass
+
+
+def _request_error(req: Req) -> Exception:
+    """What a caller gets for a failed request: the request named, its error as the cause;
+    a cancelled one (aborted, timed out) raises its own error, which names it."""
+    if isinstance(req.error, (RequestAborted, TimeoutError)):
+        return req.error
     error = RuntimeError(f"request {req.rid} failed: {req.error}")
     error.__cause__ = req.error
     return error

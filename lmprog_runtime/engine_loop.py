@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from lmprog_runtime.engine import Engine
 
 logger = logging.getLogger("lmprog_runtime.engine")
+# Scheduling that raises this many times in a row fails the requests waiting for it.
+MAX_SCHEDULE_FAILURES = 3
 
 
 class EngineLoop:
@@ -44,22 +46,78 @@ class EngineLoop:
         with self._cv:
             new, self._inbox = self._inbox, []
             commands, self._commands = self._commands, []
+            aborts, self._aborts = self._aborts, []
         for req in new:
+            self._live[req.rid] = req
+            if req.deadline is not None:
+                self._deadlines.append(req)
             self.scheduler.add(req)
         for name, done, result in commands:
             result.append(self._run_command(name))
             done.set()
+        self._cancel(aborts)
         batch = None
         try:
             batch = self.scheduler.next_batch()
-            if batch is None:
-                self._fail_unschedulable()
-                return
+        except Exception as error:  # a bug in scheduling: fail what it held, never spin
+            logger.exception("scheduling failed")
+            self._recover_schedule(error)
+            return
+        finally:
+            self._fail_refused()
+        if batch is None:
+            self._fail_unschedulable()
+            return
+        self._schedule_failures = 0
+        try:
             self._step(batch)
         except Exception as error:  # one bad step must not take the loop down
             logger.exception("engine step failed")
-            if batch is not None:
-                self._fail_step(batch, error)
+            self._fail_step(batch, error)
+
+    def _cancel(self, aborts: list[tuple[int, BaseException]]) -> None:
+        """Finish aborted requests and those past their deadline, between steps: their
+        slots are freed, their computed prefix stays in the cache."""
+        now = time.monotonic()
+        if self._deadlines:
+            keep = []
+            for req in self._deadlines:
+                if req.done.is_set():
+                    continue
+                if now >= req.deadline:
+                    timeout = req.params.timeout_s
+                    message = f"request {req.rid} ran past its timeout_s={timeout:g}"
+                    aborts.append((req.rid, TimeoutError(message)))
+                else:
+                    keep.append(req)
+            self._deadlines = keep
+        for rid, error in aborts:
+            req = self._live.get(rid)
+            if req is not None and not req.done.is_set():
+                self._finish(req, error, keep_prefix=True)
+
+    def _fail_refused(self) -> None:
+        """Requests the scheduler gave up on one by one (an error in their own admission)."""
+        for req, error in self.scheduler.take_refused():
+            if not req.done.is_set():
+                self._finish(req, error)
+
+    def _recover_schedule(self, error: Exception) -> None:
+        """Scheduling raised outside any one request. A request it had taken off the
+        waiting list without putting it in a batch would wait forever: it fails. If it keeps
+        failing with nothing else changing, the requests that wait fail too."""
+        sched = self.scheduler
+        held = {id(r) for r in sched.waiting + sched.running}
+        if sched.chunked_req is not None:
+            held.add(id(sched.chunked_req))
+        for req in list(self._live.values()):
+            if id(req) not in held and not req.done.is_set():
+                self._finish(req, error)
+        self._schedule_failures += 1
+        if self._schedule_failures >= MAX_SCHEDULE_FAILURES:
+            for req in list(sched.waiting):
+                self._finish(req, error)
+            self._schedule_failures = 0
 
     def _fail_step(self, batch: ScheduledBatch, error: Exception) -> None:
         if not batch.kv_committed:  # the slots of this step hold no valid K/V
@@ -98,28 +156,26 @@ class EngineLoop:
         batch.kv_committed = True
         row_of = {id(req): req_rows for req, req_rows in zip(batch.reqs, rows)}
         if batch.mode is ForwardMode.EXTEND:
-            record_prompt_logprobs(ready, logits, row_of)
+            self._record_prompt_logprobs(ready, logits, row_of)
+        ready = [r for r in ready if not r.done.is_set()]
         to_sample = [r for r in ready if r.max_new_tokens > len(r.output_ids)]
         if to_sample:
-            last = torch.tensor([row_of[id(r)][-1] for r in to_sample])
-            out = sample(logits.index_select(0, last), to_sample)
-            for req, token, logprob in zip(to_sample, out.token_ids, out.logprobs):
-                if logprob is not None:
-                    req.output_token_logprobs.append((logprob[0], token))
-                    if req.top_logprobs_num:
-                        req.output_top_logprobs.append(logprob[1])
-                req.append_token(token)
-                if req.char_fsm is not None and not req.is_finished:
-                    self._jump_forward(req)
+            self._sample(to_sample, logits, row_of)
         for req in ready:
-            if req.max_new_tokens == 0:
-                req.finish_prefill_only()
-            if req.is_finished:
-                self._finish(req)
-            elif req.is_streamed:
-                chunk = req.stream_delta()
-                if chunk is not None:
-                    req.emit_chunk(chunk)
+            if req.done.is_set():
+                continue
+            try:
+                if req.max_new_tokens == 0:
+                    req.finish_prefill_only()
+                if req.is_finished:
+                    self._finish(req)
+                elif req.is_streamed:
+                    chunk = req.stream_delta()
+                    if chunk is not None:
+                        req.emit_chunk(chunk)
+            except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
+                logger.exception("request %d failed after its step", req.rid)
+                self._finish(req, error)
         self._stats.record_step(
             batch,
             num_running=len(self.scheduler.running),
@@ -127,13 +183,94 @@ class EngineLoop:
             step_seconds=time.perf_counter() - start,
         )
 
-    def _finish(self, req: Req, error: BaseException | None = None) -> None:
+    def _sample(self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]) -> None:
+        """Sample each request's next token and append it; a request whose sampling or
+        append raises fails alone."""
+        for req, token, logprob in self._draw(reqs, logits, row_of):
+            try:
+                if logprob is not None:
+                    req.output_token_logprobs.append((logprob[0], token))
+                    if req.top_logprobs_num:
+                        req.output_top_logprobs.append(logprob[1])
+                req.append_token(token)
+                if req.char_fsm is not None and not req.is_finished:
+                    self._jump_forward(req)
+            except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
+                logger.exception("request %d failed after sampling", req.rid)
+                self._finish(req, error)
+
+    def _draw(
+        self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
+    ) -> list[tuple[Req, int, Any]]:
+        """(request, token, logprob) for each request, sampled as one batch. If the batch
+        raises, each request is sampled alone (seeded generators rewound first, so the
+        others draw what they would have), and the one that raises fails."""
+        seeded = [r for r in reqs if not r.params.is_greedy]
+        states = [r.generator.get_state() for r in seeded]
+        try:
+            return self._draw_batch(reqs, logits, row_of)
+        except Exception:  # noqa: BLE001 - find the culprit below
+            logger.exception("sampling failed; sampling each request alone")
+        for req, state in zip(seeded, states):
+            req.generator.set_state(state)
+        drawn = []
+        for req in reqs:
+            try:
+                drawn += self._draw_batch([req], logits, row_of)
+            except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
+                self._finish(req, error)
+        return drawn
+
+    def _draw_batch(
+        self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
+    ) -> list[tuple[Req, int, Any]]:
+        for req in reqs:
+            self._fault("sample", req)
+        last = torch.tensor([row_of[id(r)][-1] for r in reqs])
+        out = sample(logits.index_select(0, last), reqs)
+        return list(zip(reqs, out.token_ids, out.logprobs))
+
+    def _record_prompt_logprobs(
+        self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
+    ) -> None:
+        for req in reqs:
+            try:
+                record_prompt_logprobs([req], logits, row_of)
+            except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
+                logger.exception("prompt logprobs of request %d failed", req.rid)
+                self._finish(req, error)
+
+    def _fault(self, point: str, req: Req) -> None:
+        """Tests only: `engine.fault_hook(point, req)` may raise to fail `req` at `point`."""
+        if self.fault_hook is not None:
+            self.fault_hook(point, req)
+
+    def _finish(
+        self, req: Req, error: BaseException | None = None, keep_prefix: bool = False
+    ) -> None:
+        """The request leaves the engine: its slots are freed (its computed tokens go to the
+        cache if it succeeded or `keep_prefix`), then its caller is told. Never raises: a
+        failure while finishing fails the request instead."""
+        if req.done.is_set():
+            return
+        self._live.pop(req.rid, None)
         if error is not None:
             req.abort(error)
-        self.scheduler.release(req, insert=error is None)
-        req.finalize_text()
+        try:
+            self.scheduler.release(req, insert=error is None or keep_prefix)
+            req.finalize_text()
+        except Exception as release_error:  # noqa: BLE001
+            logger.exception("finishing request %d failed", req.rid)
+            if req.error is None:
+                req.abort(release_error)
+            req.text = ""
+        with self._cv:
+            self._num_unfinished -= 1
+        self._announce(req)
+
+    def _announce(self, req: Req) -> None:
         if req.is_streamed:
-            chunk = req.stream_delta() if error is None else None
+            chunk = req.stream_delta() if req.error is None else None
             if chunk is not None:
                 req.emit_chunk(chunk)
             if req.stream_queue is not None:

@@ -12,6 +12,7 @@ import logging
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,8 @@ class Req:
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
 
         self.done = threading.Event()
+        timeout = params.timeout_s
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         self.stream_queue: queue.Queue[dict[str, Any] | None] | None = (
             queue.Queue() if stream else None
         )
@@ -90,6 +93,13 @@ class Req:
         self.on_done = on_done
         self._streamed_text = ""
         self._num_streamed_ids = 0
+        # Incremental detokenization: the output decoded so far, and the token window
+        # [prefix_offset, read_offset) decoded last (the context for the next tokens).
+        self._decoded_ids: list[int] = self.output_ids
+        self._decoded_text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._scanned = 0  # characters of the decoded text searched for stop strings
 
     # ---- lengths -------------------------------------------------------------------------
     @property
@@ -150,7 +160,7 @@ class Req:
                 self._mark_incomplete_constraint()
                 return
             if self.params.stop or self.params.stop_regex:
-                _, matched = self._visible_text()
+                matched = self._scan_stops()
                 if matched is not None:
                     self.finished_reason = {"type": "stop", "matched": matched}
                     self._mark_incomplete_constraint()
@@ -171,6 +181,44 @@ class Req:
     def abort(self, error: BaseException) -> None:
         self.error = error
         self.finished_reason = {"type": "abort", "message": str(error)}
+
+    def _decoded(self) -> str:
+        """The output decoded so far, incrementally: only the new tokens are decoded, after
+        the previous window as context (so merged pieces and leading spaces come out as in
+        a full decode); an incomplete UTF-8 sequence waits for the token that completes it.
+        Output replaced as a whole (jump-forward retokenizes its tail) starts again."""
+        ids = self.output_ids
+        if ids is not self._decoded_ids:
+            self._decoded_ids, self._decoded_text = ids, ""
+            self._prefix_offset = self._read_offset = self._scanned = 0
+        if len(ids) > self._read_offset:
+            skip = self.params.skip_special_tokens
+            start, read = self._prefix_offset, self._read_offset
+            before = self.tokenizer.decode(ids[start:read], skip_special_tokens=skip)
+            after = self.tokenizer.decode(ids[start:], skip_special_tokens=skip)
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                self._decoded_text += after[len(before) :]
+                self._prefix_offset, self._read_offset = read, len(ids)
+        return self._decoded_text
+
+    def _scan_stops(self) -> str | None:
+        """The stop string or stop regex match the output now contains, if any. Stop strings
+        are searched only where a new match can be (O(new text)); stop regexes search the
+        whole text, since a match may start anywhere."""
+        text = self._decoded()
+        longest = max((len(stop) for stop in self.params.stop), default=1)
+        start = max(0, self._scanned - longest + 1)
+        self._scanned = len(text)
+        cut, matched = len(text), None
+        for stop in self.params.stop:
+            index = text.find(stop, start)
+            if index != -1 and index < cut:
+                cut, matched = index, stop
+        for pattern in self.params.stop_regex:
+            found = re.search(pattern, text)
+            if found is not None and found.start() < cut:
+                cut, matched = found.start(), found.group()
+        return matched
 
     def _visible_text(self) -> tuple[str, str | None]:
         """The output text so far, cut before the first stop string; and that stop string."""
@@ -198,8 +246,10 @@ class Req:
 
     def stream_delta(self) -> dict[str, Any] | None:
         """The not-yet-streamed part of the text; holds back what a stop string may still cut."""
-        text, _ = self._visible_text()
-        if not self.is_finished:
+        if self.is_finished:
+            text, _ = self._visible_text()  # the final text: one full decode
+        else:
+            text = self._decoded()  # no stop has matched yet
             hold = max((len(s) - 1 for s in self.params.stop), default=0)
             if self.params.stop_regex:  # a match may start anywhere: nothing is final yet
                 hold = len(text)

@@ -42,6 +42,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
+    # The request fails with TimeoutError this many seconds after it was submitted (checked
+    # between steps); its slots are freed. None: no deadline.
+    timeout_s: float | None = None
     # Constrained decoding: the output must fully match `regex`, or be a JSON document valid
     # against `json_schema` (JSON text). At most one of the two.
     regex: str | None = None
@@ -129,6 +132,12 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if self.timeout_s is not None:
+            value = self.timeout_s
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"timeout_s must be a number, got {type(value).__name__}")
+            if not _is_finite(value) or value <= 0:
+                raise ValueError(f"timeout_s must be a finite number > 0, got {value!r}")
         for name in ("regex", "json_schema"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

@@ -13,6 +13,8 @@ scheduler never touches the model's tensors.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +78,8 @@ class Scheduler:
         self._ratio_scale = config.schedule_conservativeness
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self._ratio_scale
         self._last_was_extend = False
+        self._refused: list[tuple[Req, Exception]] = []  # admission raised for these
+        self.fault: Callable[[str, Req], None] = lambda point, req: None  # a test hook
 
     @property
     def has_work(self) -> bool:
@@ -157,9 +161,16 @@ class Scheduler:
                     continue
                 else:
                     break
-            # Lock the matched prefixes first: what is left evictable is then exact.
-            claimed = {id(m): self._claim(m) for m in members}
-            plan = self._plan_admission(members, entries, budget, chunk_size, used)
+            try:
+                # Lock the matched prefixes first: what is left evictable is then exact.
+                claimed = {}
+                for member in members:
+                    self.fault("schedule", member)
+                    claimed[id(member)] = self._claim(member)
+                plan = self._plan_admission(members, entries, budget, chunk_size, used)
+            except Exception as error:  # noqa: BLE001 - these fail, the others are admitted
+                self._refuse(members, error)
+                continue
             planned = {id(m) for m, _, _ in plan or ()}
             for member in members:
                 if id(member) not in planned:  # waits: give back its lock and row
@@ -375,6 +386,19 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.req_cache.cache_finished(req, insert=insert)
+
+    def _refuse(self, members: list[Req], error: Exception) -> None:
+        for member in members:
+            with contextlib.suppress(Exception):  # the engine fails it all the same
+                self.req_cache.cache_finished(member, insert=False)
+            if member in self.waiting:
+                self.waiting.remove(member)
+            self._refused.append((member, error))
+
+    def take_refused(self) -> list[tuple[Req, Exception]]:
+        """The requests whose admission raised since the last call (the engine fails them)."""
+        refused, self._refused = self._refused, []
+        return refused
 
     def abort_all(self) -> list[Req]:
         reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])

@@ -1,0 +1,209 @@
+"""One request never harms another: faults stay with their request, requests can be
+aborted, time out or be dropped, and the queue is bounded (issue 14).
+
+Every test ends with the engine clean (the autouse check in conftest): no KV or request
+slot held, nothing running or waiting.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+from conftest import engine_leak
+
+import lmprog as lp
+from lmprog_runtime import Engine
+from lmprog_runtime.engine import QueueFull, RequestAborted
+
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+LONG = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}
+PROMPTS = [f"The number {i} is" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def clean(tiny_path):
+    """Each prompt's greedy and seeded outputs, one request at a time on a fresh engine."""
+    with Engine(tiny_path, max_total_tokens=4096) as engine:
+        greedy = [engine.generate(p, GREEDY)["output_ids"] for p in PROMPTS]
+        seeded = [engine.generate(p, _seeded(i))["output_ids"] for i, p in enumerate(PROMPTS)]
+    return greedy, seeded
+
+
+def _seeded(i: int) -> dict:
+    return {"max_new_tokens": 12, "temperature": 0.9, "seed": 100 + i, "ignore_eos": True}
+
+
+def _fail_when(point: str, engine: Engine, prompt: str):
+    ids = engine.encode(prompt)
+
+    def hook(at: str, req) -> None:
+        if at == point and req.input_ids == ids:
+            raise RuntimeError(f"injected at {point}")
+
+    return hook
+
+
+@pytest.mark.parametrize("point", ["sample", "schedule"])
+def test_a_fault_fails_its_request_and_the_others_are_token_identical(engine, clean, point):
+    greedy, seeded = clean
+    engine.fault_hook = _fail_when(point, engine, PROMPTS[3])
+    try:
+        futures = engine.submit(PROMPTS, GREEDY)
+        seeded_futures = engine.submit(PROMPTS, [_seeded(i) for i in range(len(PROMPTS))])
+        for i, (future, other) in enumerate(zip(futures, seeded_futures)):
+            if i == 3:
+                for failed in (future, other):
+                    with pytest.raises(RuntimeError, match=f"injected at {point}"):
+                        failed.result(timeout=60)
+                continue
+            assert future.result(timeout=60)["output_ids"] == greedy[i]
+            assert other.result(timeout=60)["output_ids"] == seeded[i]
+    finally:
+        engine.fault_hook = None
+    assert engine._thread.is_alive()
+    assert engine.generate(PROMPTS[3], GREEDY)["output_ids"] == greedy[3]
+
+
+def test_scheduling_that_raises_orphans_nothing_and_does_not_spin(tiny_path, monkeypatch):
+    """An error after the scheduler took requests off its waiting list (building the batch)
+    fails those requests; an error that repeats fails the waiting ones instead of spinning."""
+    with Engine(tiny_path, max_total_tokens=2048) as engine:
+        real = engine.scheduler._alloc_extend
+        calls = [0]
+
+        def broken_once(entries):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("allocation bug")
+            return real(entries)
+
+        monkeypatch.setattr(engine.scheduler, "_alloc_extend", broken_once)
+        futures = engine.submit(PROMPTS[:3], GREEDY)
+        errors = [f.exception(timeout=60) for f in futures]
+        assert all(e is not None and "allocation bug" in str(e) for e in errors)
+        assert len(engine.generate("works again", GREEDY)["output_ids"]) == 12
+
+        def always_broken(entries):
+            raise RuntimeError("permanent bug")
+
+        monkeypatch.setattr(engine.scheduler, "_alloc_extend", always_broken)
+        future = engine.submit("never admitted", GREEDY)[0]
+        with pytest.raises(RuntimeError, match="permanent bug"):
+            future.result(timeout=60)
+        assert engine._thread.is_alive()
+        monkeypatch.setattr(engine.scheduler, "_alloc_extend", real)
+        assert len(engine.generate("and again", GREEDY)["output_ids"]) == 12
+
+
+def test_abort_a_running_and_a_waiting_request(tiny_path):
+    with Engine(tiny_path, max_total_tokens=4096, max_running_requests=1) as engine:
+        running, waiting = engine.submit(["a long story", "never started"], LONG)
+        engine.abort(waiting.request_id)
+        with pytest.raises(RequestAborted, match=f"request {waiting.request_id}"):
+            waiting.result(timeout=60)
+        engine.abort(running.request_id)
+        with pytest.raises(RequestAborted):
+            running.result(timeout=60)
+        engine.abort(running.request_id)  # already finished: ignored
+        engine.abort(10**9)  # unknown: ignored
+        with pytest.raises(TypeError, match="request_id"):
+            engine.abort("1")
+        # What it computed stays in the prefix cache.
+        again = engine.generate("a long story", {"max_new_tokens": 1})
+        assert again["meta_info"]["cached_tokens"] > 0
+
+
+def test_meta_info_carries_the_id_abort_takes(engine):
+    out = engine.generate("hello", {"max_new_tokens": 2})
+    future = engine.submit("hello", {"max_new_tokens": 2})[0]
+    assert future.result(timeout=60)["meta_info"]["id"] == future.request_id
+    assert isinstance(out["meta_info"]["id"], int)
+
+
+def test_timeout_s_fails_the_request_with_timeout_error(engine):
+    with pytest.raises(TimeoutError, match="timeout_s=0.05"):
+        engine.generate("slow", {**LONG, "timeout_s": 0.05})
+    assert len(engine.generate("fast", {**GREEDY, "timeout_s": 60})["output_ids"]) == 12
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf")])
+def test_bad_timeout_s_is_a_value_error(engine, value):
+    with pytest.raises(ValueError, match="timeout_s"):
+        engine.generate("x", {"timeout_s": value})
+    with pytest.raises(TypeError, match="timeout_s"):
+        engine.generate("x", {"timeout_s": "1"})
+
+
+def test_closing_a_stream_aborts_its_request(engine):
+    stream = engine.generate("tell me everything", LONG, stream=True)
+    first = next(stream)
+    assert first["meta_info"]["completion_tokens"] >= 1
+    stream.close()
+    with pytest.raises(StopIteration):
+        next(stream)
+    # the autouse check then finds the slots freed (it waits for the abort to land)
+
+
+def test_dropping_a_stream_aborts_its_request(engine):
+    stream = engine.generate("tell me everything", LONG, stream=True)
+    next(stream)
+    del stream
+
+
+def test_the_queue_is_bounded(tiny_path):
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        Engine(tiny_path, max_queued_requests=0)
+    with Engine(tiny_path, max_total_tokens=2048, max_queued_requests=4) as engine:
+        with pytest.raises(QueueFull, match="max_queued_requests=4"):
+            engine.submit(["x"] * 5, GREEDY)
+        outs = engine.generate(["x"] * 4, GREEDY)  # at the limit: accepted
+        assert len(outs) == 4
+
+
+def _interrupt_main_after(seconds: float) -> threading.Timer:
+    """Ctrl-C as a terminal sends it: a real SIGINT to the main thread, which interrupts a
+    blocking wait there (`_thread.interrupt_main` would wait for the wait to end)."""
+    main = threading.main_thread().ident
+    timer = threading.Timer(seconds, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def _tokens_after_settling(engine: Engine) -> float:
+    assert engine_leak(engine) is None
+    return engine.stats()["decode_tokens"] + engine.stats()["prefill_tokens"]
+
+
+def test_ctrl_c_in_generate_aborts_its_requests(engine):
+    engine.reset_stats()
+    timer = _interrupt_main_after(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(["one", "two"], LONG)
+    timer.join()
+    assert _tokens_after_settling(engine) < 2000  # of the 4000 the two would make
+
+
+@lp.function
+def _two_long_gens(s, topic):
+    s += f"About {topic}:" + lp.gen("a", max_tokens=1000, ignore_eos=True)
+    s += " And:" + lp.gen("b", max_tokens=1000, ignore_eos=True)
+
+
+def test_ctrl_c_in_run_cancels_the_program(engine):
+    engine.reset_stats()
+    timer = _interrupt_main_after(0.1)
+    with pytest.raises(KeyboardInterrupt):
+        _two_long_gens.run(topic="cats", backend=engine)
+    timer.join()
+    assert _tokens_after_settling(engine) < 1900  # of the 2000 it would make
+
+
+def test_ctrl_c_in_run_batch_cancels_every_program(engine):
+    engine.reset_stats()
+    timer = _interrupt_main_after(0.5)
+    with pytest.raises(KeyboardInterrupt):
+        _two_long_gens.run_batch([{"topic": str(i)} for i in range(20)], backend=engine)
+    timer.join()
+    assert _tokens_after_settling(engine) < 20_000  # of the 40,000 the batch would make
