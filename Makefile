@@ -53,6 +53,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_json.py $(INSTRUCT) $(INSTRUCT_json)
 	$(PY) benchmarks/bench_json.py $(INSTRUCT) --workload records
 	$(PY) benchmarks/bench_programs.py  # small and the instruct model, one run
+	$(PY) benchmarks/bench_programs.py --old-runtime a94fbee
+	$(PY) benchmarks/bench_decode_overhead.py --baseline dab3469
 	$(PY) benchmarks/report.py
 
 clean:

@@ -68,6 +68,10 @@ WORKLOAD_NAMES = {
     "react": "ReAct (up to 4 thought/select/tool steps + answer)",
 }
 DEFAULT_MODELS = "small,smollm2-135m-instruct"
+RUNTIMES = {
+    "current": "all on this tree's runtime",
+    OLD_COMMIT: f"the lazy one on this tree's runtime, the old ones on {OLD_COMMIT}'s own",
+}
 ENGINE_KW = {"max_total_tokens": 65536, "max_running_requests": 256}
 # max_tokens spread: mostly short, one in six long, so lockstep waves wait on the long ones.
 LENGTHS = (2, 3, 4, 6, 8, 44)
@@ -547,8 +551,7 @@ def main() -> None:
                     "workload": (
                         f"{args.programs} programs per workload, greedy; every gen has a stop "
                         f"string and a max_tokens drawn from {list(LENGTHS)} (1 in 6 long); "
-                        f"each executor in its own process on the same runtime code "
-                        f"({'a94fbee' if args.old_runtime == OLD_COMMIT else 'this tree'}) and "
+                        f"each executor in its own process, {RUNTIMES[args.old_runtime]}, "
                         f"engine settings {ENGINE_KW}; {args.repeats} rounds alternating the "
                         "executors' order, each warmed on other inputs, the cache flushed "
                         "before each workload; speedup = executor's time / new's time"

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from lmprog_runtime.engine import Engine
 
 logger = logging.getLogger("lmprog_runtime.engine")
-# Scheduling that raises this many times in a row fails the requests waiting for it.
+# Scheduling that raises this many times in a row fails every request the loop holds.
 MAX_SCHEDULE_FAILURES = 3
 
 
@@ -96,6 +96,12 @@ class EngineLoop:
             if req is not None and not req.done.is_set():
                 self._finish(req, error, keep_prefix=True)
 
+    def _fail_all(self, error: Exception) -> None:
+        """Fail every request the loop holds (its last resort: no caller waits forever)."""
+        for req in list(self._live.values()):
+            self._finish(req, error)
+        self._deadlines = []
+
     def _fail_refused(self) -> None:
         """Requests the scheduler gave up on one by one (an error in their own admission)."""
         for req, error in self.scheduler.take_refused():
@@ -105,7 +111,7 @@ class EngineLoop:
     def _recover_schedule(self, error: Exception) -> None:
         """Scheduling raised outside any one request. A request it had taken off the
         waiting list without putting it in a batch would wait forever: it fails. If it keeps
-        failing with nothing else changing, the requests that wait fail too."""
+        failing, every request it holds fails (the loop cannot make progress for them)."""
         sched = self.scheduler
         held = {id(r) for r in sched.waiting + sched.running}
         if sched.chunked_req is not None:
@@ -115,8 +121,7 @@ class EngineLoop:
                 self._finish(req, error)
         self._schedule_failures += 1
         if self._schedule_failures >= MAX_SCHEDULE_FAILURES:
-            for req in list(sched.waiting):
-                self._finish(req, error)
+            self._fail_all(error)
             self._schedule_failures = 0
 
     def _fail_step(self, batch: ScheduledBatch, error: Exception) -> None:
@@ -304,7 +309,11 @@ def serve(engine_ref: weakref.ref[Engine], cv: threading.Condition) -> None:
                     return
                 cv.wait()
                 continue
-        engine._run_once()
+        try:
+            engine._run_once()
+        except Exception as error:  # a bug outside any one step: fail what it held, go on
+            logger.exception("engine loop iteration failed")
+            engine._fail_all(error)
         del engine  # the last reference may be dropped here: the next check then exits
 
 

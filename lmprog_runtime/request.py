@@ -100,6 +100,8 @@ class Req:
         self._prefix_offset = 0
         self._read_offset = 0
         self._scanned = 0  # characters of the decoded text searched for stop strings
+        # Jump-forward: characters of the decoded text the char FSM has read, and its state.
+        self.fsm_position: tuple[int, Any] = (0, None if char_fsm is None else char_fsm.initial)
 
     # ---- lengths -------------------------------------------------------------------------
     @property
@@ -201,6 +203,21 @@ class Req:
                 self._prefix_offset, self._read_offset = read, len(ids)
         return self._decoded_text
 
+    def decoded_text(self) -> str:
+        return self._decoded()
+
+    def has_undecoded_tokens(self) -> bool:
+        """The last tokens wait for the rest of a UTF-8 sequence (call after decoded_text)."""
+        return len(self.output_ids) > self._read_offset
+
+    def replace_output_tail(self, kept: int, tail: list[int], text: str) -> None:
+        """Jump-forward: the output becomes its first `kept` tokens plus `tail`, whose text
+        is `text`; the detokenizer goes on from there without decoding it all again."""
+        self.output_ids = self.output_ids[:kept] + tail
+        self._decoded_ids, self._decoded_text = self.output_ids, text
+        self._prefix_offset, self._read_offset = kept, len(self.output_ids)
+        self._scanned = len(text)
+
     def _scan_stops(self) -> str | None:
         """The stop string or stop regex match the output now contains, if any. Stop strings
         are searched only where a new match can be (O(new text)); stop regexes search the
@@ -209,6 +226,11 @@ class Req:
         longest = max((len(stop) for stop in self.params.stop), default=1)
         start = max(0, self._scanned - longest + 1)
         self._scanned = len(text)
+        return self._first_stop(text, start)[1]
+
+    def _first_stop(self, text: str, start: int = 0) -> tuple[int, str | None]:
+        """Where the first stop string (found from `start`) or stop regex match begins in
+        `text`, and what it matched; (len(text), None) if none."""
         cut, matched = len(text), None
         for stop in self.params.stop:
             index = text.find(stop, start)
@@ -218,7 +240,7 @@ class Req:
             found = re.search(pattern, text)
             if found is not None and found.start() < cut:
                 cut, matched = found.start(), found.group()
-        return matched
+        return cut, matched
 
     def _visible_text(self) -> tuple[str, str | None]:
         """The output text so far, cut before the first stop string; and that stop string."""
@@ -229,15 +251,7 @@ class Req:
         text = self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
         if not self.can_stop:
             return text, None
-        cut, matched = len(text), None
-        for stop in self.params.stop:
-            index = text.find(stop)
-            if index != -1 and index < cut:
-                cut, matched = index, stop
-        for pattern in self.params.stop_regex:
-            found = re.search(pattern, text)
-            if found is not None and found.start() < cut:
-                cut, matched = found.start(), found.group()
+        cut, matched = self._first_stop(text)
         return text[:cut], matched
 
     # ---- results -----------------------------------------------------------------------

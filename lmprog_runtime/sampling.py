@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from lmprog_runtime.constrained.base import allowed_masks
 from lmprog_runtime.request import Req
 
 
@@ -82,10 +83,13 @@ def _apply_penalties_and_masks(logits: torch.Tensor, reqs: list[Req]) -> torch.T
                 if not cloned:
                     logits, cloned = logits.clone(), True
                 logits[i, banned] = float("-inf")
-        if req.matcher is not None:
-            if not cloned:
-                logits, cloned = logits.clone(), True
-            logits[i].masked_fill_(~req.matcher.allowed_mask(vocab), float("-inf"))
+    constrained = [i for i, req in enumerate(reqs) if req.matcher is not None]
+    if constrained:
+        if not cloned:
+            logits = logits.clone()
+        rows = torch.tensor(constrained)
+        allowed = allowed_masks([reqs[i].matcher for i in constrained], vocab)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return logits
 
 

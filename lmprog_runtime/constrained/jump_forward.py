@@ -32,9 +32,16 @@ class CharFSM:
             for symbol, chars in self.fsm.alphabet.by_transition.items()
         }
 
-    def walk(self, text: str) -> Any:
-        """The state after reading `text` from the start, or None if it leaves the pattern."""
-        state, alphabet, transitions = self.fsm.initial, self.fsm.alphabet, self.fsm.map
+    @property
+    def initial(self) -> Any:
+        return self.fsm.initial
+
+    def walk(self, text: str, state: Any = None) -> Any:
+        """The state after reading `text` from `state` (None: the start), or None if it
+        leaves the pattern."""
+        alphabet, transitions = self.fsm.alphabet, self.fsm.map
+        if state is None:
+            state = self.fsm.initial
         for ch in text:
             state = transitions.get(state, {}).get(alphabet[ch])
             if state is None:
@@ -60,29 +67,69 @@ class CharFSM:
         return "".join(out)
 
 
+# Tokens before the last one decoded with it, as context for retokenizing it (merged
+# pieces and leading spaces decode differently without what precedes them).
+CONTEXT_TOKENS = 4
+
+
 def jump_forward(req: Req, codec: Codec) -> int | None:
     """Append the text `req`'s pattern forces now, retokenizing the last sampled token with
     it, and resync its matcher. Returns how many tokens were added (None: no jump). With
-    no output yet, the forced text simply becomes the first output tokens."""
+    no output yet, the forced text simply becomes the first output tokens.
+
+    O(new tokens) per call: the text comes from the request's incremental detokenizer, the
+    character FSM goes on from where it stopped, only the last few tokens are decoded
+    again, and the matcher steps back one token instead of starting over."""
     ids = req.output_ids
-    text = codec.decode(ids)
-    if text.endswith("\ufffd"):
+    text = req.decoded_text()
+    if req.has_undecoded_tokens() or text.endswith("\ufffd"):
         return None  # an incomplete UTF-8 sequence: wait for the next token
-    state = req.char_fsm.walk(text)
-    forced = req.char_fsm.forced(state) if state is not None else ""
+    walked, state = req.fsm_position
+    if state is not None and len(text) > walked:
+        state = req.char_fsm.walk(text[walked:], state)
+    req.fsm_position = (len(text), state)
+    if state is None:
+        return None
+    forced = req.char_fsm.forced(state)
     if len(forced) < 2:
         return None
-    kept = ids[:-1] if ids else []
-    kept_text = codec.decode(kept)
-    if not text.startswith(kept_text):
+    context = ids[max(0, len(ids) - 1 - CONTEXT_TOKENS) : -1] if ids else []
+    window = codec.decode(context + ids[-1:])
+    window_kept = codec.decode(context)
+    if not window.startswith(window_kept) or not text.endswith(window[len(window_kept) :]):
         return None
-    candidate = kept + codec.encode(text[len(kept_text) :] + forced, add_special_tokens=False)
-    if len(candidate) >= req.max_new_tokens or codec.decode(candidate) != text + forced:
+    last_text = window[len(window_kept) :]
+    tail = codec.encode(last_text + forced, add_special_tokens=False)
+    kept_len = len(ids) - 1 if ids else 0
+    if kept_len + len(tail) >= req.max_new_tokens:
         return None
+    if codec.decode(context + tail) != window_kept + last_text + forced:
+        return None
+    matcher = req.matcher
+    if ids and not matcher.rollback(1):
+        return _restart_matcher(req, ids[:kept_len] + tail, text + forced, state, forced)
+    if not matcher.accepts(tail):
+        if ids:
+            matcher.advance(ids[-1])  # undo the rollback
+        return None
+    for token in tail:
+        matcher.advance(token)
+    req.replace_output_tail(kept_len, tail, text + forced)
+    req.fsm_position = (len(text) + len(forced), req.char_fsm.walk(forced, state))
+    return kept_len + len(tail) - len(ids)
+
+
+def _restart_matcher(
+    req: Req, candidate: list[int], new_text: str, state: Any, forced: str
+) -> int | None:
+    """A matcher that cannot step back: a new one follows the whole candidate."""
     matcher = req.grammar.new_matcher()
     if not matcher.accepts(candidate):
         return None
     for token in candidate:
         matcher.advance(token)
-    req.output_ids, req.matcher = candidate, matcher
-    return len(candidate) - len(ids)
+    before = len(req.output_ids)
+    req.matcher = matcher
+    req.replace_output_tail(before - 1, candidate[before - 1 :], new_text)
+    req.fsm_position = (len(new_text), req.char_fsm.walk(forced, state))
+    return len(candidate) - before

@@ -71,9 +71,14 @@ class _OutlinesMatcher(Matcher):
 
     def allowed_mask(self, vocab_size: int) -> torch.Tensor:
         words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
-        self._guide.write_mask_into(words.data_ptr(), words.numel(), 4)
+        self.fill_mask_words(words)
         bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
         return bits.reshape(-1)[:vocab_size].bool()
+
+    def fill_mask_words(self, words: torch.Tensor) -> bool:
+        assert words.dtype == torch.int32 and words.is_contiguous()
+        self._guide.write_mask_into(words.data_ptr(), words.numel(), 4)
+        return True
 
     def advance(self, token_id: int) -> None:
         self._guide.advance(token_id, return_tokens=False)
@@ -84,6 +89,12 @@ class _OutlinesMatcher(Matcher):
     def accepts(self, token_ids: list[int]) -> bool:
         return bool(self._guide.accepts_tokens(token_ids))
 
+    def rollback(self, num_tokens: int) -> bool:
+        if num_tokens > self._guide.get_allowed_rollback():
+            return False
+        self._guide.rollback_state(num_tokens)
+        return True
+
 
 class _OutlinesGrammar(Grammar):
     def __init__(self, index: Any, regex: str) -> None:
@@ -93,7 +104,8 @@ class _OutlinesGrammar(Grammar):
     def new_matcher(self) -> Matcher:
         from outlines_core import Guide
 
-        return _OutlinesMatcher(Guide(self._index))
+        # One step of history: jump-forward retokenizes the last sampled token.
+        return _OutlinesMatcher(Guide(self._index, max_rollback=1))
 
 
 class OutlinesGrammarBackend(BaseGrammarBackend):

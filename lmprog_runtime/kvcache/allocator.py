@@ -34,6 +34,10 @@ class TokenSlotAllocator:
         self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
         self._page_is_free[0] = False
         self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+        # Freed pages wait here, in order, until an allocation needs them: a free costs
+        # O(freed), never a copy of the whole free list.
+        self._freed: list[torch.Tensor] = []
+        self._num_freed = 0
 
     @property
     def num_slots(self) -> int:
@@ -43,7 +47,19 @@ class TokenSlotAllocator:
     @property
     def num_free(self) -> int:
         """Free slots, counted in whole free pages."""
-        return int(self._free_pages.numel()) * self.page_size
+        return (int(self._free_pages.numel()) + self._num_freed) * self.page_size
+
+    def _take(self, num_pages: int) -> torch.Tensor | None:
+        """The first `num_pages` free pages, in the order they became free; None if short."""
+        if num_pages > self._free_pages.numel() and self._freed:
+            self._free_pages = torch.cat([self._free_pages, *self._freed])
+            self._freed, self._num_freed = [], 0
+        if num_pages > self._free_pages.numel():
+            return None
+        pages = self._free_pages[:num_pages]
+        self._free_pages = self._free_pages[num_pages:]
+        self._page_is_free[pages] = False
+        return pages
 
     def pages_needed(self, num_tokens: int, last_slot: int | None = None) -> int:
         """Pages that `alloc(num_tokens, last_slot)` would take from the free list."""
@@ -59,11 +75,9 @@ class TokenSlotAllocator:
         ps = self.page_size
         room = min(self._room_after(last_slot), num_tokens)
         num_pages = -(-(num_tokens - room) // ps)
-        if num_pages > self._free_pages.numel():
+        pages = self._take(num_pages)
+        if pages is None:
             return None
-        pages = self._free_pages[:num_pages]
-        self._free_pages = self._free_pages[num_pages:]
-        self._page_is_free[pages] = False
         if ps == 1:
             return pages
         fresh = (pages[:, None] * ps + torch.arange(ps)).reshape(-1)[: num_tokens - room]
@@ -78,12 +92,9 @@ class TokenSlotAllocator:
         if ps == 1:
             return self.alloc(int(last_slots.numel()))
         needs_page = (last_slots + 1) % ps == 0
-        num_pages = int(needs_page.sum())
-        if num_pages > self._free_pages.numel():
+        pages = self._take(int(needs_page.sum()))
+        if pages is None:
             return None
-        pages = self._free_pages[:num_pages]
-        self._free_pages = self._free_pages[num_pages:]
-        self._page_is_free[pages] = False
         slots = last_slots + 1
         slots[needs_page] = pages * ps
         return slots
@@ -101,7 +112,8 @@ class TokenSlotAllocator:
         if bool(self._page_is_free[pages].any()):
             raise RuntimeError("double free of KV slots")
         self._page_is_free[pages] = True
-        self._free_pages = torch.cat([self._free_pages, pages])
+        self._freed.append(pages)
+        self._num_freed += int(pages.numel())
 
     def _room_after(self, last_slot: int | None) -> int:
         if last_slot is None or self.page_size == 1:

@@ -8,6 +8,7 @@ thread each time.
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import weakref
 
@@ -19,10 +20,12 @@ OK = {"max_new_tokens": 3, "temperature": 0}
 JOIN_S = 30.0  # bounds how long a thread that never exits takes to be reported
 
 
-def _build(tiny_path: str, use: str) -> tuple[weakref.ref, weakref.ref, threading.Thread]:
+def _build(
+    tiny_path: str, use: str, max_total_tokens: int = 1024
+) -> tuple[weakref.ref, weakref.ref, threading.Thread]:
     """Build and use an engine; return weak references to it and its KV pool, and its loop
     thread. Built in a helper so that no frame of the test keeps a strong reference."""
-    engine = Engine(tiny_path, max_total_tokens=1024)
+    engine = Engine(tiny_path, max_total_tokens=max_total_tokens)
     if use == "generate":
         assert len(engine.generate("hello", OK)["output_ids"]) == 3
     elif use == "stream":
@@ -51,6 +54,29 @@ def test_recreating_engines_does_not_accumulate_threads(tiny_path):
         engine_ref, pool_ref, thread = _build(tiny_path, "generate")
         assert _is_collected((engine_ref, pool_ref), thread)
     assert threading.active_count() == num_threads
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_twenty_engines_in_a_row_hold_memory_flat(tiny_path):
+    """Each engine's KV pool is 64 MiB (131,072 tokens of the tiny model); twenty kept
+    alive would add over a GiB."""
+    pool_tokens = 131_072
+
+    def cycle() -> None:
+        engine_ref, pool_ref, thread = _build(tiny_path, "generate", pool_tokens)
+        assert _is_collected((engine_ref, pool_ref), thread)
+
+    for _ in range(3):  # allocator caches and lazy imports settle first
+        cycle()
+    before = _rss_bytes()
+    for _ in range(20):
+        cycle()
+    assert _rss_bytes() - before < 64 * 2**20
 
 
 def test_a_shut_down_engine_is_collected_too(tiny_path):

@@ -68,7 +68,7 @@ def test_a_fault_fails_its_request_and_the_others_are_token_identical(engine, cl
 
 def test_scheduling_that_raises_orphans_nothing_and_does_not_spin(tiny_path, monkeypatch):
     """An error after the scheduler took requests off its waiting list (building the batch)
-    fails those requests; an error that repeats fails the waiting ones instead of spinning."""
+    fails those requests; an error that repeats fails what the loop holds instead of spinning."""
     with Engine(tiny_path, max_total_tokens=2048) as engine:
         real = engine.scheduler._alloc_extend
         calls = [0]
@@ -207,3 +207,21 @@ def test_ctrl_c_in_run_batch_cancels_every_program(engine):
         _two_long_gens.run_batch([{"topic": str(i)} for i in range(20)], backend=engine)
     timer.join()
     assert _tokens_after_settling(engine) < 20_000  # of the 40,000 the batch would make
+
+
+def test_a_loop_iteration_that_raises_fails_its_requests_and_the_loop_goes_on(
+    tiny_path, monkeypatch
+):
+    with Engine(tiny_path, max_total_tokens=2048) as engine:
+        real = engine._cancel
+
+        def broken(aborts):
+            raise RuntimeError("loop bug")
+
+        monkeypatch.setattr(engine, "_cancel", broken)
+        future = engine.submit("hello", GREEDY)[0]
+        with pytest.raises(RuntimeError, match="loop bug"):
+            future.result(timeout=60)
+        monkeypatch.setattr(engine, "_cancel", real)
+        assert engine._thread.is_alive()
+        assert len(engine.generate("hello", GREEDY)["output_ids"]) == 12

@@ -213,3 +213,26 @@ def test_the_engine_serves_other_requests_while_a_pattern_compiles(engines, monk
         worker.join()
     assert "error" not in result, result["error"]
     assert re.fullmatch(regex, result["text"]), result
+
+
+def test_a_long_constrained_output_decodes_a_window_per_token(engines, monkeypatch):
+    """Jump-forward and stop checks decode only new tokens (issue 14): over a long output
+    the engine decodes a few ids per output token, not the whole output each time."""
+    on, _ = engines
+    regex = r'(\{"id": [0-9]{1,3}\}, ){30,}'
+    params = {"max_new_tokens": 600, "temperature": 0, "regex": regex}
+    decoded = [0]
+    real_decode = on.decode
+
+    def counting_decode(ids, skip_special_tokens=True):
+        decoded[0] += len(ids)
+        return real_decode(ids, skip_special_tokens=skip_special_tokens)
+
+    monkeypatch.setattr(on, "decode", counting_decode)
+    out = on.generate("List the ids:", params)
+    monkeypatch.undo()
+    num_tokens = len(out["output_ids"])
+    assert num_tokens > 200
+    assert out["meta_info"]["finish_reason"]["type"] == "length"  # the pattern never ends
+    print(f"{decoded[0]} ids decoded for {num_tokens} output tokens")
+    assert decoded[0] <= 30 * num_tokens  # a full decode per token: ~num_tokens^2 / 2
