@@ -69,6 +69,16 @@ def gen(
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     if choices is not None:
         return select(name, choices, temperature or 0.0, choices_method or token_length_normalized)
+    _check_numbers(
+        ints={"max_tokens": max_tokens, "min_tokens": min_tokens, "top_k": top_k},
+        floats={
+            "temperature": temperature,
+            "top_p": top_p,
+            "min_p": min_p,
+            "frequency_penalty": frequency_penalty,
+            "presence_penalty": presence_penalty,
+        },
+    )
     if max_tokens is not None and max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     if temperature is not None and temperature < 0:
@@ -104,6 +114,17 @@ def gen(
         sampling["logprob_start_len"] = logprob_start_len
         sampling["return_text_in_logprobs"] = return_text_in_logprobs
     return Gen(name, sampling, regex=regex, json_schema=json_schema, dtype=dtype)
+
+
+def _check_numbers(ints: dict[str, Any], floats: dict[str, Any]) -> None:
+    """TypeError naming the argument for a number of the wrong type (ranges and
+    finiteness are checked with the request, by the runtime)."""
+    for name, value in ints.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    for name, value in floats.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
 
 
 def gen_int(name: str | None = None, **kwargs: Any) -> Expr:

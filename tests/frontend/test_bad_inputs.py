@@ -1,0 +1,130 @@
+"""A catalogue of bad inputs across the public API (issue 14): each is a ValueError or
+TypeError that names the parameter at fault, raised before anything runs, and the engine
+serves the next request as if nothing happened."""
+
+from __future__ import annotations
+
+import pytest
+
+import lmprog as lp
+from lmprog_runtime import Engine
+
+NAN, INF = float("nan"), float("inf")
+
+
+@lp.function
+def _one_gen(s, topic):
+    s += "About " + topic + ":" + lp.gen("out", max_tokens=4)
+
+
+def _program_with(**gen_kwargs):
+    @lp.function
+    def program(s):
+        s += "Say:" + lp.gen("x", **gen_kwargs)
+
+    return program
+
+
+GENERATE = [  # (kwargs of engine.generate, error type, text the message must contain)
+    ({"prompt": None}, ValueError, "prompt"),
+    ({"prompt": 3}, TypeError, "prompt"),
+    ({"prompt": ""}, ValueError, "prompt"),
+    ({"input_ids": [[]]}, ValueError, "empty"),
+    ({"prompt": "x" * 20000}, ValueError, "context"),
+    ({"prompt": "hi", "sampling_params": {"temperature": NAN}}, ValueError, "temperature"),
+    ({"prompt": "hi", "sampling_params": {"top_p": INF}}, ValueError, "top_p"),
+    ({"prompt": "hi", "sampling_params": {"max_new_tokens": "8"}}, TypeError, "max_new_tokens"),
+    ({"prompt": "hi", "sampling_params": {"seed": 1.5}}, TypeError, "seed"),
+    ({"prompt": "hi", "sampling_params": {"timeout_s": -1}}, ValueError, "timeout_s"),
+    ({"prompt": "hi", "sampling_params": {"regex": "("}}, ValueError, "regex"),
+    ({"prompt": "hi", "sampling_params": {"json_schema": "{"}}, ValueError, "json_schema"),
+    ({"prompt": "hi", "sampling_params": {"stop_regex": "["}}, ValueError, "stop_regex"),
+    ({"prompt": "hi", "sampling_params": {"bogus": 1}}, ValueError, "bogus"),
+    ({"prompt": "hi", "top_logprobs_num": -1}, ValueError, "top_logprobs_num"),
+]
+
+GEN = [  # (kwargs of lp.gen, error type, message)
+    ({"max_tokens": -1}, ValueError, "max_tokens"),
+    ({"max_tokens": "4"}, TypeError, "max_tokens"),
+    ({"temperature": NAN}, ValueError, "temperature"),
+    ({"temperature": -1}, ValueError, "temperature"),
+    ({"temperature": "0.5"}, TypeError, "temperature"),
+    ({"top_p": 2.0}, ValueError, "top_p"),
+    ({"top_k": 0}, ValueError, "top_k"),
+    ({"stop": 3}, TypeError, "stop"),
+    ({"regex": "(unclosed"}, ValueError, "regex"),
+    ({"json_schema": "{not json"}, ValueError, "JSON schema"),
+    ({"dtype": list}, ValueError, "dtype"),
+    ({"name": 3}, TypeError, "name"),
+]
+
+SELECT = [  # (kwargs of lp.select, error type, message)
+    ({"name": "c", "choices": []}, ValueError, "choices"),
+    ({"name": "c", "choices": "ab"}, TypeError, "choices"),
+    ({"name": "c", "choices": ["a", "a"]}, ValueError, "duplicate"),
+    ({"name": "c", "choices": ["a", "b"], "temperature": -1}, ValueError, "temperature"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), GENERATE)
+def test_generate(engine, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        engine.generate(**kwargs)
+    assert len(engine.generate("still serving", {"max_new_tokens": 2})["output_ids"]) == 2
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), GEN)
+def test_gen(engine, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        _program_with(**kwargs).run(backend=engine)
+    assert _one_gen.run(topic="cats", backend=engine)["out"] is not None
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), SELECT)
+def test_select(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        lp.select(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda e: _one_gen.run(backend=e), TypeError, "topic"),
+        (lambda e: _one_gen.run(topic="x", colour="red", backend=e), TypeError, "colour"),
+        (lambda e: _one_gen.run(topic="x", temperature=NAN, backend=e), ValueError, "temperature"),
+        (
+            lambda e: _one_gen.run_batch([{"topic": "x"}], num_threads=0, backend=e),
+            ValueError,
+            "num_threads",
+        ),
+        (lambda e: _one_gen.run_batch(["x"], backend=e), TypeError, "run_batch"),
+        (lambda e: _one_gen.run_batch([{"topic": "x"}], bogus=1, backend=e), TypeError, "bogus"),
+        (lambda e: _one_gen.run(topic="x", backend="not an engine"), TypeError, "backend"),
+    ],
+)
+def test_run_and_run_batch(engine, call, error, message):
+    with pytest.raises(error, match=message):
+        result = call(engine)
+        if isinstance(result, list):  # a program's own error stays in its state
+            result[0]._raise_error()
+    assert _one_gen.run(topic="cats", backend=engine)["out"] is not None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"model_path": "/no/such/model"}, (ValueError, FileNotFoundError), "no/such/model"),
+        ({"max_total_tokens": 4}, ValueError, "max_total_tokens"),
+        ({"max_running_requests": 0}, ValueError, "max_running_requests"),
+        ({"mem_fraction": 1.5}, ValueError, "mem_fraction"),
+        ({"dtype": "float8"}, ValueError, "dtype"),
+        ({"attention_backend": "magic"}, ValueError, "attention_backend"),
+        ({"schedule_policy": "random"}, ValueError, "schedule_policy"),
+        ({"max_queued_requests": 0}, ValueError, "max_queued_requests"),
+        ({"page_sise": 4}, TypeError, "page_sise"),
+    ],
+)
+def test_engine_arguments(tiny_path, kwargs, error, message):
+    kwargs = {"model_path": tiny_path, **kwargs}
+    with pytest.raises(error, match=message):
+        Engine(**kwargs)
