@@ -97,7 +97,7 @@ def buckets(steps: list[list[float]]) -> dict[int, tuple[float, float, int]]:
     out = {}
     lower = 0
     for upper in BUCKETS:
-        chosen = [s for s in steps if lower < s[2] <= upper and s[3] > 0]
+        chosen = [s for s in steps if lower < s[2] <= upper]
         if chosen:
             fractions = [(t - f) / t for t, f, _, _ in chosen]
             out[upper] = (

@@ -180,8 +180,6 @@ class Function:
             except BaseException as error:  # Ctrl-C: the programs still running stop
                 if not isinstance(error, GeneratorExit):
                     cancelled.append(error)
-                    for future in futures:
-                        future.cancel()
                     for state in list(running.values()):
                         state._cancel(error)
                 raise

@@ -470,9 +470,9 @@ class RequestStream:
                 self._engine.abort(self._req.rid)
 
     def __del__(self) -> None:
-        if not self._is_over and not self._req.done.is_set() and not self._engine._stopping:
+        if not self._engine._stopping:
             with contextlib.suppress(Exception):  # never raise from a finalizer
-                self._engine.abort(self._req.rid)
+                self.close()
 
 
 def _no_fault(point: str, req: Req) -> None:

@@ -229,8 +229,9 @@ class EngineLoop:
     def _draw_batch(
         self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
     ) -> list[tuple[Req, int, Any]]:
-        for req in reqs:
-            self._fault("sample", req)
+        if self.fault_hook is not None:
+            for req in reqs:
+                self.fault_hook("sample", req)
         last = torch.tensor([row_of[id(r)][-1] for r in reqs])
         out = sample(logits.index_select(0, last), reqs)
         return list(zip(reqs, out.token_ids, out.logprobs))
@@ -244,11 +245,6 @@ class EngineLoop:
             except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
                 logger.exception("prompt logprobs of request %d failed", req.rid)
                 self._finish(req, error)
-
-    def _fault(self, point: str, req: Req) -> None:
-        """Tests only: `engine.fault_hook(point, req)` may raise to fail `req` at `point`."""
-        if self.fault_hook is not None:
-            self.fault_hook(point, req)
 
     def _finish(
         self, req: Req, error: BaseException | None = None, keep_prefix: bool = False

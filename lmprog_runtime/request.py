@@ -95,7 +95,6 @@ class Req:
         self._num_streamed_ids = 0
         # Incremental detokenization: the output decoded so far, and the token window
         # [prefix_offset, read_offset) decoded last (the context for the next tokens).
-        self._decoded_ids: list[int] = self.output_ids
         self._decoded_text = ""
         self._prefix_offset = 0
         self._read_offset = 0
@@ -184,15 +183,11 @@ class Req:
         self.error = error
         self.finished_reason = {"type": "abort", "message": str(error)}
 
-    def _decoded(self) -> str:
+    def decoded_text(self) -> str:
         """The output decoded so far, incrementally: only the new tokens are decoded, after
         the previous window as context (so merged pieces and leading spaces come out as in
-        a full decode); an incomplete UTF-8 sequence waits for the token that completes it.
-        Output replaced as a whole (jump-forward retokenizes its tail) starts again."""
+        a full decode); an incomplete UTF-8 sequence waits for the token that completes it."""
         ids = self.output_ids
-        if ids is not self._decoded_ids:
-            self._decoded_ids, self._decoded_text = ids, ""
-            self._prefix_offset = self._read_offset = self._scanned = 0
         if len(ids) > self._read_offset:
             skip = self.params.skip_special_tokens
             start, read = self._prefix_offset, self._read_offset
@@ -203,9 +198,6 @@ class Req:
                 self._prefix_offset, self._read_offset = read, len(ids)
         return self._decoded_text
 
-    def decoded_text(self) -> str:
-        return self._decoded()
-
     def has_undecoded_tokens(self) -> bool:
         """The last tokens wait for the rest of a UTF-8 sequence (call after decoded_text)."""
         return len(self.output_ids) > self._read_offset
@@ -214,7 +206,7 @@ class Req:
         """Jump-forward: the output becomes its first `kept` tokens plus `tail`, whose text
         is `text`; the detokenizer goes on from there without decoding it all again."""
         self.output_ids = self.output_ids[:kept] + tail
-        self._decoded_ids, self._decoded_text = self.output_ids, text
+        self._decoded_text = text
         self._prefix_offset, self._read_offset = kept, len(self.output_ids)
         self._scanned = len(text)
 
@@ -222,7 +214,7 @@ class Req:
         """The stop string or stop regex match the output now contains, if any. Stop strings
         are searched only where a new match can be (O(new text)); stop regexes search the
         whole text, since a match may start anywhere."""
-        text = self._decoded()
+        text = self.decoded_text()
         longest = max((len(stop) for stop in self.params.stop), default=1)
         start = max(0, self._scanned - longest + 1)
         self._scanned = len(text)
@@ -263,7 +255,7 @@ class Req:
         if self.is_finished:
             text, _ = self._visible_text()  # the final text: one full decode
         else:
-            text = self._decoded()  # no stop has matched yet
+            text = self.decoded_text()  # no stop has matched yet
             hold = max((len(s) - 1 for s in self.params.stop), default=0)
             if self.params.stop_regex:  # a match may start anywhere: nothing is final yet
                 hold = len(text)

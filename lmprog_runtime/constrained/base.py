@@ -11,12 +11,17 @@ class Matcher(ABC):
     """One request's position in a grammar."""
 
     @abstractmethod
-    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
-        """[vocab_size] bool: tokens that may come next (EOS only where the text is complete)."""
+    def fill_mask_words(self, words: torch.Tensor) -> None:
+        """Write the tokens that may come next (EOS only where the text is complete) as bits
+        into `words` (int32 [ceil(vocab / 32)], contiguous: bit `t % 32` of word `t // 32`)."""
 
     @abstractmethod
     def advance(self, token_id: int) -> None:
         """Follow a sampled token."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Go back `num_tokens` advances (jump-forward retokenizes the last one)."""
 
     @abstractmethod
     def is_complete(self) -> bool:
@@ -26,14 +31,9 @@ class Matcher(ABC):
     def accepts(self, token_ids: list[int]) -> bool:
         """Whether the matcher could follow `token_ids` from where it is now."""
 
-    def fill_mask_words(self, words: torch.Tensor) -> bool:
-        """Write the allowed tokens as bits into `words` (int32 [ceil(vocab / 32)], bit
-        `t % 32` of word `t // 32`); False if this matcher cannot (then `allowed_mask`)."""
-        return False
-
-    def rollback(self, num_tokens: int) -> bool:
-        """Go back `num_tokens` advances; False (and nothing changes) if it cannot."""
-        return False
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
+        """[vocab_size] bool: the tokens that may come next."""
+        return allowed_masks([self], vocab_size)[0]
 
 
 class Grammar(ABC):
@@ -58,11 +58,8 @@ class BaseGrammarBackend(ABC):
 def allowed_masks(matchers: list[Matcher], vocab_size: int) -> torch.Tensor:
     """[len(matchers), vocab_size] bool: each matcher's allowed next tokens, written as one
     bitmask tensor (a row per matcher) and unpacked in one operation."""
-    num_words = (vocab_size + 31) // 32
-    words = torch.zeros((len(matchers), num_words), dtype=torch.int32)
-    fallback = [j for j, m in enumerate(matchers) if not m.fill_mask_words(words[j])]
+    words = torch.zeros((len(matchers), (vocab_size + 31) // 32), dtype=torch.int32)
+    for matcher, row in zip(matchers, words):
+        matcher.fill_mask_words(row)
     bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = bits.reshape(len(matchers), -1)[:, :vocab_size].bool()
-    for j in fallback:
-        allowed[j] = matchers[j].allowed_mask(vocab_size)
-    return allowed
+    return bits.reshape(len(matchers), -1)[:, :vocab_size].bool()

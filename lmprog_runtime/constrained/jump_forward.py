@@ -106,8 +106,8 @@ def jump_forward(req: Req, codec: Codec) -> int | None:
     if codec.decode(context + tail) != window_kept + last_text + forced:
         return None
     matcher = req.matcher
-    if ids and not matcher.rollback(1):
-        return _restart_matcher(req, ids[:kept_len] + tail, text + forced, state, forced)
+    if ids:
+        matcher.rollback(1)
     if not matcher.accepts(tail):
         if ids:
             matcher.advance(ids[-1])  # undo the rollback
@@ -117,19 +117,3 @@ def jump_forward(req: Req, codec: Codec) -> int | None:
     req.replace_output_tail(kept_len, tail, text + forced)
     req.fsm_position = (len(text) + len(forced), req.char_fsm.walk(forced, state))
     return kept_len + len(tail) - len(ids)
-
-
-def _restart_matcher(
-    req: Req, candidate: list[int], new_text: str, state: Any, forced: str
-) -> int | None:
-    """A matcher that cannot step back: a new one follows the whole candidate."""
-    matcher = req.grammar.new_matcher()
-    if not matcher.accepts(candidate):
-        return None
-    for token in candidate:
-        matcher.advance(token)
-    before = len(req.output_ids)
-    req.matcher = matcher
-    req.replace_output_tail(before - 1, candidate[before - 1 :], new_text)
-    req.fsm_position = (len(new_text), req.char_fsm.walk(forced, state))
-    return len(candidate) - before

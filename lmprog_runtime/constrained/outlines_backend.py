@@ -69,16 +69,9 @@ class _OutlinesMatcher(Matcher):
     def __init__(self, guide: Any) -> None:
         self._guide = guide
 
-    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
-        words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
-        self.fill_mask_words(words)
-        bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
-        return bits.reshape(-1)[:vocab_size].bool()
-
-    def fill_mask_words(self, words: torch.Tensor) -> bool:
+    def fill_mask_words(self, words: torch.Tensor) -> None:
         assert words.dtype == torch.int32 and words.is_contiguous()
         self._guide.write_mask_into(words.data_ptr(), words.numel(), 4)
-        return True
 
     def advance(self, token_id: int) -> None:
         self._guide.advance(token_id, return_tokens=False)
@@ -89,11 +82,8 @@ class _OutlinesMatcher(Matcher):
     def accepts(self, token_ids: list[int]) -> bool:
         return bool(self._guide.accepts_tokens(token_ids))
 
-    def rollback(self, num_tokens: int) -> bool:
-        if num_tokens > self._guide.get_allowed_rollback():
-            return False
+    def rollback(self, num_tokens: int) -> None:
         self._guide.rollback_state(num_tokens)
-        return True
 
 
 class _OutlinesGrammar(Grammar):

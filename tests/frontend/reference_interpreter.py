@@ -85,6 +85,12 @@ class RefState:
     def copy(self) -> RefState:
         return RefState(self.text, dict(self.variables), list(self.order))
 
+    def emit(self, name: str, value: str) -> None:
+        """A generated value: appended to the text and set as variable `name`."""
+        self.text += value
+        self.variables[name] = value
+        self.order.append(name)
+
     def source(self) -> str:
         if self.order:
             return flatten_value(self.variables[self.order[-1]])
@@ -181,16 +187,10 @@ class ReferenceInterpreter:
                 st.text += op[1]
             elif kind == "gen":
                 _, name, max_tokens, stop = op
-                value = self.gen(st.text, max_tokens, stop)
-                st.text += value
-                st.variables[name] = value
-                st.order.append(name)
+                st.emit(name, self.gen(st.text, max_tokens, stop))
             elif kind == "select":
                 _, name, choices = op
-                value = self.select(st.text, choices)
-                st.text += value
-                st.variables[name] = value
-                st.order.append(name)
+                st.emit(name, self.select(st.text, choices))
             elif kind == "tool":
                 calls[0] += 1
                 st.text += tool_text(st.source())
@@ -220,16 +220,10 @@ class ReferenceInterpreter:
                         b.text += " odd"
                 elif kind == "gen":
                     _, name, max_tokens, stop = bop
-                    value = self.gen(b.text, max_tokens, stop)
-                    b.text += value
-                    b.variables[name] = value
-                    b.order.append(name)
+                    b.emit(name, self.gen(b.text, max_tokens, stop))
                 elif kind == "select":
                     _, name, choices = bop
-                    value = self.select(b.text, choices)
-                    b.text += value
-                    b.variables[name] = value
-                    b.order.append(name)
+                    b.emit(name, self.select(b.text, choices))
                 else:
                     raise AssertionError(f"unknown branch op {bop!r}")
             if kind in ("gen", "select"):

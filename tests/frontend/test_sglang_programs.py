@@ -626,15 +626,20 @@ def test_stream_with_logprobs_async(default_engine):
             out.append((delta, list(meta.get("output_token_logprobs") or [])))
         return out
 
-    state = qa.run(
-        question=question,
-        stream=True,
-        return_logprob=True,
-        max_new_tokens=12,
-        temperature=0,
-        ignore_eos=True,
-    )
-    chunks = asyncio.run(collect(state))
+    def stream_answer(max_new_tokens, **options):
+        """(state, [(delta, output_token_logprobs so far)]) of a streamed greedy answer."""
+        state = qa.run(
+            question=question,
+            stream=True,
+            return_logprob=True,
+            max_new_tokens=max_new_tokens,
+            temperature=0,
+            ignore_eos=True,
+            **options,
+        )
+        return state, asyncio.run(collect(state))
+
+    state, chunks = stream_answer(12)
     assert "".join(d for d, _ in chunks) == state["answer"]
     final = state.get_meta_info("answer")["output_token_logprobs"]
     assert len(final) == 12
@@ -654,16 +659,7 @@ def test_stream_with_logprobs_async(default_engine):
     assert [lp for lp, _ in final] == pytest.approx([lp for lp, _ in expected], abs=1e-4)
 
     # With return_text_in_logprobs the entries carry each token's text.
-    state = qa.run(
-        question=question,
-        stream=True,
-        return_logprob=True,
-        return_text_in_logprobs=True,
-        max_new_tokens=4,
-        temperature=0,
-        ignore_eos=True,
-    )
-    chunks = asyncio.run(collect(state))
+    state, chunks = stream_answer(4, return_text_in_logprobs=True)
     assert "".join(d for d, _ in chunks) == state["answer"]
     entries = state.get_meta_info("answer")["output_token_logprobs"]
     assert [e[1] for e in entries] == [t for _, t in expected[:4]]

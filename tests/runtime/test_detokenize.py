@@ -50,13 +50,13 @@ def test_the_incremental_text_is_the_full_decode(tokenizer, data):
     req = _req(CountingCodec(tokenizer))
     for n in range(1, len(ids) + 1):
         req.output_ids.append(ids[n - 1])
-        text = req._decoded()
+        text = req.decoded_text()
         full = tokenizer.decode(ids[:n], skip_special_tokens=True)
         assert full.startswith(text)
         # Only an incomplete trailing character may be held back.
         assert full[len(text) :] == "" or "\ufffd" in full[len(text) :]
     full = tokenizer.decode(ids, skip_special_tokens=True)
-    assert req._decoded() == full or full.endswith("\ufffd")
+    assert req.decoded_text() == full or full.endswith("\ufffd")
 
 
 def test_decoding_costs_a_window_per_token_not_the_whole_output(tokenizer):
@@ -66,7 +66,7 @@ def test_decoding_costs_a_window_per_token_not_the_whole_output(tokenizer):
     for token in ids:
         req.append_token(token)
     assert not req.is_finished
-    assert req._decoded() == tokenizer.decode(ids)
+    assert req.decoded_text() == tokenizer.decode(ids)
     # A full decode per token would decode len(ids)^2 / 2 ids; a window, a few per token.
     assert codec.decoded_ids <= 4 * len(ids)
 
