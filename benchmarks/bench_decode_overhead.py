@@ -1,7 +1,8 @@
 """Time per decode step spent outside the model forward, by output length (issue 14).
 
-A batch of long generations (every request `ignore_eos`, half with stop strings that never
-match, half constrained by a JSON-like regex with jump-forward) runs on one engine. Each
+A batch of long generations (every request `ignore_eos`, half with stop strings and a stop
+regex that never match, half constrained by a JSON-like regex with jump-forward) runs on
+one engine; greedy, or with `--sampled` seeded temperature / top-p sampling. Each
 loop iteration (take input, schedule, forward, sample, stop checks, stream, finish) is
 timed, and so is its forward; the rest is the overhead. Iterations are grouped by the mean
 output length of their batch, so an overhead that grows with the output shows as a rising
@@ -9,7 +10,7 @@ column. `--baseline COMMIT` runs the same workload on that commit's runtime (a g
 worktree under /tmp) in the same invocation, each side in its own process.
 
     .venv/bin/python benchmarks/bench_decode_overhead.py [--batch 64,256] [--tokens 2000]
-        [--model small] [--baseline dab3469]
+        [--model small] [--baseline dab3469] [--sampled]
 """
 
 from __future__ import annotations
@@ -30,14 +31,18 @@ import harness
 ROOT = Path(__file__).resolve().parent.parent
 BUCKETS = (100, 500, 1000, 1500, 2000)
 STOPS = ["\n\n\nEND OF TEXT", "STOP!STOP!"]
+STOP_REGEX = r"STOP[0-9]{3}!"
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 # 300 items (~2,400 tokens): the pattern cannot end before the token budget does.
 JSON_REGEX = r'(\{"id": [0-9]{1,4}\}, ){300}'
 
 
-def params(i: int, tokens: int) -> dict[str, Any]:
+def params(i: int, tokens: int, sampled: bool = False) -> dict[str, Any]:
     base = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    if sampled:
+        base.update(SAMPLED, seed=i)
     if i % 2 == 0:
-        return {**base, "stop": STOPS}
+        return {**base, "stop": STOPS, "stop_regex": STOP_REGEX}
     return {**base, "regex": JSON_REGEX}
 
 
@@ -79,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     engine._run_once = timed_run_once
     prompts = [f"Record {i}: " for i in range(batch)]
     start = time.perf_counter()
-    outs = engine.generate(prompts, [params(i, args.tokens) for i in range(batch)])
+    outs = engine.generate(prompts, [params(i, args.tokens, args.sampled) for i in range(batch)])
     seconds = time.perf_counter() - start
     lengths = [o["meta_info"]["completion_tokens"] for o in outs]
     engine.shutdown()
@@ -135,6 +140,8 @@ def run_side(root: Path, batch: int, args: argparse.Namespace, tmp: Path) -> dic
         "--out",
         str(out),
     ]
+    if args.sampled:
+        cmd.append("--sampled")
     env = {**os.environ, "PYTHONPATH": str(root)}
     subprocess.run(cmd, env=env, check=True, cwd=str(ROOT / "benchmarks"))
     result = json.loads(out.read_text(encoding="utf-8"))
@@ -149,6 +156,9 @@ def main() -> None:
     parser.add_argument("--batch", default="64,256", help="comma-separated batch sizes")
     parser.add_argument("--tokens", type=int, default=2000, help="output tokens per request")
     parser.add_argument("--baseline", default=None, help="a commit to compare against")
+    parser.add_argument(
+        "--sampled", action="store_true", help=f"seeded sampling ({SAMPLED}) instead of greedy"
+    )
     parser.add_argument("--worker-batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -182,12 +192,14 @@ def main() -> None:
                 print(row, flush=True)
     harness.write_result(
         args,
-        "decode_overhead",
+        "decode_overhead_sampled" if args.sampled else "decode_overhead",
         {
             "title": "Decode-step time outside the model forward, by output length",
             "workload": (
-                f"batch of requests generating {args.tokens} tokens each (ignore_eos), half "
-                f"with stop strings {STOPS} that never match, half constrained to "
+                f"batch of requests generating {args.tokens} tokens each (ignore_eos), "
+                f"{'seeded sampling ' + str(SAMPLED) if args.sampled else 'greedy'}, half "
+                f"with stop strings {STOPS} and stop regex {STOP_REGEX!r} that never match, "
+                "half constrained to "
                 f"{JSON_REGEX!r} with jump-forward; per loop iteration, the share of its "
                 "time not in the model forward (median over the iterations whose batch's "
                 "mean output length falls in each bucket), and the median iteration time"

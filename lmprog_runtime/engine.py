@@ -337,8 +337,9 @@ class Engine(EngineLoop):
 
     @property
     def fault_hook(self) -> Callable[[str, Req], None] | None:
-        """Tests only: called as `hook(point, req)` at "schedule" (admission) and "sample";
-        raising there fails that request alone."""
+        """Tests only: called as `hook(point, req)` at "schedule" (admission), "forward"
+        (for each request of a forward) and "sample"; raising there fails that request
+        alone."""
         return self._fault_hook
 
     @fault_hook.setter

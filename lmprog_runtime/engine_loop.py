@@ -155,7 +155,15 @@ class EngineLoop:
 
     def _step(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
-        logits, rows = self.runner.forward(batch)
+        try:
+            logits, rows = self._forward(batch)
+        except Exception:  # noqa: BLE001 - find the request it belongs to
+            if len(batch.reqs) < 2:
+                raise
+            logger.exception("forward failed; running each request alone")
+            logits, rows = self._forward_alone(batch)
+            if not batch.reqs:
+                return
         forward_seconds = time.perf_counter() - start
         ready = self.scheduler.on_forward_done(batch)
         batch.kv_committed = True
@@ -187,6 +195,33 @@ class EngineLoop:
             forward_seconds=forward_seconds,
             step_seconds=time.perf_counter() - start,
         )
+
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[list[int]]]:
+        if self.fault_hook is not None:
+            for req in batch.reqs:
+                self.fault_hook("forward", req)
+        return self.runner.forward(batch)
+
+    def _forward_alone(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[list[int]]]:
+        """A forward of the whole batch raised: run each request on its own (same slots,
+        so what the others compute is what they would have), fail the ones that raise
+        again, and narrow `batch` to the rest. Returns their logits and rows, as one
+        forward of the narrowed batch would."""
+        kept, parts, rows = [], [], []
+        num_rows = 0
+        for i, req in enumerate(batch.reqs):
+            try:
+                logits, (req_rows,) = self._forward(batch.alone(i))
+            except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
+                req.kv_len += batch.extend_lens[i]  # its slots of this step go with it
+                self._finish(req, error)
+                continue
+            kept.append(i)
+            parts.append(logits)
+            rows.append([num_rows + r for r in req_rows])
+            num_rows += logits.shape[0]
+        batch.narrow(kept)
+        return (torch.cat(parts) if parts else torch.empty(0)), rows
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]) -> None:
         """Sample each request's next token and append it; a request whose sampling or

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lmprog_runtime.sampling_params import SamplingParams
+from lmprog_runtime.stop_regex import StopRegexScanner
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class Req:
         self._prefix_offset = 0
         self._read_offset = 0
         self._scanned = 0  # characters of the decoded text searched for stop strings
+        self._stop_regex = StopRegexScanner(params.stop_regex) if params.stop_regex else None
         # Jump-forward: characters of the decoded text the char FSM has read, and its state.
         self.fsm_position: tuple[int, Any] = (0, None if char_fsm is None else char_fsm.initial)
 
@@ -208,27 +210,27 @@ class Req:
         self.output_ids = self.output_ids[:kept] + tail
         self._decoded_text = text
         self._prefix_offset, self._read_offset = kept, len(self.output_ids)
-        self._scanned = len(text)
 
     def _scan_stops(self) -> str | None:
-        """The stop string or stop regex match the output now contains, if any. Stop strings
-        are searched only where a new match can be (O(new text)); stop regexes search the
-        whole text, since a match may start anywhere."""
+        """The stop string or stop regex match the output now contains, if any, in
+        O(new text): stop strings are searched only where a new match can be, stop regexes
+        by their incremental scanner (the whole text only once one has matched)."""
         text = self.decoded_text()
         longest = max((len(stop) for stop in self.params.stop), default=1)
         start = max(0, self._scanned - longest + 1)
         self._scanned = len(text)
-        return self._first_stop(text, start)[1]
+        regex = self._stop_regex is not None and self._stop_regex.feed(text)
+        return self._first_stop(text, start, regex)[1]
 
-    def _first_stop(self, text: str, start: int = 0) -> tuple[int, str | None]:
-        """Where the first stop string (found from `start`) or stop regex match begins in
-        `text`, and what it matched; (len(text), None) if none."""
+    def _first_stop(self, text: str, start: int = 0, regex: bool = True) -> tuple[int, str | None]:
+        """Where the first stop string (found from `start`) or stop regex match (if `regex`)
+        begins in `text`, and what it matched; (len(text), None) if none."""
         cut, matched = len(text), None
         for stop in self.params.stop:
             index = text.find(stop, start)
             if index != -1 and index < cut:
                 cut, matched = index, stop
-        for pattern in self.params.stop_regex:
+        for pattern in self.params.stop_regex if regex else ():
             found = re.search(pattern, text)
             if found is not None and found.start() < cut:
                 cut, matched = found.start(), found.group()
@@ -257,8 +259,9 @@ class Req:
         else:
             text = self.decoded_text()  # no stop has matched yet
             hold = max((len(s) - 1 for s in self.params.stop), default=0)
-            if self.params.stop_regex:  # a match may start anywhere: nothing is final yet
-                hold = len(text)
+            if self._stop_regex is not None:  # a match may still begin at its earliest start
+                self._stop_regex.feed(text)
+                hold = max(hold, len(text) - self._stop_regex.stable_len())
             stable = len(text) - hold
             while stable > 0 and text[stable - 1] == "\ufffd":  # an incomplete UTF-8 sequence
                 stable -= 1

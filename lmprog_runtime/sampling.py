@@ -12,6 +12,7 @@ unprocessed logits).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -34,11 +35,60 @@ def sample(logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
     sampled_rows = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, dtype=torch.int64)
-        probs = _filtered_probs(logits.index_select(0, rows), [reqs[i] for i in sampled_rows])
-        for j, i in enumerate(sampled_rows):
-            token_ids[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
+        sampled = [reqs[i] for i in sampled_rows]
+        probs = _filtered_probs(logits.index_select(0, rows), sampled)
+        token_ids[rows] = draw(probs, [r.generator for r in sampled], [r.rid for r in sampled])
     ids = token_ids.tolist()
     return SampleOutput(ids, token_logprobs(raw, ids, reqs))
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator], rids: list[int]) -> torch.Tensor:
+    """One token per row of `probs` [n, vocab] (unnormalised), row i drawn with
+    `generators[i]`: exactly what `torch.multinomial(probs[i], 1, generator=generators[i])`
+    returns, row by row, and leaving each generator in the same state, but batched.
+
+    torch draws one sample as an exponential race, argmax(p / q) with q ~ Exp(1) from the
+    row's generator, and its CPU exponential is float32(-log1p(-u)) of a float64 uniform u.
+    Only the uniforms need one call per row (a generator feeds one tensor at a time); the
+    transform runs in a row-sized buffer that stays in cache, and the race is one batched
+    division and argmax. Where a torch build draws differently (checked once, against
+    multinomial itself), each row falls back to multinomial."""
+    finite = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1)
+    valid = finite & (probs.sum(dim=-1) > 0)
+    if not bool(valid.all()):
+        rid = rids[int((~valid).nonzero()[0, 0])]
+        raise ValueError(
+            f"request {rid}: its sampling distribution has no finite, positive mass "
+            "(non-finite logits, or every token masked)"
+        )
+    if not _race_matches_multinomial():
+        return torch.stack(
+            [torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, generators)]
+        )
+    return _exponential_race(probs, generators)
+
+
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    uniform = torch.empty(probs.shape[-1], dtype=torch.float64)  # [vocab], reused per row
+    noise = torch.empty_like(probs)  # [n, vocab] float32 Exp(1) draws
+    for row, generator in zip(noise, generators):
+        uniform.uniform_(generator=generator)
+        torch.log1p(uniform.neg_(), out=uniform)  # log1p(-u) <= 0
+        row.copy_(uniform)
+    return (probs / noise.neg_()).argmax(dim=-1)
+
+
+@functools.cache
+def _race_matches_multinomial() -> bool:
+    probs = torch.softmax(torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)), -1)
+    raced_with = [torch.Generator().manual_seed(s) for s in range(4)]
+    drawn_with = [torch.Generator().manual_seed(s) for s in range(4)]
+    raced = _exponential_race(probs, raced_with).tolist()
+    drawn = [int(torch.multinomial(p, 1, generator=g)[0]) for p, g in zip(probs, drawn_with)]
+    same_states = all(
+        torch.equal(a.get_state(), b.get_state()) for a, b in zip(raced_with, drawn_with)
+    )
+    return raced == drawn and same_states
 
 
 def token_logprobs(

@@ -44,6 +44,35 @@ class ScheduledBatch:
     kv_committed: bool = False  # set once the forward's K/V are accounted to the requests
     num_decodes: int = 0  # an extend's last requests: running ones decoding one token
 
+    def _starts(self) -> list[int]:
+        """Offset of each request's slots in `out_cache_loc`."""
+        starts = [0]
+        for n in self.extend_lens[:-1]:
+            starts.append(starts[-1] + n)
+        return starts
+
+    def _is_decode(self, i: int) -> bool:
+        return self.mode is ForwardMode.DECODE or i >= len(self.reqs) - self.num_decodes
+
+    def alone(self, i: int) -> ScheduledBatch:
+        """Request i as a batch of its own, on the same slots (to find out which request a
+        failing forward belongs to)."""
+        start, n = self._starts()[i], self.extend_lens[i]
+        mode = ForwardMode.DECODE if self._is_decode(i) else ForwardMode.EXTEND
+        slots = self.out_cache_loc[start : start + n]
+        return ScheduledBatch(mode, [self.reqs[i]], slots, [self.prefix_lens[i]], [n])
+
+    def narrow(self, keep: list[int]) -> None:
+        """Keep only the requests at indices `keep` (ascending), with their slots."""
+        starts = self._starts()
+        pieces = [self.out_cache_loc[starts[i] : starts[i] + self.extend_lens[i]] for i in keep]
+        self.out_cache_loc = torch.cat(pieces) if pieces else self.out_cache_loc[:0]
+        if self.mode is ForwardMode.EXTEND:
+            self.num_decodes = sum(1 for i in keep if self._is_decode(i))
+        self.reqs = [self.reqs[i] for i in keep]
+        self.prefix_lens = [self.prefix_lens[i] for i in keep]
+        self.extend_lens = [self.extend_lens[i] for i in keep]
+
 
 class RequestGroup:
     """Requests admitted together (the branches of a fork), after `prefix_req` is done."""

@@ -50,8 +50,17 @@ def test_chaos(chaos_engine, tiny_path, seed):
     plans = []  # (prompt, params, fate)
     for i in range(NUM_REQUESTS):
         fate = rng.choices(
-            ["ok", "bad", "abort", "close", "timeout", "fault_sample", "fault_schedule"],
-            weights=[10, 2, 2, 2, 1, 1, 1],
+            [
+                "ok",
+                "bad",
+                "abort",
+                "close",
+                "timeout",
+                "fault_sample",
+                "fault_schedule",
+                "fault_forward",
+            ],
+            weights=[10, 2, 2, 2, 1, 1, 1, 1],
         )[0]
         params = _params(rng)
         if fate == "timeout":

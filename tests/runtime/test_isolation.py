@@ -45,7 +45,7 @@ def _fail_when(point: str, engine: Engine, prompt: str):
     return hook
 
 
-@pytest.mark.parametrize("point", ["sample", "schedule"])
+@pytest.mark.parametrize("point", ["sample", "schedule", "forward"])
 def test_a_fault_fails_its_request_and_the_others_are_token_identical(engine, clean, point):
     greedy, seeded = clean
     engine.fault_hook = _fail_when(point, engine, PROMPTS[3])
@@ -64,6 +64,41 @@ def test_a_fault_fails_its_request_and_the_others_are_token_identical(engine, cl
         engine.fault_hook = None
     assert engine._thread.is_alive()
     assert engine.generate(PROMPTS[3], GREEDY)["output_ids"] == greedy[3]
+
+
+def test_a_forward_fault_in_a_mixed_batch_on_pages_fails_one_request(tiny_path, clean):
+    """A request that makes the forward raise, admitted while others decode (a mixed
+    extend + decode forward), on pages of 4 slots: it fails, the others finish exactly as
+    they would have, and its slots are freed (the autouse check)."""
+    greedy, _ = clean
+    culprit = PROMPTS[3]
+    with Engine(tiny_path, max_total_tokens=4096, page_size=4) as engine:
+        culprit_ids = engine.encode(culprit)
+        mixed = []  # decoding requests in the forwards that carried the culprit
+        forward = engine._forward
+
+        def watched(batch):
+            if any(r.input_ids == culprit_ids for r in batch.reqs):
+                mixed.append(batch.num_decodes)
+            return forward(batch)
+
+        engine._forward = watched
+        engine.fault_hook = _fail_when("forward", engine, culprit)
+        decoding = threading.Event()
+        try:
+            early = engine.submit(PROMPTS[:3], LONG, on_chunk=lambda i, c: decoding.set())
+            assert decoding.wait(60)
+            late = engine.submit(PROMPTS[3:], GREEDY)
+            with pytest.raises(RuntimeError, match="injected at forward"):
+                late[0].result(timeout=60)
+            for i, future in enumerate(late[1:], start=4):
+                assert future.result(timeout=60)["output_ids"] == greedy[i], i
+            for i, future in enumerate(early):
+                assert future.result(timeout=120)["output_ids"][:12] == greedy[i], i
+        finally:
+            engine.fault_hook = None
+            del engine._forward
+        assert max(mixed, default=0) > 0, mixed  # the culprit shared a forward with decodes
 
 
 def test_scheduling_that_raises_orphans_nothing_and_does_not_spin(tiny_path, monkeypatch):

@@ -53,7 +53,9 @@ def test_a_failing_callback_does_not_fail_the_other_requests(engine):
         )
 
 
-@pytest.mark.parametrize("pattern", [r"[A-Z]\w", r"\d", r"[aeiou]{2}", r"qu?i"])
+@pytest.mark.parametrize(
+    "pattern", [r"[A-Z]\w", r"\d", r"[aeiou]{2}", r"qu?i", r"(?i)qu", r"\bth", r"e\W"]
+)
 def test_stop_regex_cuts_at_the_first_match_of_the_unstopped_output(engine, pattern):
     base = {"max_new_tokens": 40, "temperature": 0}
     for prompt in PROMPTS[:6]:
@@ -73,6 +75,15 @@ def test_stop_regex_cuts_at_the_first_match_of_the_unstopped_output(engine, patt
             c["text"] for c in engine.generate(prompt, {**base, "stop_regex": pattern}, stream=True)
         )
         assert streamed == stopped["text"]  # never streams text a match would take back
+
+
+def test_a_stop_regex_stream_releases_text_no_match_can_begin_in(engine):
+    """Text is held back only from where a match could still begin, not all of it."""
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True, "stop_regex": "QQ!"}
+    chunks = [c["text"] for c in engine.generate(PROMPTS[0], params, stream=True)]
+    full = engine.generate(PROMPTS[0], {k: v for k, v in params.items() if k != "stop_regex"})
+    assert "".join(chunks) == full["text"]
+    assert sum(1 for c in chunks if c) > 5  # streamed as it went, not in one piece at the end
 
 
 def test_stop_regex_is_checked_at_submit(engine):
