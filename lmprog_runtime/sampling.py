@@ -20,6 +20,9 @@ import torch
 from lmprog_runtime.constrained.base import allowed_masks
 from lmprog_runtime.request import Req
 
+# Top-k / top-p sort only this many leading tokens of a row unless it needs more.
+FILTER_WINDOW = 256
+
 
 class SampleOutput(NamedTuple):
     token_ids: list[int]
@@ -45,14 +48,15 @@ def sample(logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
 def draw(probs: torch.Tensor, generators: list[torch.Generator], rids: list[int]) -> torch.Tensor:
     """One token per row of `probs` [n, vocab] (unnormalised), row i drawn with
     `generators[i]`: exactly what `torch.multinomial(probs[i], 1, generator=generators[i])`
-    returns, row by row, and leaving each generator in the same state, but batched.
+    returns, leaving each generator in the same state, at a fraction of its cost.
 
     torch draws one sample as an exponential race, argmax(p / q) with q ~ Exp(1) from the
     row's generator, and its CPU exponential is float32(-log1p(-u)) of a float64 uniform u.
-    Only the uniforms need one call per row (a generator feeds one tensor at a time); the
-    transform runs in a row-sized buffer that stays in cache, and the race is one batched
-    division and argmax. Where a torch build draws differently (checked once, against
-    multinomial itself), each row falls back to multinomial."""
+    Each row still draws all its uniforms (one call per row: a generator feeds one tensor
+    at a time), into a row-sized buffer that stays in cache; the race itself runs only over
+    the tokens top-k / top-p left, and the checks are done once for the batch. Where a
+    torch build draws differently (checked once, against multinomial itself), each row
+    falls back to multinomial."""
     finite = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1)
     valid = finite & (probs.sum(dim=-1) > 0)
     if not bool(valid.all()):
@@ -69,13 +73,21 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator], rids: list[int]
 
 
 def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    uniform = torch.empty(probs.shape[-1], dtype=torch.float64)  # [vocab], reused per row
-    noise = torch.empty_like(probs)  # [n, vocab] float32 Exp(1) draws
-    for row, generator in zip(noise, generators):
-        uniform.uniform_(generator=generator)
-        torch.log1p(uniform.neg_(), out=uniform)  # log1p(-u) <= 0
-        row.copy_(uniform)
-    return (probs / noise.neg_()).argmax(dim=-1)
+    vocab = probs.shape[-1]
+    uniform = torch.empty(vocab, dtype=torch.float64)  # [vocab], reused per row
+    counts = (probs > 0).sum(dim=-1).tolist()
+    winners = []
+    for row, generator, count in zip(probs, generators, counts):
+        uniform.uniform_(generator=generator)  # every draw, so the generator stays in step
+        if count * 4 < vocab:  # after top-k / top-p: race only where the row has mass
+            index = row.nonzero().flatten()
+            log_q = torch.log1p(uniform[index].neg_())  # log1p(-u) <= 0
+            scores = row[index] / log_q.float().neg_()
+            winners.append(index[scores.argmax()])
+        else:
+            torch.log1p(uniform.neg_(), out=uniform)
+            winners.append((row / uniform.float().neg_()).argmax())
+    return torch.stack(winners)
 
 
 @functools.cache
@@ -152,23 +164,51 @@ def _filtered_probs(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     vocab = probs.shape[-1]
     top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs])
     top_p = torch.tensor([r.params.top_p for r in reqs], dtype=probs.dtype)
-    if bool((top_k < vocab).any() or (top_p < 1.0).any()):
-        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab)[None, :]
-        sorted_probs = sorted_probs.masked_fill(ranks >= top_k[:, None], 0.0)
-        # Keep the smallest prefix of the top-k whose share of their mass reaches top_p
-        # (the first token is always kept).
-        kept_mass = sorted_probs.sum(dim=-1, keepdim=True)
-        share_before = (sorted_probs.cumsum(dim=-1) - sorted_probs) / kept_mass
-        drop = (share_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
+    rows = ((top_k < vocab) | (top_p < 1.0)).nonzero().flatten()
+    if len(rows):
+        probs[rows] = _top_k_top_p(probs[rows], top_k[rows], top_p[rows])
     min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype)
     if bool((min_p > 0).any()):
         # Relative to the most likely token, so unaffected by the renormalisation above.
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's `top_k` most likely tokens, then the smallest prefix of those whose
+    share of their mass reaches `top_p` (the first is always kept). probs: [n, vocab].
+
+    Only the leading FILTER_WINDOW tokens (or top_k, if larger) are sorted; a row whose
+    top-p cut lies beyond them (a very flat distribution) is sorted in full."""
+    vocab = probs.shape[-1]
+    limited = top_k[top_k < vocab]
+    width = min(vocab, max(FILTER_WINDOW, int(limited.max()) if len(limited) else 0))
+    values, index = probs.topk(width, dim=-1)  # [n, width], descending
+    total = probs.sum(dim=-1)
+    kept, is_cut = _cut_sorted(values, top_k, top_p, total, vocab)
+    out = torch.zeros_like(probs).scatter_(1, index, kept)
+    flat = (~is_cut & (top_p < 1.0)).nonzero().flatten() if width < vocab else []
+    if len(flat):
+        values, index = probs[flat].sort(dim=-1, descending=True)
+        kept, _ = _cut_sorted(values, top_k[flat], top_p[flat], total[flat], vocab)
+        out[flat] = torch.zeros_like(values).scatter_(1, index, kept)
+    return out
+
+
+def _cut_sorted(
+    values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, total: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k, then top-p, on rows sorted in descending order (the leading part of each row
+    when `values` is narrower than the vocabulary; `total` is each full row's mass).
+    Returns the kept values and, per row, whether top-p cut inside `values`."""
+    ranks = torch.arange(values.shape[-1])[None, :]
+    values = values.masked_fill(ranks >= top_k[:, None], 0.0)
+    # The mass top-p shares out: the top-k tokens' (inside `values`), or the whole row's.
+    kept_mass = torch.where(top_k < vocab, values.sum(dim=-1), total)
+    share_before = (values.cumsum(dim=-1) - values) / kept_mass[:, None]
+    drop = (share_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    return values.masked_fill(drop, 0.0), drop.any(dim=-1)
 
 
 def record_prompt_logprobs(
