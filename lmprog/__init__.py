@@ -43,6 +43,7 @@ from lmprog.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from lmprog.display import to_dataframe
 from lmprog.function import Function, function
 from lmprog.state import ProgramState, ProgramStateGroup
 
@@ -73,6 +74,7 @@ __all__ = [
     "system",
     "system_begin",
     "system_end",
+    "to_dataframe",
     "token_length_normalized",
     "unconditional_likelihood_normalized",
     "user",

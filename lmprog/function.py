@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 from lmprog.backend import as_backend, get_default_backend
+from lmprog.display import in_notebook, show_live
 from lmprog.ops import REQUEST_KEYS, SAMPLING_KEYS
 from lmprog.state import ProgramState
 from lmprog.traced import TracedProgram
@@ -85,6 +86,7 @@ class Function:
         *args: Any,
         stream: bool = False,
         backend: Any = None,
+        live: bool | None = None,
         **kwargs: Any,
     ) -> ProgramState:
         """Run the program once, on this thread. Keywords that are sampling or request
@@ -92,10 +94,14 @@ class Function:
         defaults for every `gen`; the rest are the program's arguments.
 
         Returns when the program has finished, or with `stream=True` as soon as its body
-        has run (read it with `text_iter()`). An exception (the program's own, or a
+        has run (read it with `text_iter()`). In a Jupyter notebook a streaming run also
+        shows its transcript in the cell, updated in place as tokens arrive (`live=False`
+        turns that off; `live=True` asks for it). An exception (the program's own, or a
         request the runtime refused) is raised unchanged; `error()` holds it too."""
         defaults, arguments = _split_kwargs(kwargs)
         state = ProgramState.start(_resolve(backend), defaults, stream=stream)
+        if stream and (live or (live is None and in_notebook())):
+            show_live(state)
         self._execute(state, args, arguments)
         if not stream:
             try:

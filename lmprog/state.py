@@ -8,13 +8,13 @@ runtime as one group; `join()` appends the join, which waits for every branch.
 
 from __future__ import annotations
 
-import html
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 from lmprog.backend import Backend
+from lmprog.display import short_repr, state_html
 from lmprog.interpreter import INTERPRETER
 from lmprog.ir import (
     Expr,
@@ -267,37 +267,18 @@ class ProgramState(StateBlocks):
         return self.text()
 
     def __repr__(self) -> str:
-        return f"ProgramState({self.text()!r})"
+        """Short text, whatever the length of the state (a terminal never sees HTML)."""
+        self.sync()
+        st = self._stream.st
+        return short_repr("ProgramState", st.text, st.variables, self._stream.error)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))
 
     def _repr_html_(self) -> str:
-        """Roles as blocks, generated and selected spans highlighted, everything escaped."""
+        """Jupyter: the transcript by role, generated and selected spans highlighted."""
         self.sync()
-        out, in_role = (
-            ['<div class="lmprog-state" style="font-family:monospace;white-space:pre-wrap">'],
-            False,
-        )
-        for span in self._stream.st.spans:
-            text = html.escape(span.text)
-            if span.kind == "role":
-                if not in_role:
-                    out.append(
-                        '<div style="border-left:3px solid #888;margin:4px 0;padding-left:6px">'
-                        f"<b>{html.escape(span.name or '')}</b>: "
-                    )
-                    in_role = True
-                else:
-                    out.append("</div>")
-                    in_role = False
-            elif span.kind in ("gen", "select"):
-                color = "#d7f5d7" if span.kind == "gen" else "#d7e4f5"
-                name = html.escape(span.name or "", quote=True)
-                out.append(f'<span style="background:{color}" title="{name}">{text}</span>')
-            else:
-                out.append(text)
-        if in_role:
-            out.append("</div>")
-        out.append("</div>")
-        return "".join(out)
+        return state_html(self._stream.st, self._stream.error)
 
 
 class BranchGroup:

@@ -59,6 +59,10 @@ class TracedProgram:
                 break
         return st.text
 
+    def __repr__(self) -> str:
+        status = "complete" if self.is_complete else f"stopped: {self.stopped}"
+        return f"TracedProgram({self.graph.number_of_nodes()} nodes, {status})"
+
     def __str__(self) -> str:
         lines = []
         for n in nx.topological_sort(self.graph):
@@ -112,11 +116,13 @@ class TracedProgram:
         for n, (x, y) in pos.items():
             node = self.graph.nodes[n]["node"]
             fill = "#d7f5d7" if isinstance(node, (Gen, Select)) else "#f3f3f3"
-            label = html.escape(_label(node)[:32])
+            label = _label(node)
+            label = html.escape(label if len(label) <= 31 else label[:30] + "…")
             parts.append(
                 f'<rect x="{x}" y="{y}" width="{box_w}" height="{box_h}" fill="{fill}" stroke="#666" rx="4"/>'
             )
-            parts.append(f'<text x="{x + 6}" y="{y + 17}">{label}</text>')
+            full = html.escape(_label(node))
+            parts.append(f'<text x="{x + 6}" y="{y + 17}"><title>{full}</title>{label}</text>')
         parts.append("</svg>")
         return "".join(parts)
 
@@ -126,8 +132,8 @@ def _label(node: Expr) -> str:
         text = node.value if len(node.value) <= 40 else node.value[:37] + "..."
         return f"text {text!r}"
     if isinstance(node, Gen):
-        args = {k: v for k, v in node.sampling.items() if v is not None}
-        return f"gen {node.name}" + (f" {args}" if args else "")
+        args = "".join(f" {k}={v!r}" for k, v in node.sampling.items() if v is not None)
+        return f"gen {node.name}{args}"
     if isinstance(node, Select):
         return f"select {node.name} {list(node.choices)}"
     if isinstance(node, (RoleBegin, RoleEnd)):

@@ -10,6 +10,7 @@ from lmprog_runtime.models import (
     default_model_path,
     local_model_dir,
     named_models,
+    notebook_model,
     resolve_model_path,
 )
 from lmprog_runtime.sampling_params import SamplingParams
@@ -21,5 +22,6 @@ __all__ = [
     "default_model_path",
     "local_model_dir",
     "named_models",
+    "notebook_model",
     "resolve_model_path",
 ]

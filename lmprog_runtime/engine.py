@@ -26,7 +26,9 @@ from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.constrained.jump_forward import jump_forward
 from lmprog_runtime.engine_inputs import normalize_generate_inputs
 from lmprog_runtime.engine_loop import EngineLoop, serve, wake
+from lmprog_runtime.engine_view import engine_html, engine_repr
 from lmprog_runtime.kvcache.radix_cache import RadixCache
+from lmprog_runtime.kvcache.radix_view import RadixTreeView
 from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.model_runner import ModelRunner
 from lmprog_runtime.models.registry import local_model_dir, resolve_model_path
@@ -88,7 +90,7 @@ class Engine(EngineLoop):
         self.scheduler = Scheduler(
             self.config, runner.allocator, runner.req_to_token, req_cache, self._stats
         )
-        self._commands: list[tuple[str, threading.Event, list[Any]]] = []
+        self._commands: list[tuple[str, tuple, threading.Event, list[Any]]] = []
         self._grammars: Any = None  # GrammarCache, built on the first constrained request
         self._grammar_lock = threading.Lock()
         self._grammar_eos = self.tokenizer.eos_token_id
@@ -347,6 +349,28 @@ class Engine(EngineLoop):
         self._fault_hook = hook
         self.scheduler.fault = hook if hook is not None else _no_fault
 
+    def radix_tree(self, max_nodes: int = 200) -> RadixTreeView:
+        """A drawing of the prefix cache as it is now: each node's tokens, hit count and
+        whether running requests lock it (an SVG in notebooks, indented text with `str`).
+        Past `max_nodes` nodes (breadth first) the rest are counted, not drawn.
+
+        Example:
+            >>> engine.radix_tree()  # doctest: +SKIP
+        """
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
+        if self.tree_cache is None:
+            raise RuntimeError("this engine runs without a prefix cache")
+        root, omitted = self._command("radix_snapshot", max_nodes)
+        return RadixTreeView(root, omitted, self.tokenizer.decode)
+
+    def __repr__(self) -> str:
+        return engine_repr(self)
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the model, the KV memory and the counters."""
+        return engine_html(self)
+
     def flush_cache(self) -> bool:
         """Drop every cached prefix. Returns False (and drops nothing) while requests run."""
         return bool(self._command("flush_cache"))
@@ -379,17 +403,20 @@ class Engine(EngineLoop):
             return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # ---- caller side --------------------------------------------------------------------
-    def _command(self, name: str) -> Any:
-        """Run `name` on the loop thread, between steps, and return its result."""
+    def _command(self, name: str, *args: Any) -> Any:
+        """Run `name` on the loop thread, between steps, and return its result (or raise
+        its exception here)."""
         done, result = threading.Event(), []
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the engine has been shut down")
-            self._commands.append((name, done, result))
+            self._commands.append((name, args, done, result))
             self._cv.notify_all()
         while not done.wait(0.5):
             if not self._thread.is_alive():
                 raise RuntimeError("the engine loop has stopped")
+        if isinstance(result[0], Exception):
+            raise result[0]
         return result[0]
 
     def _submit(self, reqs: list[Req]) -> None:

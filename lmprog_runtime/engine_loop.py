@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmprog_runtime.forward_batch import ForwardMode
+from lmprog_runtime.kvcache.radix_view import snapshot
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling import record_prompt_logprobs, sample
 from lmprog_runtime.scheduler import ScheduledBatch
@@ -52,8 +53,11 @@ class EngineLoop:
             if req.deadline is not None:
                 self._deadlines.append(req)
             self.scheduler.add(req)
-        for name, done, result in commands:
-            result.append(self._run_command(name))
+        for name, args, done, result in commands:
+            try:
+                result.append(self._run_command(name, *args))
+            except Exception as error:  # noqa: BLE001 - raised on the caller's thread
+                result.append(error)
             done.set()
         self._cancel(aborts)
         batch = None
@@ -132,7 +136,9 @@ class EngineLoop:
             if not req.done.is_set():
                 self._finish(req, error)
 
-    def _run_command(self, name: str) -> Any:
+    def _run_command(self, name: str, *args: Any) -> Any:
+        if name == "radix_snapshot":
+            return snapshot(self.tree_cache.root, *args)
         if name == "flush_cache":
             if self.scheduler.has_work or self.tree_cache is None:
                 return self.tree_cache is None and not self.scheduler.has_work

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmprog_runtime.env import notebook_model_override
 from lmprog_runtime.models.default_model import SPECS, default_model_path
 from lmprog_runtime.models.gguf_convert import convert_gguf
 
@@ -52,6 +53,16 @@ _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 def named_models() -> list[str]:
     return sorted([*SPECS, *PACKAGED_MODELS, *ALIASES])
+
+
+def notebook_model() -> str:
+    """The model the notebooks run: `$LMPROG_NOTEBOOK_MODEL` if set, else the real instruct
+    model when its package is installed, else the tiny built-in."""
+    override = notebook_model_override()
+    if override is not None:
+        return override
+    packaged = PACKAGED_MODELS["smollm2-135m-instruct"]
+    return "smollm2-135m-instruct" if importlib.util.find_spec(packaged.module) else "tiny"
 
 
 def resolve_model_path(name_or_path: str | os.PathLike[str] | None = None) -> str:

@@ -260,7 +260,8 @@ def test_repr_html_highlights_and_escapes(engine):
     state = prog.run(backend=engine)
     page = state._repr_html_()
     assert html.escape("<b>bold</b> & co") in page and "<b>bold</b> & co" not in page
-    assert 'title="reply"' in page and "<b>user</b>" in page and "<b>assistant</b>" in page
+    assert 'title="reply: 4 tokens"' in page
+    assert "lmprog-role-user" in page and "lmprog-role-assistant" in page
 
 
 def test_gen_logprobs_reach_the_meta_info(engine):

@@ -1,0 +1,167 @@
+"""How program states look: a chat transcript in Jupyter, short text everywhere else, a
+live view of a streaming run, and a table of many states.
+
+Jupyter asks for `_repr_html_`; a terminal only ever sees `repr()` / `str()`, so no HTML
+reaches it. IPython and pandas are imported only when a notebook view or a DataFrame is
+asked for (`pip install lmprog[notebook]`); `import lmprog` needs neither.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from lmprog.ops import Span
+
+if TYPE_CHECKING:
+    from lmprog.ops import ExecState
+    from lmprog.state import ProgramState
+
+ROLE_COLORS = {"system": "#9a9a9a", "user": "#3a7bd5", "assistant": "#2e9e5b"}
+SPAN_COLORS = {"gen": "#d9f2df", "select": "#dde8fb"}
+CSS = (
+    "<style>.lmprog-state{font-family:ui-monospace,Menlo,monospace;font-size:12.5px;"
+    "line-height:1.45;max-width:60em}"
+    ".lmprog-role{border-left:3px solid;margin:6px 0;padding:2px 8px;white-space:pre-wrap}"
+    ".lmprog-role-name{font-size:11px;font-weight:600;text-transform:uppercase;"
+    "letter-spacing:.04em;opacity:.75;display:block;white-space:normal}"
+    ".lmprog-text{white-space:pre-wrap;margin:4px 0}"
+    ".lmprog-span{border-radius:3px;padding:0 2px}"
+    ".lmprog-span sub{font-size:9px;opacity:.6;margin-left:2px}"
+    ".lmprog-error{color:#b00020;margin-top:6px}</style>"
+)
+# A repr longer than this shows its start and end only.
+REPR_CHARS = 120
+
+
+def state_html(st: ExecState, error: BaseException | None = None) -> str:
+    """The state as a transcript: one block per chat role, generated and selected spans
+    highlighted with their variable names (a select's choices and scores on hover)."""
+    out = [CSS, '<div class="lmprog-state">']
+    plain: list[str] = []  # text outside any role
+
+    def flush_plain() -> None:
+        if plain:
+            out.append(f'<div class="lmprog-text">{"".join(plain)}</div>')
+            plain.clear()
+
+    target = plain
+    for span in _merged(st.spans):
+        if span.kind == "role":
+            if target is plain:  # a role begins
+                flush_plain()
+                role = span.name or ""
+                color = ROLE_COLORS.get(role, "#888")
+                out.append(
+                    f'<div class="lmprog-role lmprog-role-{html.escape(role)}" '
+                    f'style="border-color:{color}"><span class="lmprog-role-name" '
+                    f'style="color:{color}">{html.escape(role)}</span>'
+                )
+                target = out
+            else:  # it ends
+                out.append("</div>")
+                target = plain
+        elif span.kind in SPAN_COLORS:
+            target.append(_span_html(span.kind, span.text, span.name, st.meta.get(span.name)))
+        else:
+            target.append(html.escape(span.text))
+    if target is out:
+        out.append("</div>")
+    flush_plain()
+    if error is not None:
+        message = html.escape(f"{type(error).__name__}: {error}")
+        out.append(f'<div class="lmprog-error">{message}</div>')
+    out.append("</div>")
+    return "".join(out)
+
+
+def _merged(spans: list[Span]) -> list[Span]:
+    """Consecutive pieces of one gen (streamed chunk by chunk) as one span."""
+    out: list[Span] = []
+    for span in spans:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and span.kind != "role"
+            and (last.kind, last.name) == (span.kind, span.name)
+        ):
+            out[-1] = Span(span.kind, last.text + span.text, span.name)
+        else:
+            out.append(span)
+    return out
+
+
+def _span_html(kind: str, text: str, name: str | None, meta: dict[str, Any] | None) -> str:
+    title = name or ""
+    if kind == "select" and meta is not None and "scores" in meta:
+        scores = ", ".join(
+            f"{'> ' if c == meta['choice'] else ''}{c!r}: {s:.3f}"
+            for c, s in zip(meta["choices"], meta["scores"])
+        )
+        title = f"{name} ({meta['method']}) {scores}"
+    elif meta is not None and "completion_tokens" in meta:
+        title = f"{name}: {meta['completion_tokens']} tokens"
+    return (
+        f'<span class="lmprog-span lmprog-{kind}" style="background:{SPAN_COLORS[kind]}" '
+        f'title="{html.escape(title, quote=True)}">{html.escape(text)}'
+        f"<sub>{html.escape(name or '')}</sub></span>"
+    )
+
+
+def short_repr(kind: str, text: str, variables: dict[str, Any], error: Any) -> str:
+    """`Kind(text='...', variables=[...])`, the text shortened to its start and end."""
+    if len(text) > REPR_CHARS:
+        half = REPR_CHARS // 2
+        text = text[:half] + " ... " + text[-half:]
+    status = f", error={type(error).__name__}" if error is not None else ""
+    return f"{kind}(text={text!r}, variables={sorted(variables)}{status})"
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (not a terminal IPython, not plain Python)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    shell = ipython.get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
+
+
+def show_live(state: ProgramState) -> threading.Thread:
+    """Show a streaming state in the current output cell and update it in place as text
+    arrives (one display handle), until its program ends. Returns the updating thread."""
+    from IPython.display import HTML, display
+
+    stream = state._stream
+    handle = display(HTML(state_html(stream.st)), display_id=True)
+
+    def follow() -> None:
+        start, is_done = 0, False
+        while not is_done:
+            _, start, is_done = stream.next_deltas(start, None)
+            handle.update(HTML(state_html(stream.st.copy(), stream.error if is_done else None)))
+
+    thread = threading.Thread(target=follow, name="lmprog-live-view", daemon=True)
+    thread.start()
+    return thread
+
+
+def to_dataframe(states: Iterable[ProgramState], text: bool = True) -> Any:
+    """One row per state: its variables (one column each), `ret_value`, `text` (optional)
+    and `error` (None, or the exception's message)."""
+    import pandas as pd
+
+    return pd.DataFrame([state_record(state, text) for state in states])
+
+
+def state_record(state: ProgramState, text: bool = True) -> dict[str, Any]:
+    """A finished state as a flat dict (see `to_dataframe`)."""
+    error = state.error()
+    record = dict(state._stream.st.variables)
+    record["ret_value"] = state.ret_value
+    if text:
+        record["text"] = state._stream.st.text
+    record["error"] = None if error is None else f"{type(error).__name__}: {error}"
+    return record
