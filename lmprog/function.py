@@ -2,17 +2,19 @@
 
 `run` executes one program on the caller's thread; `run_batch` runs many on a bounded pool
 of threads (their requests reach the runtime together) and returns their states in input
-order, or as they finish; `bind` fixes arguments; calling a Function runs it, or inlines it
-when its first argument is the state of a running program.
+order, or as they finish; `map` runs one per row of a dataset (`lmprog.datasets`); `bind`
+fixes arguments; calling a Function runs it, or inlines it when its first argument is the
+state of a running program.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmprog.backend import as_backend, get_default_backend
 from lmprog.display import in_notebook, show_live
@@ -20,6 +22,9 @@ from lmprog.ops import REQUEST_KEYS, SAMPLING_KEYS
 from lmprog.state import ProgramState
 from lmprog.traced import TracedProgram
 from lmprog.tracer import TracerState, trace
+
+if TYPE_CHECKING:
+    from lmprog.datasets import MapRun
 
 # run(...) keywords that set program-level defaults for every gen (gen arguments left None).
 _RUN_DEFAULTS = {
@@ -151,6 +156,70 @@ class Function:
         for i, state in states:
             ordered[i] = state
         return ordered  # type: ignore[return-value]
+
+    def map(
+        self,
+        data: Any,
+        *,
+        output: str | os.PathLike[str] | None = None,
+        id_column: str | None = None,
+        resume: bool = False,
+        ordered: bool = True,
+        cache_aware: bool = True,
+        include_text: bool = False,
+        include_usage: bool = False,
+        window: int = 1024,
+        num_threads: int | str = "auto",
+        progress: bool = False,
+        backend: Any = None,
+        **defaults: Any,
+    ) -> MapRun:
+        """Run the program once per row of `data`: a list (or iterable) of dicts, a pandas
+        DataFrame, a Hugging Face `datasets.Dataset`, or a `.jsonl` / `.csv` / `.parquet`
+        path. Columns named like the program's arguments are passed to it; keywords such
+        as `temperature` are defaults for every gen, as in `run`.
+
+        Returns a `MapRun`, which runs as it is iterated: each result row is the input
+        row's columns, one column per program variable (`var_<name>` where that name is
+        taken), `ret_value`, `text` (with `include_text`), `prompt_tokens` /
+        `cached_tokens` / `completion_tokens` (with `include_usage`) and `error` (None, or
+        the exception that ended that row: one row's failure never stops the others).
+        Without `id_column`, `row_index` holds the row's input position. Rows come back
+        in input order, or as they finish with `ordered=False`. `run()` drives it to the
+        end and returns a `MapSummary`.
+
+        Rows are read `window` at a time (memory stays flat in the number of rows) and,
+        with `cache_aware`, run grouped by their prompt prefix so the radix cache stays
+        hot (the program is traced once, symbolically, to find its prompt template: code
+        before its first gen runs once more, with placeholder arguments). With `output`
+        (`.jsonl`, or `.parquet` built at the end from `<output>.journal.jsonl`), rows are
+        appended durably as they come out; after a crash, `resume=True` skips the rows
+        the file holds (by `id_column`, or row index).
+        `progress=True` shows a bar with rows/s, output tokens/s, cache hit rate, errors.
+
+        Example:
+            >>> for row in qa.map([{"question": "Hi?"}], temperature=0):  # doctest: +SKIP
+            ...     row["answer"], row["error"]
+            >>> qa.map("in.jsonl", output="out.parquet", id_column="id", resume=True).run()  # doctest: +SKIP
+        """
+        from lmprog.datasets import map_program
+
+        return map_program(
+            self,
+            data,
+            output=output,
+            id_column=id_column,
+            resume=resume,
+            ordered=ordered,
+            cache_aware=cache_aware,
+            include_text=include_text,
+            include_usage=include_usage,
+            window=window,
+            num_threads=num_threads,
+            progress=progress,
+            backend=backend,
+            **defaults,
+        )
 
     def _run_pool(self, calls, backend, defaults, num_threads, progress_bar) -> Iterator:
         """(index, state) pairs as programs finish; the pool's threads end with it."""

@@ -1,0 +1,216 @@
+"""The `lmprog` command: run a program over a dataset file, or complete plain prompts.
+
+    lmprog run programs.py:triage --input tickets.jsonl --output out.parquet \\
+        --model smollm2-135m-instruct --id-column id --resume --set temperature=0
+    lmprog generate --input prompts.txt --output completions.jsonl --set max_new_tokens=64
+
+A thin layer over `Function.map`: it loads the program, builds one Engine, and turns the
+options into `map` arguments; everything about rows, resume and errors is `map`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from lmprog.api import assistant, gen, user
+from lmprog.function import Function, _split_kwargs
+
+_EPILOG = """\
+The output is JSONL or Parquet: the input columns, one column per program variable,
+ret_value and error (set for a row that failed; the other rows go on). Rows are written as
+they finish; after a crash or Ctrl-C, run the same command with --resume to skip the rows
+already written (matched by --id-column, or by row position when rows have no id).
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            program = load_program(args.program)
+            data: Any = args.input
+        else:
+            program, data = _generate_program(args)
+        program, defaults = _apply_settings(program, args.set)
+        from lmprog_runtime import Engine
+
+        engine = Engine(args.model, **_parse_pairs(args.engine, "--engine"))
+        run = program.map(
+            data,
+            output=args.output,
+            id_column=args.id_column,
+            resume=args.resume,
+            ordered=not args.unordered,
+            include_text=args.text,
+            include_usage=args.usage,
+            window=args.window,
+            num_threads=args.threads,
+            progress=not args.quiet,
+            backend=engine,
+            **defaults,
+        )
+        summary = run.run()
+    except (ValueError, TypeError, FileNotFoundError, ImportError, AttributeError) as error:
+        parser.exit(2, f"lmprog: error: {error}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, "lmprog: interrupted; run the same command with --resume to go on\n")
+    print(
+        f"lmprog: {summary.num_rows} rows ({summary.num_errors} with errors, "
+        f"{summary.num_skipped} already done) -> {args.output} in {summary.seconds:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def load_program(spec: str) -> Function:
+    """`path/to/file.py:name` or `package.module:name` -> the `@lp.function` it names."""
+    location, sep, name = spec.rpartition(":")
+    if not sep or not location or not name:
+        raise ValueError(f"program {spec!r} must be FILE.py:FUNCTION or MODULE:FUNCTION")
+    if location.endswith(".py") or Path(location).is_file():
+        path = Path(location)
+        if not path.is_file():
+            raise FileNotFoundError(f"program file {location!r} does not exist")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.path.insert(0, str(path.parent.resolve()))  # its own imports, as `python FILE`
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(location)
+    program = getattr(module, name, None)
+    if not isinstance(program, Function):
+        raise TypeError(f"{spec!r} is not an @lp.function (got {type(program).__name__})")
+    return program
+
+
+def _generate_program(args: argparse.Namespace) -> tuple[Function, Any]:
+    """A one-gen program whose argument is the prompt column; `.txt` is one prompt a line."""
+    column = args.prompt_column
+
+    def complete(s, **row: Any) -> None:
+        if args.chat:
+            s += user(row[column])
+            s += assistant(gen("completion"))
+        else:
+            s += row[column] + gen("completion")
+
+    params = [inspect.Parameter("s", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params.append(inspect.Parameter(column, inspect.Parameter.KEYWORD_ONLY))
+    complete.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    data: Any = args.input
+    if Path(args.input).suffix.lower() == ".txt":
+        if not Path(args.input).is_file():
+            raise FileNotFoundError(f"input file {args.input!r} does not exist")
+        data = _lines(Path(args.input), column)
+    return Function(complete), data
+
+
+def _lines(path: Path, column: str) -> Iterator[dict[str, str]]:
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield {column: line.rstrip("\n")}
+
+
+def _apply_settings(program: Function, pairs: list[str]) -> tuple[Function, dict[str, Any]]:
+    """`--set`: sampling options become defaults for every gen, the rest fix arguments."""
+    defaults, arguments = _split_kwargs(_parse_pairs(pairs, "--set"))
+    return (program.bind(**arguments) if arguments else program), defaults
+
+
+def _parse_pairs(pairs: list[str], flag: str) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} takes KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text  # a bare string
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmprog",
+        description="Run lmprog programs over datasets on an in-process engine.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="run an @lp.function once per row of a dataset file",
+        description="Run an @lp.function once per row of a JSONL, CSV or Parquet file.\n"
+        "Columns named like the program's arguments are passed to it.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("program", help="the program: FILE.py:FUNCTION or MODULE:FUNCTION")
+    run.add_argument("--input", required=True, help="rows: a .jsonl, .csv or .parquet file")
+    generate = commands.add_parser(
+        "generate",
+        help="complete plain prompts (one a line, or a column)",
+        description="Complete each prompt of a .txt file (one prompt a line) or of the\n"
+        "prompt column of a JSONL, CSV or Parquet file; the output's `completion`\n"
+        "column holds the generated text.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    generate.add_argument("--input", required=True, help="prompts: .txt, .jsonl, .csv, .parquet")
+    generate.add_argument(
+        "--prompt-column", default="prompt", help="the column holding the prompt (default: prompt)"
+    )
+    generate.add_argument(
+        "--chat", action="store_true", help="send each prompt as a user message (chat template)"
+    )
+    for sub in (run, generate):
+        sub.add_argument("--output", required=True, help="results: a .jsonl or .parquet file")
+        sub.add_argument(
+            "--model",
+            default=None,
+            help="a named model (smollm2-135m-instruct, small, tiny), a Hugging Face "
+            "directory, a .gguf file or a Hub id (default: the built-in tiny random model)",
+        )
+        sub.add_argument(
+            "--engine",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="an Engine option, e.g. --engine max_total_tokens=65536 (repeatable)",
+        )
+        sub.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="a sampling default for every gen (temperature=0, max_new_tokens=64) or a "
+            "fixed program argument; values are JSON, else strings (repeatable)",
+        )
+        sub.add_argument("--id-column", default=None, help="the column identifying each row")
+        sub.add_argument(
+            "--resume", action="store_true", help="skip the rows the output already holds"
+        )
+        sub.add_argument(
+            "--unordered", action="store_true", help="write rows as they finish, not in input order"
+        )
+        sub.add_argument("--text", action="store_true", help="add each row's full text")
+        sub.add_argument(
+            "--usage", action="store_true", help="add prompt/cached/completion token counts"
+        )
+        sub.add_argument("--window", type=int, default=1024, help="rows read and sorted at once")
+        sub.add_argument("--threads", type=int, default=128, help="programs running at once")
+        sub.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""The map loop: rows in, one program per row on a bounded pool, result rows out.
+
+Rows are read a window at a time; each window is sorted by prompt prefix (cache-aware
+order) and its rows handed to `num_threads` threads, each running one program to its end
+(as `run_batch` does). Results come out as rows finish, or in input order with `ordered`;
+either way at most about two windows of rows are held at once, so memory stays flat in the
+number of rows (the ids of an output file excepted). Rows are appended to the sink in
+chunks (whole lines, fsync) in the order they come out. A row's failure (its program
+raised, a request was refused, a column is missing) is its `error` column, never the
+map's; a map stopped early (the iterator closed, Ctrl-C, a bad id) cancels the programs
+still running and writes only rows that finished before, so a resumed run redoes the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from lmprog.backend import Backend
+from lmprog.datasets.ordering import PrefixTemplate, program_params
+from lmprog.datasets.progress import USAGE_COLUMNS, Progress, UsageBackend
+from lmprog.datasets.sinks import JsonlSink, row_key
+from lmprog.datasets.sources import RowSource
+from lmprog.state import ProgramState
+
+if TYPE_CHECKING:
+    from lmprog.function import Function
+
+FLUSH_ROWS = 256  # rows per durable write at most ...
+FLUSH_S = 1.0  # ... and at least this often while rows come out
+
+
+@dataclass(frozen=True)
+class MapOptions:
+    id_column: str | None  # the row's id; None: its input position, as `index_column`
+    index_column: str | None  # where the input position goes (None: nowhere, e.g. Ray)
+    ordered: bool
+    cache_aware: bool
+    include_text: bool
+    include_usage: bool
+    window: int
+    num_threads: int
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def reserved(self) -> set[str]:
+        """Output columns lmprog writes itself (an input column of that name clashes)."""
+        names = {"ret_value", "error"} | ({"text"} if self.include_text else set())
+        names |= set(USAGE_COLUMNS) if self.include_usage else set()
+        return names | ({self.index_column} if self.index_column and not self.id_column else set())
+
+
+class RowJob(NamedTuple):
+    position: int  # in the input
+    order: int  # among the rows this run runs, in input order (emission order)
+    row: dict[str, Any]
+    sort_key: str
+
+
+class RowResult(NamedTuple):
+    row: dict[str, Any]
+    usage: dict[str, int]
+    is_error: bool
+
+
+def iter_results(
+    fn: Function,
+    source: RowSource,
+    backend: Backend,
+    opts: MapOptions,
+    sink: JsonlSink | None,
+    progress: Progress,
+) -> Iterator[dict[str, Any]]:
+    """Result rows of `fn` over `source` (see the module docstring)."""
+    template = PrefixTemplate(fn) if opts.cache_aware else None
+    runner = _RowRunner(fn, backend, opts)
+    rows = enumerate(iter(source))
+    done = sink.done if sink is not None else set()
+    seen: set[str] = set()
+    order = itertools.count()
+    pending: deque[RowJob] = deque()
+    inflight: dict[Future, RowJob] = {}
+    finished: dict[int, dict[str, Any]] = {}  # ordered: rows waiting for earlier ones
+    next_out = 0
+    unwritten: list[dict[str, Any]] = []
+    last_write = time.monotonic()
+    is_exhausted = is_complete = False
+    reserved = opts.reserved()
+
+    def read_window() -> list[RowJob]:
+        nonlocal is_exhausted
+        jobs: list[RowJob] = []
+        for position, row in rows:
+            clash = reserved & row.keys()
+            if clash:
+                raise ValueError(
+                    f"row {position}: input column(s) {sorted(clash)} clash with "
+                    "the output's own columns; rename them"
+                )
+            if sink is not None:
+                key = row_key(_row_id(row, position, opts.id_column))
+                if key in seen:
+                    raise ValueError(f"id_column {opts.id_column!r}: id {key} appears twice")
+                seen.add(key)
+                if key in done:
+                    continue
+            sort_key = template.prefix(row) if template is not None else ""
+            jobs.append(RowJob(position, next(order), row, sort_key))
+            if len(jobs) == opts.window:
+                return jobs
+        is_exhausted = True
+        return jobs
+
+    def write(force: bool) -> None:
+        nonlocal last_write
+        if (
+            sink is not None
+            and unwritten
+            and (force or len(unwritten) >= FLUSH_ROWS or time.monotonic() - last_write >= FLUSH_S)
+        ):
+            sink.write(unwritten)
+            unwritten.clear()
+            last_write = time.monotonic()
+
+    try:
+        while True:
+            while not pending and not is_exhausted and len(inflight) + len(finished) < opts.window:
+                window = read_window()
+                pending.extend(sorted(window, key=lambda job: job.sort_key))
+            while pending and len(inflight) < opts.num_threads:
+                job = pending.popleft()
+                inflight[runner.pool.submit(runner.run, job)] = job
+            if not inflight:
+                break
+            ready, _ = wait(inflight, return_when=FIRST_COMPLETED)
+            out: list[dict[str, Any]] = []
+            for future in ready:
+                job = inflight.pop(future)
+                result = future.result()
+                progress.row_done(result.usage, result.is_error)
+                finished[job.order] = result.row
+            if opts.ordered:
+                while next_out in finished:
+                    out.append(finished.pop(next_out))
+                    next_out += 1
+            else:
+                out = list(finished.values())
+                finished.clear()
+            unwritten.extend(out)  # all of them, before the caller may stop at a yield
+            write(force=False)
+            for row in out:
+                yield dict(row)  # a copy: the caller may change it before it is written
+        is_complete = True
+    finally:
+        if not is_complete:
+            runner.cancel()
+        runner.pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            write(force=True)
+        finally:
+            if sink is not None:
+                sink.close(is_complete)
+            progress.close()
+
+
+class _RowRunner:
+    """Runs one row's program on a pool thread; cancels the programs still running."""
+
+    def __init__(self, fn: Function, backend: Backend, opts: MapOptions) -> None:
+        self.fn = fn
+        self.backend = backend
+        self.opts = opts
+        self.params = program_params(fn)
+        self.pool = ThreadPoolExecutor(opts.num_threads, thread_name_prefix="lmprog-map")
+        self._running: dict[int, ProgramState] = {}
+        self._cancelled: list[BaseException] = []
+
+    def run(self, job: RowJob) -> RowResult:
+        args, kwargs, missing = self._bind(job.row)
+        if missing is not None:
+            error = KeyError(
+                f"row has no column {missing!r} for the argument of {self.fn.__name__}()"
+            )
+            return RowResult(self._result(job, None, error, {}), {}, True)
+        backend = UsageBackend(self.backend)
+        try:
+            state = ProgramState.start(backend, self.opts.defaults)
+        except Exception as error:  # noqa: BLE001 - this row fails, the others go on
+            return RowResult(self._result(job, None, error, {}), {}, True)
+        self._running[job.order] = state
+        if self._cancelled:  # started while the map was being stopped
+            state._cancel(self._cancelled[0])
+        self.fn._execute(state, args, kwargs)
+        state._wait_done()
+        del self._running[job.order]
+        error = state._stream.error
+        usage = dict(backend.usage)
+        return RowResult(self._result(job, state, error, usage), usage, error is not None)
+
+    def cancel(self) -> None:
+        self._cancelled.append(RuntimeError("the map was stopped before this row finished"))
+        for state in list(self._running.values()):
+            state._cancel(self._cancelled[0])
+
+    def _bind(self, row: dict[str, Any]) -> tuple[list[Any], dict[str, Any], str | None]:
+        args: list[Any] = []
+        kwargs: dict[str, Any] = {}
+        for p in self.params:
+            if p.name in row:
+                value = row[p.name]
+            elif p.default is not p.empty:
+                value = p.default
+            else:
+                return args, kwargs, p.name
+            if p.kind is p.POSITIONAL_ONLY:
+                args.append(value)
+            else:
+                kwargs[p.name] = value
+        return args, kwargs, None
+
+    def _result(
+        self,
+        job: RowJob,
+        state: ProgramState | None,
+        error: BaseException | None,
+        usage: dict[str, int],
+    ) -> dict[str, Any]:
+        opts = self.opts
+        out = dict(job.row)
+        if opts.index_column is not None and opts.id_column is None:
+            out[opts.index_column] = job.position
+        taken = set(out) | opts.reserved()
+        if state is not None:
+            st = state._stream.st  # the program has ended: its state no longer changes
+            for name, value in st.variables.items():
+                out[name if name not in taken else f"var_{name}"] = value
+        out["ret_value"] = state.ret_value if state is not None else None
+        if opts.include_text:
+            out["text"] = state._stream.st.text if state is not None else None
+        if opts.include_usage:
+            out.update({name: usage.get(name, 0) for name in USAGE_COLUMNS})
+        out["error"] = None if error is None else describe(error)
+        return out
+
+
+def _row_id(row: dict[str, Any], position: int, id_column: str | None) -> Any:
+    if id_column is None:
+        return position
+    if id_column not in row:
+        raise ValueError(f"row {position} has no id_column {id_column!r}")
+    value = row[id_column]
+    if value is None or isinstance(value, float):
+        raise ValueError(
+            f"row {position}: id_column {id_column!r} must be a str or int, got {value!r}"
+        )
+    return value
+
+
+def describe(error: BaseException) -> str:
+    """The error column: the exception's type and message."""
+    message = error.args[0] if isinstance(error, KeyError) and error.args else error
+    return f"{type(error).__name__}: {message}"

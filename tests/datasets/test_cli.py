@@ -1,0 +1,132 @@
+"""The `lmprog` command end to end, as a subprocess (`python -m lmprog`, what the console
+script runs): `run` against the same program's `map` in-process, `--resume`, `generate`
+against `engine.generate`, `--help`, and bad invocations."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from map_programs import GREEDY, make_rows, qa, read_jsonl, write_jsonl
+
+HERE = Path(__file__).resolve().parent
+PROGRAMS = HERE / "map_programs.py"
+
+
+def lmprog(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmprog", *args], capture_output=True, text=True, timeout=300
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_help_describes_every_command():
+    top = lmprog("--help").stdout
+    assert "run" in top and "generate" in top
+    run = lmprog("run", "--help").stdout
+    for flag in ("--input", "--output", "--model", "--id-column", "--resume", "--set", "--engine"):
+        assert flag in run
+    assert "FILE.py:FUNCTION" in run and "error" in run
+    generate = lmprog("generate", "--help").stdout
+    assert "--prompt-column" in generate and "--chat" in generate and "completion" in generate
+
+
+def test_run_then_resume(engine, tmp_path):
+    import pyarrow.parquet as pq
+
+    rows = make_rows(150)
+    source = write_jsonl(tmp_path / "in.jsonl", rows[:100])
+    out = tmp_path / "out.parquet"
+    common = ["--input", str(source), "--output", str(out), "--id-column", "id", "--usage"]
+    common += ["--set", "temperature=0", "--engine", "max_total_tokens=8192"]
+    first = lmprog("run", f"{PROGRAMS}:qa", *common)
+    assert "100 rows (0 with errors, 0 already done)" in first.stderr
+    assert "100/100" in first.stderr and "tok/s" in first.stderr  # the progress bar
+
+    again = lmprog("run", f"{PROGRAMS}:qa", *common, check=False)
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+    write_jsonl(source, rows)  # 50 more rows
+    resumed = lmprog("run", f"{PROGRAMS}:qa", *common, "--resume", "--quiet")
+    assert "50 rows (0 with errors, 100 already done)" in resumed.stderr
+    assert "tok/s" not in resumed.stderr
+
+    table = pq.read_table(out).to_pylist()
+    reference = {r["id"]: r for r in qa.map(rows, id_column="id", backend=engine, **GREEDY)}
+    assert sorted(r["id"] for r in table) == sorted(reference)
+    for row in table:
+        assert {k: row[k] for k in reference[row["id"]]} == reference[row["id"]]
+        assert row["prompt_tokens"] > row["cached_tokens"] >= 0
+
+
+def test_set_fixes_a_program_argument(engine, tmp_path):
+    rows = [{"question": f"Where is parcel {i}?"} for i in range(5)]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    system = "You answer in French."
+    lmprog(
+        "run", f"{PROGRAMS}:qa", "--input", str(source), "--output", str(out), "--quiet",
+        "--set", "temperature=0", "--set", f"system={system}",
+    )  # fmt: skip
+    expected = list(qa.bind(system=system).map(rows, backend=engine, **GREEDY))
+    assert read_jsonl(out) == expected
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_generate_completes_plain_prompts(engine, tmp_path, chat):
+    prompts = [f"Once upon a time, prompt {i}" for i in range(12)]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    flags = ["--chat"] if chat else []
+    lmprog(
+        "generate", "--input", str(tmp_path / "p.txt"), "--output", str(out), "--quiet",
+        "--set", "temperature=0", "--set", "max_new_tokens=6", *flags,
+    )  # fmt: skip
+    rows = read_jsonl(out)
+    assert [r["prompt"] for r in rows] == prompts
+    for row in rows:
+        text = row["prompt"]
+        if chat:
+            messages = [{"role": "user", "content": text}]
+            text = engine.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        expected = engine.generate(text, {"max_new_tokens": 6, "temperature": 0})["text"]
+        assert row["completion"] == expected and row["error"] is None
+
+
+def test_generate_reads_a_prompt_column(engine, tmp_path):
+    rows = [{"key": i, "text": f"The number {i} is"} for i in range(6)]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    lmprog(
+        "generate", "--input", str(source), "--output", str(out), "--prompt-column", "text",
+        "--id-column", "key", "--quiet", "--set", "temperature=0", "--set", "max_new_tokens=4",
+    )  # fmt: skip
+    for row in read_jsonl(out):
+        expected = engine.generate(row["text"], {"max_new_tokens": 4, "temperature": 0})
+        assert row["completion"] == expected["text"]
+        assert set(row) == {"key", "text", "completion", "ret_value", "error"}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", f"{PROGRAMS}:nothing"], "is not an @lp.function"),
+        (["run", "no_such_file.py:qa"], "does not exist"),
+        (["run", "qa"], "must be FILE.py:FUNCTION"),
+        (["run", f"{PROGRAMS}:qa", "--set", "temperature"], "--set takes KEY=VALUE"),
+        (["run", f"{PROGRAMS}:qa", "--engine", "no_such_option=1"], "no_such_option"),
+    ],
+)
+def test_bad_invocations_exit_2_with_a_message(tmp_path, args, message):
+    source = write_jsonl(tmp_path / "in.jsonl", make_rows(3))
+    io = ["--input", str(source), "--output", str(tmp_path / "o.jsonl"), "--quiet"]
+    proc = lmprog(*args, *io, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert not (tmp_path / "o.jsonl").exists()

@@ -1,0 +1,135 @@
+"""Resumable output: a run killed at any point and started again with `resume=True` ends
+with every row exactly once, each equal to an uninterrupted run's.
+
+The kill test runs the CLI in a subprocess and SIGKILLs it at random points (drawn with a
+fixed seed); the others stop a run in-process (closing its iterator) or cut the file by hand."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from map_programs import GREEDY, make_rows, qa, read_jsonl, short, write_jsonl
+
+HERE = Path(__file__).resolve().parent
+COMPARED = ("id", "question", "answer", "verdict", "ret_value", "error")
+
+
+def same(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in COMPARED)
+
+
+def test_resume_drops_a_partial_last_line_and_skips_written_rows(engine, tmp_path):
+    rows = make_rows(120)
+    full = list(qa.map(rows, id_column="id", backend=engine, **GREEDY))
+    out = tmp_path / "out.jsonl"
+    lines = full[:50]
+    write_jsonl(out, lines)
+    with out.open("rb+") as f:  # a write cut by a kill: half of line 51 and no newline
+        f.seek(0, os.SEEK_END)
+        f.write(write_jsonl(tmp_path / "one.jsonl", [full[50]]).read_bytes()[:40])
+    summary = qa.map(rows, output=out, id_column="id", resume=True, backend=engine, **GREEDY).run()
+    assert (summary.num_rows, summary.num_skipped) == (70, 50)
+    written = read_jsonl(out)
+    assert Counter(r["id"] for r in written) == Counter(r["id"] for r in rows)
+    by_id = {r["id"]: r for r in full}
+    assert all(same(r, by_id[r["id"]]) for r in written)
+    assert written[:50] == lines
+
+
+def test_a_stopped_run_writes_finished_rows_only_and_leaves_no_thread(engine, tmp_path):
+    rows = make_rows(300)
+    full = {r["row_index"]: r for r in qa.map(rows, backend=engine, **GREEDY)}
+    out = tmp_path / "out.parquet"
+    baseline = {t.ident for t in threading.enumerate()}
+    run = qa.map(rows, output=out, window=64, backend=engine, **GREEDY)
+    for n, _ in enumerate(run, 1):
+        if n == 100:
+            break  # closes the iterator: the programs still running are cancelled
+    assert not out.exists()  # the Parquet file is built once every row is done
+    journal = read_jsonl(tmp_path / "out.parquet.journal.jsonl")
+    assert len(journal) >= 100 and all(r["error"] is None for r in journal)
+    assert all(same(r, full[r["row_index"]]) for r in journal)
+    deadline = time.monotonic() + 10
+    while {t.ident for t in threading.enumerate()} - baseline and time.monotonic() < deadline:
+        time.sleep(0.05)  # the interpreter thread exits on its own once idle
+    assert not {t.ident for t in threading.enumerate()} - baseline
+
+    summary = qa.map(rows, output=out, resume=True, backend=engine, **GREEDY).run()
+    assert summary.num_skipped == len(journal)
+    assert not (tmp_path / "out.parquet.journal.jsonl").exists()
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out).to_pylist()
+    assert sorted(r["row_index"] for r in table) == list(range(300))
+    assert all(same(r, full[r["row_index"]]) for r in table)
+
+
+def test_resuming_a_finished_parquet_file_adds_new_rows(engine, tmp_path):
+    import pyarrow.parquet as pq
+
+    rows = make_rows(80)
+    out = tmp_path / "out.parquet"
+    qa.map(rows[:50], output=out, id_column="id", backend=engine, **GREEDY).run()
+    summary = qa.map(rows, output=out, id_column="id", resume=True, backend=engine, **GREEDY).run()
+    assert (summary.num_rows, summary.num_skipped) == (30, 50)
+    table = pq.read_table(out).to_pylist()
+    assert sorted(r["id"] for r in table) == sorted(r["id"] for r in rows)
+    full = {r["id"]: r for r in qa.map(rows, id_column="id", backend=engine, **GREEDY)}
+    assert all(same(r, full[r["id"]]) for r in table)
+
+
+def test_duplicate_ids_are_refused(engine, tmp_path):
+    rows = make_rows(10) + [make_rows(10)[3]]
+    with pytest.raises(ValueError, match="id_column 'id'.* appears twice"):
+        qa.map(rows, output=tmp_path / "o.jsonl", id_column="id", backend=engine).run()
+    assert len(read_jsonl(tmp_path / "o.jsonl")) <= 10  # what finished before stays
+
+
+def cli_run(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "lmprog", "run", f"{HERE / 'map_programs.py'}:short", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def count_lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+@pytest.mark.parametrize("num_rows, num_kills", [(2000, 3)])
+def test_sigkill_at_random_points_then_resume(engine, tmp_path, num_rows, num_kills):
+    rng = random.Random(15)  # fixed points, so a run is reproducible
+    rows = [{"id": f"r{i}", "question": f"Question {i}: where is it?"} for i in range(num_rows)]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    args = ["--input", str(source), "--output", str(out), "--id-column", "id", "--resume"]
+    args += ["--set", "temperature=0", "--quiet", "--window", "256"]
+    points = sorted(rng.sample(range(1, num_rows - 100), num_kills))
+    for point in points:
+        proc = cli_run(args)
+        while count_lines(out) < point:
+            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+            time.sleep(0.01)  # polling another process's output file
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL
+    proc = cli_run(args)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()[-2000:]
+
+    written = read_jsonl(out)
+    counts = Counter(r["id"] for r in written)
+    assert set(counts) == {r["id"] for r in rows} and set(counts.values()) == {1}
+    uninterrupted = short.map(rows, id_column="id", backend=engine, **GREEDY)
+    reference = {r["id"]: r for r in uninterrupted}
+    assert all(r == reference[r["id"]] and r["error"] is None for r in written)
