@@ -55,6 +55,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_programs.py  # small and the instruct model, one run
 	$(PY) benchmarks/bench_programs.py --old-runtime a94fbee
 	$(PY) benchmarks/bench_decode_overhead.py --baseline dab3469
+	$(PY) benchmarks/bench_decode_overhead.py --baseline 1ad7a3d --sampled --batch 64 --tokens 1000
+	$(PY) benchmarks/bench_ray.py --model small
+	$(PY) benchmarks/bench_cpu.py
 	$(PY) benchmarks/report.py
 
 clean:

@@ -1,13 +1,15 @@
-// Native CPU decode attention over the paged KV pool (float32, OpenMP).
+// Native CPU decode attention over the paged KV pool (float32 or bfloat16, OpenMP).
 //
 // One query token per request attends to all of that request's keys, found through the
 // request-to-token table, without gathering K/V into a padded copy first. Work is split
-// over requests; each reads every K/V row (all kv heads, contiguous in the pool) once and
-// serves every query head from it (grouped-query attention).
+// over requests; within one, each query head streams its kv head's slice of the request's
+// K rows (scores), then of its V rows (weighted sum, accumulated in registers with AVX-512);
+// the query heads of one kv head (grouped-query attention) find that slice in cache. Scores,
+// softmax and the weighted sum are float32 whatever the storage type; only `out` is rounded.
 //
 // Shapes:
-//   q            [batch, num_heads, head_dim]
-//   k_buf, v_buf [num_slots, num_kv_heads, head_dim]
+//   q            [batch, num_heads, head_dim], float32 or bfloat16
+//   k_buf, v_buf [num_slots, num_kv_heads, head_dim], q's dtype
 //   req_to_token [num_rows, context_len] int64
 //   req_rows     [batch] int64, seq_lens [batch] int64
 //   key_starts   [batch] int64: first key position per request (the keys before it, a
@@ -15,8 +17,8 @@
 //   order        [batch] int64: the order requests are processed in. Requests that share a
 //                cached prefix should be adjacent: each thread takes a contiguous run of
 //                the order, so a shared prefix is read from memory once and then from cache.
-//   returns      out [batch, num_heads, head_dim] and lse [batch, num_heads] (log-sum-exp
-//                of the scores, -inf when a request has no keys in range)
+//   returns      out [batch, num_heads, head_dim] in q's dtype and lse [batch, num_heads] in
+//                float32 (log-sum-exp of the scores, -inf when a request has no keys in range)
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -25,13 +27,110 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_vec.h"
+
+#if LMPROG_AVX512
+#include <immintrin.h>
+#endif
+
+using lmprog::bf16;
+using lmprog::to_f32;
+
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.f;
+#if LMPROG_AVX512
+// 16-lane helpers for the loops below: masked tails, bfloat16 widened in registers.
+inline __mmask16 tail16(int64_t left) {
+  if (left <= 0) return 0;
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+
+inline __m512 load16(const bf16* p, __mmask16 m) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <typename T>
+inline float dot16(const T* q, const T* k, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail16(n - i);
+    acc = _mm512_fmadd_ps(load16(q + i, m), load16(k + i, m), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+#if defined(__AVX512BF16__)
+// Pairs of bfloat16 products summed into float32 lanes, 32 elements per instruction.
+template <>
+inline float dot16(const bf16* q, const bf16* k, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 32) {
+    const int64_t left = n - i;
+    const __mmask32 m = left >= 32 ? ~0u : (1u << left) - 1;
+    const __m512i qi = _mm512_maskz_loadu_epi16(m, q + i), ki = _mm512_maskz_loadu_epi16(m, k + i);
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)qi, (__m512bh)ki);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+#endif
+#endif
+
+// The two inner loops of a decode step, each run per query head over a request's n keys;
+// row j of the head is base + slots[j] * stride. With AVX-512 they use the helpers above:
+// the compiler's loops spend more on remainders than on the work for rows of 64 elements,
+// and pass 2 must keep its accumulators in registers (accumulating into memory stalls on
+// every masked store->load).
+
+// scores[j] = scale * (q . k_j) over head_dim elements, float32 products and sums.
+template <typename T>
+inline void dot_rows(const T* q, const int64_t* slots, int64_t n, const T* base, int64_t stride,
+                     int64_t head_dim, float scale, float* scores) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = base + slots[j] * stride;
+#if LMPROG_AVX512
+    scores[j] = dot16(q, k, head_dim) * scale;
+#else
+    float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
+    for (int64_t d = 0; d < head_dim; ++d) acc += to_f32(q[d]) * to_f32(k[d]);
+    scores[j] = acc * scale;
+#endif
+  }
+}
+
+// out = sum_j p[j] * v_j over head_dim elements.
+template <typename T>
+inline void weighted_rows(const float* p, const int64_t* slots, int64_t n, const T* base,
+                          int64_t stride, int64_t head_dim, float* out) {
+#if LMPROG_AVX512
+  for (int64_t c = 0; c < head_dim; c += 64) {  // 64 columns: four accumulators
+    const __mmask16 m0 = tail16(head_dim - c), m1 = tail16(head_dim - c - 16),
+                    m2 = tail16(head_dim - c - 32), m3 = tail16(head_dim - c - 48);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = base + slots[j] * stride + c;
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      a0 = _mm512_fmadd_ps(pj, load16(v, m0), a0);
+      a1 = _mm512_fmadd_ps(pj, load16(v + 16, m1), a1);
+      a2 = _mm512_fmadd_ps(pj, load16(v + 32, m2), a2);
+      a3 = _mm512_fmadd_ps(pj, load16(v + 48, m3), a3);
+    }
+    _mm512_mask_storeu_ps(out + c, m0, a0);
+    _mm512_mask_storeu_ps(out + c + 16, m1, a1);
+    _mm512_mask_storeu_ps(out + c + 32, m2, a2);
+    _mm512_mask_storeu_ps(out + c + 48, m3, a3);
+  }
+#else
+  std::fill(out, out + head_dim, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* v = base + slots[j] * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) out[d] += p[j] * to_f32(v[d]);
+  }
+#endif
 }
 
 void check(const torch::Tensor& t, const char* name, int64_t dim, c10::ScalarType dtype) {
@@ -41,78 +140,48 @@ void check(const torch::Tensor& t, const char* name, int64_t dim, c10::ScalarTyp
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-}  // namespace
+struct DecodeProblem {
+  int64_t batch, num_heads, num_kv_heads, head_dim, context_len, num_slots;
+  const int64_t* table;  // [num_rows, context_len]
+  const int64_t* rows;
+  const int64_t* lens;
+  const int64_t* firsts;
+  const int64_t* ord;
+  float scale;
+  int64_t sliding_window;
+};
 
-std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf,
-                                            torch::Tensor v_buf, torch::Tensor req_to_token,
-                                            torch::Tensor req_rows, torch::Tensor seq_lens,
-                                            torch::Tensor key_starts, torch::Tensor order,
-                                            double scale, int64_t sliding_window) {
-  check(q, "q", 3, torch::kFloat32);
-  check(k_buf, "k_buf", 3, torch::kFloat32);
-  check(v_buf, "v_buf", 3, torch::kFloat32);
-  check(req_to_token, "req_to_token", 2, torch::kInt64);
-  check(req_rows, "req_rows", 1, torch::kInt64);
-  check(seq_lens, "seq_lens", 1, torch::kInt64);
-  check(order, "order", 1, torch::kInt64);
-  check(key_starts, "key_starts", 1, torch::kInt64);
-  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_buf.size(1);
-  TORCH_CHECK(k_buf.size(2) == head_dim && v_buf.sizes() == k_buf.sizes(), "K/V pool shape mismatch");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(req_rows.size(0) == batch && seq_lens.size(0) == batch && order.size(0) == batch &&
-                  key_starts.size(0) == batch,
-              "batch size mismatch");
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t context_len = req_to_token.size(1);
-  const int64_t num_slots = k_buf.size(0);
-
-  auto out = torch::empty_like(q);
-  auto lse = torch::empty({batch, num_heads}, q.options());
-  float* lp = lse.data_ptr<float>();
-  const int64_t* firsts = key_starts.data_ptr<int64_t>();
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_buf.data_ptr<float>();
-  const float* vp = v_buf.data_ptr<float>();
-  const int64_t* table = req_to_token.data_ptr<int64_t>();
-  const int64_t* rows = req_rows.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* ord = order.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t slot_stride = num_kv_heads * head_dim;
-
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= context_len, "seq_len out of range");
-    TORCH_CHECK(ord[b] >= 0 && ord[b] < batch, "order out of range");
-  }
-
-  std::atomic<bool> bad_slot{false};  // no exceptions may leave an OpenMP region
+// Returns false if a slot index was out of range (no exceptions may leave an OpenMP region).
+template <typename T>
+bool decode_impl(const DecodeProblem& pb, const T* qp, const T* kp, const T* vp, T* op, float* lp) {
+  const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
+  const int64_t group = num_heads / pb.num_kv_heads;
+  const int64_t slot_stride = pb.num_kv_heads * head_dim;
+  std::atomic<bool> bad_slot{false};
 #pragma omp parallel
   {
     std::vector<float> scores;  // [num_heads, n]
     std::vector<float> acc(num_heads * head_dim);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < batch; ++i) {
-      const int64_t b = ord[i];
-      const int64_t len = lens[b];
-      int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      start = std::max(start, firsts[b]);  // keys before it are handled by the caller
+    for (int64_t i = 0; i < pb.batch; ++i) {
+      const int64_t b = pb.ord[i];
+      const int64_t len = pb.lens[b];
+      int64_t start = pb.sliding_window > 0 ? std::max<int64_t>(0, len - pb.sliding_window) : 0;
+      start = std::max(start, pb.firsts[b]);  // keys before it are handled by the caller
       const int64_t n = std::max<int64_t>(0, len - start);
-      const int64_t* slots = table + rows[b] * context_len + start;
-      const float* qb = qp + b * num_heads * head_dim;
-      scores.assign(num_heads * n, 0.f);
-      // Pass 1: one contiguous [num_kv_heads, head_dim] key row per position serves all heads.
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t slot = slots[j];
-        if (slot < 0 || slot >= num_slots) {
-          bad_slot = true;
-          continue;
-        }
-        if (j + 4 < n) __builtin_prefetch(kp + slots[j + 4] * slot_stride);
-        const float* key = kp + slot * slot_stride;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          scores[h * n + j] = dot(qb + h * head_dim, key + (h / group) * head_dim, head_dim) * scale;
-        }
+      const int64_t* slots = pb.table + pb.rows[b] * pb.context_len + start;
+      const T* qb = qp + b * num_heads * head_dim;
+      bool slots_ok = true;
+      for (int64_t j = 0; j < n; ++j) slots_ok &= slots[j] >= 0 && slots[j] < pb.num_slots;
+      if (!slots_ok) {
+        bad_slot = true;
+        continue;
+      }
+      scores.resize(num_heads * n);
+      // Pass 1: scores of each query head h against its kv head h / group, per key.
+      for (int64_t h = 0; h < num_heads; ++h) {
+        dot_rows(qb + h * head_dim, slots, n, kp + (h / group) * head_dim, slot_stride, head_dim,
+                 pb.scale, scores.data() + h * n);
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * n;
@@ -128,23 +197,69 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
         // log-sum-exp of the scores, so partial results over key ranges can be merged.
         lp[b * num_heads + h] = sum > 0.f ? m + std::log(sum) : -std::numeric_limits<float>::infinity();
       }
-      // Pass 2: weighted sum of value rows, again one contiguous row per position.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n && !bad_slot; ++j) {
-        if (j + 4 < n) __builtin_prefetch(vp + slots[j + 4] * slot_stride);
-        const float* value = vp + slots[j] * slot_stride;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float p = scores[h * n + j];
-          const float* vh = value + (h / group) * head_dim;
-          float* a = acc.data() + h * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
-        }
+      // Pass 2: the softmax-weighted sum of value rows, per query head.
+      for (int64_t h = 0; h < num_heads; ++h) {
+        weighted_rows(scores.data() + h * n, slots, n, vp + (h / group) * head_dim, slot_stride,
+                      head_dim, acc.data() + h * head_dim);
       }
-      std::copy(acc.begin(), acc.end(), op + b * num_heads * head_dim);
+      T* ob = op + b * num_heads * head_dim;
+      for (int64_t d = 0; d < num_heads * head_dim; ++d) ob[d] = lmprog::from_f32<T>(acc[d]);
     }
   }
-  TORCH_CHECK(!bad_slot, "decode_attention: a KV slot index is out of range");
+  return !bad_slot;
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf,
+                                            torch::Tensor v_buf, torch::Tensor req_to_token,
+                                            torch::Tensor req_rows, torch::Tensor seq_lens,
+                                            torch::Tensor key_starts, torch::Tensor order,
+                                            double scale, int64_t sliding_window) {
+  TORCH_CHECK(lmprog::is_supported_dtype(q.scalar_type()), "q must be float32 or bfloat16, got ",
+              q.scalar_type());
+  check(q, "q", 3, q.scalar_type());
+  check(k_buf, "k_buf", 3, q.scalar_type());
+  check(v_buf, "v_buf", 3, q.scalar_type());
+  check(req_to_token, "req_to_token", 2, torch::kInt64);
+  check(req_rows, "req_rows", 1, torch::kInt64);
+  check(seq_lens, "seq_lens", 1, torch::kInt64);
+  check(order, "order", 1, torch::kInt64);
+  check(key_starts, "key_starts", 1, torch::kInt64);
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_buf.size(1);
+  TORCH_CHECK(k_buf.size(2) == head_dim && v_buf.sizes() == k_buf.sizes(), "K/V pool shape mismatch");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(req_rows.size(0) == batch && seq_lens.size(0) == batch && order.size(0) == batch &&
+                  key_starts.size(0) == batch,
+              "batch size mismatch");
+  const DecodeProblem pb{batch,
+                         num_heads,
+                         num_kv_heads,
+                         head_dim,
+                         req_to_token.size(1),
+                         k_buf.size(0),
+                         req_to_token.data_ptr<int64_t>(),
+                         req_rows.data_ptr<int64_t>(),
+                         seq_lens.data_ptr<int64_t>(),
+                         key_starts.data_ptr<int64_t>(),
+                         order.data_ptr<int64_t>(),
+                         static_cast<float>(scale),
+                         sliding_window};
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(pb.lens[b] >= 1 && pb.lens[b] <= pb.context_len, "seq_len out of range");
+    TORCH_CHECK(pb.ord[b] >= 0 && pb.ord[b] < batch, "order out of range");
+  }
+
+  auto out = torch::empty_like(q);
+  auto lse = torch::empty({batch, num_heads}, q.options().dtype(torch::kFloat32));
+  bool ok = true;
+  lmprog::dispatch_float_types(q.scalar_type(), "decode_attention", [&](auto tag) {
+    using T = decltype(tag);
+    ok = decode_impl<T>(pb, q.data_ptr<T>(), k_buf.data_ptr<T>(), v_buf.data_ptr<T>(),
+                        out.data_ptr<T>(), lse.data_ptr<float>());
+  });
+  TORCH_CHECK(ok, "decode_attention: a KV slot index is out of range");
   return {out, lse};
 }
 
@@ -155,8 +270,8 @@ void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Ten
            torch::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32)");
-  m.def("rms_norm", &rms_norm, "RMSNorm (CPU, float32)");
+  m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32 or bfloat16)");
+  m.def("rms_norm", &rms_norm, "RMSNorm (CPU, float32 or bfloat16)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused [rows, 2 * inter] input");
   m.def("rope_", &rope_, "in-place rotate-half RoPE on q and k");

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,12 @@ class RuntimeConfig:
 
     model_path: str | None = None
     device: str = "cpu"
+    # "auto": on CUDA the checkpoint's dtype; on a CPU bfloat16 where it computes in
+    # bfloat16 natively (AMX or AVX512-BF16) and the checkpoint is 16-bit, else float32.
     dtype: str = "auto"
+    # Weight-only quantization of the linear layers (CPU): None, "int8" (per output
+    # channel) or "int4" (groups of 32 with a scale and an offset, the Q4_1 layout).
+    quantization: str | None = None
     # "auto": Triton kernels on CUDA; the native C++ kernels for float32 on CPU (torch if
     # they cannot be built); the torch reference elsewhere.
     attention_backend: str = "auto"
@@ -88,6 +94,12 @@ class RuntimeConfig:
             raise ValueError("grammar_compile_timeout_s must be > 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}"
+            )
+        if self.quantization is not None and self.device != "cpu":
+            raise ValueError("quantization runs on the CPU only (device='cpu')")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction < 1.0:

@@ -17,7 +17,9 @@ from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool, TokenSlotAllocator
 from lmprog_runtime.models import load_model
+from lmprog_runtime.models.cpu import cpu_has_native_bf16
 from lmprog_runtime.models.loader import read_torch_dtype
+from lmprog_runtime.models.quantization import quantize_linears
 from lmprog_runtime.request import Req
 from lmprog_runtime.scheduler import ScheduledBatch
 
@@ -33,6 +35,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.model = load_model(model_path, self._dtype(model_path), config.device)
+        if config.quantization is not None:
+            quantize_linears(self.model, config.quantization)
         self.model_config = self.model.config
         dtype = next(self.model.parameters()).dtype
         self.attention_backend = _resolve_backend(config.attention_backend, self.device, dtype)
@@ -68,10 +72,13 @@ class ModelRunner:
     def _dtype(self, model_path: str) -> torch.dtype:
         if self.config.dtype != "auto":
             return read_torch_dtype(self.config.dtype)
-        if self.config.device == "cpu":
-            return torch.float32
         raw = json.loads((Path(model_path) / "config.json").read_text())
         name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+        if self.config.device == "cpu":
+            # 16-bit weights compute in bfloat16 where the CPU does so natively; float32
+            # checkpoints (the built-in test models) stay float32.
+            is_16_bit = name in ("bfloat16", "float16")
+            return torch.bfloat16 if is_16_bit and cpu_has_native_bf16() else torch.float32
         return torch.float32 if name == "float32" else read_torch_dtype(name)
 
     def _num_kv_slots(self, dtype: torch.dtype) -> int:
@@ -136,7 +143,7 @@ def _resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str
         import importlib.util
 
         return "triton" if importlib.util.find_spec("triton") is not None else "torch"
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return "torch"
     from lmprog_runtime.native import load_native
 

@@ -15,6 +15,7 @@ from types import ModuleType
 from lmprog_runtime.env import cache_dir
 
 _SOURCES = ("decode_attention.cpp", "fused_ops.cpp")
+_HEADERS = ("cpu_vec.h",)  # included by the sources: part of the hash, not compiled alone
 _lock = threading.Lock()
 _module: ModuleType | None = None
 
@@ -30,10 +31,11 @@ def load_native() -> ModuleType:
         if _module is not None:
             return _module
         sources = [csrc_dir() / name for name in _SOURCES]
-        missing = [str(s) for s in sources if not s.is_file()]
+        hashed = sources + [csrc_dir() / name for name in _HEADERS]
+        missing = [str(s) for s in hashed if not s.is_file()]
         if missing:
             raise RuntimeError(f"native kernels need the csrc/ sources; missing: {missing}")
-        digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources)).hexdigest()[:16]
+        digest = hashlib.sha256(b"".join(s.read_bytes() for s in hashed)).hexdigest()[:16]
         build_dir = cache_dir() / "native" / digest
         build_dir.mkdir(parents=True, exist_ok=True)
         from torch.utils import cpp_extension

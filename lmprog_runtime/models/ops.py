@@ -1,8 +1,8 @@
 """The elementwise building blocks of the forward pass, in two interchangeable sets.
 
 `TorchOps` is the reference (plain torch, numerics as in transformers); `NativeOps` calls the
-fused C++ kernels of `csrc/fused_ops.cpp` (float32 on CPU), one memory pass per op. The
-model holds one set and never branches on which.
+fused C++ kernels of `csrc/fused_ops.cpp` (float32 or bfloat16 on CPU, float32 arithmetic
+inside), one memory pass per op. The model holds one set and never branches on which.
 """
 
 from __future__ import annotations
@@ -51,8 +51,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class NativeOps(TorchOps):
-    """Fused C++ kernels over float32 CPU tensors (the model holds one set; the runner only
-    picks this one for float32 on CPU)."""
+    """Fused C++ kernels over float32 or bfloat16 CPU tensors (the model holds one set; the
+    runner picks this one with the native attention backend).
+
+    Norm weights have the activations' dtype; RoPE tables are float32 or that dtype. RMSNorm
+    rounds as the reference does (equal to it up to summation order); SiLU-and-mul and RoPE
+    round once in bfloat16, where the reference rounds every intermediate product."""
 
     def __init__(self) -> None:
         from lmprog_runtime.native import load_native

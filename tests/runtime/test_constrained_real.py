@@ -66,7 +66,7 @@ def record_prompt(i: int, record: dict) -> str:
 
 @pytest.fixture(scope="module")
 def instruct():
-    with lp.Engine("smollm2-135m-instruct") as engine:
+    with lp.Engine("smollm2-135m-instruct", dtype="float32") as engine:
         yield engine
 
 

@@ -59,7 +59,9 @@ def private_cache(tmp_path, monkeypatch) -> Path:
 
 def _our_logits(model_dir: str, sequences: list[list[int]]) -> list[torch.Tensor]:
     """Logits at every position of each sequence, prefilled together in one EXTEND."""
-    config = RuntimeConfig(max_total_tokens=512, max_running_requests=4, model_path=model_dir)
+    config = RuntimeConfig(
+        max_total_tokens=512, max_running_requests=4, model_path=model_dir, dtype="float32"
+    )
     runner = ModelRunner(config, model_dir)
     req_cache = ReqCache(None, runner.allocator, runner.req_to_token)
     scheduler = Scheduler(config, runner.allocator, runner.req_to_token, req_cache, EngineStats())

@@ -88,7 +88,11 @@ def _setup(path: str, backend: str, case: str):
     if backend == "triton":
         pytest.importorskip("triton")
     config = RuntimeConfig(
-        max_total_tokens=4096, max_running_requests=8, model_path=path, attention_backend=backend
+        max_total_tokens=4096,
+        max_running_requests=8,
+        model_path=path,
+        attention_backend=backend,
+        dtype="float32",
     )
     runner = ModelRunner(config, path)
     assert runner.attention_backend == backend

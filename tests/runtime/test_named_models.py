@@ -93,7 +93,7 @@ def test_hub_ids_resolve_through_the_local_cache(tmp_path, monkeypatch, tiny_pat
 # ---- SmolLM2-135M-Instruct ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2_engine():
-    with lp.Engine("smollm2-135m-instruct", max_total_tokens=4096) as engine:
+    with lp.Engine("smollm2-135m-instruct", dtype="float32", max_total_tokens=4096) as engine:
         yield engine
 
 

@@ -1,0 +1,185 @@
+"""CPU speed side by side (issue 17): lmprog in float32, `dtype="auto"`, int8 and int4
+weights, against transformers `generate` (bfloat16 and float32) and, when
+llama-cpp-python is installed, llama.cpp on the same GGUF.
+
+Workloads, all greedy with the output length fixed (EOS masked):
+- one stream: a 32-token prompt, 128 new tokens;
+- shared prefix: 4 groups x 8 prompts (a 512-token system prompt per group + 32 tokens of
+  their own), 16 new tokens each (llama.cpp runs them one by one in arrival order);
+- prefill: 2 x 1024 fresh tokens, 1 new token, as a share of this machine's bfloat16
+  matmul peak measured in the same run (2 x non-embedding parameters x tokens FLOPs).
+Every side is built and warmed first; rounds alternate (ABBA), best and median reported.
+
+    .venv/bin/python benchmarks/bench_cpu.py [--model smollm2-135m-instruct] [--repeats 2]
+
+llama.cpp (optional): build llama-cpp-python with GGML_NATIVE=OFF and explicit flags, e.g.
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON" pip install llama-cpp-python
+(a native build crashed with an illegal instruction on a machine whose CPU flags promise
+more than its OS enables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+from typing import Any
+
+import harness
+import torch
+from harness import Phase
+
+SIDES = {  # name -> Engine options
+    "lmprog float32": {"dtype": "float32"},
+    "lmprog auto dtype": {"dtype": "auto"},
+    "lmprog int8": {"dtype": "auto", "quantization": "int8"},
+    "lmprog int4": {"dtype": "auto", "quantization": "int4"},
+}
+
+
+def bf16_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """torch's bfloat16 matmul rate on this machine (GFLOP/s), best of `repeats`."""
+    a = torch.randn(size, size, dtype=torch.bfloat16)
+    b = torch.randn(size, size, dtype=torch.bfloat16)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def workloads(tokenizer: Any) -> dict[str, tuple[list[list[int]], int]]:
+    """name -> (prompts as token ids, new tokens per prompt)."""
+    corpus = " ".join(f"word{i} and more text number {i}." for i in range(4000))
+    ids = tokenizer(corpus).input_ids
+    single = [ids[:32]]
+    shared = []
+    for g in range(4):
+        system = ids[1000 + g * 600 : 1000 + g * 600 + 512]
+        shared += [system + ids[5000 + 40 * (8 * g + i) :][:32] for i in range(8)]
+    prefill = [ids[10000:11024], ids[12000:13024]]
+    return {"one stream": (single, 128), "shared prefix": (shared, 16), "prefill": (prefill, 1)}
+
+
+def engine_phase(name: str, engine: Any, prompts: list[list[int]], new: int) -> Phase:
+    params = {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0}
+
+    def run() -> list[list[int]]:
+        return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+
+    return Phase(name, run, before=lambda: harness.flush(engine))
+
+
+def llama_cpp_phase(gguf: str, prompts: list[list[int]], new: int) -> Phase:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
+
+    def run() -> list[list[int]]:
+        outs = []
+        for prompt in prompts:  # arrival order, one at a time
+            llm.reset()
+            tokens = []
+            for token in llm.generate(prompt, temp=0.0, reset=True):
+                tokens.append(token)
+                if len(tokens) == new:
+                    break
+            outs.append(tokens)
+        return outs
+
+    return Phase("llama.cpp (llama-cpp-python)", run)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_common_args(parser, repeats=2)
+    parser.set_defaults(model="smollm2-135m-instruct")
+    parser.add_argument("--skip", default="", help="comma-separated side names to leave out")
+    args = parser.parse_args()
+
+    from lmprog_runtime import Engine, resolve_model_path
+
+    path = harness.resolve_model(args.model)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    engines = {
+        name: Engine(path, max_total_tokens=8192, **options)
+        for name, options in SIDES.items()
+        if name not in skip
+    }
+    tokenizer = next(iter(engines.values())).tokenizer
+    hf = {dtype: harness.load_hf_model(path, dtype) for dtype in ("bfloat16", "float32")}
+    for engine in engines.values():
+        harness.warm_engine(engine)
+    for model in hf.values():
+        harness.warm_hf(model, tokenizer)
+    peak = bf16_peak_gflops()
+    # Prefill FLOPs: 2 x the weights every token multiplies (not embeddings; the LM head
+    # runs for the last token only).
+    params = sum(
+        p.numel()
+        for n, p in hf["float32"].named_parameters()
+        if "embed" not in n and "lm_head" not in n
+    )
+    gguf = resolve_model_path(args.model)
+    has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None and gguf.endswith(".gguf")
+    rows, raw = [], {}
+    for workload, (prompts, new) in workloads(tokenizer).items():
+        phases = [engine_phase(name, e, prompts, new) for name, e in engines.items()]
+        phases += [
+            Phase(
+                f"transformers generate {dtype}",
+                lambda m=model, p=prompts, n=new: harness.hf_generate(m, p, n, 8),
+            )
+            for dtype, model in hf.items()
+        ]
+        if has_llama_cpp:
+            phases.append(llama_cpp_phase(gguf, prompts, new))
+        print(f"{workload}: {len(prompts)} prompts, {new} new tokens", flush=True)
+        harness.alternate(phases, args.repeats)
+        base = phases[-1]
+        reference = next(p for p in phases if p.name == "lmprog float32").values[-1]
+        tokens = sum(len(p) for p in prompts) if workload == "prefill" else len(prompts) * new
+        for phase in phases:
+            row = {
+                "workload": workload,
+                "system": phase.name,
+                "best / median (s)": f"{phase.best:.2f} / {phase.median:.2f}",
+                f"vs {base.name} (best / median)": harness.speedup(base, phase),
+                "greedy tokens = lmprog float32": _agreement(phase.values[-1], reference),
+            }
+            if workload == "prefill":
+                gflops = 2 * params * tokens / phase.best / 1e9
+                row["best / median (s)"] += f" ({gflops / peak:.0%} of bf16 peak)"
+            rows.append(row)
+        raw[workload] = {p.name: p.timing() for p in phases}
+    for engine in engines.values():
+        engine.shutdown()
+    harness.write_result(
+        args,
+        "cpu",
+        {
+            "title": "CPU speed: lmprog dtypes and quantization against transformers"
+            + (" and llama.cpp" if has_llama_cpp else ""),
+            "workload": (
+                "one stream (32-token prompt, 128 new tokens); 4 groups x 8 prompts with a "
+                "512-token shared system prompt + 32 tokens, 16 new each; prefill of 2 x "
+                f"1024 fresh tokens. bfloat16 matmul peak measured here: {peak:.0f} GFLOP/s. "
+                f"{args.repeats} rounds, alternating order"
+            ),
+            "columns": list(rows[0]),
+            "rows": rows,
+            "raw": raw,
+        },
+    )
+
+
+def _agreement(ours: list[list[int]], reference: list[list[int]]) -> str:
+    same = sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y))
+    total = sum(len(y) for y in reference)
+    return f"{same}/{total}"
+
+
+if __name__ == "__main__":
+    main()

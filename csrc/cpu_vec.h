@@ -1,0 +1,79 @@
+// Element access shared by the native CPU kernels: float32 or bfloat16 in memory, float32
+// arithmetic in registers.
+//
+// Every kernel is a template over its storage type T (float or at::BFloat16). Loads widen to
+// float32 (a bfloat16 is the top half of a float32, so widening is a 16-bit shift); stores
+// round to nearest even, as torch's own float -> bfloat16 cast does. The loops stay plain
+// C++ that the compiler vectorizes for whatever -march=native offers (AVX2, AVX-512).
+// AVX-512 intrinsics appear only where they beat that (the inner loops of decode attention),
+// each behind a compile-time feature check with the portable loop as its fallback.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+
+// AVX-512 code paths need the foundation plus 16-bit element (BW) and 256-bit (VL) forms,
+// which every AVX-512 server CPU has; anything else takes the portable loops.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LMPROG_AVX512 1
+#else
+#define LMPROG_AVX512 0
+#endif
+
+namespace lmprog {
+
+using bf16 = at::BFloat16;
+
+inline float to_f32(float x) { return x; }
+
+inline float to_f32(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Round a float32 to storage type T (round to nearest even; NaN stays a quiet NaN).
+template <typename T>
+inline T from_f32(float f);
+
+template <>
+inline float from_f32<float>(float f) {
+  return f;
+}
+
+template <>
+inline bf16 from_f32<bf16>(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  // Integer tests, not std::isnan: -ffast-math lets the compiler assume there is no NaN.
+  const bool is_nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return bf16(static_cast<uint16_t>(is_nan ? 0x7fc0u : rounded), bf16::from_bits());
+}
+
+// The float32 value `f` takes once stored as T (rounding an intermediate as torch does).
+template <typename T>
+inline float round_to(float f) {
+  return to_f32(from_f32<T>(f));
+}
+
+// The C++ storage type of a float32 or bfloat16 tensor; anything else is refused.
+inline bool is_supported_dtype(c10::ScalarType t) {
+  return t == torch::kFloat32 || t == torch::kBFloat16;
+}
+
+// Calls fn(T{}) with T the storage type of `dtype` (float or bf16).
+template <typename Fn>
+inline void dispatch_float_types(c10::ScalarType dtype, const char* op, Fn&& fn) {
+  TORCH_CHECK(is_supported_dtype(dtype), op, ": dtype ", dtype, " is not float32 or bfloat16");
+  if (dtype == torch::kFloat32) {
+    fn(float{});
+  } else {
+    fn(bf16{});
+  }
+}
+
+}  // namespace lmprog
