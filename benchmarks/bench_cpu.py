@@ -100,6 +100,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from lmprog_runtime import Engine, resolve_model_path
+    from lmprog_runtime.models.cpu import cpu_has_native_bf16
 
     path = harness.resolve_model(args.model)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -156,6 +157,9 @@ def main() -> None:
         raw[workload] = {p.name: p.timing() for p in phases}
     for engine in engines.values():
         engine.shutdown()
+    args.dtype = "per row: float32, auto (bfloat16 here), int8 / int4 with bfloat16 activations"
+    if not cpu_has_native_bf16():
+        args.dtype = "per row: float32 (auto and the quantized engines too: no native bfloat16)"
     harness.write_result(
         args,
         "cpu",
