@@ -6,10 +6,11 @@ weights are a quarter of float32's bytes, int4 an eighth. Layers are quantized a
 from the float weights (a GGUF's Q4_1 blocks, dequantized by the converter, come back to
 the same integers: each block's minimum and maximum are representable values). The
 matmuls are torch's weight-only kernels, which unpack the integers tile by tile and
-multiply with float32 accumulation. Those kernels are fast only for bfloat16 activations,
-so where the CPU computes bfloat16 natively the activations are rounded to bfloat16 for
-the matmul (`compute_dtype`); elsewhere they stay as they are (correct, but slower than a
-float matmul). The output layer (LM head) stays in float, as llama.cpp's quantized files
+multiply with float32 accumulation (an int8 layer given many rows at once dequantizes its
+weight and runs one dense matmul instead). Those kernels are fast only for bfloat16
+activations, so where the CPU computes bfloat16 natively the activations are rounded to
+bfloat16 for the matmul (`compute_dtype`); elsewhere they stay as they are (correct, but
+slower than a float matmul). The output layer (LM head) stays in float, as llama.cpp's quantized files
 keep it at 6 or 8 bits: the logits decide the tokens, and the kernels return their
 results in the activations' dtype. Embeddings stay in float (a lookup reads one row per
 token).
@@ -24,6 +25,9 @@ from lmprog_runtime.config import QUANTIZATIONS
 from lmprog_runtime.models.cpu import cpu_has_native_bf16
 
 INT4_GROUP = 32
+# From this many rows (a prefill, a large batch) an int8 layer dequantizes its weight and
+# runs one dense matmul: torch's weight-only kernel is fast for a few rows only.
+DEQUANTIZE_ROWS = 32
 # _convert_weight_to_int4pack_for_cpu's packing parameter (inner K tiles of 16 values).
 _INNER_K_TILES = 8
 
@@ -58,7 +62,11 @@ class Int8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.compute_dtype or x.dtype)
         scales = self.scales if self.scales.dtype == flat.dtype else self.scales.to(flat.dtype)
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scales).to(x.dtype)
+        if flat.shape[0] >= DEQUANTIZE_ROWS:  # a prefill: one matmul of the whole weight
+            weight = self.qweight.to(flat.dtype) * scales[:, None]  # [out, in]
+            out = torch.nn.functional.linear(flat, weight).to(x.dtype)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scales).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)

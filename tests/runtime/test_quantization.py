@@ -31,7 +31,7 @@ def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("layer_type", [Int8Linear, Int4Linear])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("rows", [1, 7, 40])  # 40: int8's dense path for many rows
 def test_layer_equals_float32_over_its_dequantized_weight(layer_type, bias, rows):
     gen = torch.Generator().manual_seed(rows)
     linear = torch.nn.Linear(128, 96, bias=bias)
