@@ -163,5 +163,11 @@ def state_record(state: ProgramState, text: bool = True) -> dict[str, Any]:
     record["ret_value"] = state.ret_value
     if text:
         record["text"] = state._stream.st.text
-    record["error"] = None if error is None else f"{type(error).__name__}: {error}"
+    record["error"] = None if error is None else describe_error(error)
     return record
+
+
+def describe_error(error: BaseException) -> str:
+    """An error as a table cell: the exception's type and message."""
+    message = error.args[0] if isinstance(error, KeyError) and error.args else error
+    return f"{type(error).__name__}: {message}"

@@ -26,6 +26,7 @@ from lmprog.datasets.ordering import PrefixTemplate, program_params
 from lmprog.datasets.progress import USAGE_COLUMNS, Progress, UsageBackend
 from lmprog.datasets.sinks import JsonlSink, row_key
 from lmprog.datasets.sources import RowSource
+from lmprog.display import describe_error
 from lmprog.state import ProgramState
 
 if TYPE_CHECKING:
@@ -243,7 +244,7 @@ class _RowRunner:
             out["text"] = state._stream.st.text if state is not None else None
         if opts.include_usage:
             out.update({name: usage.get(name, 0) for name in USAGE_COLUMNS})
-        out["error"] = None if error is None else describe(error)
+        out["error"] = None if error is None else describe_error(error)
         return out
 
 
@@ -258,9 +259,3 @@ def _row_id(row: dict[str, Any], position: int, id_column: str | None) -> Any:
             f"row {position}: id_column {id_column!r} must be a str or int, got {value!r}"
         )
     return value
-
-
-def describe(error: BaseException) -> str:
-    """The error column: the exception's type and message."""
-    message = error.args[0] if isinstance(error, KeyError) and error.args else error
-    return f"{type(error).__name__}: {message}"

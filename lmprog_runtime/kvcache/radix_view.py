@@ -9,6 +9,7 @@ notebooks (`_repr_svg_`, no Graphviz needed) or as indented text (`str`).
 from __future__ import annotations
 
 import html
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +38,10 @@ def snapshot(root: Any, max_nodes: int) -> tuple[NodeView, int]:
     """The tree under `root` (a `TreeNode`), breadth first, at most `max_nodes` nodes
     besides the root; returns it and how many nodes were left out."""
     view = NodeView(0, root.hit_count, root.lock_ref, [])
-    queue = [(root, view)]
+    queue = deque([(root, view)])
     kept = omitted = 0
     while queue:
-        node, node_view = queue.pop(0)
+        node, node_view = queue.popleft()
         for child in sorted(node.children.values(), key=lambda c: c.node_id):
             if kept >= max_nodes:
                 omitted += 1 + _count_below(child)
