@@ -268,6 +268,13 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 torch::Tensor silu_and_mul(torch::Tensor x);
 void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos,
            torch::Tensor sin);
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                          bool out_float32);
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                          torch::Tensor mins, bool out_float32);
+torch::Tensor q8_0_dequantize(torch::Tensor qweight, torch::Tensor scales, bool to_bf16);
+torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
+                              bool to_bf16);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32 or bfloat16)");
@@ -275,4 +282,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused [rows, 2 * inter] input");
   m.def("rope_", &rope_, "in-place rotate-half RoPE on q and k");
+  m.def("q8_0_linear", &q8_0_linear, "x @ w.T over Q8_0 blocks (float32 arithmetic)");
+  m.def("q4_1_linear", &q4_1_linear, "x @ w.T over Q4_1 blocks (float32 arithmetic)");
+  m.def("q8_0_dequantize", &q8_0_dequantize, "Q8_0 blocks to a dense float32 / bfloat16 matrix");
+  m.def("q4_1_dequantize", &q4_1_dequantize, "Q4_1 blocks to a dense float32 / bfloat16 matrix");
 }

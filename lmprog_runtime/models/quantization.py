@@ -1,138 +1,171 @@
-"""Weight-only quantized linear layers: int8 per output channel, or int4 in groups of 32
-with a scale and an offset per group (the Q4_1 layout).
+"""Weight-only quantized linear layers in llama.cpp's block layouts: `"int8"` is Q8_0 (int8
+values and a float16 scale per block of 32 inputs), `"int4"` is Q4_1 (4-bit values with a
+float16 scale and minimum per block of 32).
 
-Decode on a CPU reads every weight once per step, so it runs at the speed of memory: int8
-weights are a quarter of float32's bytes, int4 an eighth. Layers are quantized at load
-from the float weights (a GGUF's Q4_1 blocks, dequantized by the converter, come back to
-the same integers: each block's minimum and maximum are representable values). The
-matmuls are torch's weight-only kernels, which unpack the integers tile by tile and
-multiply with float32 accumulation (an int8 layer given many rows at once dequantizes its
-weight and runs one dense matmul instead). Those kernels are fast only for bfloat16
-activations, so where the CPU computes bfloat16 natively the activations are rounded to
-bfloat16 for the matmul (`compute_dtype`); elsewhere they stay as they are (correct, but
-slower than a float matmul). The output layer (LM head) stays in float, as llama.cpp's quantized files
-keep it at 6 or 8 bits: the logits decide the tokens, and the kernels return their
-results in the activations' dtype. Embeddings stay in float (a lookup reads one row per
-token).
+Decode on a CPU reads every weight once per step, so it runs at the speed of memory: Q8_0
+reads 1.06 bytes per weight, Q4_1 0.63, against float32's 4. A few rows at a time (decode)
+go through the native kernels of `csrc/quant_linear.cpp`, which widen each block to
+float32 in registers and multiply it by float32 activations: the result is the float32
+matmul over the dequantized weight up to summation order. Many rows at once (a prefill)
+dequantize the weight to the activations' dtype and run one dense matmul (AMX for
+bfloat16). Without the native kernels every call takes that dense path.
+
+Layers are quantized at load from the float weights. A GGUF's Q8_0 and Q4_1 blocks,
+dequantized by the converter, come back to the same integers and scales (each block's
+extremes are representable values). The output layer (LM head) is quantized to Q8_0 with
+either method, as llama.cpp's files keep it at 8 (or 6) bits; embeddings stay in float
+(a lookup reads one row per token).
 """
 
 from __future__ import annotations
 
+import logging
+from types import ModuleType
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lmprog_runtime.config import QUANTIZATIONS
-from lmprog_runtime.models.cpu import cpu_has_native_bf16
 
-INT4_GROUP = 32
-# From this many rows (a prefill, a large batch) an int8 layer dequantizes its weight and
-# runs one dense matmul: torch's weight-only kernel is fast for a few rows only.
-DEQUANTIZE_ROWS = 32
-# _convert_weight_to_int4pack_for_cpu's packing parameter (inner K tiles of 16 values).
-_INNER_K_TILES = 8
+logger = logging.getLogger(__name__)
+
+BLOCK = 32
+# From this many rows (a prefill, a large batch) a layer dequantizes its weight and runs one
+# dense matmul; below it the native kernel, which reads each weight block once for all rows.
+DENSE_ROWS = 16
 
 
 class QuantizedLinear(nn.Module):
-    """Base of the quantized layers. `compute_dtype`: the activations' dtype inside the
-    matmul (None: the input's own)."""
+    """y = x @ w.T + bias over a block-quantized w [out, in]; in_features a multiple of 32.
 
-    compute_dtype: torch.dtype | None = None
+    `float_output`: return float32 whatever the activations' dtype (the LM head: logits
+    decide the tokens)."""
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, [out, in] float32."""
+    def __init__(self, linear: nn.Linear, float_output: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if self.in_features % BLOCK:
+            raise ValueError(f"in_features {self.in_features} is not a multiple of {BLOCK}")
+        self.bias = linear.bias
+        self.float_output = float_output
+        self._native = _native_kernels()
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the layer multiplies by, [out, in] (plain torch: the tests' reference)."""
         raise NotImplementedError
 
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.dequantized(dtype)
 
-class Int8Linear(QuantizedLinear):
-    """y = x @ (q * scale).T + bias, q int8 [out, in], one float scale per output row."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        weight = linear.weight.detach().float()  # [out, in]
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales.to(linear.weight.dtype))
-        self.bias = linear.bias
-
-    def dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.compute_dtype or x.dtype)
-        scales = self.scales if self.scales.dtype == flat.dtype else self.scales.to(flat.dtype)
-        if flat.shape[0] >= DEQUANTIZE_ROWS:  # a prefill: one matmul of the whole weight
-            weight = self.qweight.to(flat.dtype) * scales[:, None]  # [out, in]
-            out = torch.nn.functional.linear(flat, weight).to(x.dtype)
+        flat = x.reshape(-1, self.in_features)
+        if self._native is None or flat.shape[0] >= DENSE_ROWS:
+            out = F.linear(flat, self._dense_weight(flat.dtype))
+            out = out.float() if self.float_output else out
         else:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scales).to(x.dtype)
+            out = self._kernel(flat)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-class Int4Linear(QuantizedLinear):
-    """y = x @ w.T + bias with w = q * scale + low per group of INT4_GROUP inputs, q in
-    0..15, packed two per byte in the layout torch's CPU int4 kernel reads."""
+class Q8Linear(QuantizedLinear):
+    """Q8_0: w = q * d, q int8 in -127..127, d = max |w| / 127 per block (float16)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        out_features, in_features = linear.weight.shape
-        weight = linear.weight.detach().float().reshape(out_features, -1, INT4_GROUP)
-        low, high = weight.amin(dim=-1), weight.amax(dim=-1)  # [out, groups]
-        scales = (high - low).clamp(min=1e-12) / 15.0
-        q = torch.round((weight - low[..., None]) / scales[..., None]).clamp(0, 15)
-        q = q.reshape(out_features, in_features).to(torch.int32)
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer(
-            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
+    def __init__(self, linear: nn.Linear, float_output: bool = False) -> None:
+        super().__init__(linear, float_output)
+        blocks = _blocks(linear.weight)  # [out, in / 32, 32]
+        scales = (blocks.abs().amax(dim=-1) / 127).half()
+        safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
+        q = torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", q.reshape(self.out_features, self.in_features))
+        self.register_buffer("scales", scales)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        blocks = self.qweight.float().reshape(self.out_features, -1, BLOCK)
+        weight = blocks * self.scales.float()[..., None]
+        return weight.reshape(self.out_features, self.in_features).to(dtype)
+
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._native is None or dtype not in (torch.float32, torch.bfloat16):
+            return self.dequantized(dtype)
+        return self._native.q8_0_dequantize(self.qweight, self.scales, dtype == torch.bfloat16)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self._native.q8_0_linear(x, self.qweight, self.scales, self.float_output)
+
+
+class Q4Linear(QuantizedLinear):
+    """Q4_1: w = q * d + m, q in 0..15, m the block's minimum and d its range / 15 (both
+    float16). Two values per byte: byte j of a block holds element j in its low nibble and
+    element j + 16 in its high nibble (llama.cpp's order)."""
+
+    def __init__(self, linear: nn.Linear, float_output: bool = False) -> None:
+        super().__init__(linear, float_output)
+        blocks = _blocks(linear.weight)
+        mins = blocks.amin(dim=-1).half()
+        scales = ((blocks.amax(dim=-1) - mins.float()) / 15).half()
+        safe = torch.where(scales == 0, torch.ones_like(scales), scales).float()
+        q = torch.round((blocks - mins.float()[..., None]) / safe[..., None]).clamp(0, 15)
+        q = q.to(torch.uint8)
+        packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)  # [out, in / 32, 16]
+        self.register_buffer("packed", packed.reshape(self.out_features, self.in_features // 2))
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        packed = self.packed.reshape(self.out_features, -1, BLOCK // 2)
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+        weight = q * self.scales.float()[..., None] + self.mins.float()[..., None]
+        return weight.reshape(self.out_features, self.in_features).to(dtype)
+
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._native is None or dtype not in (torch.float32, torch.bfloat16):
+            return self.dequantized(dtype)
+        return self._native.q4_1_dequantize(
+            self.packed, self.scales, self.mins, dtype == torch.bfloat16
         )
-        # The kernel computes (q - 8) * scale + zero: zero = low + 8 * scale.
-        # [groups, out, 2] (scale, zero), in the activations' dtype.
-        scales_and_zeros = torch.stack([scales.t(), (low + 8 * scales).t()], dim=-1)
-        dtype = linear.weight.dtype
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype).contiguous())
-        self.bias = linear.bias
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, [out, in] float32 (read back through the
-        kernel itself: identity in, weight out)."""
-        eye = torch.eye(self.in_features, dtype=torch.float32)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            eye, self.packed, INT4_GROUP, self.scales_and_zeros.float()
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self._native.q4_1_linear(
+            x, self.packed, self.scales, self.mins, self.float_output
         )
-        return out.t().contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.compute_dtype or x.dtype)
-        scales_and_zeros = self.scales_and_zeros
-        if scales_and_zeros.dtype != flat.dtype:
-            scales_and_zeros = scales_and_zeros.to(flat.dtype)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            flat, self.packed, INT4_GROUP, scales_and_zeros
-        ).to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+
+def _blocks(weight: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    return weight.detach().float().reshape(out_features, in_features // BLOCK, BLOCK)
+
+
+def _native_kernels() -> ModuleType | None:
+    from lmprog_runtime.native import load_native
+
+    try:
+        return load_native()
+    except RuntimeError as error:
+        logger.warning("native quantized kernels unavailable, using dense matmuls: %s", error)
+        return None
 
 
 def quantize_linears(model: nn.Module, method: str) -> int:
-    """Replace the model's projections by `method` layers, in place (CPU only). Returns how many layers were quantized; one whose shape the kernel
-    cannot take stays in float."""
+    """Replace the model's projections by `method` layers and its LM head by a Q8_0 one, in
+    place (CPU only). Returns how many layers were quantized; one whose inputs are not a
+    whole number of blocks stays in float."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {method!r}")
-    layer_type = Int8Linear if method == "int8" else Int4Linear
-    compute_dtype = torch.bfloat16 if cpu_has_native_bf16() else None
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
+            if not isinstance(child, nn.Linear) or child.in_features % BLOCK:
                 continue
-            if name == "lm_head" or (method == "int4" and child.in_features % INT4_GROUP):
-                continue
-            layer = layer_type(child)
-            layer.compute_dtype = compute_dtype
+            if name == "lm_head":
+                layer: QuantizedLinear = Q8Linear(child, float_output=True)
+            else:
+                layer = Q8Linear(child) if method == "int8" else Q4Linear(child)
             setattr(parent, name, layer)
             count += 1
     return count

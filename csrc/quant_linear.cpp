@@ -1,0 +1,252 @@
+// Native CPU matmuls over block-quantized weights, for decode (a few rows at a time).
+//
+// Weights are [out, in] in blocks of 32 inputs, the layouts of llama.cpp's Q8_0 and Q4_1:
+// - Q8_0: int8 values q and one float16 scale d per block: w = q * d.
+// - Q4_1: 4-bit values q in 0..15, packed two per byte (byte j of a block holds element j
+//   in its low nibble and element j + 16 in its high nibble), and a float16 scale d and
+//   minimum m per block: w = q * d + m.
+// Decode reads every weight once per step, so it runs at the speed of memory; the kernel
+// widens each block to float32 in registers and multiplies it by float32 activations with
+// float32 accumulation, so its result is the float32 matmul over the dequantized weight up
+// to summation order (no activation quantization, unlike llama.cpp's integer dot products).
+// Each weight block is read once for all rows of the input. Rows are processed in tiles of
+// up to four, whose accumulators stay in registers.
+//
+// `dequantize_*` expand a layer to a dense float32 or bfloat16 matrix: many rows at once (a
+// prefill) run faster as one dense matmul (AMX / AVX-512 through torch) than here.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu_vec.h"
+
+#if LMPROG_AVX512
+#include <immintrin.h>
+#endif
+
+using lmprog::bf16;
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kRowTile = 4;
+
+inline float half_to_f32(at::Half h) { return static_cast<float>(h); }
+
+enum class Format { Q8_0, Q4_1 };
+
+// A layer's quantized storage, read-only.
+struct QWeight {
+  Format format;
+  int64_t out_features, in_features;
+  const uint8_t* data;   // Q8_0: [out, in] int8; Q4_1: [out, in / 2] packed nibbles
+  const at::Half* d;     // [out, in / 32] scales
+  const at::Half* m;     // [out, in / 32] minimums (Q4_1 only)
+
+  int64_t blocks() const { return in_features / kBlock; }
+  int64_t row_bytes() const { return format == Format::Q8_0 ? in_features : in_features / 2; }
+};
+
+// Block `b` of output row `n`, widened to 32 float32 values.
+inline void dequantize_block(const QWeight& w, int64_t n, int64_t b, float* out) {
+  const int64_t nb = w.blocks();
+  const float d = half_to_f32(w.d[n * nb + b]);
+  if (w.format == Format::Q8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(w.data + n * w.row_bytes() + b * kBlock);
+#pragma omp simd
+    for (int k = 0; k < kBlock; ++k) out[k] = static_cast<float>(q[k]) * d;
+  } else {
+    const uint8_t* q = w.data + n * w.row_bytes() + b * (kBlock / 2);
+    const float m = half_to_f32(w.m[n * nb + b]);
+#pragma omp simd
+    for (int k = 0; k < kBlock / 2; ++k) {
+      out[k] = static_cast<float>(q[k] & 0x0F) * d + m;
+      out[k + kBlock / 2] = static_cast<float>(q[k] >> 4) * d + m;
+    }
+  }
+}
+
+#if LMPROG_AVX512
+// The same block as two vectors of 16 floats.
+inline void dequantize_block_avx512(const QWeight& w, int64_t n, int64_t b, __m512& lo, __m512& hi) {
+  const int64_t nb = w.blocks();
+  const __m512 d = _mm512_set1_ps(half_to_f32(w.d[n * nb + b]));
+  if (w.format == Format::Q8_0) {
+    const uint8_t* q = w.data + n * w.row_bytes() + b * kBlock;
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+  } else {
+    const uint8_t* q = w.data + n * w.row_bytes() + b * (kBlock / 2);
+    const __m512 m = _mm512_set1_ps(half_to_f32(w.m[n * nb + b]));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
+    const __m512i high = _mm512_srli_epi32(bytes, 4);
+    lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(low), d), m);
+    hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(high), d), m);
+  }
+}
+#endif
+
+// out[r, n] = sum_k x[r, k] * w[n, k] for the rows r0 .. r0 + R - 1 and one output n.
+// x is float32 [rows, in] (contiguous).
+template <int R>
+inline void dot_rows(const QWeight& w, const float* x, int64_t n, float* sums) {
+  const int64_t nb = w.blocks(), in = w.in_features;
+#if LMPROG_AVX512
+  // Four accumulators per row (two blocks of two halves each in flight), so consecutive
+  // FMAs do not wait on each other's latency.
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    __m512 lo0, hi0, lo1, hi1;
+    dequantize_block_avx512(w, n, b, lo0, hi0);
+    dequantize_block_avx512(w, n, b + 1, lo1, hi1);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * in + b * kBlock;
+      acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), lo0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), hi0, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 32), lo1, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 48), hi1, acc[r][3]);
+    }
+  }
+  if (b < nb) {
+    __m512 lo, hi;
+    dequantize_block_avx512(w, n, b, lo, hi);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * in + b * kBlock;
+      acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), lo, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), hi, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+  }
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r][0]);
+#else
+  float acc[R][kBlock] = {};
+  float wb[kBlock];
+  for (int64_t b = 0; b < nb; ++b) {
+    dequantize_block(w, n, b, wb);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * in + b * kBlock;
+#pragma omp simd
+      for (int k = 0; k < kBlock; ++k) acc[r][k] += xb[k] * wb[k];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = 0.f;
+    for (int k = 0; k < kBlock; ++k) s += acc[r][k];
+    sums[r] = s;
+  }
+#endif
+}
+
+// Output rows are split among threads in chunks; every chunk multiplies all input rows.
+template <typename T>
+void linear_impl(const QWeight& w, const float* x, int64_t rows, T* out) {
+  const int64_t out_features = w.out_features, in = w.in_features;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < out_features; ++n) {
+    float sums[kRowTile];
+    int64_t r = 0;
+    for (; r + kRowTile <= rows; r += kRowTile) {
+      dot_rows<kRowTile>(w, x + r * in, n, sums);
+      for (int i = 0; i < kRowTile; ++i) out[(r + i) * out_features + n] = lmprog::from_f32<T>(sums[i]);
+    }
+    for (; r < rows; ++r) {
+      dot_rows<1>(w, x + r * in, n, sums);
+      out[r * out_features + n] = lmprog::from_f32<T>(sums[0]);
+    }
+  }
+}
+
+QWeight check_weight(Format format, const torch::Tensor& data, const torch::Tensor& scales,
+                     const torch::Tensor* mins) {
+  const char* name = format == Format::Q8_0 ? "q8_0" : "q4_1";
+  TORCH_CHECK(data.device().is_cpu() && data.dim() == 2 && data.is_contiguous(), name,
+              ": weight must be a contiguous 2-D CPU tensor");
+  const int64_t out = data.size(0);
+  const int64_t in = format == Format::Q8_0 ? data.size(1) : data.size(1) * 2;
+  TORCH_CHECK(data.scalar_type() == (format == Format::Q8_0 ? torch::kInt8 : torch::kUInt8), name,
+              ": weight has dtype ", data.scalar_type());
+  TORCH_CHECK(in % kBlock == 0, name, ": in_features ", in, " is not a multiple of ", kBlock);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() &&
+                  scales.dim() == 2 && scales.size(0) == out && scales.size(1) == in / kBlock,
+              name, ": scales must be contiguous float16 [out, in / 32]");
+  if (mins != nullptr) {
+    TORCH_CHECK(mins->sizes() == scales.sizes() && mins->scalar_type() == torch::kFloat16 &&
+                    mins->is_contiguous(),
+                name, ": mins must be contiguous float16 [out, in / 32]");
+  }
+  return QWeight{format,
+                 out,
+                 in,
+                 reinterpret_cast<const uint8_t*>(data.data_ptr()),
+                 scales.data_ptr<at::Half>(),
+                 mins != nullptr ? mins->data_ptr<at::Half>() : nullptr};
+}
+
+// y = x @ w.T in x's dtype (float32 or bfloat16), or in float32 when `out_float32`; float32
+// arithmetic either way.
+torch::Tensor quantized_linear(const QWeight& w, const torch::Tensor& x, bool out_float32) {
+  TORCH_CHECK(x.device().is_cpu() && lmprog::is_supported_dtype(x.scalar_type()),
+              "x must be a float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in_features, "x must be [rows, ", w.in_features,
+              "], got ", x.sizes());
+  const auto x32 = x.to(torch::kFloat32).contiguous();
+  const auto out_dtype = out_float32 ? torch::kFloat32 : x.scalar_type();
+  auto out = torch::empty({x.size(0), w.out_features}, x.options().dtype(out_dtype));
+  lmprog::dispatch_float_types(out_dtype, "quantized_linear", [&](auto tag) {
+    using T = decltype(tag);
+    linear_impl<T>(w, x32.data_ptr<float>(), x.size(0), out.data_ptr<T>());
+  });
+  return out;
+}
+
+torch::Tensor dequantize(const QWeight& w, c10::ScalarType dtype) {
+  auto out = torch::empty({w.out_features, w.in_features}, torch::dtype(dtype));
+  lmprog::dispatch_float_types(dtype, "dequantize", [&](auto tag) {
+    using T = decltype(tag);
+    T* op = out.data_ptr<T>();
+    const int64_t nb = w.blocks();
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < w.out_features; ++n) {
+      float block[kBlock];
+      for (int64_t b = 0; b < nb; ++b) {
+        dequantize_block(w, n, b, block);
+        T* dst = op + n * w.in_features + b * kBlock;
+        for (int k = 0; k < kBlock; ++k) dst[k] = lmprog::from_f32<T>(block[k]);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                          bool out_float32) {
+  return quantized_linear(check_weight(Format::Q8_0, qweight, scales, nullptr), x, out_float32);
+}
+
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                          torch::Tensor mins, bool out_float32) {
+  return quantized_linear(check_weight(Format::Q4_1, packed, scales, &mins), x, out_float32);
+}
+
+// bfloat16 when `to_bf16`, else float32.
+torch::Tensor q8_0_dequantize(torch::Tensor qweight, torch::Tensor scales, bool to_bf16) {
+  return dequantize(check_weight(Format::Q8_0, qweight, scales, nullptr),
+                    to_bf16 ? torch::kBFloat16 : torch::kFloat32);
+}
+
+torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
+                              bool to_bf16) {
+  return dequantize(check_weight(Format::Q4_1, packed, scales, &mins),
+                    to_bf16 ? torch::kBFloat16 : torch::kFloat32);
+}
