@@ -275,6 +275,7 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 torch::Tensor q8_0_dequantize(torch::Tensor qweight, torch::Tensor scales, bool to_bf16);
 torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
                               bool to_bf16);
+void register_decode_stack(py::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32 or bfloat16)");
@@ -286,4 +287,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &q4_1_linear, "x @ w.T over Q4_1 blocks (float32 arithmetic)");
   m.def("q8_0_dequantize", &q8_0_dequantize, "Q8_0 blocks to a dense float32 / bfloat16 matrix");
   m.def("q4_1_dequantize", &q4_1_dequantize, "Q4_1 blocks to a dense float32 / bfloat16 matrix");
+  register_decode_stack(m);
 }

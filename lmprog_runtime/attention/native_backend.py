@@ -42,6 +42,20 @@ class NativeAttentionBackend(TorchAttentionBackend):
             raise ValueError("attention_backend='native' runs float32 or bfloat16 on CPU only")
         self._ops = load_native()
 
+    @property
+    def native_ops(self):
+        """The compiled extension (the model's native decode stack is built from it)."""
+        return self._ops
+
+    def plain_decode_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...] | None:
+        """The decode attention inputs after `init_forward_metadata(batch)`, when the step
+        is plain decode (no prefill tokens, no shared-prefix cascade): req_to_token,
+        req_rows, seq_lens, key_starts, order. None otherwise."""
+        if batch.mode is not ForwardMode.DECODE or self._parts is not None or self._groups:
+            return None
+        table = self.req_to_token.table
+        return table, batch.req_pool_indices, self._seq_lens, self._key_starts, self._order
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._parts = None
         if batch.mode is ForwardMode.EXTEND and batch.num_decodes:
@@ -54,13 +68,13 @@ class NativeAttentionBackend(TorchAttentionBackend):
             self._init_native_decode(batch)
 
     def _init_native_decode(self, batch: ForwardBatch) -> None:
-        self._seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
+        self._seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device="cpu")
         rows = self.req_to_token.table[batch.req_pool_indices]
         # Requests that share a cached prefix share its first slot: process them together
         # so the prefix is read from memory once per step, not once each.
         self._order = torch.argsort(rows[:, 0], stable=True)
         self._groups: list[_PrefixGroup] = []
-        self._key_starts = torch.zeros(batch.batch_size, dtype=torch.int64)
+        self._key_starts = torch.zeros(batch.batch_size, dtype=torch.int64, device="cpu")
         if self.layout.sliding_window is None:
             self._find_prefix_groups(rows, batch.seq_lens)
 
@@ -79,7 +93,8 @@ class NativeAttentionBackend(TorchAttentionBackend):
             if shared >= MIN_CASCADE_PREFIX:
                 slots = block[0, :shared].clone()
                 first_slot = int(slots[0])
-                consecutive = bool((slots == torch.arange(first_slot, first_slot + shared)).all())
+                run = torch.arange(first_slot, first_slot + shared, device="cpu")
+                consecutive = bool((slots == run).all())
                 span = slice(first_slot, first_slot + shared) if consecutive else None
                 self._groups.append(_PrefixGroup(members, slots, span))
                 self._key_starts[members] = shared

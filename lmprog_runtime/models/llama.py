@@ -13,8 +13,9 @@ from torch import nn
 
 from lmprog_runtime.attention import AttentionLayout, BaseAttentionBackend
 from lmprog_runtime.forward_batch import ForwardBatch
+from lmprog_runtime.models.decode_stack import DecodeStackCache
 from lmprog_runtime.models.model_config import ModelConfig
-from lmprog_runtime.models.ops import TorchOps
+from lmprog_runtime.models.ops import NativeOps, TorchOps
 
 
 class RMSNorm(nn.Module):
@@ -113,6 +114,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
         self.ops: TorchOps = TorchOps()  # ModelRunner may swap in NativeOps
+        # Plain decode steps on the native backend run every layer in one native call.
+        self.use_decode_stack = True
+        self._decode_stack = DecodeStackCache()
 
     def attention_layout(self) -> AttentionLayout:
         c = self.config
@@ -126,8 +130,22 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, backend: BaseAttentionBackend) -> torch.Tensor:
         """Return logits `[len(batch.logits_indices), vocab]` in float32."""
-        ops, eps = self.ops, self.config.rms_norm_eps
         residual = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        stack_inputs = self._decode_stack_inputs(batch, backend)
+        if stack_inputs is not None:
+            stack, inputs = stack_inputs
+            hidden = stack.forward(residual, batch.positions, batch.out_cache_loc, *inputs)
+        else:
+            hidden = self._layers(residual, batch, backend)
+        hidden = hidden.index_select(0, batch.logits_indices)
+        return self.lm_head(hidden).float()
+
+    def _layers(
+        self, residual: torch.Tensor, batch: ForwardBatch, backend: BaseAttentionBackend
+    ) -> torch.Tensor:
+        """Every decoder layer and the final norm, from the embeddings (consumed: they
+        become the residual stream)."""
+        ops, eps = self.ops, self.config.rms_norm_eps
         hidden = ops.rms_norm(residual, self.layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(self.layers):
             attn_out = layer.self_attn(hidden, self.rotary, backend, batch, ops)
@@ -139,5 +157,17 @@ class LlamaForCausalLM(nn.Module):
             is_last = i + 1 == len(self.layers)
             next_norm = self.norm if is_last else self.layers[i + 1].input_layernorm
             hidden, residual = ops.add_rms_norm(mlp_out, residual, next_norm.weight, eps)
-        hidden = hidden.index_select(0, batch.logits_indices)
-        return self.lm_head(hidden).float()
+        return hidden
+
+    def _decode_stack_inputs(
+        self, batch: ForwardBatch, backend: BaseAttentionBackend
+    ) -> tuple[object, tuple[torch.Tensor, ...]] | None:
+        """(native stack, its attention inputs) when this step can run as one native call."""
+        plain = getattr(backend, "plain_decode_inputs", None)
+        if not self.use_decode_stack or plain is None or not isinstance(self.ops, NativeOps):
+            return None
+        inputs = plain(batch)
+        if inputs is None:
+            return None
+        stack = self._decode_stack.get(self, backend)
+        return None if stack is None else (stack, inputs)

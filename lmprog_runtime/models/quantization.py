@@ -131,9 +131,7 @@ class Q4Linear(QuantizedLinear):
         )
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return self._native.q4_1_linear(
-            x, self.packed, self.scales, self.mins, self.float_output
-        )
+        return self._native.q4_1_linear(x, self.packed, self.scales, self.mins, self.float_output)
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor:

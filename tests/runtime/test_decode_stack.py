@@ -1,0 +1,106 @@
+"""The native decode stack (issue 17): a plain decode step of every layer in one native
+call must give exactly the Python forward's results (the same kernels in the same order),
+and the Python path must still take every step the stack does not cover."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmprog_runtime import Engine
+
+TEXT = "The quick brown fox jumps over the lazy dog, and then it "
+
+
+def _decode(engine: Engine, prompts: list[str], new: int = 8) -> tuple[list, torch.Tensor]:
+    """Greedy tokens and the top-20 log-probabilities of every decode step."""
+    params = {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0}
+    outs = engine.generate(prompts, params, return_logprob=True, top_logprobs_num=20)
+    rows = [row for o in outs for row in o["meta_info"]["output_top_logprobs"]]
+    values = torch.tensor([[value for value, _ in row] for row in rows])
+    return [o["output_ids"] for o in outs], values
+
+
+def _steps_on_stack(engine: Engine) -> list[int]:
+    """Counts the forwards that ran on the stack (by wrapping the built stack's forward)."""
+    calls = [0]
+    cache = engine.runner.model._decode_stack
+    build = cache.get
+
+    def counting_get(model, backend):
+        stack = build(model, backend)
+        if stack is None:
+            return None
+
+        class Counted:
+            def forward(self, *args):
+                calls[0] += 1
+                return stack.forward(*args)
+
+        return Counted()
+
+    cache.get = counting_get
+    return calls
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"dtype": "bfloat16"},
+        {"quantization": "int8"},
+        {"quantization": "int4", "dtype": "bfloat16"},
+    ],
+    ids=["float32", "bfloat16", "int8", "int4-bf16"],
+)
+def test_stack_equals_python_forward(tiny_path, options):
+    prompts = [TEXT, TEXT[:20], "Once upon a time"]
+    with Engine(tiny_path, max_total_tokens=1024, **options) as engine:
+        assert engine.runner.attention_backend == "native"
+        calls = _steps_on_stack(engine)
+        tokens, logprobs = _decode(engine, prompts)
+        assert calls[0] >= 7  # every decode step after the prefill
+        engine.runner.model.use_decode_stack = False
+        engine.flush_cache()
+        ref_tokens, ref_logprobs = _decode(engine, prompts)
+    assert tokens == ref_tokens
+    assert torch.equal(logprobs, ref_logprobs)
+
+
+def test_replaced_weights_rebuild_the_stack(tiny_path):
+    with Engine(tiny_path, max_total_tokens=1024) as engine:
+        model = engine.runner.model
+        _decode(engine, [TEXT])  # builds the stack
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            old = model.layers[1].mlp.down_proj.weight
+            model.layers[1].mlp.down_proj.weight = torch.nn.Parameter(
+                torch.randn(old.shape, generator=gen) * 0.5
+            )
+        engine.flush_cache()
+        tokens, logprobs = _decode(engine, [TEXT])
+        model.use_decode_stack = False
+        engine.flush_cache()
+        ref_tokens, ref_logprobs = _decode(engine, [TEXT])
+    assert tokens == ref_tokens and torch.equal(logprobs, ref_logprobs)
+
+
+def test_shared_prefix_steps_stay_on_the_python_path(tiny_path):
+    """Requests sharing a cached prefix of 64+ tokens take cascade attention, which the
+    stack does not cover: those steps run in Python, with the same results as without the
+    stack."""
+    system = "You are a helpful assistant who answers briefly. " * 8
+    prompts = [system + q for q in ("Hi?", "Why?", "How?")]
+
+    def run(engine: Engine) -> tuple[list, torch.Tensor]:
+        engine.flush_cache()
+        engine.generate(system, {"max_new_tokens": 1})  # caches the prefix
+        return _decode(engine, prompts)
+
+    with Engine(tiny_path, max_total_tokens=2048) as engine:
+        calls = _steps_on_stack(engine)
+        tokens, logprobs = run(engine)
+        assert calls[0] == 0
+        engine.runner.model.use_decode_stack = False
+        ref_tokens, ref_logprobs = run(engine)
+    assert tokens == ref_tokens and torch.equal(logprobs, ref_logprobs)
