@@ -5,17 +5,21 @@ llama-cpp-python is installed, llama.cpp on the same GGUF.
 Workloads, all greedy with the output length fixed (EOS masked):
 - one stream: a 32-token prompt, 128 new tokens;
 - shared prefix: 4 groups x 8 prompts (a 512-token system prompt per group + 32 tokens of
-  their own), 16 new tokens each (llama.cpp runs them one by one in arrival order);
+  their own), 16 new tokens each (llama.cpp runs them one at a time: in arrival order from
+  an empty context each, and sorted, reusing the previous prompt's KV prefix);
 - prefill: 2 x 1024 fresh tokens, 1 new token, as a share of this machine's bfloat16
   matmul peak measured in the same run (2 x non-embedding parameters x tokens FLOPs).
 Every side is built and warmed first; rounds alternate (ABBA), best and median reported.
 
     .venv/bin/python benchmarks/bench_cpu.py [--model smollm2-135m-instruct] [--repeats 2]
 
-llama.cpp (optional): build llama-cpp-python with GGML_NATIVE=OFF and explicit flags, e.g.
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON" pip install llama-cpp-python
-(a native build crashed with an illegal instruction on a machine whose CPU flags promise
-more than its OS enables).
+llama.cpp (optional): build llama-cpp-python from source with GGML_NATIVE=OFF and explicit
+flags (a native build crashed with an illegal instruction on a machine whose CPU flags
+promise more than its OS enables); the figures in the README came from
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
+      .venv/bin/pip install --no-deps llama-cpp-python==0.3.36
 """
 
 from __future__ import annotations
@@ -75,24 +79,28 @@ def engine_phase(name: str, engine: Any, prompts: list[list[int]], new: int) -> 
     return Phase(name, run, before=lambda: harness.flush(engine))
 
 
-def llama_cpp_phase(gguf: str, prompts: list[list[int]], new: int) -> Phase:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=gguf, n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
+def llama_cpp_phase(llm: Any, prompts: list[list[int]], new: int, reuse: bool) -> Phase:
+    """llama.cpp runs one prompt at a time. Without `reuse` every prompt starts from an
+    empty context (arrival order, nothing shared); with it the prompts go sorted, so each
+    starts from the KV of the previous one and evaluates only what differs (llama-cpp-python
+    keeps the longest common prefix of consecutive prompts)."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i]) if reuse else range(len(prompts))
 
     def run() -> list[list[int]]:
-        outs = []
-        for prompt in prompts:  # arrival order, one at a time
-            llm.reset()
-            tokens = []
-            for token in llm.generate(prompt, temp=0.0, reset=True):
+        outs: list[list[int]] = [[] for _ in prompts]
+        llm.reset()
+        for i in order:
+            if not reuse:
+                llm.reset()
+            tokens = outs[i]
+            for token in llm.generate(prompts[i], temp=0.0, reset=True):
                 tokens.append(token)
                 if len(tokens) == new:
                     break
-            outs.append(tokens)
         return outs
 
-    return Phase("llama.cpp (llama-cpp-python)", run)
+    name = "llama.cpp, sorted by prefix" if reuse else "llama.cpp, one by one"
+    return Phase(f"{name} (llama-cpp-python)", run)
 
 
 def main() -> None:
@@ -128,6 +136,12 @@ def main() -> None:
     )
     gguf = resolve_model_path(args.model)
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None and gguf.endswith(".gguf")
+    llm = None
+    if has_llama_cpp:
+        from llama_cpp import Llama
+
+        threads = torch.get_num_threads()
+        llm = Llama(model_path=gguf, n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
     rows, raw = [], {}
     for workload, (prompts, new) in workloads(tokenizer).items():
         phases = [engine_phase(name, e, prompts, new) for name, e in engines.items()]
@@ -138,8 +152,10 @@ def main() -> None:
             )
             for dtype, model in hf.items()
         ]
-        if has_llama_cpp:
-            phases.append(llama_cpp_phase(gguf, prompts, new))
+        if llm is not None:
+            phases.append(llama_cpp_phase(llm, prompts, new, reuse=False))
+            if workload == "shared prefix":
+                phases.append(llama_cpp_phase(llm, prompts, new, reuse=True))
         print(f"{workload}: {len(prompts)} prompts, {new} new tokens", flush=True)
         harness.alternate(phases, args.repeats)
         base = phases[-1]

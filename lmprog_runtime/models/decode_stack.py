@@ -3,15 +3,17 @@
 `csrc/decode_stack.cpp` runs every layer of a plain decode step (no shared-prefix cascade,
 no prefill tokens in the batch) with the same kernels, in the same order, as the Python
 forward, so the results are identical and only the interpreter's share of the step goes.
-`DecodeStackCache` builds it from a model's modules on first use and rebuilds it when a
-module's weight has been replaced since.
+`DecodeStackCache` builds it from a model's modules on first use and rebuilds it when any
+module has registered a parameter, buffer or submodule since (a weight or a layer
+replaced): torch calls the global registration hooks below on every such assignment, so
+checking costs one comparison per step. Changes in place need nothing: the stack holds the
+same tensors.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
 from lmprog_runtime.models.quantization import DENSE_ROWS, Q4Linear, Q8Linear
@@ -19,6 +21,18 @@ from lmprog_runtime.models.quantization import DENSE_ROWS, Q4Linear, Q8Linear
 if TYPE_CHECKING:
     from lmprog_runtime.attention.native_backend import NativeAttentionBackend
     from lmprog_runtime.models.llama import LlamaForCausalLM
+
+
+_registrations = [0]  # parameters, buffers and submodules registered in this process
+
+
+def _count_registration(*args: object) -> None:
+    _registrations[0] += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+nn.modules.module.register_module_module_registration_hook(_count_registration)
 
 
 def _linear_parts(layer: nn.Module) -> tuple | None:
@@ -33,23 +47,19 @@ def _linear_parts(layer: nn.Module) -> tuple | None:
     return None
 
 
-def _held_tensors(model: LlamaForCausalLM) -> list[torch.Tensor | None] | None:
-    """Every tensor a stack built now would hold, in a fixed order (None where a linear has
-    no such part); None if a linear is of a kind the stack cannot run."""
-    held: list[torch.Tensor | None] = [model.norm.weight, model.rotary.cos, model.rotary.sin]
-    for layer in model.layers:
-        held += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+def _stack_supports(model: LlamaForCausalLM) -> bool:
+    """No Q/K norms, and every projection a float or Q8_0 / Q4_1 linear."""
+    linears = (
+        linear
+        for layer in model.layers
         for linear in (
             layer.self_attn.qkv_proj,
             layer.self_attn.o_proj,
             layer.mlp.gate_up_proj,
             layer.mlp.down_proj,
-        ):
-            parts = _linear_parts(linear)
-            if parts is None:
-                return None
-            held += parts[1:]
-    return held
+        )
+    )
+    return not model.config.qk_norm and all(_linear_parts(x) is not None for x in linears)
 
 
 class DecodeStackCache:
@@ -58,19 +68,13 @@ class DecodeStackCache:
 
     def __init__(self) -> None:
         self._stack = None
-        self._held: list[torch.Tensor | None] = []
+        self._built_at = -1  # the registration count the stack was built at
         self._kv_pool = None
 
     def get(self, model: LlamaForCausalLM, backend: NativeAttentionBackend):
-        if model.config.qk_norm:
-            return None
-        held = _held_tensors(model)
-        if held is None:
-            return None
-        fresh = len(held) == len(self._held) and all(a is b for a, b in zip(held, self._held))
-        if self._stack is None or not fresh or self._kv_pool is not backend.kv_pool:
-            self._stack = _build(model, backend)
-            self._held, self._kv_pool = held, backend.kv_pool
+        if self._built_at != _registrations[0] or self._kv_pool is not backend.kv_pool:
+            self._built_at, self._kv_pool = _registrations[0], backend.kv_pool
+            self._stack = _build(model, backend) if _stack_supports(model) else None
         return self._stack
 
 
