@@ -68,98 +68,100 @@ inline void dequantize_block(const QWeight& w, int64_t n, int64_t b, float* out)
 }
 
 #if LMPROG_AVX512
-// The same block as two vectors of 16 floats.
-inline void dequantize_block_avx512(const QWeight& w, int64_t n, int64_t b, __m512& lo, __m512& hi) {
-  const int64_t nb = w.blocks();
-  const __m512 d = _mm512_set1_ps(half_to_f32(w.d[n * nb + b]));
+// The integer values of block `b` of output row `n` (not yet scaled), as two vectors of 16
+// floats: elements 0-15 and 16-31.
+inline void block_values_avx512(const QWeight& w, int64_t n, int64_t b, __m512& lo, __m512& hi) {
   if (w.format == Format::Q8_0) {
     const uint8_t* q = w.data + n * w.row_bytes() + b * kBlock;
     const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1));
   } else {
     const uint8_t* q = w.data + n * w.row_bytes() + b * (kBlock / 2);
-    const __m512 m = _mm512_set1_ps(half_to_f32(w.m[n * nb + b]));
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
-    const __m512i high = _mm512_srli_epi32(bytes, 4);
-    lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(low), d), m);
-    hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(high), d), m);
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  }
+}
+
+// x_b . (q_b * d + m) for rows r of one block: acc[r] += d * (x_b . q_b) (a vector, reduced
+// at the end) and, for Q4_1, mins[r] += m * sum(x_b).
+template <int R>
+inline void accumulate_block(const QWeight& w, const float* x, const float* xsums, int64_t n,
+                             int64_t b, __m512* acc, float* mins) {
+  const int64_t nb = w.blocks(), in = w.in_features;
+  __m512 lo, hi;
+  block_values_avx512(w, n, b, lo, hi);
+  const __m512 d = _mm512_set1_ps(half_to_f32(w.d[n * nb + b]));
+  for (int r = 0; r < R; ++r) {
+    const float* xb = x + r * in + b * kBlock;
+    __m512 p = _mm512_mul_ps(_mm512_loadu_ps(xb), lo);
+    p = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), hi, p);
+    acc[r] = _mm512_fmadd_ps(p, d, acc[r]);
+  }
+  if (w.format == Format::Q4_1) {
+    const float m = half_to_f32(w.m[n * nb + b]);
+    for (int r = 0; r < R; ++r) mins[r] += m * xsums[r * nb + b];
   }
 }
 #endif
 
-// out[r, n] = sum_k x[r, k] * w[n, k] for the rows r0 .. r0 + R - 1 and one output n.
-// x is float32 [rows, in] (contiguous).
+// out[r, n] = sum_k x[r, k] * w[n, k] for R rows of x (float32 [rows, in], contiguous) and
+// one output n. xsums [rows, in / 32]: each row's sum over each block (used by Q4_1).
 template <int R>
-inline void dot_rows(const QWeight& w, const float* x, int64_t n, float* sums) {
+inline void dot_rows(const QWeight& w, const float* x, const float* xsums, int64_t n, float* sums) {
   const int64_t nb = w.blocks(), in = w.in_features;
+  float mins[R] = {};
 #if LMPROG_AVX512
-  // Four accumulators per row (two blocks of two halves each in flight), so consecutive
-  // FMAs do not wait on each other's latency.
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+  // Two accumulators per row, alternating blocks, so consecutive FMAs into one do not wait
+  // on each other's latency.
+  __m512 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    __m512 lo0, hi0, lo1, hi1;
-    dequantize_block_avx512(w, n, b, lo0, hi0);
-    dequantize_block_avx512(w, n, b + 1, lo1, hi1);
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * in + b * kBlock;
-      acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), lo0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), hi0, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 32), lo1, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 48), hi1, acc[r][3]);
-    }
+    accumulate_block<R>(w, x, xsums, n, b, even, mins);
+    accumulate_block<R>(w, x, xsums, n, b + 1, odd, mins);
   }
-  if (b < nb) {
-    __m512 lo, hi;
-    dequantize_block_avx512(w, n, b, lo, hi);
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * in + b * kBlock;
-      acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), lo, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), hi, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    acc[r][0] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
-  }
-  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r][0]);
+  if (b < nb) accumulate_block<R>(w, x, xsums, n, b, even, mins);
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + mins[r];
 #else
-  float acc[R][kBlock] = {};
+  float acc[R] = {};
   float wb[kBlock];
   for (int64_t b = 0; b < nb; ++b) {
     dequantize_block(w, n, b, wb);
     for (int r = 0; r < R; ++r) {
       const float* xb = x + r * in + b * kBlock;
-#pragma omp simd
-      for (int k = 0; k < kBlock; ++k) acc[r][k] += xb[k] * wb[k];
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int k = 0; k < kBlock; ++k) s += xb[k] * wb[k];
+      acc[r] += s;
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float s = 0.f;
-    for (int k = 0; k < kBlock; ++k) s += acc[r][k];
-    sums[r] = s;
-  }
+  for (int r = 0; r < R; ++r) sums[r] = acc[r] + mins[r];
+  (void)xsums;
 #endif
 }
 
 // Output rows are split among threads in chunks; every chunk multiplies all input rows.
 template <typename T>
 void linear_impl(const QWeight& w, const float* x, int64_t rows, T* out) {
-  const int64_t out_features = w.out_features, in = w.in_features;
+  const int64_t out_features = w.out_features, in = w.in_features, nb = w.blocks();
+  std::vector<float> xsums(rows * nb, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int k = 0; k < kBlock; ++k) xsums[r * nb + b] += x[r * in + b * kBlock + k];
+  const float* xs = xsums.data();
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < out_features; ++n) {
     float sums[kRowTile];
     int64_t r = 0;
     for (; r + kRowTile <= rows; r += kRowTile) {
-      dot_rows<kRowTile>(w, x + r * in, n, sums);
+      dot_rows<kRowTile>(w, x + r * in, xs + r * nb, n, sums);
       for (int i = 0; i < kRowTile; ++i) out[(r + i) * out_features + n] = lmprog::from_f32<T>(sums[i]);
     }
     for (; r < rows; ++r) {
-      dot_rows<1>(w, x + r * in, n, sums);
+      dot_rows<1>(w, x + r * in, xs + r * nb, n, sums);
       out[r * out_features + n] = lmprog::from_f32<T>(sums[0]);
     }
   }
