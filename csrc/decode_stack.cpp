@@ -11,6 +11,7 @@
 // (prefills, cascade attention over shared prefixes, Q/K norms).
 #include <torch/extension.h>
 
+#include <cstring>
 #include <vector>
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -55,6 +56,28 @@ struct Linear {
     return bias.defined() ? out + bias : out;
   }
 };
+
+// buf[slots[t]] = rows[t] for every token t: a row copy each (what `buf[slots] = rows`
+// does in torch, without advanced indexing's set-up cost for a handful of rows).
+void store_rows(const torch::Tensor& buf, const torch::Tensor& rows, const torch::Tensor& slots) {
+  const int64_t tokens = rows.size(0), row = buf.stride(0);
+  const bool plain = rows.scalar_type() == buf.scalar_type() && buf.is_contiguous() &&
+                     rows.stride(2) == 1 && rows.stride(1) == rows.size(2) &&
+                     rows.size(1) * rows.size(2) == row && slots.scalar_type() == torch::kInt64 &&
+                     slots.is_contiguous();
+  if (!plain) {
+    buf.index_put_({slots}, rows);
+    return;
+  }
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t bytes = row * buf.element_size();
+  auto* dst = static_cast<char*>(buf.data_ptr());
+  const auto* src = static_cast<const char*>(rows.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < buf.size(0), "KV slot ", slot[t], " out of range");
+    std::memcpy(dst + slot[t] * bytes, src + t * rows.stride(0) * buf.element_size(), bytes);
+  }
+}
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
@@ -104,8 +127,8 @@ class DecodeStack {
       auto k = parts[1].view({tokens, num_kv_heads_, head_dim_});
       auto v = parts[2].view({tokens, num_kv_heads_, head_dim_});
       rope_(q, k, positions, cos_, sin_);
-      layer.k_buf.index_put_({out_cache_loc}, k);
-      layer.v_buf.index_put_({out_cache_loc}, v);
+      store_rows(layer.k_buf, k, out_cache_loc);
+      store_rows(layer.v_buf, v, out_cache_loc);
       auto attn = decode_attention(q.contiguous(), layer.k_buf, layer.v_buf, req_to_token, req_rows,
                                    seq_lens, key_starts, order, scale_, sliding_window_)[0];
       auto attn_out = layer.o(attn.view({tokens, q_size}));
