@@ -28,11 +28,12 @@ class RuntimeConfig:
 
     model_path: str | None = None
     device: str = "cpu"
-    # "auto": on CUDA the checkpoint's dtype; on a CPU bfloat16 where it computes in
-    # bfloat16 natively (AMX or AVX512-BF16) and the checkpoint is 16-bit, else float32.
+    # "auto": on CUDA bfloat16 (float16 on GPUs without it), whatever the checkpoint holds;
+    # on a CPU bfloat16 where it computes in bfloat16 natively (AMX or AVX512-BF16) and the
+    # checkpoint is 16-bit, else float32.
     dtype: str = "auto"
-    # Weight-only quantization of the linear layers (CPU): None, "int8" (per output
-    # channel) or "int4" (groups of 32 with a scale and an offset, the Q4_1 layout).
+    # Weight-only quantization of the linear layers (CPU): None, "int8" (llama.cpp's Q8_0
+    # blocks) or "int4" (Q4_1 blocks); the LM head is Q8_0 with either.
     quantization: str | None = None
     # "auto": Triton kernels on CUDA; the native C++ kernels for float32 on CPU (torch if
     # they cannot be built); the torch reference elsewhere.
@@ -57,6 +58,9 @@ class RuntimeConfig:
     # Running requests decode in the same forward as the prompts being admitted (one
     # forward per step instead of an extend step that makes every decode wait).
     disable_mixed_batches: bool = False
+    # On CUDA, decode steps replay CUDA graphs captured at startup for padded batch sizes
+    # (with an attention backend that supports it; see `cuda_graph.py`).
+    disable_cuda_graph: bool = False
     # A regex / JSON schema that takes longer than this to compile is refused.
     grammar_compile_timeout_s: float = 60.0
     # Scales the share of future output tokens reserved at admission: 0 admits as much as
@@ -68,6 +72,10 @@ class RuntimeConfig:
     random_seed: int = 0
     # Threads for torch's CPU ops; None leaves torch's default.
     num_threads: int | None = None
+    # Overlap scheduling: the loop checks a step's tokens (stop strings, detokenizing,
+    # streaming, finishing) while the next step's forward runs. None: on CUDA only (on a
+    # CPU the forward and the loop share the cores, so overlapping gains nothing).
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -120,6 +128,18 @@ class RuntimeConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
+            raise TypeError(
+                f"overlap_schedule must be True, False or None, got {self.overlap_schedule!r}"
+            )
+
+    @property
+    def is_overlapped(self) -> bool:
+        """Whether the engine loop overlaps its work with the forwards (`overlap_schedule`;
+        None: on CUDA)."""
+        if self.overlap_schedule is None:
+            return self.device.startswith("cuda")
+        return self.overlap_schedule
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

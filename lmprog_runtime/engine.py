@@ -32,6 +32,7 @@ from lmprog_runtime.kvcache.radix_view import RadixTreeView
 from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.model_runner import ModelRunner
 from lmprog_runtime.models.registry import local_model_dir, resolve_model_path
+from lmprog_runtime.overlap import ForwardWorker, InFlight
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, Scheduler
@@ -90,6 +91,10 @@ class Engine(EngineLoop):
         self.scheduler = Scheduler(
             self.config, runner.allocator, runner.req_to_token, req_cache, self._stats
         )
+        # Overlap scheduling (overlap.py): the forward of a step runs on the worker while the
+        # loop checks the previous step; the launched forward waits in `_in_flight`.
+        self._worker = ForwardWorker(runner) if self.config.is_overlapped else None
+        self._in_flight: InFlight | None = None
         self._commands: list[tuple[str, tuple, threading.Event, list[Any]]] = []
         self._grammars: Any = None  # GrammarCache, built on the first constrained request
         self._grammar_lock = threading.Lock()
@@ -247,6 +252,7 @@ class Engine(EngineLoop):
                 top_logprobs_num=item.top_logprobs_num,
                 stream=stream,
                 seed=seed,
+                device=self.runner.device,
                 matcher=item.grammar.new_matcher() if item.grammar is not None else None,
                 grammar_eos=self._grammar_eos,
                 grammar=item.grammar,
@@ -305,6 +311,7 @@ class Engine(EngineLoop):
         self._stats.add("jump_forward_tokens", added)
         if not at_start:
             self.scheduler.jump_forward(req)  # extend the forced tokens next
+            self._leave_in_flight(req)
 
     def stats(self) -> dict[str, float]:
         """Counters since start or the last `reset_stats()` (see DESIGN.md for the keys)."""
@@ -383,6 +390,9 @@ class Engine(EngineLoop):
             self._cv.notify_all()
         self._thread.join()
         error = RuntimeError("the engine was shut down before this request finished")
+        self._abandon_in_flight(error)
+        if self._worker is not None:
+            self._worker.close()
         for req in self._inbox + self.scheduler.abort_all():
             self._finish(req, error)
         self._inbox.clear()

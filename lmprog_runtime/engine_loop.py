@@ -1,5 +1,6 @@
 """The engine's loop thread: each step it takes what callers handed in, schedules, runs one
-forward, samples, and finishes requests the moment they stop.
+forward, samples, and finishes requests the moment they stop (with overlap scheduling, the
+checks of one step run while the next step's forward does: see `overlap.py`).
 
 `EngineLoop` holds the loop-side methods of `Engine` (the caller side, validation and the
 public API live in `engine.py`). Only the loop thread runs them: it alone owns the
@@ -23,6 +24,7 @@ import torch
 
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache.radix_view import snapshot
+from lmprog_runtime.overlap import OverlapLoop
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling import record_prompt_logprobs, sample
 from lmprog_runtime.scheduler import ScheduledBatch
@@ -35,15 +37,31 @@ logger = logging.getLogger("lmprog_runtime.engine")
 MAX_SCHEDULE_FAILURES = 3
 
 
-class EngineLoop:
+class EngineLoop(OverlapLoop):
     """The loop-side half of `Engine` (a mixin: `Engine` sets every attribute used here)."""
 
     def _is_idle(self) -> bool:
         """Nothing to do until a caller submits or commands (call with `_cv` held)."""
-        return not (self._inbox or self._commands or self.scheduler.has_work)
+        has_work = self.scheduler.has_work or self._in_flight is not None
+        return not (self._inbox or self._commands or has_work)
 
     def _run_once(self) -> None:
         """Take what callers handed in, then schedule and run one step (call without `_cv`)."""
+        if self._worker is not None:
+            self._run_once_overlapped()
+            return
+        self._take_inputs()
+        batch = self._schedule()
+        if batch is None:
+            return
+        try:
+            self._step(batch)
+        except Exception as error:  # one bad step must not take the loop down
+            logger.exception("engine step failed")
+            self._fail_step(batch, error)
+
+    def _take_inputs(self) -> None:
+        """Admit what callers submitted, run their commands, cancel what they aborted."""
         with self._cv:
             new, self._inbox = self._inbox, []
             commands, self._commands = self._commands, []
@@ -60,24 +78,23 @@ class EngineLoop:
                 result.append(error)
             done.set()
         self._cancel(aborts)
+
+    def _schedule(self) -> ScheduledBatch | None:
+        """The next batch to run; None if nothing can run now."""
         batch = None
         try:
             batch = self.scheduler.next_batch()
         except Exception as error:  # a bug in scheduling: fail what it held, never spin
             logger.exception("scheduling failed")
             self._recover_schedule(error)
-            return
+            return None
         finally:
             self._fail_refused()
         if batch is None:
             self._fail_unschedulable()
-            return
+            return None
         self._schedule_failures = 0
-        try:
-            self._step(batch)
-        except Exception as error:  # one bad step must not take the loop down
-            logger.exception("engine step failed")
-            self._fail_step(batch, error)
+        return batch
 
     def _cancel(self, aborts: list[tuple[int, BaseException]]) -> None:
         """Finish aborted requests and those past their deadline, between steps: their
@@ -102,6 +119,7 @@ class EngineLoop:
 
     def _fail_all(self, error: Exception) -> None:
         """Fail every request the loop holds (its last resort: no caller waits forever)."""
+        self._abandon_in_flight(error)
         for req in list(self._live.values()):
             self._finish(req, error)
         self._deadlines = []
@@ -171,21 +189,39 @@ class EngineLoop:
             if not batch.reqs:
                 return
         forward_seconds = time.perf_counter() - start
+        self._check(self._commit(batch, logits, rows))
+        self._record_step(batch, forward_seconds, start)
+
+    def _commit(
+        self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[list[int]]
+    ) -> list[Req]:
+        """After the forward: its K/V go to the requests, those whose prompt is done draw
+        their next token and append it (checked by `_check`), and prefill-only requests
+        finish. Returns the requests that got a token."""
         ready = self.scheduler.on_forward_done(batch)
         batch.kv_committed = True
         row_of = {id(req): req_rows for req, req_rows in zip(batch.reqs, rows)}
         if batch.mode is ForwardMode.EXTEND:
             self._record_prompt_logprobs(ready, logits, row_of)
         ready = [r for r in ready if not r.done.is_set()]
-        to_sample = [r for r in ready if r.max_new_tokens > len(r.output_ids)]
-        if to_sample:
-            self._sample(to_sample, logits, row_of)
         for req in ready:
-            if req.done.is_set():
+            if req.max_new_tokens == 0:
+                req.finish_prefill_only()
+                self._finish(req)
+        to_sample = [r for r in ready if r.max_new_tokens > len(r.output_ids)]
+        return self._sample(to_sample, logits, row_of) if to_sample else []
+
+    def _check(self, reqs: list[Req]) -> None:
+        """Check each request's new token: it finishes the request (slots freed, caller
+        told), or a constrained request jumps forward, or a streamed one gets its chunk. A
+        request whose check raises fails alone."""
+        for req in reqs:
+            if req.done.is_set():  # aborted since its token was drawn (overlap scheduling)
                 continue
             try:
-                if req.max_new_tokens == 0:
-                    req.finish_prefill_only()
+                req.check_last_token()
+                if req.char_fsm is not None and not req.is_finished:
+                    self._jump_forward(req)
                 if req.is_finished:
                     self._finish(req)
                 elif req.is_streamed:
@@ -195,6 +231,8 @@ class EngineLoop:
             except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
                 logger.exception("request %d failed after its step", req.rid)
                 self._finish(req, error)
+
+    def _record_step(self, batch: ScheduledBatch, forward_seconds: float, start: float) -> None:
         self._stats.record_step(
             batch,
             num_running=len(self.scheduler.running),
@@ -227,23 +265,22 @@ class EngineLoop:
             rows.append([num_rows + r for r in req_rows])
             num_rows += logits.shape[0]
         batch.narrow(kept)
-        return (torch.cat(parts) if parts else torch.empty(0)), rows
+        return (torch.cat(parts) if parts else torch.empty(0, device=self.runner.device)), rows
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]) -> None:
-        """Sample each request's next token and append it; a request whose sampling or
-        append raises fails alone."""
+    def _sample(
+        self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
+    ) -> list[Req]:
+        """Draw each request's next token and append it, unchecked; a request whose
+        sampling raises fails alone. Returns the requests that got a token."""
+        appended = []
         for req, token, logprob in self._draw(reqs, logits, row_of):
-            try:
-                if logprob is not None:
-                    req.output_token_logprobs.append((logprob[0], token))
-                    if req.top_logprobs_num:
-                        req.output_top_logprobs.append(logprob[1])
-                req.append_token(token)
-                if req.char_fsm is not None and not req.is_finished:
-                    self._jump_forward(req)
-            except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
-                logger.exception("request %d failed after sampling", req.rid)
-                self._finish(req, error)
+            if logprob is not None:
+                req.output_token_logprobs.append((logprob[0], token))
+                if req.top_logprobs_num:
+                    req.output_top_logprobs.append(logprob[1])
+            req.output_ids.append(token)
+            appended.append(req)
+        return appended
 
     def _draw(
         self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
@@ -273,7 +310,7 @@ class EngineLoop:
         if self.fault_hook is not None:
             for req in reqs:
                 self.fault_hook("sample", req)
-        last = torch.tensor([row_of[id(r)][-1] for r in reqs])
+        last = torch.tensor([row_of[id(r)][-1] for r in reqs], device=logits.device)
         out = sample(logits.index_select(0, last), reqs)
         return list(zip(reqs, out.token_ids, out.logprobs))
 
@@ -300,6 +337,7 @@ class EngineLoop:
             req.abort(error)
         try:
             self.scheduler.release(req, insert=error is None or keep_prefix)
+            self._leave_in_flight(req)  # (overlap) its slots are free before its caller wakes
             req.finalize_text()
         except Exception as release_error:  # noqa: BLE001
             logger.exception("finishing request %d failed", req.rid)

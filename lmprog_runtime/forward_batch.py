@@ -3,6 +3,8 @@
 Tokens of all requests are concatenated (no padding) in request order. For request b the
 new tokens sit at positions `prefix_lens[b] .. seq_lens[b] - 1`; its keys and values for
 positions `0 .. seq_lens[b] - 1` are found through `req_to_token[req_pool_indices[b]]`.
+Tensors live on the model's device; the `list[int]` fields are host copies of the same
+lengths, for backends that plan on the host.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     # An extend's last `num_decodes` requests are running ones decoding one token each.
     num_decodes: int = 0
+    # [batch] int64 on the model's device: `seq_lens` for kernels, sent with the other
+    # inputs (a backend needs no copy of its own).
+    seq_lens_device: torch.Tensor | None = None
+    # A CUDA-graph batch (`cuda_graph.py`): the tensors are the graph's static buffers, and
+    # launch shapes may depend on the batch size only, never on lengths read on the host.
+    # Backends without `supports_cuda_graph` are never captured, and ignore it.
+    is_cuda_graph: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -60,6 +69,9 @@ class ForwardBatch:
                 seq_lens=self.seq_lens[reqs],
                 prefix_lens=self.prefix_lens[reqs],
                 logits_indices=self.logits_indices[:0],  # not used by attention
+                seq_lens_device=(
+                    self.seq_lens_device[reqs] if self.seq_lens_device is not None else None
+                ),
             )
 
         return (

@@ -2,6 +2,11 @@
 
 Turns a `ScheduledBatch` (requests + their new KV slots) into the flat tensors of a
 `ForwardBatch`, runs the model, and returns the logits rows the engine asked for.
+
+`prepare` is where host bookkeeping meets the device, once per forward: the batch's layout
+is built as Python lists and sent as one int64 tensor (one host-to-device copy), and the
+request table's host writes are synced (`ReqToTokenPool.sync`). `run` reads only those
+tensors; on CUDA it replays a captured graph for decode steps (`cuda_graph.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 
 from lmprog_runtime.attention import create_attention_backend
 from lmprog_runtime.config import RuntimeConfig
+from lmprog_runtime.cuda_graph import DecodeGraphRunner
 from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool, TokenSlotAllocator
 from lmprog_runtime.models import load_model
@@ -44,6 +50,10 @@ class ModelRunner:
             from lmprog_runtime.models.ops import NativeOps
 
             self.model.ops = NativeOps()
+        elif self.attention_backend == "triton" and self.device.type == "cuda":
+            from lmprog_runtime.models.triton_ops import TritonOps
+
+            self.model.ops = TritonOps()
         self.context_len = config.context_len or self.model_config.context_len
         if self.context_len > self.model_config.context_len:
             raise ValueError(
@@ -68,17 +78,29 @@ class ModelRunner:
         self.attention = create_attention_backend(
             self.attention_backend, self.model.attention_layout(), self.kv_pool, self.req_to_token
         )
+        self.graphs: DecodeGraphRunner | None = None
+        if (
+            self.device.type == "cuda"
+            and not config.disable_cuda_graph
+            and self.attention.supports_cuda_graph
+        ):
+            self.graphs = DecodeGraphRunner(self, capture=True)
 
     def _dtype(self, model_path: str) -> torch.dtype:
         if self.config.dtype != "auto":
             return read_torch_dtype(self.config.dtype)
         raw = json.loads((Path(model_path) / "config.json").read_text())
         name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
-        if self.config.device == "cpu":
+        device_type = torch.device(self.config.device).type
+        if device_type == "cpu":
             # 16-bit weights compute in bfloat16 where the CPU does so natively; float32
             # checkpoints (the built-in test models) stay float32.
             is_16_bit = name in ("bfloat16", "float16")
             return torch.bfloat16 if is_16_bit and cpu_has_native_bf16() else torch.float32
+        if device_type == "cuda":
+            # Serving precision on GPUs, float32 checkpoints included (half the memory
+            # traffic of decode, tensor cores); dtype="float32" keeps full precision.
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32 if name == "float32" else read_torch_dtype(name)
 
     def _num_kv_slots(self, dtype: torch.dtype) -> int:
@@ -92,15 +114,25 @@ class ModelRunner:
         budget = int(_available_host_memory() * self.config.mem_fraction) // per_token
         return max(16, min(budget, DEFAULT_CPU_MAX_TOTAL_TOKENS))
 
-    @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[list[int]]]:
-        """Run one forward. Returns logits [num_rows, vocab] (float32) and, per request, the
-        logits rows that belong to it (the last one is the next-token distribution)."""
-        fb, rows = self._build(batch)
-        self.attention.init_forward_metadata(fb)
-        return self.model(fb, self.attention), rows
+        """Run one forward. Returns logits [num_rows, vocab] (float32, on the model's device)
+        and, per request, the logits rows that belong to it (the last one is the next-token
+        distribution)."""
+        fb, rows = self.prepare(batch)
+        return self.run(fb), rows
 
-    def _build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[list[int]]]:
+    @torch.inference_mode()
+    def run(self, fb: ForwardBatch) -> torch.Tensor:
+        """`forward` on prepared inputs: logits [num_rows, vocab] (float32). Reads tensors
+        only, never a request: the overlap loop runs it on its forward worker."""
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.run(fb)
+        self.attention.init_forward_metadata(fb)
+        return self.model(fb, self.attention)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[list[int]]]:
+        """`forward`'s inputs, read from the requests now (on the thread that owns them),
+        and each request's logits rows."""
         ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -120,18 +152,25 @@ class ModelRunner:
             mine = list(range(len(logits_rows), len(logits_rows) + end - first))
             logits_rows.extend(range(start_row + first - prefix, start_row + end - prefix))
             rows_per_req.append(mine)
-        device = self.device
         req_rows = [req.req_pool_idx for req in batch.reqs]
+        # [ids; positions; table rows; seq_lens; logits rows; KV slots]: one int64 tensor,
+        # one copy to the device, split into views there.
+        fields = (ids, positions, req_rows, seq_lens, logits_rows)
+        flat = torch.tensor([v for field in fields for v in field], dtype=torch.int64, device="cpu")
+        sizes = [len(field) for field in fields] + [batch.out_cache_loc.numel()]
+        on_device = torch.cat([flat, batch.out_cache_loc]).to(self.device).split(sizes)
+        self.req_to_token.sync()
         fb = ForwardBatch(
             mode=batch.mode,
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            out_cache_loc=batch.out_cache_loc.to(device),
-            req_pool_indices=torch.tensor(req_rows, dtype=torch.int64, device=device),
+            input_ids=on_device[0],
+            positions=on_device[1],
+            out_cache_loc=on_device[5],
+            req_pool_indices=on_device[2],
             seq_lens=seq_lens,
             prefix_lens=list(batch.prefix_lens),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+            logits_indices=on_device[4],
             num_decodes=batch.num_decodes,
+            seq_lens_device=on_device[3],
         )
         return fb, rows_per_req
 

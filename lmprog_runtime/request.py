@@ -41,6 +41,7 @@ class Req:
         top_logprobs_num: int = 0,
         stream: bool = False,
         seed: int = 0,
+        device: torch.device | str = "cpu",
         matcher: Any = None,
         grammar_eos: int | None = None,
         grammar: Any = None,
@@ -59,7 +60,8 @@ class Req:
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len if return_logprob else -1
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
-        self.generator = torch.Generator().manual_seed(
+        # On the model's device: the sampler draws this request's tokens there.
+        self.generator = torch.Generator(device=device).manual_seed(
             params.seed if params.seed is not None else seed
         )
         self.matcher = matcher  # constrained decoding: which tokens may come next
@@ -152,6 +154,13 @@ class Req:
     def append_token(self, token_id: int) -> None:
         """Record a sampled token and decide whether the request is finished."""
         self.output_ids.append(token_id)
+        self.check_last_token()
+
+    def check_last_token(self) -> None:
+        """Decide whether the last output token finishes the request (`append_token`'s
+        second half: the overlap loop appends a token before it launches the next forward
+        and checks it while that forward runs)."""
+        token_id = self.output_ids[-1]
         if self.matcher is not None:
             if token_id == self.grammar_eos:  # only allowed where the pattern is complete
                 self.finished_reason = {"type": "stop", "matched": token_id}

@@ -8,6 +8,14 @@ what the previous one kept (as transformers' warpers do), followed by a draw fro
 request's own seeded generator, so a request samples the same tokens whatever else shares
 its batch. Logprobs are reported from the model's raw distribution (log-softmax of the
 unprocessed logits).
+
+Everything runs on the logits' device: per-request parameters (one tensor), output ids for
+penalties and grammar bitmasks are built on the host and copied there. The draw
+depends on that device: on the CPU it reproduces `torch.multinomial` with the request's CPU
+generator (tokens identical to the multinomial reference); on an accelerator each request's
+generator lives on that device (`Req.generator`) and the row is drawn there as an
+exponential race, so a seed reproduces its tokens on the same kind of device, whatever
+shares the batch, but not the CPU's tokens (the logits differ there anyway).
 """
 
 from __future__ import annotations
@@ -31,13 +39,13 @@ class SampleOutput(NamedTuple):
 
 
 def sample(logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
-    """logits: [batch, vocab] float32, row i belongs to reqs[i]."""
+    """logits: [batch, vocab] float32 (any device), row i belongs to reqs[i]."""
     raw = logits
     logits = _apply_penalties_and_masks(logits, reqs)
     token_ids = logits.argmax(dim=-1)  # [batch]
     sampled_rows = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
     if sampled_rows:
-        rows = torch.tensor(sampled_rows, dtype=torch.int64)
+        rows = torch.tensor(sampled_rows, dtype=torch.int64, device=logits.device)
         sampled = [reqs[i] for i in sampled_rows]
         probs = _filtered_probs(logits.index_select(0, rows), sampled)
         token_ids[rows] = draw(probs, [r.generator for r in sampled], [r.rid for r in sampled])
@@ -56,7 +64,10 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator], rids: list[int]
     at a time), into a row-sized buffer that stays in cache; the race itself runs only over
     the tokens top-k / top-p left, and the checks are done once for the batch. Where a
     torch build draws differently (checked once, against multinomial itself), each row
-    falls back to multinomial."""
+    falls back to multinomial.
+
+    On an accelerator the generators must live on `probs`' device: each row's race draws
+    its exponentials there (see the module docstring)."""
     finite = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1)
     valid = finite & (probs.sum(dim=-1) > 0)
     if not bool(valid.all()):
@@ -65,6 +76,8 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator], rids: list[int]
             f"request {rid}: its sampling distribution has no finite, positive mass "
             "(non-finite logits, or every token masked)"
         )
+    if probs.device.type != "cpu":
+        return _device_race(probs, generators)
     if not _race_matches_multinomial():
         return torch.stack(
             [torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, generators)]
@@ -72,9 +85,24 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator], rids: list[int]
     return _exponential_race(probs, generators)
 
 
+def _device_race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """argmax(p / q) per row, q ~ Exp(1) drawn on `probs`' device with the row's generator."""
+    for generator in generators:
+        if generator.device.type != probs.device.type:
+            raise ValueError(
+                f"a {generator.device} generator cannot draw for {probs.device} logits"
+            )
+    noise = torch.empty_like(probs)  # [n, vocab]
+    for row, generator in zip(noise, generators):
+        row.exponential_(generator=generator)
+    # An exponential of exactly 0 would turn a zero-probability token into 0 / 0 = nan.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
 def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     vocab = probs.shape[-1]
-    uniform = torch.empty(vocab, dtype=torch.float64)  # [vocab], reused per row
+    uniform = torch.empty(vocab, dtype=torch.float64, device="cpu")  # [vocab], reused per row
     counts = (probs > 0).sum(dim=-1).tolist()
     winners = []
     for row, generator, count in zip(probs, generators, counts):
@@ -92,15 +120,20 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator]) ->
 
 @functools.cache
 def _race_matches_multinomial() -> bool:
-    probs = torch.softmax(torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)), -1)
-    raced_with = [torch.Generator().manual_seed(s) for s in range(4)]
-    drawn_with = [torch.Generator().manual_seed(s) for s in range(4)]
+    noise = torch.randn(4, 1000, generator=_cpu_generator(0), device="cpu")
+    probs = torch.softmax(noise, -1)
+    raced_with = [_cpu_generator(s) for s in range(4)]
+    drawn_with = [_cpu_generator(s) for s in range(4)]
     raced = _exponential_race(probs, raced_with).tolist()
     drawn = [int(torch.multinomial(p, 1, generator=g)[0]) for p, g in zip(probs, drawn_with)]
     same_states = all(
         torch.equal(a.get_state(), b.get_state()) for a, b in zip(raced_with, drawn_with)
     )
     return raced == drawn and same_states
+
+
+def _cpu_generator(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
 
 
 def token_logprobs(
@@ -111,8 +144,10 @@ def token_logprobs(
     rows = [i for i, r in enumerate(reqs) if r.return_logprob]
     if not rows:
         return out
+    device = logits.device
     logprobs = torch.log_softmax(logits[rows], dim=-1)
-    chosen = logprobs[torch.arange(len(rows)), torch.tensor([ids[i] for i in rows])].tolist()
+    picked = torch.tensor([ids[i] for i in rows], dtype=torch.int64, device=device)
+    chosen = logprobs[torch.arange(len(rows), device=device), picked].tolist()
     for j, i in enumerate(rows):
         out[i] = (chosen[j], top_logprobs(logprobs[j], reqs[i].top_logprobs_num))
     return out
@@ -133,7 +168,8 @@ def _apply_penalties_and_masks(logits: torch.Tensor, reqs: list[Req]) -> torch.T
         if params.has_penalties and req.output_ids:
             if not cloned:
                 logits, cloned = logits.clone(), True
-            counts = torch.bincount(torch.tensor(req.output_ids), minlength=vocab)[:vocab]
+            output_ids = torch.tensor(req.output_ids, dtype=torch.int64, device=logits.device)
+            counts = torch.bincount(output_ids, minlength=vocab)[:vocab]
             counts = counts.to(logits.dtype)
             logits[i] -= params.frequency_penalty * counts
             logits[i] -= params.presence_penalty * (counts > 0).to(logits.dtype)
@@ -149,8 +185,8 @@ def _apply_penalties_and_masks(logits: torch.Tensor, reqs: list[Req]) -> torch.T
     if constrained:
         if not cloned:
             logits = logits.clone()
-        rows = torch.tensor(constrained)
-        allowed = allowed_masks([reqs[i].matcher for i in constrained], vocab)
+        rows = torch.tensor(constrained, dtype=torch.int64, device=logits.device)
+        allowed = allowed_masks([reqs[i].matcher for i in constrained], vocab, logits.device)
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return logits
 
@@ -159,31 +195,50 @@ def _filtered_probs(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     """Temperature, then top-k, then top-p, then min-p; each filter sees what the previous
     one kept, renormalised (transformers' and vLLM's order). Returns unnormalised probs
     [n, vocab]."""
-    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
+    vocab = logits.shape[-1]
+    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs]
+    # [4, n] on the host: temperature, top-k, top-p and min-p; decisions are taken here, on
+    # the float32 values the device gets (one copy), so the device is never read back.
+    host = torch.tensor(
+        [
+            [r.params.temperature for r in reqs],
+            top_k,
+            [r.params.top_p for r in reqs],
+            [r.params.min_p for r in reqs],
+        ],
+        dtype=torch.float64,
+        device="cpu",
+    ).to(logits.dtype)
+    params = host.to(logits.device)
+    temps, top_p, min_p = params[0], params[2], params[3]
     probs = torch.softmax(logits / temps[:, None], dim=-1)
-    vocab = probs.shape[-1]
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs])
-    top_p = torch.tensor([r.params.top_p for r in reqs], dtype=probs.dtype)
-    rows = ((top_k < vocab) | (top_p < 1.0)).nonzero().flatten()
-    if len(rows):
-        probs[rows] = _top_k_top_p(probs[rows], top_k[rows], top_p[rows])
-    min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype)
-    if bool((min_p > 0).any()):
+    filtered = ((host[1] < vocab) | (host[2] < 1.0)).nonzero().flatten().tolist()
+    if filtered:
+        rows = torch.tensor(filtered, dtype=torch.int64, device=logits.device)
+        k = params[1].to(torch.int64)[rows]
+        max_k = max((top_k[i] for i in filtered if top_k[i] < vocab), default=0)
+        probs[rows] = _top_k_top_p(probs[rows], k, top_p[rows], max_top_k=max_k)
+    if bool((host[3] > 0).any()):
         # Relative to the most likely token, so unaffected by the renormalisation above.
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
 
 
-def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_k_top_p(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int | None = None
+) -> torch.Tensor:
     """Keep each row's `top_k` most likely tokens, then the smallest prefix of those whose
     share of their mass reaches `top_p` (the first is always kept). probs: [n, vocab].
 
     Only the leading FILTER_WINDOW tokens (or top_k, if larger) are sorted; a row whose
-    top-p cut lies beyond them (a very flat distribution) is sorted in full."""
+    top-p cut lies beyond them (a very flat distribution) is sorted in full. `max_top_k`,
+    the largest top_k below the vocabulary (0 if none), saves reading it from `top_k`."""
     vocab = probs.shape[-1]
-    limited = top_k[top_k < vocab]
-    width = min(vocab, max(FILTER_WINDOW, int(limited.max()) if len(limited) else 0))
+    if max_top_k is None:
+        limited = top_k[top_k < vocab]
+        max_top_k = int(limited.max()) if len(limited) else 0
+    width = min(vocab, max(FILTER_WINDOW, max_top_k))
     values, index = probs.topk(width, dim=-1)  # [n, width], descending
     total = probs.sum(dim=-1)
     kept, is_cut = _cut_sorted(values, top_k, top_p, total, vocab)
@@ -202,7 +257,7 @@ def _cut_sorted(
     """Top-k, then top-p, on rows sorted in descending order (the leading part of each row
     when `values` is narrower than the vocabulary; `total` is each full row's mass).
     Returns the kept values and, per row, whether top-p cut inside `values`."""
-    ranks = torch.arange(values.shape[-1])[None, :]
+    ranks = torch.arange(values.shape[-1], device=values.device)[None, :]
     values = values.masked_fill(ranks >= top_k[:, None], 0.0)
     # The mass top-p shares out: the top-k tokens' (inside `values`), or the whole row's.
     kept_mass = torch.where(top_k < vocab, values.sum(dim=-1), total)
@@ -227,9 +282,11 @@ def record_prompt_logprobs(
             req.input_top_logprobs.append(None)
         if not targets:
             continue
-        rows_t = torch.tensor(req_rows[:-1])
+        device = logits.device
+        rows_t = torch.tensor(req_rows[:-1], dtype=torch.int64, device=device)
         scored = torch.log_softmax(logits.index_select(0, rows_t), dim=-1)
-        chosen = scored.gather(1, torch.tensor(targets)[:, None]).squeeze(1).tolist()
+        targets_t = torch.tensor(targets, dtype=torch.int64, device=device)
+        chosen = scored.gather(1, targets_t[:, None]).squeeze(1).tolist()
         for j, token in enumerate(targets):
             req.input_token_logprobs.append((chosen[j], token))
             if req.top_logprobs_num:

@@ -8,7 +8,7 @@ admits request groups atomically, splits long prompts into chunks that run besid
 decodes, and reserves an (optimistic) share of each request's future output. When the pool
 runs dry it evicts unlocked cache leaves first, then retracts running requests (their
 computed tokens go to the cache, they requeue, and resume exactly where they were). The
-scheduler never touches the model's tensors.
+scheduler never touches the model's tensors: slots and table rows are host tensors.
 """
 
 from __future__ import annotations
@@ -44,31 +44,32 @@ class ScheduledBatch:
     kv_committed: bool = False  # set once the forward's K/V are accounted to the requests
     num_decodes: int = 0  # an extend's last requests: running ones decoding one token
 
-    def _starts(self) -> list[int]:
-        """Offset of each request's slots in `out_cache_loc`."""
-        starts = [0]
-        for n in self.extend_lens[:-1]:
-            starts.append(starts[-1] + n)
-        return starts
-
-    def _is_decode(self, i: int) -> bool:
+    def is_decode(self, i: int) -> bool:
+        """Request i decodes one token (in a decode batch, or at the end of a mixed one)."""
         return self.mode is ForwardMode.DECODE or i >= len(self.reqs) - self.num_decodes
+
+    def slots_per_req(self) -> list[torch.Tensor]:
+        """Each request's slots in `out_cache_loc` (views)."""
+        slots, start = [], 0
+        for n in self.extend_lens:
+            slots.append(self.out_cache_loc[start : start + n])
+            start += n
+        return slots
 
     def alone(self, i: int) -> ScheduledBatch:
         """Request i as a batch of its own, on the same slots (to find out which request a
         failing forward belongs to)."""
-        start, n = self._starts()[i], self.extend_lens[i]
-        mode = ForwardMode.DECODE if self._is_decode(i) else ForwardMode.EXTEND
-        slots = self.out_cache_loc[start : start + n]
+        mode = ForwardMode.DECODE if self.is_decode(i) else ForwardMode.EXTEND
+        slots, n = self.slots_per_req()[i], self.extend_lens[i]
         return ScheduledBatch(mode, [self.reqs[i]], slots, [self.prefix_lens[i]], [n])
 
     def narrow(self, keep: list[int]) -> None:
         """Keep only the requests at indices `keep` (ascending), with their slots."""
-        starts = self._starts()
-        pieces = [self.out_cache_loc[starts[i] : starts[i] + self.extend_lens[i]] for i in keep]
+        per_req = self.slots_per_req()
+        pieces = [per_req[i] for i in keep]
         self.out_cache_loc = torch.cat(pieces) if pieces else self.out_cache_loc[:0]
         if self.mode is ForwardMode.EXTEND:
-            self.num_decodes = sum(1 for i in keep if self._is_decode(i))
+            self.num_decodes = sum(1 for i in keep if self.is_decode(i))
         self.reqs = [self.reqs[i] for i in keep]
         self.prefix_lens = [self.prefix_lens[i] for i in keep]
         self.extend_lens = [self.extend_lens[i] for i in keep]
@@ -217,8 +218,9 @@ class Scheduler:
                 budget -= n
                 num_active += 1
                 used += need
-            if budget <= 0:
-                break
+            is_cut = any(m.kv_len + n < len(m.fill_ids) for m, n, _ in plan)
+            if budget <= 0 or is_cut:
+                break  # one prompt at a time is cut into chunks (`chunked_req`)
         if not entries:
             return None
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
@@ -238,10 +240,13 @@ class Scheduler:
         plan = []
         for req in members:
             extend = len(req.fill_ids) - req.kv_len
+            # One request at a time is partly prefilled: not if one already is, or if an
+            # entry planned this step already is (chunked_req is set only at allocation).
             can_chunk = (
                 chunk_size is not None
                 and len(members) == 1
                 and self.chunked_req is None
+                and all(r.kv_len + n >= len(r.fill_ids) for r, n in entries)
                 and (req.logprob_start_len < 0 or req.input_logprobs_done)
             )
             if extend > budget:
@@ -336,17 +341,15 @@ class Scheduler:
     def _decode_positions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per running request: its table row, its next position, and the KV slot of the
         position before (running requests always hold K/V, so there is one)."""
-        table = self.req_to_token.table
-        rows = torch.tensor([r.req_pool_idx for r in self.running], dtype=torch.int64)
-        kv_lens = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64)
-        last = table[rows.to(table.device), (kv_lens - 1).to(table.device)].cpu()
+        rows = torch.tensor([r.req_pool_idx for r in self.running], dtype=torch.int64, device="cpu")
+        kv_lens = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64, device="cpu")
+        last = self.req_to_token.host_table[rows, kv_lens - 1]
         return rows, kv_lens, last
 
     def _write_decode_slots(
         self, rows: torch.Tensor, kv_lens: torch.Tensor, slots: torch.Tensor
     ) -> None:
-        table = self.req_to_token.table
-        table[rows.to(table.device), kv_lens.to(table.device)] = slots.to(table.device)
+        self.req_to_token.write_tokens(rows, kv_lens, slots)
 
     def _pick_victim(self) -> Req | None:
         if self.chunked_req is not None:
@@ -358,8 +361,9 @@ class Scheduler:
 
     def jump_forward(self, req: Req) -> None:
         """`req`'s output grew by forced tokens without K/V: extend it next, then decode."""
-        self.running.remove(req)
-        self.waiting.insert(0, req)
+        if req in self.running:  # (with overlap scheduling it may have been retracted)
+            self.running.remove(req)
+            self.waiting.insert(0, req)
 
     def retract(self, req: Req) -> None:
         """Give `req`'s computed tokens to the cache, free its slots and requeue it."""
@@ -381,7 +385,7 @@ class Scheduler:
     def _last_slot(self, req: Req) -> int | None:
         if req.kv_len == 0:
             return None
-        return int(self.req_to_token.table[req.req_pool_idx, req.kv_len - 1])
+        return int(self.req_to_token.host_table[req.req_pool_idx, req.kv_len - 1])
 
     # ---- after the forward ---------------------------------------------------------------
     def on_forward_done(self, batch: ScheduledBatch) -> list[Req]:
@@ -405,6 +409,13 @@ class Scheduler:
             self.running.append(req)
             done.append(req)
         return done + batch.reqs[num_extends:]
+
+    def free_started_pages(self, slots: torch.Tensor) -> None:
+        """Overlap scheduling: a request left a launched forward (it finished or jumped
+        forward meanwhile), so that forward's `slots` for it are nobody's. Frees the pages
+        they start; a page they continue is the request's own (freed with it, or reused when
+        it extends)."""
+        self.allocator.free(slots[slots % self.allocator.page_size == 0])
 
     def release(self, req: Req, insert: bool = True) -> None:
         """A finished (or failed) request leaves: its KV goes to the cache, the rest is freed."""

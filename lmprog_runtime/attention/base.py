@@ -30,6 +30,11 @@ class AttentionLayout:
 
 
 class BaseAttentionBackend(ABC):
+    # True for a backend that, given a batch with `is_cuda_graph` set, plans its decode from
+    # device tensors only (`seq_lens_device`, `req_pool_indices`) with launch shapes that
+    # depend on the batch size alone: `cuda_graph.DecodeGraphRunner` captures only these.
+    supports_cuda_graph: bool = False
+
     def __init__(self, layout: AttentionLayout, kv_pool: KVPool, req_to_token: ReqToTokenPool):
         if layout.num_heads % layout.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")

@@ -102,10 +102,14 @@ class TorchAttentionBackend(BaseAttentionBackend):
         if len(idx) == batch.batch_size and uniform:
             src = dst = None  # the flat batch already is the padded layout
         else:
+            # Built on the host, then one copy each.
             src = torch.cat(
-                [torch.arange(starts[i], starts[i] + batch.extend_lens[i]) for i in idx]
+                [
+                    torch.arange(starts[i], starts[i] + batch.extend_lens[i], device="cpu")
+                    for i in idx
+                ]
             )
-            dst = torch.cat([torch.arange(n) + j * max_q for j, n in enumerate(ext)])
+            dst = torch.cat([torch.arange(n, device="cpu") + j * max_q for j, n in enumerate(ext)])
             src, dst = src.to(device), dst.to(device)
         fresh = max(prefix) == 0 and (window is None or window >= max_q)
         if fresh:
@@ -118,7 +122,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 )  # [reqs, q, k]
                 mask = _additive(allowed[:, None])
             return _Bucket(len(idx), max_q, max_q, src, dst, None, mask)
-        rows = torch.tensor([batch.req_pool_indices[i] for i in idx], device=device)
+        rows = batch.req_pool_indices[torch.tensor(idx, dtype=torch.int64, device=device)]
         kv_index = self.req_to_token.table[rows, :max_len].reshape(-1)
         key_pos = torch.arange(max_len, device=device)
         q_pos = torch.tensor(prefix, device=device)[:, None] + torch.arange(max_q, device=device)

@@ -5,15 +5,40 @@ indices), so cached prefixes shared through the radix tree are read in place. Ea
 thin wrapper that checks shapes, dtypes and strides before launch. On CPU they run only
 under `TRITON_INTERPRET=1` (that is how the tests run them); on CUDA they compile.
 
+- Decode: one program per (request, KV head, split of the keys) computes all the query
+  heads that share that KV head at once, a `[heads of the group, head_dim]` tile against
+  `[BLOCK_N, head_dim]` key tiles with `tl.dot`, so each key is read once per group, not
+  once per query head. Stage 2 merges the splits by their log-sum-exp.
+- Extend: one program per (request, query head, block of new tokens) walks the cached
+  prefix and then its own new tokens (causal, optionally a sliding window), skipping key
+  blocks no query of the block can see.
+
+Tiles are in the pool's dtype (bfloat16 / float16 operands on tensor cores, float32
+accumulation); a float32 pool multiplies in full float32 ("ieee"), not TF32. Under the
+interpreter (CPU tensors) every product runs in float32: it cannot multiply bfloat16.
+Softmax runs in base 2 (`exp2`), with log2(e) folded into the score scale.
+
 Shapes: q [num_tokens, num_heads, head_dim]; k_buf / v_buf [num_slots, num_kv_heads,
 head_dim]; req_to_token [num_rows, context_len] int64.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Decode splits: each split holds at least this many keys, and a batch gets at most
+# MAX_DECODE_SPLITS (a CUDA graph passes that fixed count; see `decode_attention`).
+MIN_SPLIT_LEN = 256
+MAX_DECODE_SPLITS = 16
+# Stage-1 programs wanted per streaming multiprocessor (a few waves hide the tail).
+PROGRAMS_PER_SM = 2
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -70,13 +95,15 @@ def _extend_kernel(
     stride_bt,
     stride_bh,
     stride_r,
-    scale,
+    qk_scale,  # softmax scale * log2(e)
     window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -92,44 +119,41 @@ def _extend_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < ext_len
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=mask_m[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    q_off = (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    q_mask = mask_m[:, None] & mask_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
     q_pos = prefix + offs_m  # [BLOCK_M] positions of these queries
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Cached prefix first, then the new tokens up to each query (causal): one walk over
-    # positions 0 .. last query, keys read from the pool through the slot table.
-    end = prefix + tl.minimum(ext_len, (pid_m + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    # Keys the block can see: from the window start of its first query to its last query
+    # (causal). One walk over the cached prefix, then the new tokens, read from the pool.
+    lo = tl.where(window > 0, tl.maximum(prefix + pid_m * BLOCK_M - window + 1, 0), 0)
+    hi = prefix + tl.minimum(ext_len, (pid_m + 1) * BLOCK_M)
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
+        mask_n = offs_n < hi
         kv_off, kv_mask = _kv_block(
             req_to_token, row, stride_r, offs_n, mask_n, kv_h, stride_bt, stride_bh, offs_d, mask_d
         )
-        k = tl.load(k_buf + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+        k = tl.load(k_buf + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         allowed = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
         if window > 0:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row may see no key of this block yet (window, padding rows): keep it at zero.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        v = tl.load(v_buf + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        v = tl.load(v_buf + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        o_ptr + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-        out.to(o_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_d[None, :],
-    )
+    o_off = (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
@@ -152,56 +176,64 @@ def _decode_stage1_kernel(
     stride_ps,
     stride_lb,
     stride_lh,
-    scale,
+    qk_scale,  # softmax scale * log2(e)
     window,
+    num_splits,  # not a constexpr: each split count would compile a kernel of its own
     GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kv_h = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
-    kv_h = h // GROUP
+    # This program's query heads: BLOCK_H of the GROUP heads that share KV head kv_h
+    # (rows past the group are padding, masked; tl.dot needs at least 16 rows).
+    local = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = local < GROUP
+    h = kv_h * GROUP + local  # [BLOCK_H]
     seq_len = tl.load(seq_lens + b)
     row = tl.load(req_rows + b)
-    first = 0
-    if window > 0:
-        first = tl.maximum(seq_len - window, 0)
-    span = seq_len - first
-    split_len = (span + NUM_SPLITS - 1) // NUM_SPLITS
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    # Splits are whole blocks of keys, so a short request leaves its last splits empty.
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
     lo = first + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qt + h * stride_qh + offs_d, mask=mask_d, other=0.0).to(
-        tl.float32
-    )
-    m_i = float("-inf")
-    l_i = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
+    hd_mask = mask_h[:, None] & mask_d[None, :]
+    q_off = b * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=hd_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_H, BLOCK_D]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
+        mask_n = offs_n < hi  # every block holds at least one key, so m_new is finite
         kv_off, kv_mask = _kv_block(
             req_to_token, row, stride_r, offs_n, mask_n, kv_h, stride_bt, stride_bh, offs_d, mask_d
         )
-        k = tl.load(k_buf + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[None, :] * k, axis=1) * scale
-        s = tl.where(mask_n, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_buf + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
+        k = tl.load(k_buf + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(v_buf + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    # An empty split reports lse = -inf, so stage 2 gives it weight 0.
-    lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)
-    tl.store(part_o + b * stride_pb + h * stride_ph + split * stride_ps + offs_d, out, mask=mask_d)
-    tl.store(part_lse + b * stride_lb + h * stride_lh + split, lse)
+    # An empty split reports lse = -inf and zeros, so stage 2 gives it weight 0.
+    has_keys = l_i > 0.0
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    p_off = b * stride_pb + h[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
+    tl.store(part_o + p_off, out, mask=hd_mask)
+    tl.store(part_lse + b * stride_lb + h * stride_lh + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -216,24 +248,30 @@ def _decode_stage2_kernel(
     stride_lh,
     stride_ot,
     stride_oh,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # num_splits rounded up to a power of two
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    lse = tl.load(part_lse + b * stride_lb + h * stride_lh + offs_s)
+    lse_off = b * stride_lb + h * stride_lh + offs_s
+    lse = tl.load(part_lse + lse_off, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse, axis=0)
-    w = tl.exp(lse - m)  # splits with lse = -inf weigh 0
+    # A request with no keys at all (a padded row of a fixed-size batch) gets zeros.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # [BLOCK_S]; empty splits weigh 0
     o = tl.load(
         part_o + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=mask_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
         other=0.0,
     )
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
         o_ptr + b * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d
     )
@@ -247,6 +285,57 @@ def _check(t: torch.Tensor, name: str, dim: int, dtype: torch.dtype | None = Non
         raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have a unit stride in its last dimension")
+
+
+def _check_attention(
+    name: str,
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    **per_request: torch.Tensor,
+) -> None:
+    """Checks shared by extend and decode: q and the pool agree, the indices are int64."""
+    _check(q, "q", 3)
+    _check(k_buf, "k_buf", 3)
+    _check(v_buf, "v_buf", 3)
+    _check(req_to_token, "req_to_token", 2, torch.int64)
+    for key, t in per_request.items():
+        _check(t, key, 1, torch.int64)
+    if q.shape[1] % k_buf.shape[1] or k_buf.shape[2] != q.shape[2] or v_buf.shape != k_buf.shape:
+        raise ValueError(f"{name}: head counts or head_dim disagree")
+    if v_buf.stride() != k_buf.stride():
+        raise ValueError(f"{name}: k_buf and v_buf must share strides (one offset reads both)")
+    if q.dtype not in _DTYPES or k_buf.dtype != q.dtype or v_buf.dtype != q.dtype:
+        raise ValueError(f"{name}: q and the pool must share one of {_DTYPES}, got {q.dtype}")
+
+
+class _DotConfig(NamedTuple):
+    """Constexprs for tl.dot: its operand dtype and float32 precision."""
+
+    DOT_DTYPE: tl.dtype
+    PRECISION: str
+
+
+def _dot_config(t: torch.Tensor) -> _DotConfig:
+    # CPU tensors mean the interpreter, whose tl.dot and arithmetic take bfloat16 bit
+    # patterns for numbers (triton-lang/triton#11584): it multiplies in float32 instead.
+    if t.device.type == "cpu" or t.dtype == torch.float32:
+        return _DotConfig(tl.float32, "ieee")  # float32 pools: full precision, not TF32
+    # (input_precision concerns float32 operands only; "tf32" is Triton's default.)
+    return _DotConfig(tl.float16 if t.dtype == torch.float16 else tl.bfloat16, "tf32")
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("out must have q's shape and dtype and a unit last stride")
+    return out
 
 
 def store_kv(
@@ -277,6 +366,14 @@ def store_kv(
     )
 
 
+def extend_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the extend kernel: large 16-bit tiles for tensor cores while a
+    [BLOCK_M, head_dim] q tile and its accumulator fit; float32 tiles are twice the bytes."""
+    if dtype == torch.float32:
+        return (64, 32) if head_dim <= 128 else (32, 32)
+    return (128, 64) if head_dim <= 128 else (64, 64)
+
+
 def extend_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -289,24 +386,34 @@ def extend_attention(
     max_extend: int,
     scale: float,
     window: int = 0,
+    *,
+    out: torch.Tensor | None = None,
+    blocks: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Attention of the new tokens over prefix + themselves (causal). Returns like q."""
-    _check(q, "q", 3)
-    _check(k_buf, "k_buf", 3)
-    _check(req_to_token, "req_to_token", 2, torch.int64)
-    for t, name in (
-        (req_rows, "req_rows"),
-        (prefix_lens, "prefix_lens"),
-        (extend_lens, "extend_lens"),
-        (extend_starts, "extend_starts"),
-    ):
-        _check(t, name, 1, torch.int64)
+    """Attention of the new tokens over prefix + themselves (causal); returns `out` (like q).
+
+    Request b's new tokens are rows `extend_starts[b] ..` of q, at positions
+    `prefix_lens[b] ..`; its keys are `req_to_token[req_rows[b]]` in the pool, the new
+    tokens' already stored. `blocks` overrides `extend_blocks` (tests use small tiles).
+
+    Example (one request, 5 new tokens after a 3-token prefix):
+        >>> out = extend_attention(q, k_buf, v_buf, table, rows, tensor([3]), tensor([5]),
+        ...                        tensor([0]), max_extend=5, scale=head_dim**-0.5)  # doctest: +SKIP
+    """
+    _check_attention(
+        "extend_attention",
+        q,
+        k_buf,
+        v_buf,
+        req_to_token,
+        req_rows=req_rows,
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
+        extend_starts=extend_starts,
+    )
     heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k_buf.shape[1]
-    if heads % kv_heads or k_buf.shape[2] != head_dim or v_buf.shape != k_buf.shape:
-        raise ValueError("extend_attention: head counts or head_dim disagree")
-    out = torch.empty_like(q)
-    block_m = block_n = 16
+    out = _out(out, q)
+    block_m, block_n = blocks or extend_blocks(head_dim, q.dtype)
     grid = (req_rows.shape[0], heads, triton.cdiv(max(1, max_extend), block_m))
     _extend_kernel[grid](
         q,
@@ -325,15 +432,42 @@ def extend_attention(
         k_buf.stride(0),
         k_buf.stride(1),
         req_to_token.stride(0),
-        scale,
+        scale * LOG2E,
         window,
-        GROUP=heads // kv_heads,
+        GROUP=heads // k_buf.shape[1],
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=_block_d(head_dim),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        num_warps=8 if block_m >= 128 else 4,
+        **_dot_config(q)._asdict(),
     )
     return out
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # an H200's count: CPU runs (the interpreter) only check the choice
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(
+    batch_size: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    device: torch.device | str = "cpu",
+    max_splits: int = MAX_DECODE_SPLITS,
+) -> int:
+    """How many splits of the keys a decode batch gets: enough stage-1 programs to fill the
+    GPU, but no split shorter than MIN_SPLIT_LEN keys, and at most `max_splits`.
+
+    Example: 8 requests of 4096 tokens, 8 KV heads, 132 SMs -> min(16, 16, 5) = 5 splits.
+    """
+    by_length = triton.cdiv(max_seq_len, MIN_SPLIT_LEN)
+    programs = PROGRAMS_PER_SM * _num_sms(torch.device(device))
+    by_occupancy = triton.cdiv(programs, batch_size * num_kv_heads)
+    return max(1, min(max_splits, by_length, by_occupancy))
 
 
 def decode_attention(
@@ -345,24 +479,47 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     window: int = 0,
-    num_splits: int = 4,
+    num_splits: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
-    """One query per request over its whole sequence: split-KV, then a log-sum-exp merge."""
-    _check(q, "q", 3)
-    _check(k_buf, "k_buf", 3)
-    _check(req_to_token, "req_to_token", 2, torch.int64)
-    _check(req_rows, "req_rows", 1, torch.int64)
-    _check(seq_lens, "seq_lens", 1, torch.int64)
-    if num_splits & (num_splits - 1):
-        raise ValueError("num_splits must be a power of two")
+    """One query per request over its whole sequence: split-KV, then a log-sum-exp merge.
+
+    Returns `out` (like q). The launch grid is `(batch, num_kv_heads * head blocks,
+    num_splits)`: it depends on no tensor's values, so with a fixed `num_splits` (e.g.
+    MAX_DECODE_SPLITS) the launch can be captured in a CUDA graph and replayed for any
+    sequence lengths. Each request cuts its own keys into `num_splits` runs of whole
+    BLOCK_N blocks; splits past its end are empty and weigh nothing. `num_splits=None`
+    chooses the count with `choose_num_splits`, which reads `seq_lens.max()` (a device
+    sync): callers that know the longest length pass the count instead.
+
+    Example (4 requests, a CUDA-graph-friendly fixed split count):
+        >>> out = decode_attention(q, k_buf, v_buf, table, rows, seq_lens, head_dim**-0.5,
+        ...                        num_splits=MAX_DECODE_SPLITS)  # doctest: +SKIP
+    """
+    _check_attention(
+        "decode_attention", q, k_buf, v_buf, req_to_token, req_rows=req_rows, seq_lens=seq_lens
+    )
     batch, heads, head_dim = q.shape
     kv_heads = k_buf.shape[1]
-    if heads % kv_heads or k_buf.shape[2] != head_dim or v_buf.shape != k_buf.shape:
-        raise ValueError("decode_attention: head counts or head_dim disagree")
+    if num_splits is None:
+        max_len = int(seq_lens.max()) if batch else 1
+        num_splits = choose_num_splits(batch, kv_heads, max_len, q.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    out = _out(out, q)
+    if batch == 0:
+        return out
+    group = heads // kv_heads
+    block_h = min(64, max(16, triton.next_power_of_2(group)))
+    head_blocks = triton.cdiv(group, block_h)
+    block_n = block_n or (32 if q.dtype == torch.float32 else 64)
+    block_d = _block_d(head_dim)
+    # Per-split partial outputs (normalised) and their log2-sum-exp2, in float32.
     part_o = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    _decode_stage1_kernel[(batch, heads, num_splits)](
+    _decode_stage1_kernel[(batch, kv_heads * head_blocks, num_splits)](
         q,
         part_o,
         part_lse,
@@ -381,15 +538,17 @@ def decode_attention(
         part_o.stride(2),
         part_lse.stride(0),
         part_lse.stride(1),
-        scale,
+        scale * LOG2E,
         window,
-        GROUP=heads // kv_heads,
+        num_splits,
+        GROUP=group,
+        HEAD_BLOCKS=head_blocks,
         HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
         BLOCK_D=block_d,
-        BLOCK_N=16,
-        NUM_SPLITS=num_splits,
+        BLOCK_N=block_n,
+        **_dot_config(q)._asdict(),
     )
-    out = torch.empty_like(q)
     _decode_stage2_kernel[(batch, heads)](
         part_o,
         part_lse,
@@ -401,8 +560,9 @@ def decode_attention(
         part_lse.stride(1),
         out.stride(0),
         out.stride(1),
+        num_splits,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
     )
     return out

@@ -55,11 +55,17 @@ class BaseGrammarBackend(ABC):
         """A JSON schema (as JSON text) to the regex of the documents it accepts."""
 
 
-def allowed_masks(matchers: list[Matcher], vocab_size: int) -> torch.Tensor:
-    """[len(matchers), vocab_size] bool: each matcher's allowed next tokens, written as one
-    bitmask tensor (a row per matcher) and unpacked in one operation."""
-    words = torch.zeros((len(matchers), (vocab_size + 31) // 32), dtype=torch.int32)
+def allowed_masks(
+    matchers: list[Matcher], vocab_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[len(matchers), vocab_size] bool on `device`: each matcher's allowed next tokens,
+    written on the host as one bitmask tensor (a row per matcher; matchers write host
+    memory), copied to `device` as bits (32x less than the mask) and unpacked there."""
+    shape = (len(matchers), (vocab_size + 31) // 32)
+    words = torch.zeros(shape, dtype=torch.int32, device="cpu")
     for matcher, row in zip(matchers, words):
         matcher.fill_mask_words(row)
-    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    words = words.to(device)
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words[:, :, None] >> shifts) & 1
     return bits.reshape(len(matchers), -1)[:, :vocab_size].bool()

@@ -5,7 +5,8 @@ pages in order, so a page belongs to exactly one owner (one request, or one node
 radix tree, whose edges are page-aligned). Page 0 (slots 0..page_size-1) is never handed
 out: padded writes and masked gathers point at slot 0, so it may hold garbage at any time.
 Allocation and freeing are exact; freeing a page that is already free raises, so leaks and
-double frees show up in tests rather than as silent corruption.
+double frees show up in tests rather than as silent corruption. All of it is host
+bookkeeping: slot indices live in CPU tensors, whatever device holds the K/V.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ class TokenSlotAllocator:
             raise ValueError(f"num_slots ({num_slots}) must be >= page_size ({page_size})")
         self.page_size = page_size
         self.num_pages = num_slots // page_size
-        self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
+        self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device="cpu")
         self._page_is_free[0] = False
-        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device="cpu")
         # Freed pages wait here, in order, until an allocation needs them: a free costs
         # O(freed), never a copy of the whole free list.
         self._freed: list[torch.Tensor] = []
@@ -80,11 +81,13 @@ class TokenSlotAllocator:
             return None
         if ps == 1:
             return pages
-        fresh = (pages[:, None] * ps + torch.arange(ps)).reshape(-1)[: num_tokens - room]
+        offsets = torch.arange(ps, device="cpu")
+        fresh = (pages[:, None] * ps + offsets).reshape(-1)[: num_tokens - room]
         if room == 0:
             return fresh
         assert last_slot is not None
-        return torch.cat([torch.arange(last_slot + 1, last_slot + 1 + room), fresh])
+        tail = torch.arange(last_slot + 1, last_slot + 1 + room, device="cpu")
+        return torch.cat([tail, fresh])
 
     def alloc_decode(self, last_slots: torch.Tensor) -> torch.Tensor | None:
         """One new slot after each of `last_slots` ([batch] int64); None if pages run out."""
@@ -101,6 +104,8 @@ class TokenSlotAllocator:
 
     def free(self, slots: torch.Tensor) -> None:
         """Free the pages holding `slots` (an owner frees whole pages: it owns them all)."""
+        if slots.device.type != "cpu":
+            raise ValueError(f"the allocator frees host slot indices, got a {slots.device} tensor")
         if slots.numel() == 0:
             return
         slots = slots.to(torch.int64).flatten()

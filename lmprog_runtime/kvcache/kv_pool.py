@@ -30,9 +30,7 @@ class KVPool:
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        return (
-            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        )
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new keys/values. slots: [num_tokens]; k, v: [num_tokens, num_kv_heads, head_dim]."""

@@ -8,7 +8,8 @@ frees unlocked leaves, least recently used first (or least frequently used). Wit
 `page_size > 1`, matching and edges are page-aligned, so every node owns whole pages.
 
 Invariant (checked by the property tests): evictable_size + protected_size equals the
-tokens held by the tree, and no KV slot is owned twice.
+tokens held by the tree, and no KV slot is owned twice. Node values are host (CPU) tensors:
+the tree is bookkeeping, read and written between forwards, never by a kernel.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class RadixCache:
         self.reset()
 
     def reset(self) -> None:
-        self.root = TreeNode(None, [], torch.empty(0, dtype=torch.int64))
+        self.root = TreeNode(None, [], torch.empty(0, dtype=torch.int64, device="cpu"))
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
@@ -102,7 +103,7 @@ class RadixCache:
             child.hit_count += 1
             values.append(child.value)
             node, key = child, key[n:]
-        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device="cpu")
         return MatchResult(slots, node)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
@@ -227,4 +228,4 @@ class RadixCache:
     def owned_slots(self) -> torch.Tensor:
         """Every slot the tree owns (for invariant checks)."""
         values = [n.value for n in self._all_nodes()]
-        return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        return torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device="cpu")

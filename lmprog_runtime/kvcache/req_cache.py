@@ -4,7 +4,8 @@ A request's row in the request-to-token table starts with `tree_len` slots owned
 radix tree (locked through `req.last_node`), followed by slots the request owns itself.
 `cache_unfinished` moves what a request has computed so far into the tree (so others can
 share it at once); `cache_finished` does the same at the end, frees the request's own
-slots and its row, and drops its lock. With the cache disabled, nothing is shared.
+slots and its row, and drops its lock. With the cache disabled, nothing is shared. All of
+it reads and writes the host side of the request table (`ReqToTokenPool.host_table`).
 """
 
 from __future__ import annotations
@@ -62,15 +63,14 @@ class ReqCache:
         n = req.kv_len // self.page_size * self.page_size
         if n <= req.tree_len:
             return
-        row = self.req_to_token.table[req.req_pool_idx]
         key = req.fill_ids[:n]
-        value = row[:n].clone()
+        value = self.req_to_token.host_table[req.req_pool_idx, :n].clone()
         already = self.tree.insert(key, value)
         # Slots we computed for tokens the tree already had are duplicates: drop ours.
         self.allocator.free(value[req.tree_len : already])
         match = self.tree.match_prefix(key)
         assert match.slots.numel() == n
-        row[:n] = match.slots
+        self.req_to_token.write(req.req_pool_idx, 0, match.slots)
         self.tree.inc_lock_ref(match.node)
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)
@@ -80,7 +80,7 @@ class ReqCache:
         """Give a leaving request's KV to the tree (unless `insert` is False), free the rest."""
         if req.req_pool_idx is None:
             return
-        row = self.req_to_token.table[req.req_pool_idx]
+        row = self.req_to_token.host_table[req.req_pool_idx]
         kv_len = req.kv_len
         start = req.tree_len
         if self.tree is not None and insert:

@@ -1,7 +1,15 @@
 """The request-to-token table: request slot -> position -> KV slot.
 
-A running request owns one row; `table[row, :seq_len]` are the KV-slot indices of its tokens
-in order. Attention backends read this table to find a request's keys and values.
+A running request owns one row; `table[row, :seq_len]` are the KV-slot indices of its
+tokens in order. The table exists twice when the model runs on an accelerator:
+
+- `host_table` (CPU) is the bookkeeping. The scheduler and the prefix cache read and write
+  it between forwards, and every write goes through `write` / `write_tokens`.
+- `table` (the model's device) is what attention kernels read. It is brought up to date in
+  one place, `sync`, which the model runner calls before each forward: the writes since the
+  last sync travel in one host-to-device copy.
+
+On a CPU model both names are the same tensor and `sync` has nothing to do.
 """
 
 from __future__ import annotations
@@ -10,14 +18,37 @@ import torch
 
 
 class ReqToTokenPool:
-    """`num_reqs` rows of `context_len` KV-slot indices, with a free list of rows."""
+    """`num_reqs` rows of `context_len` KV-slot indices, with a free list of rows, plus one
+    padding row (`padding_row`, never handed out) whose entries all point at slot 0.
+
+    Example:
+        >>> pool = ReqToTokenPool(4, 16, "cpu")
+        >>> row = pool.alloc()
+        >>> pool.write(row, 0, torch.tensor([5, 6, 7], device="cpu"))
+        >>> pool.host_table[row, :3].tolist()
+        [5, 6, 7]
+    """
 
     def __init__(self, num_reqs: int, context_len: int, device: str | torch.device) -> None:
         self.num_reqs = num_reqs
         self.context_len = context_len
-        # [num_reqs, context_len]; unused entries point at the padding slot 0.
-        self.table = torch.zeros(num_reqs, context_len, dtype=torch.int64, device=device)
+        self.device = torch.device(device)
+        # [num_reqs + 1, context_len]; unused entries point at the padding slot 0.
+        shape = (num_reqs + 1, context_len)
+        self.host_table = torch.zeros(shape, dtype=torch.int64, device="cpu")
+        self.table = (
+            self.host_table
+            if self.device.type == "cpu"
+            else torch.zeros(shape, dtype=torch.int64, device=self.device)
+        )
         self._free_rows = list(range(num_reqs))
+        # Entries written since the last sync (flat indices into the table), device only.
+        self._pending: list[torch.Tensor] = []
+
+    @property
+    def padding_row(self) -> int:
+        """A row of zeros: padded requests (CUDA-graph batches) read slot 0 through it."""
+        return self.num_reqs
 
     @property
     def num_free(self) -> int:
@@ -32,4 +63,27 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start : start + slots.numel()] = slots.to(self.table.device)
+        """`host_table[row, start : start + len(slots)] = slots` (host slots, int64)."""
+        n = slots.numel()
+        self.host_table[row, start : start + n] = slots
+        if self.table is not self.host_table and n:
+            first = row * self.context_len + start
+            self._pending.append(torch.arange(first, first + n, device="cpu"))
+
+    def write_tokens(
+        self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """`host_table[rows[i], positions[i]] = slots[i]` for each i ([n] int64 host tensors)."""
+        self.host_table[rows, positions] = slots
+        if self.table is not self.host_table and slots.numel():
+            self._pending.append(rows * self.context_len + positions)
+
+    def sync(self) -> None:
+        """Bring the device table up to date with the host one: the entries written since the
+        last sync, with their current values, in one host-to-device copy."""
+        if not self._pending:
+            return
+        flat = torch.unique(torch.cat(self._pending))  # unique: the scatter needs no order
+        self._pending = []
+        both = torch.stack([flat, self.host_table.view(-1)[flat]]).to(self.device)  # [2, n]
+        self.table.view(-1)[both[0]] = both[1]

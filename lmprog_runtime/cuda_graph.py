@@ -1,0 +1,152 @@
+"""Decode steps without launch overhead: CUDA graphs captured per padded batch size.
+
+A decode forward of a small model launches a few hundred kernels of a few microseconds
+each; replaying them as one captured graph removes the launch cost. A graph replays fixed
+memory with fixed launch shapes, so each decode batch is padded up to a bucket size
+(`BATCH_BUCKETS`, up to `max_running_requests`, at most `MAX_GRAPH_BATCH`) and its inputs
+are copied into static buffers that the graph reads:
+
+- input ids, positions, KV slots written, table rows and sequence lengths: `[5, max_batch]`
+  int64 (one buffer);
+- padded requests write their K/V to the padding slot 0, read the request table's padding
+  row (every entry slot 0) with a sequence length of 1, and their logits are dropped.
+
+The attention backend must support it (`BaseAttentionBackend.supports_cuda_graph`): given a
+batch with `is_cuda_graph` set, it plans from `seq_lens_device` and `req_pool_indices` alone
+with launch shapes that depend on the batch size only (e.g. a fixed split count).
+
+On a CPU (tests) the runner works in eager mode (`capture=False`): the same padded static
+buffers, run without capture, so the padding and bucketing are checked against the plain
+forward where no GPU is available.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from lmprog_runtime.model_runner import ModelRunner
+
+# Padded decode batch sizes with a graph of their own.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+MAX_GRAPH_BATCH = BATCH_BUCKETS[-1]
+# Rows of the static input buffer.
+_IDS, _POSITIONS, _SLOTS, _ROWS, _LENS = range(5)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The bucket sizes for batches of up to `max_batch` requests (capped at MAX_GRAPH_BATCH).
+
+    Example:
+        >>> batch_buckets(20)
+        [1, 2, 4, 8, 16, 20]
+    """
+    max_batch = min(max_batch, MAX_GRAPH_BATCH)
+    return [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
+
+
+class DecodeGraphRunner:
+    """Runs decode forwards of up to `max_batch` requests on padded static buffers, replaying
+    one CUDA graph per bucket (`capture=True`, CUDA only) or eagerly (`capture=False`).
+
+    Example:
+        >>> graphs = DecodeGraphRunner(runner, capture=False)  # doctest: +SKIP
+        >>> logits = graphs.run(fb) if graphs.can_run(fb) else ...  # doctest: +SKIP
+    """
+
+    def __init__(self, runner: ModelRunner, capture: bool) -> None:
+        if capture and runner.device.type != "cuda":
+            raise ValueError("CUDA graphs are captured on CUDA devices only")
+        if capture and not runner.attention.supports_cuda_graph:
+            raise ValueError(f"the {runner.attention_backend} backend cannot be captured")
+        self.model = runner.model
+        self.attention = runner.attention
+        self.is_captured = capture
+        self.buckets = batch_buckets(runner.config.max_running_requests)
+        self.max_batch = self.buckets[-1]
+        device = runner.device
+        # [5, max_batch] int64 (rows _IDS .. _LENS), and what padded requests hold there.
+        padding = torch.zeros(5, self.max_batch, dtype=torch.int64, device="cpu")
+        padding[_ROWS] = runner.req_to_token.padding_row
+        padding[_LENS] = 1
+        self._padding = padding.to(device)
+        self._inputs = self._padding.clone()
+        self._logits_indices = torch.arange(self.max_batch, dtype=torch.int64, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}  # each graph's logits [bucket, vocab]
+        if capture:
+            self._capture_all()
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.mode is ForwardMode.DECODE and fb.batch_size <= self.max_batch
+
+    def bucket(self, batch_size: int) -> int:
+        """The padded size a batch of `batch_size` requests runs at."""
+        return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
+
+    @torch.inference_mode()
+    def run(self, fb: ForwardBatch) -> torch.Tensor:
+        """The decode forward of `fb`: logits [batch, vocab] (float32), equal to the plain
+        forward's up to the rounding of a larger matmul."""
+        num_reqs = fb.batch_size
+        size = self.bucket(num_reqs)
+        assert fb.seq_lens_device is not None, "the runner's batches carry device lengths"
+        self._inputs[:, :num_reqs] = torch.stack(
+            [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens_device]
+        )
+        if size > num_reqs:
+            self._inputs[:, num_reqs:size] = self._padding[:, num_reqs:size]
+        if self.is_captured:
+            self._graphs[size].replay()
+            logits = self._outputs[size]
+        else:
+            padded = self._static_batch(size, fb.seq_lens + [1] * (size - num_reqs))
+            logits = self._forward(padded)
+        # A copy: the graph's output buffer is overwritten by the next replay.
+        return logits[:num_reqs].clone()
+
+    def _static_batch(self, size: int, seq_lens: list[int]) -> ForwardBatch:
+        """A decode batch of `size` requests over the static buffers."""
+        inputs = self._inputs[:, :size]
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=inputs[_IDS],
+            positions=inputs[_POSITIONS],
+            out_cache_loc=inputs[_SLOTS],
+            req_pool_indices=inputs[_ROWS],
+            seq_lens=seq_lens,
+            prefix_lens=[n - 1 for n in seq_lens],
+            logits_indices=self._logits_indices[:size],
+            seq_lens_device=inputs[_LENS],
+            is_cuda_graph=True,  # eager runs plan as captured ones do (the CPU tests see it)
+        )
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        self.attention.init_forward_metadata(fb)
+        return self.model(fb, self.attention)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """One graph per bucket, the largest first, all in one memory pool (a replay uses
+        the pool alone, so the graphs can share it)."""
+        self._inputs.copy_(self._padding)  # capture on padded requests: valid, harmless
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # the buffers' writes come first
+        pool = None
+        for size in reversed(self.buckets):
+            fb = self._static_batch(size, [1] * size)
+            with torch.cuda.stream(stream):  # warm up: compile kernels, size workspaces
+                for _ in range(2):
+                    self._forward(fb)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._outputs[size] = self._forward(fb)
+            pool = graph.pool()
+            self._graphs[size] = graph
+        torch.cuda.synchronize()

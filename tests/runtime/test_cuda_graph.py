@@ -1,0 +1,96 @@
+"""CUDA-graph decode without a GPU: the padded static-buffer path, run eagerly on the CPU.
+
+`DecodeGraphRunner(runner, capture=False)` runs exactly what a captured graph replays
+(inputs copied into static buffers, the batch padded to its bucket with requests that read
+and write only the padding slot), without the capture. Its logits must equal the plain
+forward's for every decode step of real workloads, and engines using it must produce the
+same tokens. The capture itself needs CUDA (`benchmarks/gpu_check.py`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmprog_runtime import Engine
+from lmprog_runtime.cuda_graph import MAX_GRAPH_BATCH, DecodeGraphRunner, batch_buckets
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "Once upon a time in a small village by the sea, there lived",
+    "Dear customer, thank you for writing",
+    "def add(a, b):",
+    '{"name": "Alice", "age":',
+    "The weather report for Monday says",
+]
+
+
+def test_buckets_cover_every_batch_size_up_to_the_cap():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(12) == [1, 2, 4, 8, 12]
+    assert batch_buckets(10_000)[-1] == MAX_GRAPH_BATCH
+    for max_batch in (1, 5, 48, 300):
+        buckets = batch_buckets(max_batch)
+        assert buckets == sorted(set(buckets))
+        assert buckets[-1] == min(max_batch, MAX_GRAPH_BATCH)
+
+
+# Batch sizes per backend, and the buckets they run at (Triton is interpreted: fewer).
+CASES = {
+    "torch": ((1, 3, 5, 7), {1, 4, 8}),
+    "native": ((1, 3, 5, 7), {1, 4, 8}),
+    "triton": ((3,), {4}),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(CASES))
+def test_padded_decode_equals_the_plain_forward(tiny_path, backend):
+    """Every decode step of a workload (most batches padded) runs both ways on the same
+    inputs: the K/V each writes are the same values in the same slots."""
+    sizes, buckets = CASES[backend]
+    with Engine(tiny_path, attention_backend=backend, max_running_requests=12) as engine:
+        runner = engine.runner
+        graphs = DecodeGraphRunner(runner, capture=False)
+        plain_run = runner.run
+        seen: list[tuple[int, int]] = []
+
+        def run_both(fb):
+            logits = plain_run(fb)
+            if graphs.can_run(fb):
+                padded = graphs.run(fb)
+                torch.testing.assert_close(padded, logits, atol=1e-5, rtol=1e-5)
+                seen.append((fb.batch_size, graphs.bucket(fb.batch_size)))
+            return logits
+
+        runner.run = run_both
+        try:
+            for n in sizes:
+                engine.generate(PROMPTS[:n], {"max_new_tokens": 4, "temperature": 0})
+        finally:
+            del runner.run
+        assert {size for size, _ in seen} == set(sizes)
+        assert {bucket for _, bucket in seen} == buckets
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_engines_decoding_through_the_graph_path_give_the_same_tokens(tiny_path, backend):
+    params = [
+        {"max_new_tokens": 10, "temperature": 0},
+        {"max_new_tokens": 10, "temperature": 0.8, "top_p": 0.9, "seed": 3},
+    ]
+    config = dict(attention_backend=backend, max_running_requests=12)
+    with Engine(tiny_path, **config) as plain:
+        expected = [plain.generate(PROMPTS, p) for p in params]
+    with Engine(tiny_path, **config) as engine:
+        engine.runner.graphs = DecodeGraphRunner(engine.runner, capture=False)
+        got = [engine.generate(PROMPTS, p) for p in params]
+    assert [[o["output_ids"] for o in r] for r in got] == [
+        [o["output_ids"] for o in r] for r in expected
+    ]
+
+
+def test_capture_needs_cuda_and_a_capturable_backend(engine):
+    with pytest.raises(ValueError, match="CUDA"):
+        DecodeGraphRunner(engine.runner, capture=True)
+    assert engine.runner.graphs is None  # CPU engines decode eagerly

@@ -1,0 +1,40 @@
+"""`benchmarks/gpu_check.py --cpu-smoke`: the GPU check's plumbing on the CPU, tiny sizes.
+
+The GPU run is one shot on a lent machine; a section that breaks there loses its figures.
+Here every section runs (or is skipped for want of CUDA), the JSON is written, and the
+CPU figures it records are the correctness anchors (float32 logprobs against transformers,
+greedy equality with the cache on and off).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    out = tmp_path / "gpu_check.json"
+
+    gpu_check.main(["--cpu-smoke", "--out", str(out)])
+
+    report = json.loads(out.read_text())
+    names = [name for name, _, _ in gpu_check.SECTIONS]
+    statuses = {name: report[name]["status"] for name in names}
+    skipped = {"decode_bandwidth": "skipped", "fused_ops": "skipped"}  # need CUDA
+    assert statuses == {name: "ok" for name in names} | skipped
+    assert report["decode_bandwidth"]["reason"] == "needs CUDA"
+    correctness = report["correctness"]["tiny/torch/float32"]
+    assert correctness["within_tolerance"] and correctness["greedy_identical_prompts"] == "4/4"
+    equality = report["greedy_equality"]
+    assert equality["identical_cache_off_vs_cache_on"] == "8/8"
+    assert equality["identical_cache_on_warm_vs_cache_on"] == "8/8"
+    assert equality["cached_tokens_warm"] > 0
+    for workload in ("tiny/no_sharing", "tiny/shared_prefix"):
+        assert report["throughput"][workload]["engine_tokens_per_s"] > 0
+    assert report["decode_overhead"]["default"]["forward_passes"] > 0
