@@ -158,7 +158,10 @@ def main() -> None:
                 phases.append(llama_cpp_phase(llm, prompts, new, reuse=True))
         print(f"{workload}: {len(prompts)} prompts, {new} new tokens", flush=True)
         harness.alternate(phases, args.repeats)
+        # The baseline: llama.cpp (sorted by prefix on the shared-prefix workload, where it
+        # reuses KV; one by one elsewhere), or transformers in float32 without it.
         base = phases[-1]
+        base_label = "llama.cpp" if llm is not None else base.name
         reference = next(p for p in phases if p.name == "lmprog float32").values[-1]
         tokens = sum(len(p) for p in prompts) if workload == "prefill" else len(prompts) * new
         for phase in phases:
@@ -166,7 +169,7 @@ def main() -> None:
                 "workload": workload,
                 "system": phase.name,
                 "best / median (s)": f"{phase.best:.2f} / {phase.median:.2f}",
-                f"vs {base.name} (best / median)": harness.speedup(base, phase),
+                f"vs {base_label} (best / median)": harness.speedup(base, phase),
                 "greedy tokens = lmprog float32": _agreement(phase.values[-1], reference),
             }
             if workload == "prefill":
