@@ -103,8 +103,8 @@ class InFlight:
     batch: ScheduledBatch
     rows: list[list[int]]
     future: Future
-    slots: list[torch.Tensor] = field(default_factory=list)  # per request, its new slots
-    index: dict[int, int] = field(default_factory=dict)  # id(request) -> its index
+    slots: list[torch.Tensor] = field(init=False)  # per request: its new KV slots
+    index: dict[int, int] = field(init=False)  # id(request) -> its index in `batch`
     left: set[int] = field(default_factory=set)  # indices of the requests that left
 
     def __post_init__(self) -> None:

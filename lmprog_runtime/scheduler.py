@@ -218,9 +218,8 @@ class Scheduler:
                 budget -= n
                 num_active += 1
                 used += need
-            is_cut = any(m.kv_len + n < len(m.fill_ids) for m, n, _ in plan)
-            if budget <= 0 or is_cut:
-                break  # one prompt at a time is cut into chunks (`chunked_req`)
+            if budget <= 0:
+                break
         if not entries:
             return None
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
