@@ -189,17 +189,23 @@ class EngineLoop(OverlapLoop):
             if not batch.reqs:
                 return
         forward_seconds = time.perf_counter() - start
-        self._check(self._commit(batch, logits, rows))
-        self._record_step(batch, forward_seconds, start)
+        self._check(self._commit(batch, logits, rows, forward_seconds))
+        self._stats.add("step_seconds", time.perf_counter() - start)
 
     def _commit(
-        self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[list[int]]
+        self,
+        batch: ScheduledBatch,
+        logits: torch.Tensor,
+        rows: list[list[int]],
+        forward_seconds: float,
     ) -> list[Req]:
-        """After the forward: its K/V go to the requests, those whose prompt is done draw
-        their next token and append it (checked by `_check`), and prefill-only requests
-        finish. Returns the requests that got a token."""
+        """After the forward: its K/V go to the requests and its counters to the stats, those
+        requests whose prompt is done draw their next token and append it (checked by
+        `_check`), and prefill-only requests finish. Returns the requests that got a token."""
         ready = self.scheduler.on_forward_done(batch)
         batch.kv_committed = True
+        num_running = len(self.scheduler.running)
+        self._stats.record_step(batch, num_running=num_running, forward_seconds=forward_seconds)
         row_of = {id(req): req_rows for req, req_rows in zip(batch.reqs, rows)}
         if batch.mode is ForwardMode.EXTEND:
             self._record_prompt_logprobs(ready, logits, row_of)
@@ -231,14 +237,6 @@ class EngineLoop(OverlapLoop):
             except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
                 logger.exception("request %d failed after its step", req.rid)
                 self._finish(req, error)
-
-    def _record_step(self, batch: ScheduledBatch, forward_seconds: float, start: float) -> None:
-        self._stats.record_step(
-            batch,
-            num_running=len(self.scheduler.running),
-            forward_seconds=forward_seconds,
-            step_seconds=time.perf_counter() - start,
-        )
 
     def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[list[int]]]:
         if self.fault_hook is not None:
@@ -344,6 +342,8 @@ class EngineLoop(OverlapLoop):
             if req.error is None:
                 req.abort(release_error)
             req.text = ""
+        if req.error is None:
+            self._stats.add("finished_requests")
         with self._cv:
             self._num_unfinished -= 1
         self._announce(req)

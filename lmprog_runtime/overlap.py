@@ -70,12 +70,10 @@ class ForwardWorker:
         return self._executor.submit(self._forward, fb, inputs_ready)
 
     def result(self, future: Future) -> tuple[torch.Tensor, float]:
-        """Wait for a launched forward (raising its error). The logits may then be used on
-        the loop thread's stream."""
-        logits, seconds = future.result()
-        if self._stream is not None:
-            logits.record_stream(torch.cuda.current_stream(logits.device))
-        return logits, seconds
+        """Wait for a launched forward (raising its error). Its kernels are done, so the
+        logits may be used on the loop thread's stream. (Freed, they may serve the worker's
+        next forward, which first waits for what the loop queued before launching it.)"""
+        return future.result()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)
@@ -126,15 +124,14 @@ class OverlapLoop:
     def _run_once_overlapped(self) -> None:
         """Collect step N, launch step N+1, check step N (see the module docstring)."""
         start = time.perf_counter()
-        collected = self._collect() if self._in_flight is not None else None
+        appended = self._collect() if self._in_flight is not None else None
         self._take_inputs()
         batch = self._schedule()
         if batch is not None:
             self._launch(batch)
-        if collected is not None:
-            done, appended, forward_seconds = collected
+        if appended is not None:
             self._check(appended)
-            self._record_step(done, forward_seconds, start)
+            self._stats.add("step_seconds", time.perf_counter() - start)
 
     def _launch(self, batch: ScheduledBatch) -> None:
         """Read `batch`'s inputs from the requests now, then start its forward on the
@@ -161,11 +158,11 @@ class OverlapLoop:
             flight.left.add(i)
             self.scheduler.free_started_pages(flight.slots[i])
 
-    def _collect(self) -> tuple[ScheduledBatch, list[Req], float] | None:
+    def _collect(self) -> list[Req] | None:
         """Wait for the launched forward and commit it for the requests that stayed in it
         (their tokens drawn and appended). A failed forward is run again request by request,
-        as the synchronous loop does. Returns the batch, the requests that got a token and
-        the forward's seconds; None if the step failed or nothing is left of it."""
+        as the synchronous loop does. Returns the requests that got a token; None if the
+        step failed or nothing is left of it."""
         flight, self._in_flight = self._in_flight, None
         batch = flight.batch
         try:
@@ -175,17 +172,17 @@ class OverlapLoop:
             error, forward_seconds = forward_error, 0.0
         try:
             flight.drop_left()
+            if not batch.reqs:
+                return None  # every request of it finished meanwhile: nothing to count
             rows = flight.rows
             if error is not None:
-                if not batch.reqs:
-                    return None
                 if len(batch.reqs) < 2:
                     raise error
                 logger.error("forward failed; running each request alone", exc_info=error)
                 logits, rows = self._forward_alone(batch)
                 if not batch.reqs:
                     return None
-            return batch, self._commit(batch, logits, rows), forward_seconds
+            return self._commit(batch, logits, rows, forward_seconds)
         except Exception as step_error:  # one bad step must not take the loop down
             logger.exception("engine step failed")
             self._fail_step(batch, step_error)

@@ -19,9 +19,9 @@ COUNTERS = (
     "evicted_tokens",
     "retracted_requests",
     "max_running_requests_seen",
-    "finished_requests",
+    "finished_requests",  # requests that completed (counted before their callers are told)
     "forward_seconds",  # wall time inside the model forward
-    "step_seconds",  # wall time of whole steps (forward + scheduling + sampling + bookkeeping)
+    "step_seconds",  # wall time of whole steps (forward + sampling + bookkeeping)
 )
 
 
@@ -48,8 +48,9 @@ class EngineStats:
         *,
         num_running: int,
         forward_seconds: float,
-        step_seconds: float,
     ) -> None:
+        """A forward's counters, recorded as its results are committed (before any of its
+        requests is told, so a caller that wakes reads them)."""
         num_new = int(batch.out_cache_loc.numel())
         with self._lock:
             v = self._values
@@ -59,9 +60,7 @@ class EngineStats:
                 v["decode_tokens"] += batch.num_decodes
             else:
                 v["decode_tokens"] += num_new
-            v["finished_requests"] += sum(1 for r in batch.reqs if r.is_finished)
             v["max_running_requests_seen"] = max(
                 v["max_running_requests_seen"], num_running, len(batch.reqs)
             )
             v["forward_seconds"] += forward_seconds
-            v["step_seconds"] += step_seconds

@@ -3,9 +3,9 @@ runs, with results token-identical to the synchronous loop.
 
 Both engines get a fake slow forward (a sleep before the real one: a device still busy),
 so in the overlapped engine the checks of one step really run during the next forward. The
-reference is the same engine built with `overlap_schedule=False`. Every test ends with both
-engines clean (the autouse check in conftest): the forward launched for requests that had
-already finished is collected and its slots freed.
+reference is the same engine built with `overlap_schedule=False`. Every test ends with the
+engines clean (the autouse check in conftest): a request that finishes while a forward that
+carries it runs gives that forward's slots back at once.
 """
 
 from __future__ import annotations
@@ -130,6 +130,29 @@ def test_outputs_are_token_identical_to_the_synchronous_loop(engines):
             assert [t for _, t in g["meta_info"][name]] == [t for _, t in w["meta_info"][name]]
             lps = [lp for lp, _ in g["meta_info"][name]]
             assert lps == pytest.approx([lp for lp, _ in w["meta_info"][name]], abs=1e-5)
+
+
+def test_a_caller_wakes_to_free_slots_and_the_synchronous_counters(engines):
+    """When `generate` returns, the slots of the forward launched for the requests that had
+    just finished are already free, and the counters equal the synchronous loop's (the
+    dropped tokens of that forward are not counted)."""
+    sync, overlapped = engines
+    unstopped = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    mix = [{**unstopped, "max_new_tokens": n} for n in (1, 4, 9, 13)]
+    mix.append({**unstopped, "stop": [_stop_inside(sync, PROMPTS[4], unstopped)]})
+    outs, stats = [], []
+    for engine in (sync, overlapped):
+        assert engine.flush_cache()
+        engine.reset_stats()
+        outs.append([_key(o) for o in engine.generate(PROMPTS[:5], mix)])
+        state, counters = engine.memory_state(), engine.stats()  # no waiting: at once
+        assert state["kv_slots_free"] + state["kv_slots_cached"] == state["kv_slots_total"]
+        assert state["kv_slots_locked"] == 0 and state["num_running"] == 0
+        assert state["req_slots_free"] == state["req_slots_total"]
+        stats.append({k: v for k, v in counters.items() if not k.endswith("_seconds")})
+    assert outs[1] == outs[0]
+    assert stats[1] == stats[0]
+    assert stats[0]["finished_requests"] == len(mix)
 
 
 def test_streamed_chunks_are_identical_in_order_and_content(engines):
