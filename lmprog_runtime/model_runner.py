@@ -84,7 +84,11 @@ class ModelRunner:
             and not config.disable_cuda_graph
             and self.attention.supports_cuda_graph
         ):
-            self.graphs = DecodeGraphRunner(self, capture=True)
+            try:
+                self.graphs = DecodeGraphRunner(self, capture=True)
+            except Exception as error:  # noqa: BLE001 - never run on a GPU yet: decode eagerly
+                logger.warning("CUDA graph capture failed, decoding without graphs: %r", error)
+                self.graphs = None
 
     def _dtype(self, model_path: str) -> torch.dtype:
         if self.config.dtype != "auto":
