@@ -1,93 +1,32 @@
 """Overlap scheduling (issue 18): the loop checks step N's tokens while step N+1's forward
-runs, with results token-identical to the synchronous loop.
+runs, with results token-identical to the synchronous loop (`overlap_engines.py`: the same
+engine built with `overlap_schedule=False`, both with a fake slow forward).
 
-Both engines get a fake slow forward (a sleep before the real one: a device still busy),
-so in the overlapped engine the checks of one step really run during the next forward. The
-reference is the same engine built with `overlap_schedule=False`. Every test ends with the
-engines clean (the autouse check in conftest): a request that finishes while a forward that
-carries it runs gives that forward's slots back at once.
+Every test ends with the engines clean (the autouse check in conftest): a request that
+finishes while a forward that carries it runs gives that forward's slots back at once.
+Faults, aborts, pool pressure and shutdown are in `test_overlap_faults.py`.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import re
 import threading
-import time
-import weakref
 
 import jsonschema
 import pytest
-from conftest import engine_leak
 from helpers import PROMPTS
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from overlap_engines import POOL, SCHEMA, engine_pair, result_key, stop_inside
 
 from lmprog_runtime import Engine
 from lmprog_runtime.config import RuntimeConfig
-from lmprog_runtime.engine import RequestAborted
-
-SLOW_FORWARD_S = 0.003
-POOL = {"max_total_tokens": 4096, "max_running_requests": 16}
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "customer_name": {"type": "string", "maxLength": 6},
-        "is_priority": {"type": "boolean"},
-    },
-    "required": ["customer_name", "is_priority"],
-}
-
-
-def _slow_forward(engine: Engine) -> None:
-    run = engine.runner.run
-
-    def slow_run(fb):
-        time.sleep(SLOW_FORWARD_S)  # the device is still busy (not a synchronisation)
-        return run(fb)
-
-    engine.runner.run = slow_run
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_path):
-    """(synchronous, overlapped) engines on the tiny model, both with a slow forward."""
-    with (
-        Engine(tiny_path, overlap_schedule=False, **POOL) as sync,
-        Engine(tiny_path, overlap_schedule=True, **POOL) as overlapped,
-    ):
-        assert sync._worker is None and overlapped._worker is not None
-        _slow_forward(sync)
-        _slow_forward(overlapped)
-        yield sync, overlapped
-
-
-@pytest.fixture(scope="module", params=[1, 4], ids=["page1", "page4"])
-def pressed(tiny_path, request):
-    """An overlapped engine whose KV pool is far smaller than the demand put on it, with
-    short prefill chunks, on pages of 1 and 4 slots."""
-    with Engine(
-        tiny_path,
-        max_total_tokens=160,
-        max_running_requests=8,
-        chunked_prefill_size=8,
-        page_size=request.param,
-        overlap_schedule=True,
-    ) as engine:
-        yield engine
-
-
-def _key(out: dict) -> tuple:
-    meta = out["meta_info"]
-    return out["output_ids"], out["text"], meta["finish_reason"], meta["completion_tokens"]
-
-
-def _stop_inside(engine: Engine, prompt: str, params: dict) -> str:
-    """A stop string the unstopped output contains past its start (so it stops mid-run)."""
-    text = engine.generate(prompt, params)["text"]
-    assert len(text) > 8
-    return text[len(text) // 2 : len(text) // 2 + 2]
+    """(synchronous, overlapped) engines, both with a slow forward."""
+    with engine_pair(tiny_path) as pair:
+        yield pair
 
 
 def test_overlap_schedule_is_validated_and_on_for_cuda_only():
@@ -112,8 +51,8 @@ def test_outputs_are_token_identical_to_the_synchronous_loop(engines):
         {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
         {"max_new_tokens": 0},
         {"max_new_tokens": 17, "temperature": 0.8, "seed": 7},
-        {**unstopped, "stop": [_stop_inside(sync, PROMPTS[4], unstopped)]},
-        {**unstopped, "stop_regex": [re.escape(_stop_inside(sync, PROMPTS[5], unstopped))]},
+        {**unstopped, "stop": [stop_inside(sync, PROMPTS[4], unstopped)]},
+        {**unstopped, "stop_regex": [re.escape(stop_inside(sync, PROMPTS[5], unstopped))]},
         {"max_new_tokens": 30, "temperature": 1.0, "top_p": 0.9, "seed": 3},
         {"max_new_tokens": 20, "temperature": 0, "frequency_penalty": 0.5, "min_new_tokens": 9},
         {"max_new_tokens": 9, "temperature": 0.7, "seed": 1, "presence_penalty": 0.3},
@@ -123,7 +62,7 @@ def test_outputs_are_token_identical_to_the_synchronous_loop(engines):
     kwargs = {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
     want = sync.generate(prompts, mix, **kwargs)
     got = overlapped.generate(prompts, mix, **kwargs)
-    assert [_key(o) for o in got] == [_key(o) for o in want]
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
     assert {o["meta_info"]["finish_reason"]["type"] for o in want} == {"length", "stop"}
     for g, w in zip(got, want):
         for name in ("input_token_logprobs", "output_token_logprobs"):
@@ -139,12 +78,12 @@ def test_a_caller_wakes_to_free_slots_and_the_synchronous_counters(engines):
     sync, overlapped = engines
     unstopped = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
     mix = [{**unstopped, "max_new_tokens": n} for n in (1, 4, 9, 13)]
-    mix.append({**unstopped, "stop": [_stop_inside(sync, PROMPTS[4], unstopped)]})
+    mix.append({**unstopped, "stop": [stop_inside(sync, PROMPTS[4], unstopped)]})
     outs, stats = [], []
     for engine in (sync, overlapped):
         assert engine.flush_cache()
         engine.reset_stats()
-        outs.append([_key(o) for o in engine.generate(PROMPTS[:5], mix)])
+        outs.append([result_key(o) for o in engine.generate(PROMPTS[:5], mix)])
         state, counters = engine.memory_state(), engine.stats()  # no waiting: at once
         assert state["kv_slots_free"] + state["kv_slots_cached"] == state["kv_slots_total"]
         assert state["kv_slots_locked"] == 0 and state["num_running"] == 0
@@ -159,7 +98,7 @@ def test_streamed_chunks_are_identical_in_order_and_content(engines):
     sync, overlapped = engines
     unstopped = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
     mix = [
-        {**unstopped, "stop": [_stop_inside(sync, PROMPTS[2], unstopped)]},
+        {**unstopped, "stop": [stop_inside(sync, PROMPTS[2], unstopped)]},
         {"max_new_tokens": 12, "temperature": 0.9, "seed": 5},
         {**unstopped, "max_new_tokens": 3},
         unstopped,
@@ -185,7 +124,7 @@ def test_streamed_chunks_are_identical_in_order_and_content(engines):
     want_chunks, want = chunks(sync)
     got_chunks, got = chunks(overlapped)
     assert got_chunks == want_chunks
-    assert [_key(o) for o in got] == [_key(o) for o in want]
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
     for seen, out in zip(got_chunks, got):
         assert "".join(text for text, _, _ in seen) == out["text"]
 
@@ -206,7 +145,7 @@ def test_constrained_outputs_match_and_are_identical(engines):
     overlapped.reset_stats()
     want = sync.generate(prompts, mix, return_logprob=[False, False, True, False])
     got = overlapped.generate(prompts, mix, return_logprob=[False, False, True, False])
-    assert [_key(o) for o in got] == [_key(o) for o in want]
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
     for out in got[:2]:
         jsonschema.validate(json.loads(out["text"]), SCHEMA)
     assert re.fullmatch(regex, got[2]["text"])
@@ -225,72 +164,11 @@ def test_prefix_cache_hits_are_identical(engines):
         again = engine.generate(PROMPTS[7] + first["text"] + " and", params)
         branches = engine.generate([PROMPTS[6] + " x", PROMPTS[6] + " y"], params, group=True)
         outs = [first, again, *branches]
-        return [(*_key(o), o["meta_info"]["cached_tokens"]) for o in outs]
+        return [(*result_key(o), o["meta_info"]["cached_tokens"]) for o in outs]
 
     want, got = run(sync), run(overlapped)
     assert got == want
     assert all(cached > 0 for *_, cached in want[1:])
-
-
-def test_aborts_mid_run_end_their_request_and_spare_the_others(engines):
-    """Each request to abort is aborted from its own stream after a few chunks."""
-    sync, overlapped = engines
-    params = [
-        {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "seed": i} for i in range(6)
-    ]
-    aborted_after = {1: 1, 3: 4, 4: 7}
-
-    def run(engine: Engine) -> tuple[list, list]:
-        counts = [0] * len(params)
-
-        def on_chunk(i: int, chunk: dict) -> None:
-            counts[i] += 1
-            if counts[i] == aborted_after.get(i):
-                engine.abort(chunk["meta_info"]["id"])
-
-        futures = engine.submit(PROMPTS[:6], params, on_chunk=on_chunk)
-        return [f.exception(timeout=60) or f.result() for f in futures], counts
-
-    want, _ = run(sync)
-    got, counts = run(overlapped)
-    for i, (g, w) in enumerate(zip(got, want)):
-        if i in aborted_after:
-            assert isinstance(g, RequestAborted) and isinstance(w, RequestAborted)
-            assert counts[i] == aborted_after[i]  # no chunk after the abort was seen
-        else:
-            assert _key(g) == _key(w)
-
-
-def _fail_when(engine: Engine, point: str, prompt: str, num_output_ids: int):
-    ids = engine.encode(prompt)
-
-    def hook(at: str, req) -> None:
-        if at == point and req.input_ids == ids and len(req.output_ids) == num_output_ids:
-            raise RuntimeError(f"injected at {point}")
-
-    return hook
-
-
-@pytest.mark.parametrize(
-    ("point", "num_output_ids"), [("forward", 0), ("forward", 3), ("sample", 2)]
-)
-def test_a_fault_fails_its_request_and_the_others_are_identical(engines, point, num_output_ids):
-    """The culprit fails in its prefill or mid-decode, among requests decoding beside it."""
-    sync, overlapped = engines
-    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-    want = sync.generate(PROMPTS, params)
-    overlapped.fault_hook = _fail_when(overlapped, point, PROMPTS[2], num_output_ids)
-    try:
-        futures = overlapped.submit(PROMPTS, params)
-        results = [f.exception(timeout=60) or f.result() for f in futures]
-    finally:
-        overlapped.fault_hook = None
-    for i, (got, out) in enumerate(zip(results, want)):
-        if i == 2:
-            assert f"injected at {point}" in str(got)
-        else:
-            assert _key(got) == _key(out)
-    assert overlapped.generate(PROMPTS[2], params)["output_ids"] == want[2]["output_ids"]
 
 
 def test_checks_run_while_the_next_forward_runs(tiny_path, engines):
@@ -327,132 +205,3 @@ def test_checks_run_while_the_next_forward_runs(tiny_path, engines):
     forward_threads = {name for kind, name, _ in met if kind == "forward"}
     check_threads = {name for kind, name, _ in met if kind == "check"}
     assert forward_threads.isdisjoint(check_threads)
-
-
-@settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    st.lists(
-        st.tuples(
-            st.integers(0, len(PROMPTS) - 1),
-            st.integers(1, 40),  # max_new_tokens
-            st.sampled_from([None, 0, 11]),  # greedy or a seed
-            st.sampled_from([None, 1, 5]),  # aborted after this many chunks
-        ),
-        min_size=1,
-        max_size=10,
-    )
-)
-def test_random_mixes_under_pool_pressure_match_the_synchronous_loop(engines, pressed, plan):
-    """Retractions and evictions (a 160-token pool) while steps overlap; a request not
-    aborted produces exactly what the synchronous loop produces."""
-    sync, _ = engines
-
-    def params(max_new: int, seed: int | None) -> dict:
-        temperature = 0 if seed is None else 0.9
-        return {"max_new_tokens": max_new, "temperature": temperature, "seed": seed}
-
-    prompts = [PROMPTS[p] for p, _, _, _ in plan]
-    mix = [{**params(max_new, seed), "ignore_eos": True} for _, max_new, seed, _ in plan]
-
-    def on_chunk(i: int, chunk: dict) -> None:
-        if chunk["meta_info"]["completion_tokens"] == plan[i][3]:
-            pressed.abort(chunk["meta_info"]["id"])
-
-    futures = pressed.submit(prompts, mix, on_chunk=on_chunk)
-    results = [f.exception(timeout=120) or f.result() for f in futures]
-    want = sync.generate(prompts, mix)
-    for (_, max_new, _, abort_after), got, out in zip(plan, results, want):
-        if isinstance(got, RequestAborted):
-            assert abort_after is not None and abort_after < max_new
-        else:
-            assert _key(got) == _key(out)
-    assert engine_leak(pressed) is None
-
-
-def test_pool_pressure_retracts_and_the_outputs_match_the_synchronous_loop(engines, pressed):
-    """Retracted requests resume exactly; a constrained request jumps forward meanwhile."""
-    sync, _ = engines
-    prompts = [*PROMPTS, "Extract: Alice ordered"]
-    mix = [{"max_new_tokens": 30 + i, "temperature": 0, "ignore_eos": True} for i in range(8)]
-    mix.append({"max_new_tokens": 60, "temperature": 0, "json_schema": json.dumps(SCHEMA)})
-    assert pressed.flush_cache()
-    pressed.reset_stats()
-    got = pressed.generate(prompts, mix)
-    stats = pressed.stats()
-    assert stats["retracted_requests"] > 0 and stats["jump_forward_tokens"] > 0
-    assert [_key(o) for o in got] == [_key(o) for o in sync.generate(prompts, mix)]
-
-
-def test_shutdown_fails_the_requests_of_the_forward_in_flight(tiny_path, _engine_registry):
-    """Shut down while a forward runs: its requests fail, and every slot it wrote is freed."""
-    engine = Engine(tiny_path, overlap_schedule=True, max_total_tokens=1024)
-    _engine_registry.reported.add(engine)  # not clean at its shutdown, by design
-    in_forward, release = threading.Event(), threading.Event()
-    run = engine.runner.run
-    num_forwards = [0]
-
-    def blocking_run(fb):
-        num_forwards[0] += 1
-        if num_forwards[0] == 3:
-            in_forward.set()
-            release.wait(30)
-        return run(fb)
-
-    engine.runner.run = blocking_run
-    abandon, abandoned = engine._abandon_in_flight, []
-
-    def watched_abandon(error):
-        abandoned.append(engine._in_flight is not None)
-        abandon(error)
-
-    engine._abandon_in_flight = watched_abandon
-    params = {"max_new_tokens": 50, "temperature": 0, "ignore_eos": True}
-    futures = engine.submit(PROMPTS[:3], params)
-    assert in_forward.wait(30)
-    stopper = threading.Thread(target=engine.shutdown)
-    stopper.start()
-    while not engine._stopping:  # the loop is blocked on the forward until it is released
-        time.sleep(0.001)
-    release.set()
-    stopper.join(30)
-    assert not stopper.is_alive()
-    assert abandoned == [True]  # shutdown found a forward in flight
-    for future in futures:
-        assert "shut down" in str(future.exception(timeout=30))
-    state = engine.memory_state()
-    assert state["kv_slots_free"] + state["kv_slots_cached"] == state["kv_slots_total"]
-    assert state["kv_slots_locked"] == 0 and state["req_slots_free"] == state["req_slots_total"]
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_prompts_cut_into_chunks_in_the_same_step_all_finish(tiny_path, engines, overlap):
-    """Two prompts longer than a prefill chunk, admitted together: one is cut at a time (a
-    second one cut in the same step used to fall out of every queue and never finish)."""
-    sync, _ = engines
-    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
-    prompts = [PROMPTS[4], PROMPTS[7]]
-    with Engine(
-        tiny_path, chunked_prefill_size=8, max_total_tokens=1024, overlap_schedule=overlap
-    ) as engine:
-        assert all(len(engine.encode(p)) > 16 for p in prompts)
-        got = [f.result(timeout=60) for f in engine.submit(prompts, params)]
-    assert [_key(o) for o in got] == [_key(o) for o in sync.generate(prompts, params)]
-
-
-def _used_and_dropped(tiny_path: str) -> tuple[weakref.ref, threading.Thread, threading.Thread]:
-    before = set(threading.enumerate())
-    engine = Engine(tiny_path, overlap_schedule=True, max_total_tokens=1024)
-    assert len(engine.generate("hello", {"max_new_tokens": 3})["output_ids"]) == 3
-    (worker,) = [t for t in set(threading.enumerate()) - before if t is not engine._thread]
-    assert worker.name.startswith("lmprog-forward")
-    return weakref.ref(engine), engine._thread, worker
-
-
-def test_an_unreferenced_overlapped_engine_is_collected_with_its_threads(tiny_path):
-    gc.collect()
-    engine_ref, loop_thread, worker = _used_and_dropped(tiny_path)
-    gc.collect()
-    loop_thread.join(30)
-    worker.join(30)
-    assert engine_ref() is None
-    assert not loop_thread.is_alive() and not worker.is_alive()

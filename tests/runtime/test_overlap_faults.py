@@ -1,0 +1,236 @@
+"""Overlap scheduling (issue 18) when requests are disturbed: aborts, faults in a forward or
+in sampling, a KV pool far smaller than the demand (retraction, eviction, chunked prefill,
+pages), shutdown with a forward in flight, and an engine nobody references. The reference
+is the synchronous loop (`overlap_engines.py`); every test ends with the engines clean (the
+autouse check in conftest).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import time
+import weakref
+
+import pytest
+from conftest import engine_leak
+from helpers import PROMPTS
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from overlap_engines import SCHEMA, engine_pair, result_key
+
+from lmprog_runtime import Engine
+from lmprog_runtime.engine import RequestAborted
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_path):
+    """(synchronous, overlapped) engines, both with a slow forward."""
+    with engine_pair(tiny_path) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["page1", "page4"])
+def pressed(tiny_path, request):
+    """An overlapped engine whose KV pool is far smaller than the demand put on it, with
+    short prefill chunks, on pages of 1 and 4 slots."""
+    with Engine(
+        tiny_path,
+        max_total_tokens=160,
+        max_running_requests=8,
+        chunked_prefill_size=8,
+        page_size=request.param,
+        overlap_schedule=True,
+    ) as engine:
+        yield engine
+
+
+def test_aborts_mid_run_end_their_request_and_spare_the_others(engines):
+    """Each request to abort is aborted from its own stream after a few chunks."""
+    sync, overlapped = engines
+    params = [
+        {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "seed": i} for i in range(6)
+    ]
+    aborted_after = {1: 1, 3: 4, 4: 7}
+
+    def run(engine: Engine) -> tuple[list, list]:
+        counts = [0] * len(params)
+
+        def on_chunk(i: int, chunk: dict) -> None:
+            counts[i] += 1
+            if counts[i] == aborted_after.get(i):
+                engine.abort(chunk["meta_info"]["id"])
+
+        futures = engine.submit(PROMPTS[:6], params, on_chunk=on_chunk)
+        return [f.exception(timeout=60) or f.result() for f in futures], counts
+
+    want, _ = run(sync)
+    got, counts = run(overlapped)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if i in aborted_after:
+            assert isinstance(g, RequestAborted) and isinstance(w, RequestAborted)
+            assert counts[i] == aborted_after[i]  # no chunk after the abort was seen
+        else:
+            assert result_key(g) == result_key(w)
+
+
+def _fail_when(engine: Engine, point: str, prompt: str, num_output_ids: int):
+    ids = engine.encode(prompt)
+
+    def hook(at: str, req) -> None:
+        if at == point and req.input_ids == ids and len(req.output_ids) == num_output_ids:
+            raise RuntimeError(f"injected at {point}")
+
+    return hook
+
+
+@pytest.mark.parametrize(
+    ("point", "num_output_ids"), [("forward", 0), ("forward", 3), ("sample", 2)]
+)
+def test_a_fault_fails_its_request_and_the_others_are_identical(engines, point, num_output_ids):
+    """The culprit fails in its prefill or mid-decode, among requests decoding beside it."""
+    sync, overlapped = engines
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    want = sync.generate(PROMPTS, params)
+    overlapped.fault_hook = _fail_when(overlapped, point, PROMPTS[2], num_output_ids)
+    try:
+        futures = overlapped.submit(PROMPTS, params)
+        results = [f.exception(timeout=60) or f.result() for f in futures]
+    finally:
+        overlapped.fault_hook = None
+    for i, (got, out) in enumerate(zip(results, want)):
+        if i == 2:
+            assert f"injected at {point}" in str(got)
+        else:
+            assert result_key(got) == result_key(out)
+    assert overlapped.generate(PROMPTS[2], params)["output_ids"] == want[2]["output_ids"]
+
+
+@settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, len(PROMPTS) - 1),
+            st.integers(1, 40),  # max_new_tokens
+            st.sampled_from([None, 0, 11]),  # greedy or a seed
+            st.sampled_from([None, 1, 5]),  # aborted after this many chunks
+        ),
+        min_size=1,
+        max_size=10,
+    )
+)
+def test_random_mixes_under_pool_pressure_match_the_synchronous_loop(engines, pressed, plan):
+    """Retractions and evictions (a 160-token pool) while steps overlap; a request not
+    aborted produces exactly what the synchronous loop produces."""
+    sync, _ = engines
+
+    def params(max_new: int, seed: int | None) -> dict:
+        temperature = 0 if seed is None else 0.9
+        return {"max_new_tokens": max_new, "temperature": temperature, "seed": seed}
+
+    prompts = [PROMPTS[p] for p, _, _, _ in plan]
+    mix = [{**params(max_new, seed), "ignore_eos": True} for _, max_new, seed, _ in plan]
+
+    def on_chunk(i: int, chunk: dict) -> None:
+        if chunk["meta_info"]["completion_tokens"] == plan[i][3]:
+            pressed.abort(chunk["meta_info"]["id"])
+
+    futures = pressed.submit(prompts, mix, on_chunk=on_chunk)
+    results = [f.exception(timeout=120) or f.result() for f in futures]
+    want = sync.generate(prompts, mix)
+    for (_, max_new, _, abort_after), got, out in zip(plan, results, want):
+        if isinstance(got, RequestAborted):
+            assert abort_after is not None and abort_after < max_new
+        else:
+            assert result_key(got) == result_key(out)
+    assert engine_leak(pressed) is None
+
+
+def test_pool_pressure_retracts_and_the_outputs_match_the_synchronous_loop(engines, pressed):
+    """Retracted requests resume exactly; a constrained request jumps forward meanwhile."""
+    sync, _ = engines
+    prompts = [*PROMPTS, "Extract: Alice ordered"]
+    mix = [{"max_new_tokens": 30 + i, "temperature": 0, "ignore_eos": True} for i in range(8)]
+    mix.append({"max_new_tokens": 60, "temperature": 0, "json_schema": json.dumps(SCHEMA)})
+    assert pressed.flush_cache()
+    pressed.reset_stats()
+    got = pressed.generate(prompts, mix)
+    stats = pressed.stats()
+    assert stats["retracted_requests"] > 0 and stats["jump_forward_tokens"] > 0
+    assert [result_key(o) for o in got] == [result_key(o) for o in sync.generate(prompts, mix)]
+
+
+def test_shutdown_fails_the_requests_of_the_forward_in_flight(tiny_path, _engine_registry):
+    """Shut down while a forward runs: its requests fail, and every slot it wrote is freed."""
+    engine = Engine(tiny_path, overlap_schedule=True, max_total_tokens=1024)
+    _engine_registry.reported.add(engine)  # not clean at its shutdown, by design
+    in_forward, release = threading.Event(), threading.Event()
+    run = engine.runner.run
+    num_forwards = [0]
+
+    def blocking_run(fb):
+        num_forwards[0] += 1
+        if num_forwards[0] == 3:
+            in_forward.set()
+            release.wait(30)
+        return run(fb)
+
+    engine.runner.run = blocking_run
+    abandon, abandoned = engine._abandon_in_flight, []
+
+    def watched_abandon(error):
+        abandoned.append(engine._in_flight is not None)
+        abandon(error)
+
+    engine._abandon_in_flight = watched_abandon
+    params = {"max_new_tokens": 50, "temperature": 0, "ignore_eos": True}
+    futures = engine.submit(PROMPTS[:3], params)
+    assert in_forward.wait(30)
+    stopper = threading.Thread(target=engine.shutdown)
+    stopper.start()
+    while not engine._stopping:  # the loop is blocked on the forward until it is released
+        time.sleep(0.001)
+    release.set()
+    stopper.join(30)
+    assert not stopper.is_alive()
+    assert abandoned == [True]  # shutdown found a forward in flight
+    for future in futures:
+        assert "shut down" in str(future.exception(timeout=30))
+    state = engine.memory_state()
+    assert state["kv_slots_free"] + state["kv_slots_cached"] == state["kv_slots_total"]
+    assert state["kv_slots_locked"] == 0 and state["req_slots_free"] == state["req_slots_total"]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompts_cut_into_chunks_in_the_same_step_all_finish(tiny_path, engines, overlap):
+    """Two prompts longer than a prefill chunk, admitted together: one is cut at a time (a
+    second one cut in the same step used to fall out of every queue and never finish)."""
+    sync, _ = engines
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    prompts = [PROMPTS[4], PROMPTS[7]]
+    with Engine(
+        tiny_path, chunked_prefill_size=8, max_total_tokens=1024, overlap_schedule=overlap
+    ) as engine:
+        assert all(len(engine.encode(p)) > 16 for p in prompts)
+        got = [f.result(timeout=60) for f in engine.submit(prompts, params)]
+    assert [result_key(o) for o in got] == [result_key(o) for o in sync.generate(prompts, params)]
+
+
+def _used_and_dropped(tiny_path: str) -> tuple[weakref.ref, threading.Thread, threading.Thread]:
+    before = set(threading.enumerate())
+    engine = Engine(tiny_path, overlap_schedule=True, max_total_tokens=1024)
+    assert len(engine.generate("hello", {"max_new_tokens": 3})["output_ids"]) == 3
+    (worker,) = [t for t in set(threading.enumerate()) - before if t is not engine._thread]
+    assert worker.name.startswith("lmprog-forward")
+    return weakref.ref(engine), engine._thread, worker
+
+
+def test_an_unreferenced_overlapped_engine_is_collected_with_its_threads(tiny_path):
+    gc.collect()
+    engine_ref, loop_thread, worker = _used_and_dropped(tiny_path)
+    gc.collect()
+    loop_thread.join(30)
+    worker.join(30)
+    assert engine_ref() is None
+    assert not loop_thread.is_alive() and not worker.is_alive()
