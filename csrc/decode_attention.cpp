@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "native_ops.h"
 
 #if LMPROG_AVX512
 #include <immintrin.h>
@@ -262,20 +263,6 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
   TORCH_CHECK(ok, "decode_attention: a KV slot index is out of range");
   return {out, lse};
 }
-
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor x);
-void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos,
-           torch::Tensor sin);
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                          bool out_float32);
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          torch::Tensor mins, bool out_float32);
-torch::Tensor q8_0_dequantize(torch::Tensor qweight, torch::Tensor scales, bool to_bf16);
-torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
-                              bool to_bf16);
-void register_decode_stack(py::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32 or bfloat16)");

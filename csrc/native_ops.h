@@ -1,0 +1,26 @@
+// The native CPU entry points, defined across csrc/*.cpp: the Python module exposes them
+// (decode_attention.cpp) and the decode stack chains them (decode_stack.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf,
+                                            torch::Tensor v_buf, torch::Tensor req_to_token,
+                                            torch::Tensor req_rows, torch::Tensor seq_lens,
+                                            torch::Tensor key_starts, torch::Tensor order,
+                                            double scale, int64_t sliding_window);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos,
+           torch::Tensor sin);
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                          bool out_float32);
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                          torch::Tensor mins, bool out_float32);
+torch::Tensor q8_0_dequantize(torch::Tensor qweight, torch::Tensor scales, bool to_bf16);
+torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
+                              bool to_bf16);
+void register_decode_stack(py::module& m);
