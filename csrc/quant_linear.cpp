@@ -5,24 +5,33 @@
 // - Q4_1: 4-bit values q in 0..15, packed two per byte (byte j of a block holds element j
 //   in its low nibble and element j + 16 in its high nibble), and a float16 scale d and
 //   minimum m per block: w = q * d + m.
-// Decode reads every weight once per step, so it runs at the speed of memory; the kernel
-// widens each block to float32 in registers and multiplies it by float32 activations with
-// float32 accumulation, so its result is the float32 matmul over the dequantized weight up
-// to summation order (no activation quantization, unlike llama.cpp's integer dot products).
-// Each weight block is read once for all rows of the input. Rows are processed in tiles of
-// up to four, whose accumulators stay in registers.
+// Decode reads every weight once per step. With float32 activations the kernel widens each
+// block to float32 in registers and multiplies it with float32 accumulation, so its result
+// is the float32 matmul over the dequantized weight up to summation order. With bfloat16
+// activations on a CPU with AVX512-VNNI, the activations are rounded to int16 per block and
+// the products are integer dot products (see `linear_int16`), within the activations' own
+// bfloat16 rounding of that result. Each weight block is read once for all rows of the
+// input. Rows are processed in tiles of up to four, whose accumulators stay in registers.
 //
 // `dequantize_*` expand a layer to a dense float32 or bfloat16 matrix: many rows at once (a
 // prefill) run faster as one dense matmul (AMX / AVX-512 through torch) than here.
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "cpu_vec.h"
 
 #if LMPROG_AVX512 || defined(__F16C__)
 #include <immintrin.h>
+#endif
+
+// 16-bit integer dot products (vpdpwssd, AVX512-VNNI: Cascade Lake and later, Zen 4).
+#if LMPROG_AVX512 && defined(__AVX512VNNI__)
+#define LMPROG_VNNI 1
+#else
+#define LMPROG_VNNI 0
 #endif
 
 using lmprog::bf16;
@@ -151,6 +160,188 @@ inline void dot_rows(const QWeight& w, const float* x, const float* xsums, int64
 #endif
 }
 
+#if LMPROG_VNNI
+// bfloat16 activations: integer dot products (AVX512-VNNI).
+//
+// Each block of 32 activations is scaled to int16 (x = s * qx, s = max|x| / 32767, qx
+// rounded) and multiplied by the weights' integers in int32, exactly:
+//   x_b . (d q_b + m) = d s (qx_b . q_b) + m sum(x_b)
+// with the block sum taken over the unrounded activations. int16 keeps 15 bits of every
+// activation within 2^7 of its block's largest, more than bfloat16's 8, so this rounding is
+// below the activations' own; smaller ones lose bits, but their products are as small.
+// (llama.cpp rounds activations to int8, which this does not.) Q8_0 weights widen to int16
+// and multiply with vpdpwssd (32 products per instruction); Q4_1 nibbles multiply the
+// activations' two bytes with vpdpbusd (64 per instruction, see `q4_byte`). Either replaces
+// the float path's widening, conversion and FMA per 16 weights.
+
+// Activations of each row as int16 with one float32 scale per block, and each block's sum.
+struct Int16Activations {
+  std::vector<int16_t> values;  // [rows, padded]: in the weight format's word order
+  std::vector<float> scales;    // [rows, nb] (Q8_0) or [rows, groups, 16] (Q4_1: per lane)
+  std::vector<float> sums;      // [rows, nb]
+  int64_t padded = 0;
+};
+
+constexpr int64_t kGroupBlocks = 4;  // Q4_1 blocks per 512-bit load (64 bytes of nibbles)
+constexpr int64_t kGroupValues = kGroupBlocks * kBlock;
+
+inline int64_t q4_groups(int64_t blocks) { return (blocks + kGroupBlocks - 1) / kGroupBlocks; }
+
+// Q4_1 activations are split into bytes: qx = 256 h + l, h signed and l unsigned, so the
+// weights' nibbles (unsigned bytes once masked) multiply them with vpdpbusd (u8 x s8, 64
+// products per instruction): x . q = 256 (q . h) + (q . l), exact in int32. A 64-byte load
+// of four blocks gives two byte vectors, the low nibbles (elements 0-15 of each block) and
+// the high ones (16-31), each 128-bit lane one block; a group's activations are four byte
+// vectors in that order: h of elements 0-15, h of 16-31, l of 0-15, l of 16-31.
+inline int64_t q4_byte(int64_t block_in_group, int64_t j, bool low_byte) {
+  return (low_byte ? 128 : 0) + (j >= 16 ? 64 : 0) + block_in_group * 16 + j % 16;
+}
+
+Int16Activations quantize_activations(const bf16* x, int64_t rows, int64_t in, Format format) {
+  const int64_t nb = in / kBlock;
+  const bool q4 = format == Format::Q4_1;
+  Int16Activations a;
+  a.padded = q4 ? q4_groups(nb) * kGroupValues : in;
+  a.values.assign(rows * a.padded, 0);
+  a.scales.assign(q4 ? rows * q4_groups(nb) * 16 : rows * nb, 0.f);
+  a.sums.assign(rows * nb, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const bf16* xb = x + r * in + b * kBlock;
+      float v[kBlock], amax = 0.f, sum = 0.f;
+      for (int j = 0; j < kBlock; ++j) {
+        v[j] = lmprog::to_f32(xb[j]);
+        amax = std::max(amax, std::abs(v[j]));
+        sum += v[j];
+      }
+      const float scale = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+      int16_t* out = a.values.data() + r * a.padded;
+      for (int j = 0; j < kBlock; ++j) {
+        const auto q = static_cast<int16_t>(std::nearbyint(v[j] * inv));
+        if (q4) {
+          // Bytes: two per value, in q4_byte's order.
+          auto* group = reinterpret_cast<uint8_t*>(out + (b / kGroupBlocks) * kGroupValues);
+          group[q4_byte(b % kGroupBlocks, j, false)] = static_cast<uint8_t>(q >> 8);
+          group[q4_byte(b % kGroupBlocks, j, true)] = static_cast<uint8_t>(q & 0xFF);
+        } else {
+          out[b * kBlock + j] = q;
+        }
+      }
+      a.sums[r * nb + b] = sum;
+      if (q4) {
+        float* lanes = a.scales.data() + (r * q4_groups(nb) + b / kGroupBlocks) * 16 + (b % kGroupBlocks) * 4;
+        std::fill(lanes, lanes + 4, scale);
+      } else {
+        a.scales[r * nb + b] = scale;
+      }
+    }
+  }
+  return a;
+}
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// sums[r] += sum over blocks of m_b * sum(x_rb), sixteen blocks at a time (Q4_1's minimums).
+template <int R>
+inline void add_min_terms(const at::Half* m, const float* xs, int64_t nb, __m512* acc) {
+  for (int64_t b = 0; b < nb; b += 16) {
+    const __mmask16 k = first_lanes(nb - b);
+    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, m + b));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, xs + r * nb + b), acc[r]);
+  }
+}
+
+// Q4_1 output n for R rows (activations starting at row 0 of `a`'s slices).
+template <int R>
+inline void q4_1_dot_rows_int16(const QWeight& w, const int16_t* xq, const float* xscale,
+                                const float* xs, int64_t padded, int64_t n, float* sums) {
+  const int64_t nb = w.blocks(), groups = q4_groups(nb);
+  const uint8_t* row = w.data + n * w.row_bytes();
+  const at::Half* d = w.d + n * nb;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  // The four scales of a group, one per 128-bit lane (a lane is a block).
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t blocks = std::min(kGroupBlocks, nb - g * kGroupBlocks);
+    const __mmask64 bytes = blocks == kGroupBlocks ? ~__mmask64{0} : (__mmask64{1} << (16 * blocks)) - 1;
+    const __m512i packed = _mm512_maskz_loadu_epi8(bytes, row + g * kGroupBlocks * 16);
+    const __m512i lo = _mm512_and_si512(packed, nibble);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    const __m128i d4 = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << blocks) - 1), d + g * kGroupBlocks);
+    const __m512 dv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(d4)));
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xg = xq + r * padded + g * kGroupValues;
+      __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));
+      __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xg + 64), lo);
+      h = _mm512_dpbusd_epi32(h, hi, _mm512_loadu_si512(xg + 32));
+      l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(xg + 96), hi);
+      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+      const __m512 scale = _mm512_mul_ps(dv, _mm512_loadu_ps(xscale + (r * groups + g) * 16));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+    }
+  }
+  add_min_terms<R>(w.m + n * nb, xs, nb, acc);
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// Q8_0 output n for R rows: one block (32 int8 -> 32 int16 words) per dot product.
+template <int R>
+inline void q8_0_dot_rows_int16(const QWeight& w, const int16_t* xq, const float* xscale,
+                                int64_t in, int64_t n, float* sums) {
+  const int64_t nb = w.blocks();
+  const int8_t* row = reinterpret_cast<const int8_t*>(w.data + n * w.row_bytes());
+  const at::Half* d = w.d + n * nb;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  float ds[16];
+  for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+    const int64_t count = std::min<int64_t>(16, nb - b0);
+    _mm512_storeu_ps(ds, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(count), d + b0)));
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t b = b0 + i;
+      const __m512i wq = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock)));
+      for (int r = 0; r < R; ++r) {
+        const __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xq + r * in + b * kBlock), wq);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(ds[i] * xscale[r * nb + b]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <int R, typename T>
+inline void int16_dot_tile(const QWeight& w, const Int16Activations& a, int64_t r, int64_t n,
+                           T* out) {
+  const int64_t nb = w.blocks();
+  float sums[R];
+  if (w.format == Format::Q4_1) {
+    const int64_t groups = q4_groups(nb);
+    q4_1_dot_rows_int16<R>(w, a.values.data() + r * a.padded, a.scales.data() + r * groups * 16,
+                           a.sums.data() + r * nb, a.padded, n, sums);
+  } else {
+    q8_0_dot_rows_int16<R>(w, a.values.data() + r * a.padded, a.scales.data() + r * nb,
+                           a.padded, n, sums);
+  }
+  for (int i = 0; i < R; ++i) out[(r + i) * w.out_features + n] = lmprog::from_f32<T>(sums[i]);
+}
+
+template <typename T>
+void linear_int16(const QWeight& w, const bf16* x, int64_t rows, T* out) {
+  const Int16Activations a = quantize_activations(x, rows, w.in_features, w.format);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < w.out_features; ++n) {
+    int64_t r = 0;
+    for (; r + kRowTile <= rows; r += kRowTile) int16_dot_tile<kRowTile>(w, a, r, n, out);
+    for (; r < rows; ++r) int16_dot_tile<1>(w, a, r, n, out);
+  }
+}
+#endif
+
 // Output rows are split among threads in chunks; every chunk multiplies all input rows.
 template <typename T>
 void linear_impl(const QWeight& w, const float* x, int64_t rows, T* out) {
@@ -208,9 +399,20 @@ torch::Tensor quantized_linear(const QWeight& w, const torch::Tensor& x, bool ou
               "x must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in_features, "x must be [rows, ", w.in_features,
               "], got ", x.sizes());
-  const auto x32 = x.to(torch::kFloat32).contiguous();
   const auto out_dtype = out_float32 ? torch::kFloat32 : x.scalar_type();
   auto out = torch::empty({x.size(0), w.out_features}, x.options().dtype(out_dtype));
+#if LMPROG_VNNI
+  // Q8_0 gains only for a row or two (its per-block rescaling is per row); Q4_1 always.
+  if (x.scalar_type() == torch::kBFloat16 && (w.format == Format::Q4_1 || x.size(0) < kRowTile)) {
+    const auto xc = x.contiguous();
+    lmprog::dispatch_float_types(out_dtype, "quantized_linear", [&](auto tag) {
+      using T = decltype(tag);
+      linear_int16<T>(w, xc.data_ptr<bf16>(), x.size(0), out.data_ptr<T>());
+    });
+    return out;
+  }
+#endif
+  const auto x32 = x.to(torch::kFloat32).contiguous();
   lmprog::dispatch_float_types(out_dtype, "quantized_linear", [&](auto tag) {
     using T = decltype(tag);
     linear_impl<T>(w, x32.data_ptr<float>(), x.size(0), out.data_ptr<T>());
