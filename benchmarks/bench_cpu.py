@@ -11,7 +11,16 @@ Workloads, all greedy with the output length fixed (EOS masked):
   matmul peak measured in the same run (2 x non-embedding parameters x tokens FLOPs).
 Every side is built and warmed first; rounds alternate (ABBA), best and median reported.
 
+Each side runs in a worker process of its own (multiprocessing, "spawn"), built and warmed
+there once and kept for the whole run; the bfloat16 peak is measured in one more. In one
+process the sides' thread pools (torch's OpenMP threads, llama.cpp's) disturbed each
+other: an int4 engine alone in a process decoded 128 tokens in 2.04 s, 2.95 s beside the
+others. The parent builds the workloads, sends each timed run to its side's worker and
+waits; the other workers block on a pipe read (no CPU), so one side works at a time, all
+with the parent's torch thread count. A worker times the work itself (not the pipe).
+
     .venv/bin/python benchmarks/bench_cpu.py [--model smollm2-135m-instruct] [--repeats 2]
+        [--workloads "one stream,shared prefix,prefill"] [--skip "lmprog int8,llama.cpp"]
 
 llama.cpp (optional): build llama-cpp-python from source with GGML_NATIVE=OFF and explicit
 flags (a native build crashed with an illegal instruction on a machine whose CPU flags
@@ -25,8 +34,16 @@ promise more than its OS enables); the figures in the README came from
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import importlib.util
+import multiprocessing
+import signal
+import sys
 import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import harness
@@ -39,6 +56,9 @@ SIDES = {  # name -> Engine options
     "lmprog int8": {"dtype": "auto", "quantization": "int8"},
     "lmprog int4": {"dtype": "auto", "quantization": "int4"},
 }
+HF_DTYPES = ("bfloat16", "float32")
+LLAMA_CPP = "llama.cpp"  # the side's name for `--skip`
+WORKLOADS = ("one stream", "shared prefix", "prefill")
 
 
 def bf16_peak_gflops(repeats: int = 10) -> float:
@@ -57,6 +77,17 @@ def bf16_peak_gflops(repeats: int = 10) -> float:
     return best_rate
 
 
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer the engine loads (see `Engine.__init__`): a GGUF's tokenizer.json as it
+    is, an HF directory's AutoTokenizer."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from lmprog_runtime import local_model_dir
+
+    loader = PreTrainedTokenizerFast if Path(path).is_file() else AutoTokenizer
+    return loader.from_pretrained(local_model_dir(path), local_files_only=True)
+
+
 def workloads(tokenizer: Any) -> dict[str, tuple[list[list[int]], int]]:
     """name -> (prompts as token ids, new tokens per prompt)."""
     corpus = " ".join(f"word{i} and more text number {i}." for i in range(4000))
@@ -70,26 +101,87 @@ def workloads(tokenizer: Any) -> dict[str, tuple[list[list[int]], int]]:
     return {"one stream": (single, 128), "shared prefix": (shared, 16), "prefill": (prefill, 1)}
 
 
-def engine_phase(name: str, engine: Any, prompts: list[list[int]], new: int) -> Phase:
-    params = {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0}
+def prefill_params(path: str) -> int:
+    """The weights every prefill token multiplies (not embeddings; the LM head runs for the
+    last token only), counted on transformers' model built on the meta device (no weights
+    loaded, no compute)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    def run() -> list[list[int]]:
-        return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    from lmprog_runtime import local_model_dir
 
-    return Phase(name, run, before=lambda: harness.flush(engine))
+    config = AutoConfig.from_pretrained(local_model_dir(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(
+        p.numel() for n, p in model.named_parameters() if "embed" not in n and "lm_head" not in n
+    )
 
 
-def llama_cpp_phase(llm: Any, prompts: list[list[int]], new: int, reuse: bool) -> Phase:
+# ---- the worker processes -----------------------------------------------------------------
+# A side: `run(workload, reuse)` -> (seconds, outputs), timed around the work only; `flush()`
+# (untimed, before a run); `close()`.
+Side = tuple[Callable[..., tuple[float, Any]], Callable[[], None], Callable[[], None]]
+Loads = dict[str, tuple[list[list[int]], int]]
+
+
+def build_engine(path: str, options: dict[str, Any], loads: Loads) -> Side:
+    from lmprog_runtime import Engine
+
+    engine = Engine(path, max_total_tokens=8192, **options)
+    harness.warm_engine(engine)
+
+    def run(workload: str, reuse: bool) -> tuple[float, list[list[int]]]:
+        prompts, new = loads[workload]
+        params = {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0}
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        outs = [o["output_ids"] for o in outs]
+        return time.perf_counter() - start, outs
+
+    return run, lambda: harness.flush(engine), engine.shutdown
+
+
+def build_hf(path: str, dtype: str, loads: Loads) -> Side:
+    model = harness.load_hf_model(path, dtype)
+    harness.warm_hf(model, load_tokenizer(path))
+
+    def run(workload: str, reuse: bool) -> tuple[float, list[list[int]]]:
+        prompts, new = loads[workload]
+        start = time.perf_counter()
+        outs = harness.hf_generate(model, prompts, new, 8)
+        return time.perf_counter() - start, outs
+
+    return run, lambda: None, lambda: None
+
+
+def build_llama_cpp(gguf: str, threads: int, loads: Loads) -> Side:
     """llama.cpp runs one prompt at a time. Without `reuse` every prompt starts from an
     empty context (arrival order, nothing shared); with it the prompts go sorted, so each
     starts from the KV of the previous one and evaluates only what differs (llama-cpp-python
     keeps the longest common prefix of consecutive prompts)."""
-    order = sorted(range(len(prompts)), key=lambda i: prompts[i]) if reuse else range(len(prompts))
+    from llama_cpp import Llama
 
-    def run() -> list[list[int]]:
+    llm = Llama(
+        model_path=gguf,
+        n_ctx=2048,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=512,
+        verbose=False,
+    )
+    # The warm-up the other sides get: a few tokens of the warm-up prompt, then a reset.
+    for i, _ in enumerate(llm.generate(llm.tokenize(harness.WARMUP_TEXT.encode()), temp=0.0)):
+        if i == 3:
+            break
+    llm.reset()
+
+    def run(workload: str, reuse: bool) -> tuple[float, list[list[int]]]:
+        prompts, new = loads[workload]
+        order = sorted(range(len(prompts)), key=lambda i: prompts[i]) if reuse else None
+        start = time.perf_counter()
         outs: list[list[int]] = [[] for _ in prompts]
         llm.reset()
-        for i in order:
+        for i in order if reuse else range(len(prompts)):
             if not reuse:
                 llm.reset()
             tokens = outs[i]
@@ -97,113 +189,295 @@ def llama_cpp_phase(llm: Any, prompts: list[list[int]], new: int, reuse: bool) -
                 tokens.append(token)
                 if len(tokens) == new:
                     break
-        return outs
+        return time.perf_counter() - start, outs
 
-    name = "llama.cpp, sorted by prefix" if reuse else "llama.cpp, one by one"
-    return Phase(f"{name} (llama-cpp-python)", run)
+    return run, llm.reset, getattr(llm, "close", lambda: None)
+
+
+def build_peak() -> Side:
+    def run() -> tuple[float, float]:
+        start = time.perf_counter()
+        gflops = bf16_peak_gflops()
+        return time.perf_counter() - start, gflops
+
+    return run, lambda: None, lambda: None
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(128 + signum)  # unwinds through `finally`: workers stop, sides shut down
+
+
+def worker_main(conn: Any, kind: str, setup: tuple, threads: int, loads: Loads) -> None:
+    """A worker process: build and warm one side, answer ("ok", info) (or ("error",
+    traceback)), then serve commands until ("stop",) or until the parent is gone:
+    ("flush",) -> ("ok", None); ("run", *args) -> ("ok", (seconds, outputs))."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    # Stopped with SIGTERM, exit through `finally` and atexit (shut the side down, release
+    # what it holds, such as tqdm's semaphores) rather than die at once; once done serving,
+    # die at once (a SystemExit in the interpreter's teardown would only print noise).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        _serve(conn, kind, setup, threads, loads)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _serve(conn: Any, kind: str, setup: tuple, threads: int, loads: Loads) -> None:
+    torch.set_num_threads(threads)
+    try:
+        if kind == "lmprog":
+            side = build_engine(*setup, loads)
+        elif kind == "hf":
+            side = build_hf(*setup, loads)
+        elif kind == "llama.cpp":
+            side = build_llama_cpp(*setup, threads, loads)
+        else:
+            side = build_peak()
+    except BaseException:
+        with contextlib.suppress(OSError):  # unless the parent is gone
+            conn.send(("error", traceback.format_exc()))
+        return
+    run, flush, close = side
+    try:
+        conn.send(("ok", {"threads": torch.get_num_threads()}))
+        while True:
+            try:
+                command = conn.recv()
+            except EOFError:
+                return  # the parent is gone
+            if command[0] == "stop":
+                return
+            try:
+                if command[0] == "flush":
+                    reply = flush()
+                elif command[0] == "run":
+                    gc.collect()  # as `harness.alternate` does before a phase, untimed
+                    reply = run(*command[1:])
+                else:
+                    raise ValueError(f"unknown command {command!r}")
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+            else:
+                conn.send(("ok", reply))
+    except OSError:  # BrokenPipeError: the parent is gone
+        return
+    finally:
+        close()
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class Worker:
+    """The parent's handle on one side's worker process."""
+
+    def __init__(self, ctx: Any, name: str, kind: str, setup: tuple, threads: int, loads: Loads):
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=worker_main,
+            args=(child, kind, setup, threads, loads),
+            name=f"bench_cpu: {name}",
+            daemon=True,
+        )
+        # The worker inherits an ignored SIGINT: a Ctrl-C (sent to the whole process group)
+        # reaches the parent only, which then stops every worker.
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self.process.start()
+        finally:
+            signal.signal(signal.SIGINT, handler)
+            child.close()  # the worker's end lives in the worker only: EOF when it dies
+        self.started = time.perf_counter()
+
+    def wait_ready(self) -> dict[str, Any]:
+        info = self._reply("start")
+        print(
+            f"{self.name}: ready in {time.perf_counter() - self.started:.1f} s "
+            f"(pid {self.process.pid}, {info['threads']} threads)",
+            flush=True,
+        )
+        return info
+
+    def call(self, *command: Any) -> Any:
+        try:
+            self.conn.send(command)
+        except OSError:
+            raise self._died(command[0]) from None
+        return self._reply(command[0])
+
+    def _reply(self, what: str) -> Any:
+        try:
+            status, payload = self.conn.recv()
+        except EOFError:
+            raise self._died(what) from None
+        if status == "error":
+            raise WorkerError(f"{self.name}: {what} failed in its worker:\n{payload}")
+        return payload
+
+    def _died(self, what: str) -> WorkerError:
+        self.process.join(5)
+        code = self.process.exitcode
+        return WorkerError(f"{self.name}: its worker died during {what} (exit code {code})")
+
+    def stop(self, graceful: bool) -> None:
+        """Ask the worker to shut its side down and exit (`graceful`, when it is idle),
+        else (or if it does not exit) terminate it, kill it if need be."""
+        if graceful and self.process.is_alive():
+            try:
+                self.conn.send(("stop",))
+                self.process.join(60)
+            except OSError:
+                pass
+        for end in (self.process.terminate, self.process.kill):
+            if self.process.is_alive():
+                end()
+                self.process.join(10)
+        self.conn.close()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_common_args(parser, repeats=2)
     parser.set_defaults(model="smollm2-135m-instruct")
-    parser.add_argument("--skip", default="", help="comma-separated side names to leave out")
+    sides = [*SIDES, *(f"transformers generate {dtype}" for dtype in HF_DTYPES), LLAMA_CPP]
+    parser.add_argument(
+        "--skip", default="", help=f"comma-separated side names to leave out, of {sides}"
+    )
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated workloads to run, of {list(WORKLOADS)} (default: all)",
+    )
     args = parser.parse_args()
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    selected = {s.strip() for s in args.workloads.split(",") if s.strip()}
+    if skip - set(sides):
+        parser.error(f"--skip: unknown side(s) {sorted(skip - set(sides))}; sides: {sides}")
+    if not selected or selected - set(WORKLOADS):
+        parser.error(f"--workloads: {sorted(selected - set(WORKLOADS))}; of {list(WORKLOADS)}")
 
-    from lmprog_runtime import Engine, resolve_model_path
     from lmprog_runtime.models.cpu import cpu_has_native_bf16
 
     path = harness.resolve_model(args.model)
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    engines = {
-        name: Engine(path, max_total_tokens=8192, **options)
-        for name, options in SIDES.items()
-        if name not in skip
-    }
-    tokenizer = next(iter(engines.values())).tokenizer
-    hf = {dtype: harness.load_hf_model(path, dtype) for dtype in ("bfloat16", "float32")}
-    for engine in engines.values():
-        harness.warm_engine(engine)
-    for model in hf.values():
-        harness.warm_hf(model, tokenizer)
-    peak = bf16_peak_gflops()  # measured again at the end: the higher one counts
-    # Prefill FLOPs: 2 x the weights every token multiplies (not embeddings; the LM head
-    # runs for the last token only).
-    params = sum(
-        p.numel()
-        for n, p in hf["float32"].named_parameters()
-        if "embed" not in n and "lm_head" not in n
-    )
-    gguf = resolve_model_path(args.model)
-    has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None and gguf.endswith(".gguf")
-    llm = None
-    if has_llama_cpp:
-        from llama_cpp import Llama
-
-        threads = torch.get_num_threads()
-        llm = Llama(model_path=gguf, n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
-    rows, raw = [], {}
-    for workload, (prompts, new) in workloads(tokenizer).items():
-        phases = [engine_phase(name, e, prompts, new) for name, e in engines.items()]
-        phases += [
-            Phase(
-                f"transformers generate {dtype}",
-                lambda m=model, p=prompts, n=new: harness.hf_generate(m, p, n, 8),
-            )
-            for dtype, model in hf.items()
-        ]
-        if llm is not None:
-            phases.append(llama_cpp_phase(llm, prompts, new, reuse=False))
-            if workload == "shared prefix":
-                phases.append(llama_cpp_phase(llm, prompts, new, reuse=True))
-        print(f"{workload}: {len(prompts)} prompts, {new} new tokens", flush=True)
-        harness.alternate(phases, args.repeats)
-        # The baseline: llama.cpp (sorted by prefix on the shared-prefix workload, where it
-        # reuses KV; one by one elsewhere), or transformers in float32 without it.
-        base = phases[-1]
-        base_label = "llama.cpp" if llm is not None else base.name
-        reference = next(p for p in phases if p.name == "lmprog float32").values[-1]
-        tokens = sum(len(p) for p in prompts) if workload == "prefill" else len(prompts) * new
-        for phase in phases:
-            row = {
-                "workload": workload,
-                "system": phase.name,
-                "best / median (s)": f"{phase.best:.2f} / {phase.median:.2f}",
-                f"vs {base_label} (best / median)": harness.speedup(base, phase),
-                "greedy tokens = lmprog float32": _agreement(phase.values[-1], reference),
-            }
-            if workload == "prefill":
-                row["_seconds"] = row["best / median (s)"]
-                row["_gflops"] = 2 * params * tokens / phase.best / 1e9
-            rows.append(row)
-        raw[workload] = {p.name: p.timing() for p in phases}
-    peak = max(peak, bf16_peak_gflops())
-    for row in rows:  # the prefill rows' share of the peak, now that it is known
-        if row["workload"] == "prefill":
-            seconds, gflops = row.pop("_seconds"), row.pop("_gflops")
-            row["best / median (s)"] = f"{seconds} ({gflops / peak:.0%} of bf16 peak)"
-    for engine in engines.values():
-        engine.shutdown()
+    threads = torch.get_num_threads()
+    loads = {k: v for k, v in workloads(load_tokenizer(path)).items() if k in selected}
+    # (name, kind, setup) of every worker, in phase order; llama.cpp last (the baseline).
+    plan: list[tuple[str, str, tuple]] = [
+        (name, "lmprog", (path, options)) for name, options in SIDES.items()
+    ]
+    plan += [(f"transformers generate {dtype}", "hf", (path, dtype)) for dtype in HF_DTYPES]
+    if importlib.util.find_spec("llama_cpp") is not None and path.endswith(".gguf"):
+        plan.append((LLAMA_CPP, "llama.cpp", (path,)))
+    plan = [entry for entry in plan if entry[0] not in skip]
+    if "prefill" in loads:
+        plan.append(("bf16 peak", "peak", ()))
+    ctx = multiprocessing.get_context("spawn")  # torch after fork is unsafe
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    workers: dict[str, Worker] = {}
+    graceful = False
+    try:
+        for name, kind, setup in plan:  # one at a time: each builds and warms alone
+            workers[name] = Worker(ctx, name, kind, setup, threads, loads)
+            try:
+                workers[name].wait_ready()
+            except WorkerError as e:
+                if kind != "llama.cpp":
+                    raise
+                print(f"llama.cpp skipped, its worker failed to start: {e}", flush=True)
+                workers.pop(name).stop(graceful=False)
+        has_llama_cpp = LLAMA_CPP in workers
+        peak = workers["bf16 peak"].call("run")[1] if "prefill" in loads else 0.0
+        rows, raw = run_workloads(workers, loads, args.repeats)
+        if "prefill" in loads:  # measured again at the end: the higher one counts
+            peak = max(peak, workers["bf16 peak"].call("run")[1])
+        graceful = True
+    finally:
+        for worker in workers.values():
+            worker.stop(graceful)
+    if "prefill" in loads:
+        params = prefill_params(path)
+        for row in rows:  # the prefill rows' FLOP rate as a share of the peak
+            if row["workload"] == "prefill":
+                prompts, _ = loads["prefill"]
+                seconds, best = row.pop("_seconds"), row.pop("_best")
+                gflops = 2 * params * sum(len(p) for p in prompts) / best / 1e9
+                row["best / median (s)"] = f"{seconds} ({gflops / peak:.0%} of bf16 peak)"
     args.dtype = "per row: float32, auto (bfloat16 here), int8 / int4 with bfloat16 activations"
     if not cpu_has_native_bf16():
         args.dtype = "per row: float32 (auto and the quantized engines too: no native bfloat16)"
+    described = {
+        "one stream": "one stream (32-token prompt, 128 new tokens)",
+        "shared prefix": "4 groups x 8 prompts with a 512-token shared system prompt + 32 "
+        "tokens, 16 new each",
+        "prefill": "prefill of 2 x 1024 fresh tokens",
+    }
+    workload = "; ".join(described[w] for w in WORKLOADS if w in loads) + ". "
+    if "prefill" in loads:
+        workload += f"bfloat16 matmul peak measured here: {peak:.0f} GFLOP/s. "
+    workload += f"{args.repeats} rounds, alternating order, each side in a process of its own"
     harness.write_result(
         args,
         "cpu",
         {
             "title": "CPU speed: lmprog dtypes and quantization against transformers"
             + (" and llama.cpp" if has_llama_cpp else ""),
-            "workload": (
-                "one stream (32-token prompt, 128 new tokens); 4 groups x 8 prompts with a "
-                "512-token shared system prompt + 32 tokens, 16 new each; prefill of 2 x "
-                f"1024 fresh tokens. bfloat16 matmul peak measured here: {peak:.0f} GFLOP/s. "
-                f"{args.repeats} rounds, alternating order"
-            ),
+            "workload": workload,
             "columns": list(rows[0]),
             "rows": rows,
             "raw": raw,
         },
     )
+
+
+def remote_phase(
+    name: str, worker: Worker, workload: str, reuse: bool = False, flush: bool = False
+) -> Phase:
+    """A phase that runs `workload` in `worker` (flushed first), timed there."""
+    before = (lambda: worker.call("flush")) if flush else None
+    return Phase(name, lambda: worker.call("run", workload, reuse), before, timed_by_run=True)
+
+
+def run_workloads(
+    workers: dict[str, Worker], loads: Loads, repeats: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every workload's phases in alternating rounds, each run in its side's worker."""
+    rows, raw = [], {}
+    for workload, (prompts, new) in loads.items():
+        phases = []
+        for name, worker in workers.items():
+            if name in SIDES:
+                phases.append(remote_phase(name, worker, workload, flush=True))
+            elif name.startswith("transformers"):
+                phases.append(remote_phase(name, worker, workload))
+            elif name == LLAMA_CPP:
+                for reuse in (False, True) if workload == "shared prefix" else (False,):
+                    label = "llama.cpp, sorted by prefix" if reuse else "llama.cpp, one by one"
+                    label += " (llama-cpp-python)"
+                    phases.append(remote_phase(label, worker, workload, reuse=reuse))
+        print(f"{workload}: {len(prompts)} prompts, {new} new tokens", flush=True)
+        harness.alternate(phases, repeats)
+        # The baseline: llama.cpp (sorted by prefix on the shared-prefix workload, where it
+        # reuses KV; one by one elsewhere), or transformers in float32 without it.
+        base = phases[-1]
+        base_label = LLAMA_CPP if LLAMA_CPP in workers else base.name
+        reference = next((p for p in phases if p.name == "lmprog float32"), None)
+        for phase in phases:
+            row = {
+                "workload": workload,
+                "system": phase.name,
+                "best / median (s)": f"{phase.best:.2f} / {phase.median:.2f}",
+                f"vs {base_label} (best / median)": harness.speedup(base, phase),
+                "greedy tokens = lmprog float32": "n/a (skipped)"
+                if reference is None
+                else _agreement(phase.values[-1], reference.values[-1]),
+            }
+            if workload == "prefill":  # the share of the peak comes once the peak is known
+                row["_seconds"], row["_best"] = row["best / median (s)"], phase.best
+            rows.append(row)
+        raw[workload] = {p.name: p.timing() for p in phases}
+    return rows, raw
 
 
 def _agreement(ours: list[list[int]], reference: list[list[int]]) -> str:
@@ -213,4 +487,9 @@ def _agreement(ours: list[list[int]], reference: list[list[int]]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except WorkerError as e:
+        sys.exit(f"bench_cpu: {e}")
+    except KeyboardInterrupt:
+        sys.exit("bench_cpu: interrupted, all workers stopped")

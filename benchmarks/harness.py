@@ -128,11 +128,16 @@ def flush(engine: Any) -> None:
 
 @dataclass
 class Phase:
-    """One timed side of a comparison: `before` (untimed: flush, reset) then `run`."""
+    """One timed side of a comparison: `before` (untimed: flush, reset) then `run`.
+
+    With `timed_by_run`, `run` returns `(seconds, value)` and those seconds are recorded
+    instead of the wall time around the call: for work timed where it runs (in a worker
+    process, say, so that sending the command and the outputs is not counted)."""
 
     name: str
     run: Callable[[], Any]
     before: Callable[[], None] | None = None
+    timed_by_run: bool = False
     seconds: list[float] = field(default_factory=list)
     values: list[Any] = field(default_factory=list)
 
@@ -159,7 +164,10 @@ def alternate(phases: Sequence[Phase], rounds: int, first_round: int = 0) -> Non
             gc.collect()
             start = time.perf_counter()
             value = phase.run()
-            phase.seconds.append(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            if phase.timed_by_run:
+                seconds, value = value
+            phase.seconds.append(seconds)
             phase.values.append(value)
             print(f"  round {r + 1}: {phase.name}: {phase.seconds[-1]:.2f} s", flush=True)
 
