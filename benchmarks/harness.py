@@ -29,7 +29,7 @@ import torch
 
 START = time.perf_counter()
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 # Warm-ups use a prompt no benchmark uses, so no cache keeps a benchmark prompt from them.
 WARMUP_TEXT = "Warm-up only: a short sentence that no benchmark prompt starts with."
 
