@@ -23,4 +23,9 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 torch::Tensor q8_0_dequantize(torch::Tensor qweight, torch::Tensor scales, bool to_bf16);
 torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
                               bool to_bf16);
+bool extend_attention_available();
+torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
+                               torch::Tensor req_to_token, torch::Tensor req_rows,
+                               torch::Tensor prefix_lens, torch::Tensor extend_lens,
+                               torch::Tensor q_starts, double scale, int64_t sliding_window);
 void register_decode_stack(py::module& m);

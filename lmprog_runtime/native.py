@@ -14,7 +14,13 @@ from types import ModuleType
 
 from lmprog_runtime.env import cache_dir
 
-_SOURCES = ("decode_attention.cpp", "decode_stack.cpp", "fused_ops.cpp", "quant_linear.cpp")
+_SOURCES = (
+    "decode_attention.cpp",
+    "decode_stack.cpp",
+    "extend_attention.cpp",
+    "fused_ops.cpp",
+    "quant_linear.cpp",
+)
 # Included by the sources: part of the hash, not compiled alone.
 _HEADERS = ("cpu_vec.h", "native_ops.h")
 _lock = threading.Lock()

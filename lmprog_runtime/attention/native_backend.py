@@ -4,10 +4,13 @@ Decode reads each request's keys and values through the request-to-token table w
 padded gather. Requests that share a cached prefix (the same leading KV slots: branches
 of a fork, prompts with one system prompt) get cascade attention: the shared prefix is
 attended to once per group by torch's fused CPU attention kernel, each request's own suffix
-in C++, and the two partial results are merged by their log-sum-exp. Extend (prefill) uses
-the reference path; in a mixed extend the running requests' decode tokens still take the
-C++ path. float32 or bfloat16 on CPU: both kernels read the pool in its dtype and compute
-scores, softmax and sums in float32.
+in C++, and the two partial results are merged by their log-sum-exp. Extend (prefill) in
+bfloat16 runs on AMX tiles where the CPU has them (`csrc/extend_attention.cpp`: products in
+the tiles with float32 sums, the softmax in float32, head sizes 64 and 128), reading every
+key, cached prefix and new, from the pool; otherwise, and in float32, it uses the reference
+path. In a mixed extend the running requests' decode tokens still take the C++ decode path.
+float32 or bfloat16 on CPU: the kernels read the pool in its dtype and compute scores,
+softmax and sums in float32.
 """
 
 from __future__ import annotations
@@ -41,6 +44,12 @@ class NativeAttentionBackend(TorchAttentionBackend):
         if buf.device.type != "cpu" or buf.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError("attention_backend='native' runs float32 or bfloat16 on CPU only")
         self._ops = load_native()
+        # AMX extend attention: bfloat16, head sizes it has tiles for, a CPU and OS with AMX.
+        self._amx_extend = (
+            buf.dtype == torch.bfloat16
+            and layout.head_dim in (64, 128)
+            and bool(self._ops.extend_attention_available())
+        )
 
     @property
     def native_ops(self):
@@ -60,12 +69,45 @@ class NativeAttentionBackend(TorchAttentionBackend):
         self._parts = None
         if batch.mode is ForwardMode.EXTEND and batch.num_decodes:
             self._parts = batch.split_decodes()
-            super().init_forward_metadata(self._parts[0])
+            self._init_extend_any(self._parts[0])
             self._init_native_decode(self._parts[1])
         elif batch.mode is not ForwardMode.DECODE:
-            super().init_forward_metadata(batch)
+            self._init_extend_any(batch)
         else:
             self._init_native_decode(batch)
+
+    def _init_extend_any(self, batch: ForwardBatch) -> None:
+        if not self._amx_extend:
+            super().init_forward_metadata(batch)
+            return
+        extend_lens = batch.extend_lens
+        starts = [0]
+        for n in extend_lens[:-1]:
+            starts.append(starts[-1] + n)
+        # Host tensors, one each per forward (every layer reuses them).
+        self._extend_meta = (
+            batch.req_pool_indices,
+            torch.tensor(batch.prefix_lens, dtype=torch.int64, device="cpu"),
+            torch.tensor(extend_lens, dtype=torch.int64, device="cpu"),
+            torch.tensor(starts, dtype=torch.int64, device="cpu"),
+        )
+
+    def _forward_extend_any(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if not self._amx_extend:
+            return super().forward(q, k, v, layer_id, batch)
+        self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        heads, dim = self.layout.num_heads, self.layout.head_dim
+        return self._ops.extend_attention(
+            q.reshape(q.shape[0], heads, dim),
+            self.kv_pool.k_buffers[layer_id],
+            self.kv_pool.v_buffers[layer_id],
+            self.req_to_token.table,
+            *self._extend_meta,
+            self.layout.scaling,
+            self.layout.sliding_window or 0,
+        )
 
     def _init_native_decode(self, batch: ForwardBatch) -> None:
         self._seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device="cpu")
@@ -107,12 +149,12 @@ class NativeAttentionBackend(TorchAttentionBackend):
             n = extend.num_tokens
             return torch.cat(
                 [
-                    super().forward(q[:n], k[:n], v[:n], layer_id, extend),
+                    self._forward_extend_any(q[:n], k[:n], v[:n], layer_id, extend),
                     self._forward_native_decode(q[n:], k[n:], v[n:], layer_id, decode),
                 ]
             )
         if batch.mode is not ForwardMode.DECODE:
-            return super().forward(q, k, v, layer_id, batch)
+            return self._forward_extend_any(q, k, v, layer_id, batch)
         return self._forward_native_decode(q, k, v, layer_id, batch)
 
     def _forward_native_decode(
