@@ -71,9 +71,11 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = TorchOps.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = TorchOps.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        if self.q_norm is not None:  # Qwen3: RMSNorm per head, fused (one row per head)
+            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = ops.rope(q, k, batch.positions, rotary.cos, rotary.sin)
         return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
 
