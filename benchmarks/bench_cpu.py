@@ -416,7 +416,12 @@ def main() -> None:
     workload = "; ".join(described[w] for w in WORKLOADS if w in loads) + ". "
     if "prefill" in loads:
         workload += f"bfloat16 matmul peak measured here: {peak:.0f} GFLOP/s. "
-    workload += f"{args.repeats} rounds, alternating order, each side in a process of its own"
+    workload += f"{args.repeats} rounds, alternating order, each side in a process of its own."
+    if has_llama_cpp:
+        workload += (
+            " Baseline llama.cpp: sorted by prefix (reusing the previous prompt's KV) on the "
+            "shared-prefix workload, one prompt at a time from an empty context elsewhere."
+        )
     harness.write_result(
         args,
         "cpu",

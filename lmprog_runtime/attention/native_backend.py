@@ -7,8 +7,8 @@ attended to once per group by torch's fused CPU attention kernel, each request's
 in C++, and the two partial results are merged by their log-sum-exp. Extend (prefill) in
 bfloat16 runs on AMX tiles where the CPU has them (`csrc/extend_attention.cpp`: products in
 the tiles with float32 sums, the softmax in float32, head sizes 64 and 128), reading every
-key, cached prefix and new, from the pool; otherwise, and in float32, it uses the reference
-path. In a mixed extend the running requests' decode tokens still take the C++ decode path.
+key, cached prefix and new, from the pool, when the batch's new tokens are at least half its
+keys; otherwise, and in float32, it uses the reference path. In a mixed extend the running requests' decode tokens still take the C++ decode path.
 float32 or bfloat16 on CPU: the kernels read the pool in its dtype and compute scores,
 softmax and sums in float32.
 """
@@ -27,6 +27,10 @@ from lmprog_runtime.native import load_native
 
 # A shared prefix shorter than this is not worth a separate pass.
 MIN_CASCADE_PREFIX = 64
+# The AMX extend kernel rearranges every key it reads (cached prefix included) into tiles,
+# so it runs a batch only when new tokens are at least this share of the keys (prompts
+# mostly fresh); a few new tokens after long cached prefixes go to torch's kernel.
+AMX_MIN_NEW_SHARE = 0.5
 
 
 class _PrefixGroup(NamedTuple):
@@ -77,10 +81,13 @@ class NativeAttentionBackend(TorchAttentionBackend):
             self._init_native_decode(batch)
 
     def _init_extend_any(self, batch: ForwardBatch) -> None:
-        if not self._amx_extend:
+        extend_lens = batch.extend_lens
+        self._amx_now = self._amx_extend and sum(extend_lens) >= AMX_MIN_NEW_SHARE * sum(
+            batch.seq_lens
+        )
+        if not self._amx_now:
             super().init_forward_metadata(batch)
             return
-        extend_lens = batch.extend_lens
         starts = [0]
         for n in extend_lens[:-1]:
             starts.append(starts[-1] + n)
@@ -95,7 +102,7 @@ class NativeAttentionBackend(TorchAttentionBackend):
     def _forward_extend_any(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        if not self._amx_extend:
+        if not self._amx_now:
             return super().forward(q, k, v, layer_id, batch)
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         heads, dim = self.layout.num_heads, self.layout.head_dim

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import run_backend
 
-from lmprog_runtime.attention import AttentionLayout
+from lmprog_runtime.attention import AttentionLayout, native_backend
 from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool
 from lmprog_runtime.native import load_native
@@ -87,8 +87,9 @@ def _run(name, layout, pool, table, batch, q, k, v, dtype):
     ],
 )
 def test_extend_attention_matches_the_float32_reference(
-    heads, kv_heads, head_dim, window, prefixes, extends
+    heads, kv_heads, head_dim, window, prefixes, extends, monkeypatch
 ):
+    monkeypatch.setattr(native_backend, "AMX_MIN_NEW_SHARE", 0.0)  # the kernel, whatever the mix
     setup = _setup(heads, kv_heads, head_dim, window, prefixes, extends, seed=heads * head_dim)
     layout, pool, table, batch, q, k, v = setup
     ref = _run("torch", *setup, torch.float32)
@@ -104,13 +105,18 @@ def test_extend_attention_matches_the_float32_reference(
     assert float(ours.mean()) <= 2 * float(theirs.mean()) + 1e-4
 
 
-def test_the_backend_takes_the_amx_path_in_bfloat16_only():
-    setup = _setup(4, 2, 64, None, [0], [20], seed=1)
-    layout, pool, table, *_ = setup
+def test_the_backend_takes_the_amx_path_in_bfloat16_for_mostly_new_tokens():
     from lmprog_runtime.attention import create_attention_backend
 
+    layout, pool, table, batch, *_ = _setup(4, 2, 64, None, [0, 10], [20, 30], seed=1)
     bf16 = create_attention_backend("native", layout, pool, table)
     assert bf16._amx_extend
+    bf16.init_forward_metadata(batch)
+    assert bf16._amx_now  # 50 new tokens of 60 keys
+    layout, pool, table, batch, *_ = _setup(4, 2, 64, None, [0, 100], [20, 30], seed=1)
+    bf16 = create_attention_backend("native", layout, pool, table)
+    bf16.init_forward_metadata(batch)
+    assert not bf16._amx_now  # 50 of 150: long cached prefixes go to torch's kernel
     pool32 = KVPool(pool.num_slots, 1, 2, 64, torch.float32, "cpu")
     assert not create_attention_backend("native", layout, pool32, table)._amx_extend
     odd = AttentionLayout(4, 2, 32, 32**-0.5, None)
