@@ -43,7 +43,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import harness
@@ -75,17 +74,6 @@ def bf16_peak_gflops(repeats: int = 10) -> float:
             a @ b
             best_rate = max(best_rate, 2 * m * k * n / (time.perf_counter() - start) / 1e9)
     return best_rate
-
-
-def load_tokenizer(path: str) -> Any:
-    """The tokenizer the engine loads (see `Engine.__init__`): a GGUF's tokenizer.json as it
-    is, an HF directory's AutoTokenizer."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    from lmprog_runtime import local_model_dir
-
-    loader = PreTrainedTokenizerFast if Path(path).is_file() else AutoTokenizer
-    return loader.from_pretrained(local_model_dir(path), local_files_only=True)
 
 
 def workloads(tokenizer: Any) -> dict[str, tuple[list[list[int]], int]]:
@@ -143,7 +131,7 @@ def build_engine(path: str, options: dict[str, Any], loads: Loads) -> Side:
 
 def build_hf(path: str, dtype: str, loads: Loads) -> Side:
     model = harness.load_hf_model(path, dtype)
-    harness.warm_hf(model, load_tokenizer(path))
+    harness.warm_hf(model, harness.load_hf_tokenizer(path))
 
     def run(workload: str, reuse: bool) -> tuple[float, list[list[int]]]:
         prompts, new = loads[workload]
@@ -362,7 +350,7 @@ def main() -> None:
 
     path = harness.resolve_model(args.model)
     threads = torch.get_num_threads()
-    loads = {k: v for k, v in workloads(load_tokenizer(path)).items() if k in selected}
+    loads = {k: v for k, v in workloads(harness.load_hf_tokenizer(path)).items() if k in selected}
     # (name, kind, setup) of every worker, in phase order; llama.cpp last (the baseline).
     plan: list[tuple[str, str, tuple]] = [
         (name, "lmprog", (path, options)) for name, options in SIDES.items()

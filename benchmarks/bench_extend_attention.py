@@ -2,7 +2,7 @@
 (`csrc/extend_attention.cpp`) against torch's CPU flash attention (SDPA), the path it
 replaces.
 
-Two levels, each side alternating with the other (best of the rounds):
+Two levels, each side alternating with the other (`harness.alternate`, best of the rounds):
 - one attention layer of SmolLM2-135M's shape (9 query heads, 3 kv heads, head size 64):
   2 fresh prompts of 1024 tokens (causal SDPA over the new keys), and 32 prompts of 32 new
   tokens after a 512-token cached prefix (SDPA over keys gathered from the pool with a mask,
@@ -17,24 +17,13 @@ Two levels, each side alternating with the other (best of the rounds):
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
 import harness
 import torch
 import torch.nn.functional as F
-
-
-def best_of(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    best = dict.fromkeys(fns, float("inf"))
-    names = list(fns)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            start = time.perf_counter()
-            fns[name]()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+from harness import Phase
 
 
 def layer_cases(ops: Any) -> dict[str, dict[str, Callable[[], Any]]]:
@@ -77,7 +66,7 @@ def layer_cases(ops: Any) -> dict[str, dict[str, Callable[[], Any]]]:
             mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")).bfloat16()
             index = table.reshape(-1)
 
-            def sdpa(qs=qs, index=index, mask=mask, k_buf=k_buf, v_buf=v_buf, reqs=reqs):
+            def sdpa(qs=qs, index=index, mask=mask, k_buf=k_buf, v_buf=v_buf, reqs=reqs, keys=keys):
                 shape = (reqs, keys, kv_heads, dim)
                 ks = k_buf.index_select(0, index).view(shape).transpose(1, 2)
                 vs = v_buf.index_select(0, index).view(shape).transpose(1, 2)
@@ -116,8 +105,9 @@ def main() -> None:
         raise SystemExit("no AMX extend attention on this machine: nothing to compare")
     rows = []
     for label, fns in layer_cases(ops).items():
-        best = best_of(fns, args.repeats * 3)
-        rows.append(_row(f"one layer: {label}", best["AMX kernel"], best["torch SDPA"]))
+        amx, sdpa = (Phase(name, fn) for name, fn in fns.items())
+        harness.alternate([amx, sdpa], args.repeats * 3)
+        rows.append(_row(f"one layer: {label}", amx.best, sdpa.best))
     engine = Engine(harness.resolve_model(args.model), dtype="auto", max_total_tokens=8192)
     harness.warm_engine(engine)
     attention = engine.runner.attention
@@ -125,13 +115,17 @@ def main() -> None:
     for label, (prompts, new) in engine_cases(engine).items():
         params = {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0}
 
-        def run(amx: bool, prompts=prompts, params=params) -> None:
-            attention._amx_extend = amx
-            harness.flush(engine)
+        def generate(prompts=prompts, params=params) -> None:
             engine.generate(input_ids=prompts, sampling_params=params)
 
-        best = best_of({"amx": lambda: run(True), "sdpa": lambda: run(False)}, args.repeats)
-        rows.append(_row(label, best["amx"], best["sdpa"]))
+        def switch(amx: bool) -> None:  # untimed, before each run
+            attention._amx_extend = amx
+            harness.flush(engine)
+
+        amx = Phase("AMX kernel", generate, before=lambda: switch(True))
+        sdpa = Phase("torch SDPA", generate, before=lambda: switch(False))
+        harness.alternate([amx, sdpa], args.repeats)
+        rows.append(_row(label, amx.best, sdpa.best))
     attention._amx_extend = True
     engine.shutdown()
     args.dtype = "bfloat16"

@@ -6,8 +6,9 @@ quantized weights and the same values.
 Layers are the shapes of SmolLM2-135M (hidden 576, intermediate 1536, 9 + 2 x 3 heads of 64,
 vocabulary 49,152): QKV, output, gate/up and down projections in Q4_1 and the Q8_0 LM head,
 at 1 and 4 rows. Random weights (the kernels' speed does not depend on the values); each
-call is timed in a loop, the two sides alternating, best of the rounds. The weights stay in
-cache between calls, unlike a real decode step, where every weight comes from memory once.
+side runs a loop of calls, the two sides alternating (`harness.alternate`), best of the
+rounds. The weights stay in cache between calls, unlike a real decode step, where every
+weight comes from memory once.
 
     .venv/bin/python benchmarks/bench_quant_kernels.py [--repeats 5]
 """
@@ -15,11 +16,10 @@ cache between calls, unlike a real decode step, where every weight comes from me
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import harness
 import torch
+from harness import Phase
 
 SHAPES = (  # name, method, out, in
     ("qkv", "int4", 960, 576),
@@ -28,15 +28,6 @@ SHAPES = (  # name, method, out, in
     ("down", "int4", 576, 1536),
     ("LM head", "int8", 49152, 576),
 )
-
-
-def per_call_us(fn: Callable[[], object], calls: int) -> float:
-    for _ in range(max(3, calls // 10)):
-        fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main() -> None:
@@ -60,13 +51,20 @@ def main() -> None:
             x32 = torch.randn(rows, in_features, generator=gen).bfloat16().float()
             x16 = x32.bfloat16()  # the same values
             calls = 40 if out_features > 10_000 else 400
-            best = {"bfloat16": float("inf"), "float32": float("inf")}
-            with torch.no_grad():
-                for r in range(args.repeats):
-                    order = ("bfloat16", "float32") if r % 2 == 0 else ("float32", "bfloat16")
-                    for side in order:
-                        x = x16 if side == "bfloat16" else x32
-                        best[side] = min(best[side], per_call_us(lambda x=x: layer(x), calls))
+
+            def loop(x: torch.Tensor, layer=layer, calls=calls) -> None:
+                with torch.no_grad():
+                    for _ in range(calls):
+                        layer(x)
+
+            loop(x16)  # warm both paths
+            loop(x32)
+            phases = {
+                "bfloat16": Phase("bfloat16 activations", lambda x=x16: loop(x)),
+                "float32": Phase("float32 activations", lambda x=x32: loop(x)),
+            }
+            harness.alternate(list(phases.values()), args.repeats)
+            best = {side: phase.best / calls * 1e6 for side, phase in phases.items()}
             weights = out_features * in_features * rows
             rows_out.append(
                 {

@@ -272,8 +272,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused [rows, 2 * inter] input");
   m.def("rope_", &rope_, "in-place rotate-half RoPE on q and k");
-  m.def("q8_0_linear", &q8_0_linear, "x @ w.T over Q8_0 blocks (float32 arithmetic)");
-  m.def("q4_1_linear", &q4_1_linear, "x @ w.T over Q4_1 blocks (float32 arithmetic)");
+  m.def("q8_0_linear", &q8_0_linear, "x @ w.T over Q8_0 blocks");
+  m.def("q4_1_linear", &q4_1_linear, "x @ w.T over Q4_1 blocks");
   m.def("q8_0_dequantize", &q8_0_dequantize, "Q8_0 blocks to a dense float32 / bfloat16 matrix");
   m.def("q4_1_dequantize", &q4_1_dequantize, "Q4_1 blocks to a dense float32 / bfloat16 matrix");
   register_decode_stack(m);

@@ -53,7 +53,6 @@ namespace {
 #if LMPROG_AMX
 constexpr int64_t kRows = 16;      // query rows per block (a tile's rows)
 constexpr int64_t kKeys = 32;      // keys per step (two 16-column score tiles)
-constexpr int64_t kTileBytes = 1024;  // 16 rows x 64 bytes
 constexpr int64_t kTileWords = 512;   // bfloat16 values per tile
 
 // The OS hands out the AMX tile state on request (Linux 5.16+), once per process.
@@ -174,8 +173,7 @@ template <int CHUNKS>
 void attend_block(const uint16_t* kpacked, const uint16_t* vpacked, int64_t rows,
                   int64_t first_pos, int64_t window, float scale, Scratch& s) {
   constexpr int64_t head_dim = CHUNKS * 32, dtiles = head_dim / 16;
-  const int64_t last_pos = first_pos + rows - 1;
-  const int64_t end = last_pos + 1;  // keys the block needs
+  const int64_t end = first_pos + rows;  // keys the block needs
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   const int64_t first_block = lo / kKeys, blocks = (end + kKeys - 1) / kKeys;
   const int64_t stride = blocks * kKeys;  // row stride of scores / probs (from key 0)
