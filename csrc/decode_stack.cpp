@@ -9,9 +9,25 @@
 // residual + RMSNorm, gate/up projection, SiLU-and-mul, down projection, residual + RMSNorm.
 // It covers the plain case only; the caller keeps the Python path for anything else
 // (prefills, cascade attention over shared prefixes, Q/K norms).
+//
+// With quantized layers and a few tokens (a single stream), every kernel is short (tens of
+// microseconds) and forking OpenMP threads for each one cost more than its arithmetic: the
+// helper threads slept between kernels and waking them took longer than the kernel (on a
+// 2-vCPU VM, a step of SmolLM2-135M took 10 ms this way and 6.5 ms with the helpers
+// spinning, by timers around each kernel). So that case runs the whole step in one
+// parallel region: the threads split each linear layer's outputs between them and wait for
+// each other at a spin barrier, and one thread does the small steps in between (norms,
+// RoPE, the KV store, attention: at a few tokens, parallel attention has nothing to
+// split, as it splits by token). The spinning lasts as long as the step, no longer.
 #include <torch/extension.h>
 
+#include <omp.h>
+
+#include <atomic>
 #include <cstring>
+#include <exception>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "native_ops.h"
@@ -24,6 +40,17 @@ struct Linear {
   std::string kind;
   torch::Tensor weight, scales, mins, bias;
   int64_t dense_rows;  // quantized: from this many rows, dequantize and run a dense matmul
+
+  bool quantized() const { return kind != "dense"; }
+
+  // For the threads of a parallel region (quantized only): ready the input of x @ w.T.
+  std::unique_ptr<QuantizedLinearWork> prepare(const torch::Tensor& x) const {
+    return prepare_quantized_linear(kind, weight, scales, mins, x);
+  }
+
+  torch::Tensor finish(const QuantizedLinearWork& work) const {
+    return bias.defined() ? work.output() + bias : work.output();
+  }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == "dense") return at::linear(x, weight, bias);
@@ -67,7 +94,85 @@ struct Layer {
   torch::Tensor input_norm, post_norm;
   Linear qkv, o, gate_up, down;
   torch::Tensor k_buf, v_buf;
+
+  bool quantized() const {
+    return qkv.quantized() && o.quantized() && gate_up.quantized() && down.quantized();
+  }
 };
+
+// Threads of one parallel region wait here for each other: they spin (the wait is a few
+// microseconds, the time of a short kernel), then yield the CPU if it goes on, as it does
+// when the machine has fewer free cores than threads.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int threads) : threads_(threads) {}
+
+  void wait() {
+    const int generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == threads_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins < kSpins) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 1 << 16;  // some milliseconds
+  const int threads_;
+  std::atomic<int> arrived_{0};
+  std::atomic<int> generation_{0};
+};
+
+// The steps of one parallel region, in the same order on every thread, each followed by a
+// barrier. No exception may leave an OpenMP region: the first one is kept, the remaining
+// steps are skipped (every thread still reaches every barrier), and it is rethrown after.
+class RegionSteps {
+ public:
+  RegionSteps(int thread, int threads, SpinBarrier& barrier, std::exception_ptr& error,
+              std::atomic<bool>& failed)
+      : thread_(thread), threads_(threads), barrier_(barrier), error_(error), failed_(failed) {}
+
+  // fn() on the first thread only.
+  template <typename Fn>
+  void serial(Fn&& fn) {
+    if (thread_ == 0) guarded(fn);
+    barrier_.wait();
+  }
+
+  // work->run(...) on every thread, each for its share of the outputs.
+  void split(const std::unique_ptr<QuantizedLinearWork>& work) {
+    guarded([&] { work->run(thread_, threads_); });
+    barrier_.wait();
+  }
+
+ private:
+  template <typename Fn>
+  void guarded(Fn&& fn) {
+    if (failed_.load(std::memory_order_acquire)) return;
+    try {
+      fn();
+    } catch (...) {
+      if (!failed_.exchange(true)) error_ = std::current_exception();
+    }
+  }
+
+  const int thread_, threads_;
+  SpinBarrier& barrier_;
+  std::exception_ptr& error_;
+  std::atomic<bool>& failed_;
+};
+
+// Up to this many tokens, a step of quantized layers runs in one parallel region.
+constexpr int64_t kRegionTokens = 4;
 
 }  // namespace
 
@@ -92,6 +197,8 @@ class DecodeStack {
     layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), linear(qkv, dense_rows),
                             linear(o, dense_rows), linear(gate_up, dense_rows),
                             linear(down, dense_rows), std::move(k_buf), std::move(v_buf)});
+    quantized_ = quantized_ && layers_.back().quantized();
+    dense_rows_ = std::min(dense_rows_, dense_rows);
   }
 
   // residual: the embeddings of the batch's tokens [batch, hidden] (consumed: it is the
@@ -101,21 +208,17 @@ class DecodeStack {
                         torch::Tensor key_starts, torch::Tensor order) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack has no layers");
     const int64_t tokens = residual.size(0);
-    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    if (quantized_ && tokens <= kRegionTokens && tokens < dense_rows_ && omp_get_max_threads() > 1) {
+      return forward_in_one_region(residual, positions, out_cache_loc, req_to_token, req_rows,
+                                   seq_lens, key_starts, order);
+    }
     auto hidden = rms_norm(residual, layers_[0].input_norm, eps_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       auto qkv = layer.qkv(hidden);
-      auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
-      auto q = parts[0].view({tokens, num_heads_, head_dim_});
-      auto k = parts[1].view({tokens, num_kv_heads_, head_dim_});
-      auto v = parts[2].view({tokens, num_kv_heads_, head_dim_});
-      rope_(q, k, positions, cos_, sin_);
-      store_rows(layer.k_buf, k, out_cache_loc);
-      store_rows(layer.v_buf, v, out_cache_loc);
-      auto attn = decode_attention(q.contiguous(), layer.k_buf, layer.v_buf, req_to_token, req_rows,
-                                   seq_lens, key_starts, order, scale_, sliding_window_)[0];
-      auto attn_out = layer.o(attn.view({tokens, q_size}));
+      auto attn = attention(layer, qkv, positions, out_cache_loc, req_to_token, req_rows, seq_lens,
+                            key_starts, order);
+      auto attn_out = layer.o(attn);
       hidden = add_rms_norm(attn_out, residual, layer.post_norm, eps_);
       auto mlp_out = layer.down(silu_and_mul(layer.gate_up(hidden)));
       const auto& next_norm = i + 1 == layers_.size() ? final_norm_ : layers_[i + 1].input_norm;
@@ -125,6 +228,81 @@ class DecodeStack {
   }
 
  private:
+  // RoPE on q and k of the fused QKV output, k and v into the pool, decode attention:
+  // [tokens, num_heads * head_dim].
+  torch::Tensor attention(const Layer& layer, const torch::Tensor& qkv, const torch::Tensor& positions,
+                          const torch::Tensor& out_cache_loc, const torch::Tensor& req_to_token,
+                          const torch::Tensor& req_rows, const torch::Tensor& seq_lens,
+                          const torch::Tensor& key_starts, const torch::Tensor& order) const {
+    const int64_t tokens = qkv.size(0);
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
+    auto q = parts[0].view({tokens, num_heads_, head_dim_});
+    auto k = parts[1].view({tokens, num_kv_heads_, head_dim_});
+    auto v = parts[2].view({tokens, num_kv_heads_, head_dim_});
+    rope_(q, k, positions, cos_, sin_);
+    store_rows(layer.k_buf, k, out_cache_loc);
+    store_rows(layer.v_buf, v, out_cache_loc);
+    auto attn = decode_attention(q.contiguous(), layer.k_buf, layer.v_buf, req_to_token, req_rows,
+                                 seq_lens, key_starts, order, scale_, sliding_window_)[0];
+    return attn.view({tokens, q_size});
+  }
+
+  // `forward` for a few tokens through quantized layers, as one parallel region (see the
+  // top of the file): the same kernels in the same order, so the same results.
+  torch::Tensor forward_in_one_region(torch::Tensor residual, const torch::Tensor& positions,
+                                      const torch::Tensor& out_cache_loc,
+                                      const torch::Tensor& req_to_token,
+                                      const torch::Tensor& req_rows, const torch::Tensor& seq_lens,
+                                      const torch::Tensor& key_starts, const torch::Tensor& order) {
+    torch::Tensor hidden;
+    std::unique_ptr<QuantizedLinearWork> work;  // the linear layer the threads run next
+    std::exception_ptr error;
+    std::atomic<bool> failed{false};
+    const int threads = omp_get_max_threads();
+    SpinBarrier barrier(threads);
+#pragma omp parallel num_threads(threads)
+    {
+      // A region inside a caller's may get fewer threads than asked: then one does it all.
+      const int thread = omp_get_thread_num();
+      const bool whole = omp_get_num_threads() == threads;
+      SpinBarrier solo(1);
+      RegionSteps steps(whole ? thread : 0, whole ? threads : 1, whole ? barrier : solo, error,
+                        failed);
+      if (whole || thread == 0) {
+        steps.serial([&] {
+          hidden = rms_norm(residual, layers_[0].input_norm, eps_);
+          work = layers_[0].qkv.prepare(hidden);
+        });
+        for (size_t i = 0; i < layers_.size(); ++i) {
+          const Layer& layer = layers_[i];
+          steps.split(work);
+          steps.serial([&] {
+            auto attn = attention(layer, layer.qkv.finish(*work), positions, out_cache_loc,
+                                  req_to_token, req_rows, seq_lens, key_starts, order);
+            work = layer.o.prepare(attn);
+          });
+          steps.split(work);
+          steps.serial([&] {
+            hidden = add_rms_norm(layer.o.finish(*work), residual, layer.post_norm, eps_);
+            work = layer.gate_up.prepare(hidden);
+          });
+          steps.split(work);
+          steps.serial([&] { work = layer.down.prepare(silu_and_mul(layer.gate_up.finish(*work))); });
+          steps.split(work);
+          steps.serial([&] {
+            const bool last = i + 1 == layers_.size();
+            hidden = add_rms_norm(layer.down.finish(*work), residual,
+                                  last ? final_norm_ : layers_[i + 1].input_norm, eps_);
+            if (!last) work = layers_[i + 1].qkv.prepare(hidden);
+          });
+        }
+      }
+    }
+    if (error) std::rethrow_exception(error);
+    return hidden;
+  }
+
   static Linear linear(const py::tuple& t, int64_t dense_rows) {
     TORCH_CHECK(t.size() == 5, "a linear is (kind, weight, scales, mins, bias)");
     auto tensor = [&](size_t i) {
@@ -141,6 +319,8 @@ class DecodeStack {
   int64_t sliding_window_;
   torch::Tensor cos_, sin_, final_norm_;
   std::vector<Layer> layers_;
+  bool quantized_ = true;  // every layer's linears are quantized
+  int64_t dense_rows_ = INT64_MAX;
 };
 
 void register_decode_stack(py::module& m) {

@@ -4,6 +4,8 @@
 
 #include <torch/extension.h>
 
+#include <memory>
+#include <string>
 #include <vector>
 
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf,
@@ -20,6 +22,21 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
                           bool out_float32);
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           torch::Tensor mins, bool out_float32);
+// A quantized linear layer's product, split among threads that already run (the decode
+// stack's one parallel region): made by one thread, which readies the input and allocates
+// the output, then `run` by each of `num_threads` threads for its share of the outputs.
+class QuantizedLinearWork {
+ public:
+  virtual ~QuantizedLinearWork() = default;
+  virtual void run(int64_t thread, int64_t num_threads) = 0;
+  virtual torch::Tensor output() const = 0;
+};
+// kind "q8_0" (mins undefined) or "q4_1"; x [rows, in], float32 or bfloat16; output in x's dtype.
+std::unique_ptr<QuantizedLinearWork> prepare_quantized_linear(const std::string& kind,
+                                                              const torch::Tensor& weight,
+                                                              const torch::Tensor& scales,
+                                                              const torch::Tensor& mins,
+                                                              const torch::Tensor& x);
 torch::Tensor q8_0_dequantize(torch::Tensor qweight, torch::Tensor scales, bool to_bf16);
 torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
                               bool to_bf16);

@@ -9,7 +9,7 @@
 // block to float32 in registers and multiplies it with float32 accumulation, so its result
 // is the float32 matmul over the dequantized weight up to summation order. With bfloat16
 // activations on a CPU with AVX512-VNNI, the activations are rounded to int16 per block and
-// the products are integer dot products (see `linear_int16`), within the activations' own
+// the products are integer dot products (see `Int16Activations`), within the activations' own
 // bfloat16 rounding of that result. Each weight block is read once for all rows of the
 // input. Rows are processed in tiles of up to four, whose accumulators stay in registers.
 //
@@ -21,7 +21,10 @@
 #include <cmath>
 #include <vector>
 
+#include <omp.h>
+
 #include "cpu_vec.h"
+#include "native_ops.h"
 
 #if LMPROG_AVX512 || defined(__F16C__)
 #include <immintrin.h>
@@ -330,11 +333,11 @@ inline void int16_dot_tile(const QWeight& w, const Int16Activations& a, int64_t 
   for (int i = 0; i < R; ++i) out[(r + i) * w.out_features + n] = lmprog::from_f32<T>(sums[i]);
 }
 
+// Outputs [n_begin, n_end) of every row.
 template <typename T>
-void linear_int16(const QWeight& w, const bf16* x, int64_t rows, T* out) {
-  const Int16Activations a = quantize_activations(x, rows, w.in_features, w.format);
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < w.out_features; ++n) {
+void int16_outputs(const QWeight& w, const Int16Activations& a, int64_t rows, int64_t n_begin,
+                   int64_t n_end, T* out) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
     int64_t r = 0;
     for (; r + kRowTile <= rows; r += kRowTile) int16_dot_tile<kRowTile>(w, a, r, n, out);
     for (; r < rows; ++r) int16_dot_tile<1>(w, a, r, n, out);
@@ -342,17 +345,12 @@ void linear_int16(const QWeight& w, const bf16* x, int64_t rows, T* out) {
 }
 #endif
 
-// Output rows are split among threads in chunks; every chunk multiplies all input rows.
+// Outputs [n_begin, n_end) of every row: x float32 [rows, in], xs its block sums.
 template <typename T>
-void linear_impl(const QWeight& w, const float* x, int64_t rows, T* out) {
+void float_outputs(const QWeight& w, const float* x, const float* xs, int64_t rows,
+                   int64_t n_begin, int64_t n_end, T* out) {
   const int64_t out_features = w.out_features, in = w.in_features, nb = w.blocks();
-  std::vector<float> xsums(rows * nb, 0.f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < nb; ++b)
-      for (int k = 0; k < kBlock; ++k) xsums[r * nb + b] += x[r * in + b * kBlock + k];
-  const float* xs = xsums.data();
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < out_features; ++n) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
     float sums[kRowTile];
     int64_t r = 0;
     for (; r + kRowTile <= rows; r += kRowTile) {
@@ -392,32 +390,68 @@ QWeight check_weight(Format format, const torch::Tensor& data, const torch::Tens
                  mins != nullptr ? mins->data_ptr<at::Half>() : nullptr};
 }
 
-// y = x @ w.T in x's dtype (float32 or bfloat16), or in float32 when `out_float32`; float32
-// arithmetic either way.
-torch::Tensor quantized_linear(const QWeight& w, const torch::Tensor& x, bool out_float32) {
-  TORCH_CHECK(x.device().is_cpu() && lmprog::is_supported_dtype(x.scalar_type()),
-              "x must be a float32 or bfloat16 CPU tensor");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in_features, "x must be [rows, ", w.in_features,
-              "], got ", x.sizes());
-  const auto out_dtype = out_float32 ? torch::kFloat32 : x.scalar_type();
-  auto out = torch::empty({x.size(0), w.out_features}, x.options().dtype(out_dtype));
+// y = x @ w.T in x's dtype (float32 or bfloat16), or in float32 when `out_float32`. The
+// input is readied once (rounded to int16 blocks, or widened to float32 with its block
+// sums); output rows are then split among threads in contiguous ranges.
+class Work final : public QuantizedLinearWork {
+ public:
+  Work(const QWeight& w, const torch::Tensor& x, bool out_float32) : w_(w), rows_(x.size(0)) {
+    TORCH_CHECK(x.device().is_cpu() && lmprog::is_supported_dtype(x.scalar_type()),
+                "x must be a float32 or bfloat16 CPU tensor");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in_features, "x must be [rows, ", w.in_features,
+                "], got ", x.sizes());
+    out_ = torch::empty({rows_, w.out_features},
+                        x.options().dtype(out_float32 ? torch::kFloat32 : x.scalar_type()));
 #if LMPROG_VNNI
-  // Q8_0 gains only for a row or two (its per-block rescaling is per row); Q4_1 always.
-  if (x.scalar_type() == torch::kBFloat16 && (w.format == Format::Q4_1 || x.size(0) < kRowTile)) {
-    const auto xc = x.contiguous();
-    lmprog::dispatch_float_types(out_dtype, "quantized_linear", [&](auto tag) {
-      using T = decltype(tag);
-      linear_int16<T>(w, xc.data_ptr<bf16>(), x.size(0), out.data_ptr<T>());
-    });
-    return out;
-  }
+    // Q8_0 gains only for a row or two (its per-block rescaling is per row); Q4_1 always.
+    int16_ = x.scalar_type() == torch::kBFloat16 && (w.format == Format::Q4_1 || rows_ < kRowTile);
+    if (int16_) {
+      const auto xc = x.contiguous();
+      a_ = quantize_activations(xc.data_ptr<bf16>(), rows_, w.in_features, w.format);
+      return;
+    }
 #endif
-  const auto x32 = x.to(torch::kFloat32).contiguous();
-  lmprog::dispatch_float_types(out_dtype, "quantized_linear", [&](auto tag) {
-    using T = decltype(tag);
-    linear_impl<T>(w, x32.data_ptr<float>(), x.size(0), out.data_ptr<T>());
-  });
-  return out;
+    x32_ = x.to(torch::kFloat32).contiguous();
+    const int64_t in = w.in_features, nb = w.blocks();
+    const float* xp = x32_.data_ptr<float>();
+    xsums_.assign(rows_ * nb, 0.f);
+    for (int64_t r = 0; r < rows_; ++r)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int k = 0; k < kBlock; ++k) xsums_[r * nb + b] += xp[r * in + b * kBlock + k];
+  }
+
+  void run(int64_t thread, int64_t num_threads) override {
+    const int64_t n_begin = w_.out_features * thread / num_threads;
+    const int64_t n_end = w_.out_features * (thread + 1) / num_threads;
+    lmprog::dispatch_float_types(out_.scalar_type(), "quantized_linear", [&](auto tag) {
+      using T = decltype(tag);
+#if LMPROG_VNNI
+      if (int16_) return int16_outputs<T>(w_, a_, rows_, n_begin, n_end, out_.data_ptr<T>());
+#endif
+      float_outputs<T>(w_, x32_.data_ptr<float>(), xsums_.data(), rows_, n_begin, n_end,
+                       out_.data_ptr<T>());
+    });
+  }
+
+  torch::Tensor output() const override { return out_; }
+
+ private:
+  QWeight w_;
+  int64_t rows_;
+  torch::Tensor out_;
+  bool int16_ = false;
+#if LMPROG_VNNI
+  Int16Activations a_;
+#endif
+  torch::Tensor x32_;         // the float path's input
+  std::vector<float> xsums_;  // and its block sums [rows, in / 32]
+};
+
+torch::Tensor quantized_linear(const QWeight& w, const torch::Tensor& x, bool out_float32) {
+  Work work(w, x, out_float32);
+#pragma omp parallel
+  work.run(omp_get_thread_num(), omp_get_num_threads());
+  return work.output();
 }
 
 torch::Tensor dequantize(const QWeight& w, c10::ScalarType dtype) {
@@ -461,4 +495,15 @@ torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch:
                               bool to_bf16) {
   return dequantize(check_weight(Format::Q4_1, packed, scales, &mins),
                     to_bf16 ? torch::kBFloat16 : torch::kFloat32);
+}
+
+std::unique_ptr<QuantizedLinearWork> prepare_quantized_linear(const std::string& kind,
+                                                              const torch::Tensor& weight,
+                                                              const torch::Tensor& scales,
+                                                              const torch::Tensor& mins,
+                                                              const torch::Tensor& x) {
+  TORCH_CHECK(kind == "q8_0" || kind == "q4_1", "unknown quantized linear kind ", kind);
+  const QWeight w = kind == "q8_0" ? check_weight(Format::Q8_0, weight, scales, nullptr)
+                                   : check_weight(Format::Q4_1, weight, scales, &mins);
+  return std::make_unique<Work>(w, x, false);
 }

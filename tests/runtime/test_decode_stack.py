@@ -21,8 +21,9 @@ def _decode(engine: Engine, prompts: list[str], new: int = 8) -> tuple[list, tor
     return [o["output_ids"] for o in outs], values
 
 
-def _steps_on_stack(engine: Engine) -> list[int]:
-    """Counts the forwards that ran on the stack (by wrapping the built stack's forward)."""
+def _steps_on_stack(engine: Engine, seen: list | None = None) -> list[int]:
+    """Counts the forwards that ran on the stack (by wrapping the built stack's forward);
+    `seen` gets (stack, arguments) of each."""
     calls = [0]
     cache = engine.runner.model._decode_stack
     build = cache.get
@@ -35,6 +36,8 @@ def _steps_on_stack(engine: Engine) -> list[int]:
         class Counted:
             def forward(self, *args):
                 calls[0] += 1
+                if seen is not None:
+                    seen.append((stack, [a.clone() for a in args]))
                 return stack.forward(*args)
 
         return Counted()
@@ -65,6 +68,54 @@ def test_stack_equals_python_forward(tiny_path, options):
         ref_tokens, ref_logprobs = _decode(engine, prompts)
     assert tokens == ref_tokens
     assert torch.equal(logprobs, ref_logprobs)
+
+
+@pytest.fixture
+def two_threads():
+    """Quantized steps of a few tokens run in one parallel region only with two or more
+    threads; make sure there are two, whatever the machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("num_prompts", [1, 4, 6])
+def test_quantized_steps_in_one_region_equal_the_python_forward(
+    tiny_path, two_threads, quantization, num_prompts
+):
+    """Up to four tokens the stack runs quantized layers in one parallel region (the
+    threads split each layer's outputs, one does the small steps); more take a region per
+    kernel. Both give the Python forward's results exactly."""
+    prompts = [TEXT[: 12 + 7 * i] for i in range(num_prompts)]
+    with Engine(tiny_path, max_total_tokens=2048, dtype="bfloat16", quantization=quantization) as engine:
+        calls = _steps_on_stack(engine)
+        tokens, logprobs = _decode(engine, prompts)
+        assert calls[0] >= 7
+        engine.runner.model.use_decode_stack = False
+        engine.flush_cache()
+        ref_tokens, ref_logprobs = _decode(engine, prompts)
+    assert tokens == ref_tokens
+    assert torch.equal(logprobs, ref_logprobs)
+
+
+def test_an_error_inside_the_region_is_raised_and_the_stack_goes_on(tiny_path, two_threads):
+    """A failure in a step of the parallel region (here a KV slot out of range) reaches the
+    caller as an exception, with no thread left waiting; the next step runs normally."""
+    with Engine(tiny_path, max_total_tokens=1024, quantization="int4") as engine:
+        seen: list = []
+        _steps_on_stack(engine, seen)
+        tokens, _ = _decode(engine, [TEXT])
+        stack, args = seen[-1]
+        bad = list(args)
+        bad[2] = torch.full_like(args[2], 10**9)  # out_cache_loc
+        with pytest.raises(RuntimeError, match="out of range"):
+            stack.forward(*bad)
+        good = stack.forward(*[a.clone() for a in args])
+        assert torch.isfinite(good).all()
+        engine.flush_cache()
+        assert _decode(engine, [TEXT])[0] == tokens
 
 
 def test_replaced_weights_rebuild_the_stack(tiny_path):
