@@ -1,8 +1,9 @@
 """The native CPU backend: decode attention in C++ straight from the paged pool.
 
 Decode reads each request's keys and values through the request-to-token table with no
-padded gather. Requests that share a cached prefix (the same leading KV slots: branches
-of a fork, prompts with one system prompt) get cascade attention: the shared prefix is
+padded gather. Requests that share a long cached prefix (the same leading KV slots:
+branches of a fork, prompts with one system prompt; see `CASCADE_MIN_SPARED_KEYS` for how
+long) get cascade attention: the shared prefix is
 attended to once per group by torch's fused CPU attention kernel, each request's own suffix
 in C++, and the two partial results are merged by their log-sum-exp. Extend (prefill) in
 bfloat16 runs on AMX tiles where the CPU has them (`csrc/extend_attention.cpp`: products in
@@ -27,6 +28,15 @@ from lmprog_runtime.native import load_native
 
 # A shared prefix shorter than this is not worth a separate pass.
 MIN_CASCADE_PREFIX = 64
+# Nor is a cascade that spares fewer key reads than this per layer (over its groups: each
+# group's prefix length times its members after the first). Plain decode attention reads a
+# group's prefix once per member, but from cache, and a plain step runs in one native call
+# (the decode stack), where a cascade's prefix passes and merges are Python calls per
+# layer. Measured on SmolLM2-135M (bfloat16, 2 cores, decode steps at batch 32): 4 groups
+# x 8 members x 512 prefix tokens (14k keys spared) were faster plain (104-112 ms against
+# 119-144 ms a step); 2 x 16 x 2048 (61k) and 1 x 32 x 4096 (127k) faster as a cascade
+# (130-148 against 176-214 ms; 121-130 against 376-419 ms).
+CASCADE_MIN_SPARED_KEYS = 32768
 # The AMX extend kernel rearranges every key it reads (cached prefix included) into tiles,
 # so it runs a batch only when new tokens are at least this share of the keys (prompts
 # mostly fresh); a few new tokens after long cached prefixes go to torch's kernel.
@@ -147,6 +157,10 @@ class NativeAttentionBackend(TorchAttentionBackend):
                 span = slice(first_slot, first_slot + shared) if consecutive else None
                 self._groups.append(_PrefixGroup(members, slots, span))
                 self._key_starts[members] = shared
+        spared = sum((len(g.members) - 1) * len(g.slots) for g in self._groups)
+        if spared < CASCADE_MIN_SPARED_KEYS:
+            self._groups = []
+            self._key_starts.zero_()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch

@@ -156,13 +156,22 @@ def test_native_and_torch_engines_agree_with_transformers(tiny_path, hf_tiny):
     assert results["native"] == [hf_greedy(hf_tiny, p, 16) for p in PROMPTS]
 
 
+@pytest.fixture
+def always_cascade(monkeypatch):
+    """Cascade attention for any shared prefix of 64+ tokens: these tests' prefixes are far
+    shorter than the ones it pays for (`CASCADE_MIN_SPARED_KEYS`)."""
+    from lmprog_runtime.attention import native_backend
+
+    monkeypatch.setattr(native_backend, "CASCADE_MIN_SPARED_KEYS", 0)
+
+
 def test_default_backend_on_cpu_is_native(engine):
     assert engine.runner.attention_backend == "native"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
-def test_cascade_decode_over_a_shared_prefix_matches_torch(heads, kv_heads, dtype):
+def test_cascade_decode_over_a_shared_prefix_matches_torch(heads, kv_heads, dtype, always_cascade):
     """Three requests share a 100-slot prefix (as after a fork), two do not: the native
     backend attends the shared prefix once per group and merges by log-sum-exp."""
     gen = torch.Generator().manual_seed(heads)
@@ -191,7 +200,9 @@ def test_cascade_decode_over_a_shared_prefix_matches_torch(heads, kv_heads, dtyp
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "window"), [(4, 4, None), (8, 2, None), (8, 2, 40)])
-def test_cascade_decode_with_several_prefix_groups_matches_torch(heads, kv_heads, window, dtype):
+def test_cascade_decode_with_several_prefix_groups_matches_torch(
+    heads, kv_heads, window, dtype, always_cascade
+):
     """Ten requests in one decode batch, rows and batch order shuffled:
     - group A: three requests on a 100-slot prefix in consecutive slots (as one prefill
       allocates them); one of them has a single key of its own;
@@ -252,7 +263,9 @@ def test_cascade_decode_with_several_prefix_groups_matches_torch(heads, kv_heads
     assert_cascade_close(got, _float32_reference(layout, pool, table, batch, q, k, v), pool)
 
 
-def test_native_engine_decodes_two_prefix_groups_by_cascade_as_transformers(tiny_path, hf_tiny):
+def test_native_engine_decodes_two_prefix_groups_by_cascade_as_transformers(
+    tiny_path, hf_tiny, always_cascade
+):
     """Two groups of prompts, each sharing a different system prompt of 100 / 80 tokens, and
     two prompts of their own, in one `generate`: the engine's decode steps form two prefix
     groups over the radix cache's shared slots, and greedy tokens equal transformers'."""
@@ -310,7 +323,7 @@ def _greedy_with_logits(engine, prompts: list[list[int]], max_new_tokens: int):
     return [o["output_ids"] for o in outs], logits, num_groups[0]
 
 
-def test_native_engine_in_bfloat16_matches_the_torch_backend(tiny_path):
+def test_native_engine_in_bfloat16_matches_the_torch_backend(tiny_path, always_cascade):
     """bfloat16 end to end: the native kernels (norms, SiLU, RoPE, decode attention, cascade
     over two shared system prompts) against the torch backend, both in bfloat16.
 

@@ -136,22 +136,45 @@ def test_replaced_weights_rebuild_the_stack(tiny_path):
     assert tokens == ref_tokens and torch.equal(logprobs, ref_logprobs)
 
 
-def test_shared_prefix_steps_stay_on_the_python_path(tiny_path):
-    """Requests sharing a cached prefix of 64+ tokens take cascade attention, which the
-    stack does not cover: those steps run in Python, with the same results as without the
-    stack."""
-    system = "You are a helpful assistant who answers briefly. " * 8
-    prompts = [system + q for q in ("Hi?", "Why?", "How?")]
+SYSTEM = "You are a helpful assistant who answers briefly. " * 8
+SHARED_PROMPTS = [SYSTEM + q for q in ("Hi?", "Why?", "How?")]
 
-    def run(engine: Engine) -> tuple[list, torch.Tensor]:
-        engine.flush_cache()
-        engine.generate(system, {"max_new_tokens": 1})  # caches the prefix
-        return _decode(engine, prompts)
+
+def _shared_prefix_run(engine: Engine) -> tuple[list, torch.Tensor]:
+    engine.flush_cache()
+    engine.generate(SYSTEM, {"max_new_tokens": 1})  # caches the prefix
+    return _decode(engine, SHARED_PROMPTS)
+
+
+def test_shared_prefix_steps_stay_on_the_python_path(tiny_path, monkeypatch):
+    """Requests sharing a cached prefix long enough for cascade attention (made short
+    here) take it, which the stack does not cover: those steps run in Python, with the same
+    results as without the stack."""
+    from lmprog_runtime.attention import native_backend
+
+    monkeypatch.setattr(native_backend, "CASCADE_MIN_SPARED_KEYS", 0)
+    with Engine(tiny_path, max_total_tokens=2048) as engine:
+        calls = _steps_on_stack(engine)
+        tokens, logprobs = _shared_prefix_run(engine)
+        assert calls[0] == 0
+        engine.runner.model.use_decode_stack = False
+        ref_tokens, ref_logprobs = _shared_prefix_run(engine)
+    assert tokens == ref_tokens and torch.equal(logprobs, ref_logprobs)
+
+
+def test_a_short_shared_prefix_decodes_plainly_on_the_stack(tiny_path, monkeypatch):
+    """A cascade that spares fewer key reads than `CASCADE_MIN_SPARED_KEYS` is not formed:
+    the steps run on the stack, and give the cascade's tokens (log-probabilities equal up
+    to float32 summation order)."""
+    from lmprog_runtime.attention import native_backend
 
     with Engine(tiny_path, max_total_tokens=2048) as engine:
         calls = _steps_on_stack(engine)
-        tokens, logprobs = run(engine)
+        tokens, logprobs = _shared_prefix_run(engine)
+        assert calls[0] >= 7
+        monkeypatch.setattr(native_backend, "CASCADE_MIN_SPARED_KEYS", 0)
+        calls[0] = 0
+        ref_tokens, ref_logprobs = _shared_prefix_run(engine)
         assert calls[0] == 0
-        engine.runner.model.use_decode_stack = False
-        ref_tokens, ref_logprobs = run(engine)
-    assert tokens == ref_tokens and torch.equal(logprobs, ref_logprobs)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=0)
