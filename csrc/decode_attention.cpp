@@ -276,5 +276,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &q4_1_linear, "x @ w.T over Q4_1 blocks");
   m.def("q8_0_dequantize", &q8_0_dequantize, "Q8_0 blocks to a dense float32 / bfloat16 matrix");
   m.def("q4_1_dequantize", &q4_1_dequantize, "Q4_1 blocks to a dense float32 / bfloat16 matrix");
+  m.def("amx_linear_available", &amx_linear_available, "whether amx_linear can run here");
+  m.def("amx_linear", &amx_linear, "x @ w.T + bias over a weight packed for AMX tiles (CPU, bfloat16)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   register_decode_stack(m);
 }

@@ -34,14 +34,16 @@
 
 namespace {
 
-// One linear layer: `kind` "dense" (weight [out, in]), "q8_0" (weight int8, scales) or
-// "q4_1" (weight packed, scales, mins); bias optional (an undefined tensor when absent).
+// One linear layer: `kind` "dense" (weight [out, in]), "amx" (bfloat16 weight [out, in] and,
+// as `scales`, the same packed for AMX tiles), "q8_0" (weight int8, scales) or "q4_1"
+// (weight packed, scales, mins); bias optional (an undefined tensor when absent).
 struct Linear {
   std::string kind;
   torch::Tensor weight, scales, mins, bias;
   int64_t dense_rows;  // quantized: from this many rows, dequantize and run a dense matmul
+  int64_t amx_rows;    // amx: up to this many rows on the packed weight
 
-  bool quantized() const { return kind != "dense"; }
+  bool quantized() const { return kind == "q8_0" || kind == "q4_1"; }
 
   // For the threads of a parallel region (quantized only): ready the input of x @ w.T.
   std::unique_ptr<QuantizedLinearWork> prepare(const torch::Tensor& x) const {
@@ -53,7 +55,8 @@ struct Linear {
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (kind == "dense") return at::linear(x, weight, bias);
+    if (kind == "amx" && x.size(0) <= amx_rows) return amx_linear(x, scales, bias);
+    if (kind == "dense" || kind == "amx") return at::linear(x, weight, bias);
     torch::Tensor out;
     if (x.size(0) >= dense_rows) {
       const bool bf16 = x.scalar_type() == torch::kBFloat16;
@@ -193,10 +196,10 @@ class DecodeStack {
   // Linears are given as (kind, weight, scales, mins, bias) tuples, unused parts None.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, py::tuple qkv, py::tuple o,
                  py::tuple gate_up, py::tuple down, torch::Tensor k_buf, torch::Tensor v_buf,
-                 int64_t dense_rows) {
-    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), linear(qkv, dense_rows),
-                            linear(o, dense_rows), linear(gate_up, dense_rows),
-                            linear(down, dense_rows), std::move(k_buf), std::move(v_buf)});
+                 int64_t dense_rows, int64_t amx_rows) {
+    auto make = [&](const py::tuple& t) { return linear(t, dense_rows, amx_rows); };
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), make(qkv), make(o),
+                            make(gate_up), make(down), std::move(k_buf), std::move(v_buf)});
     quantized_ = quantized_ && layers_.back().quantized();
     dense_rows_ = std::min(dense_rows_, dense_rows);
   }
@@ -303,14 +306,15 @@ class DecodeStack {
     return hidden;
   }
 
-  static Linear linear(const py::tuple& t, int64_t dense_rows) {
+  static Linear linear(const py::tuple& t, int64_t dense_rows, int64_t amx_rows) {
     TORCH_CHECK(t.size() == 5, "a linear is (kind, weight, scales, mins, bias)");
     auto tensor = [&](size_t i) {
       return t[i].is_none() ? torch::Tensor() : t[i].cast<torch::Tensor>();
     };
-    Linear l{t[0].cast<std::string>(), tensor(1), tensor(2), tensor(3), tensor(4), dense_rows};
-    TORCH_CHECK(l.kind == "dense" || l.kind == "q8_0" || l.kind == "q4_1", "unknown linear kind ",
-                l.kind);
+    Linear l{t[0].cast<std::string>(), tensor(1), tensor(2), tensor(3), tensor(4), dense_rows,
+             amx_rows};
+    TORCH_CHECK(l.kind == "dense" || l.kind == "amx" || l.kind == "q8_0" || l.kind == "q4_1",
+                "unknown linear kind ", l.kind);
     return l;
   }
 

@@ -37,14 +37,7 @@
 #include "cpu_vec.h"
 #include "native_ops.h"
 
-#if LMPROG_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define LMPROG_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define LMPROG_AMX 0
-#endif
+#include "amx.h"
 
 using lmprog::bf16;
 
@@ -54,33 +47,6 @@ namespace {
 constexpr int64_t kRows = 16;      // query rows per block (a tile's rows)
 constexpr int64_t kKeys = 32;      // keys per step (two 16-column score tiles)
 constexpr int64_t kTileWords = 512;   // bfloat16 values per tile
-
-// The OS hands out the AMX tile state on request (Linux 5.16+), once per process.
-bool request_amx() {
-  static const bool granted = [] {
-    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
-
-// Every tile 16 rows x 64 bytes (palette 1); loaded per thread (tile state is per thread).
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
 
 // Keys [keys, head_dim] (pool rows through `slots`) as second operands of q . k^T: per block
 // of 32 keys, per half (16 keys), per 32 dims c, a tile whose row r holds, for each of the
@@ -255,7 +221,7 @@ void attend_block(const uint16_t* kpacked, const uint16_t* vpacked, int64_t rows
 
 bool extend_attention_available() {
 #if LMPROG_AMX
-  return request_amx();
+  return lmprog::request_amx();
 #else
   return false;
 #endif
@@ -336,7 +302,7 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
   const float fscale = static_cast<float>(scale);
 #pragma omp parallel
   {
-    configure_tiles();
+    lmprog::configure_tiles();
     Scratch s;
     s.q.resize(kRows * head_dim);
     s.out.resize(kRows * head_dim);

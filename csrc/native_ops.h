@@ -45,4 +45,6 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
                                torch::Tensor req_to_token, torch::Tensor req_rows,
                                torch::Tensor prefix_lens, torch::Tensor extend_lens,
                                torch::Tensor q_starts, double scale, int64_t sliding_window);
+bool amx_linear_available();
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 void register_decode_stack(py::module& m);

@@ -45,6 +45,10 @@ class ModelRunner:
             quantize_linears(self.model, config.quantization)
         self.model_config = self.model.config
         dtype = next(self.model.parameters()).dtype
+        if dtype == torch.bfloat16 and self.device.type == "cpu" and not config.disable_amx_linears:
+            from lmprog_runtime.models.amx_linear import use_amx_linears
+
+            use_amx_linears(self.model, _available_host_memory())
         self.attention_backend = _resolve_backend(config.attention_backend, self.device, dtype)
         if self.attention_backend == "native":
             from lmprog_runtime.models.ops import NativeOps

@@ -15,6 +15,7 @@ from types import ModuleType
 from lmprog_runtime.env import cache_dir
 
 _SOURCES = (
+    "amx_linear.cpp",
     "decode_attention.cpp",
     "decode_stack.cpp",
     "extend_attention.cpp",
@@ -22,7 +23,7 @@ _SOURCES = (
     "quant_linear.cpp",
 )
 # Included by the sources: part of the hash, not compiled alone.
-_HEADERS = ("cpu_vec.h", "native_ops.h")
+_HEADERS = ("amx.h", "cpu_vec.h", "native_ops.h")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 

@@ -7,7 +7,8 @@ forward, so the results are identical and only the interpreter's share of the st
 module has registered a parameter, buffer or submodule since (a weight or a layer
 replaced): torch calls the global registration hooks below on every such assignment, so
 checking costs one comparison per step. Changes in place need nothing: the stack holds the
-same tensors.
+same tensors, except the AMX-packed copies of `AMXLinear` weights, which are checked each
+step (a version number per layer) and packed again, with a rebuild, when stale.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lmprog_runtime.models.amx_linear import AMX_MAX_ROWS, AMXLinear
 from lmprog_runtime.models.quantization import DENSE_ROWS, Q4Linear, Q8Linear
 
 if TYPE_CHECKING:
@@ -37,11 +39,13 @@ nn.modules.module.register_module_module_registration_hook(_count_registration)
 
 def _linear_parts(layer: nn.Module) -> tuple | None:
     """(kind, weight, scales, mins, bias) as the native stack takes a linear; None if it
-    cannot."""
+    cannot. AMX layers pass their packed weight as `scales`."""
     if isinstance(layer, Q8Linear):
         return ("q8_0", layer.qweight, layer.scales, None, layer.bias)
     if isinstance(layer, Q4Linear):
         return ("q4_1", layer.packed, layer.scales, layer.mins, layer.bias)
+    if isinstance(layer, AMXLinear):
+        return ("amx", layer.weight, layer.packed_weight(), None, layer.bias)
     if type(layer) is nn.Linear:
         return ("dense", layer.weight, None, None, layer.bias)
     return None
@@ -70,11 +74,17 @@ class DecodeStackCache:
         self._stack = None
         self._built_at = -1  # the registration count the stack was built at
         self._kv_pool = None
+        self._amx_layers: list[AMXLinear] = []  # whose packed weights the stack holds
 
     def get(self, model: LlamaForCausalLM, backend: NativeAttentionBackend):
-        if self._built_at != _registrations[0] or self._kv_pool is not backend.kv_pool:
+        if (
+            self._built_at != _registrations[0]
+            or self._kv_pool is not backend.kv_pool
+            or not all(layer.is_current() for layer in self._amx_layers)
+        ):
             self._built_at, self._kv_pool = _registrations[0], backend.kv_pool
             self._stack = _build(model, backend) if _stack_supports(model) else None
+            self._amx_layers = [m for m in model.layers.modules() if isinstance(m, AMXLinear)]
         return self._stack
 
 
@@ -103,5 +113,6 @@ def _build(model: LlamaForCausalLM, backend: NativeAttentionBackend):
             pool.k_buffers[i],
             pool.v_buffers[i],
             DENSE_ROWS,
+            AMX_MAX_ROWS,
         )
     return stack

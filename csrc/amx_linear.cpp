@@ -1,0 +1,137 @@
+// bfloat16 linear layers for a few rows (decode batches) on AMX tiles, over weights packed
+// once into the tiles' layout.
+//
+// At a decode batch (M = 1..64 rows), a linear layer reads its whole weight for little
+// arithmetic, so its speed is the speed of streaming the weight. torch's bfloat16 matmul
+// (oneDNN) ran well below that on SmolLM2's layer shapes at 32 rows (30 layers in 31.6 ms,
+// 7 GB/s of weights). Here the weight [N, K] is packed once into AMX's second-operand
+// layout: per block of 16 outputs and chunk of 32 inputs, a tile whose row r holds, for
+// each of the 16 outputs, the pair of inputs (2r, 2r + 1) (`pack_for_amx`, done by
+// `amx_pack` in torch ops: a view and a permute). Each thread takes pairs of output blocks
+// and, for every 32 rows of x, accumulates 2 x 2 float32 tiles over K; the weight is read
+// once for up to 32 rows (again for every further 32). Products of bfloat16 values are
+// exact in float32; the output is rounded once to bfloat16, plus the bias if any.
+//
+//   x      [M, K] bfloat16 (rows contiguous)
+//   packed [N / 16, K / 32, 16, 32] bfloat16: packed[b, c, r, 2j + p] = w[16b + j, 32c + 2r + p]
+//   bias   [N] bfloat16 or undefined
+//   returns [M, N] bfloat16
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "amx.h"
+#include "cpu_vec.h"
+#include "native_ops.h"
+
+using lmprog::bf16;
+
+namespace {
+
+constexpr int64_t kTile = 16;     // rows of a tile; outputs per block
+constexpr int64_t kChunk = 32;    // inputs (bfloat16) per tile row
+
+#if LMPROG_AMX
+// out[m0 .. m0 + rows, 16 nb .. 16 nb + 16 * blocks] for rows <= 32, blocks <= 2.
+template <int RowTiles, int Blocks>
+void tile_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t nb, int64_t rows,
+                  int64_t n, const bf16* bias, bf16* out, float* cbuf) {
+  const int64_t chunks = k / kChunk;
+  const uint16_t* b0 = packed + nb * chunks * kTile * kChunk;
+  const uint16_t* b1 = b0 + chunks * kTile * kChunk;
+  _tile_zero(0);
+  if (Blocks == 2) _tile_zero(1);
+  if (RowTiles == 2) _tile_zero(2);
+  if (RowTiles == 2 && Blocks == 2) _tile_zero(3);
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(4, a + c * kChunk, k * 2);
+    if (RowTiles == 2) _tile_loadd(5, a + kTile * k + c * kChunk, k * 2);
+    _tile_loadd(6, b0 + c * kTile * kChunk, 64);
+    if (Blocks == 2) _tile_loadd(7, b1 + c * kTile * kChunk, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (Blocks == 2) _tile_dpbf16ps(1, 4, 7);
+    if (RowTiles == 2) _tile_dpbf16ps(2, 5, 6);
+    if (RowTiles == 2 && Blocks == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  // cbuf: [32 rows, 32 outputs] float32.
+  _tile_stored(0, cbuf, 128);
+  if (Blocks == 2) _tile_stored(1, cbuf + 16, 128);
+  if (RowTiles == 2) _tile_stored(2, cbuf + 16 * 32, 128);
+  if (RowTiles == 2 && Blocks == 2) _tile_stored(3, cbuf + 16 * 32 + 16, 128);
+  const int64_t cols = Blocks * kTile, col0 = nb * kTile;
+  for (int64_t i = 0; i < rows; ++i) {
+    bf16* dst = out + i * n + col0;
+    const float* src = cbuf + i * 32;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float b = bias != nullptr ? lmprog::to_f32(bias[col0 + j]) : 0.f;
+      dst[j] = lmprog::from_f32<bf16>(src[j] + b);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool amx_linear_available() {
+#if LMPROG_AMX
+  return lmprog::request_amx();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(amx_linear_available(), "amx_linear: this build or CPU has no AMX bfloat16 tiles");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2,
+              "amx_linear: x must be a bfloat16 CPU tensor [rows, in]");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+                  packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == kChunk,
+              "amx_linear: packed must be contiguous bfloat16 [out / 16, in / 32, 16, 32]");
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), n = blocks * kTile;
+  TORCH_CHECK(packed.size(1) * kChunk == k, "amx_linear: x has ", k, " inputs, the weight ",
+              packed.size(1) * kChunk);
+  const bf16* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
+                    bias->numel() == n,
+                "amx_linear: bias must be contiguous bfloat16 [out]");
+    bias_ptr = bias->data_ptr<bf16>();
+  }
+  auto out = torch::empty({m, n}, x.options());
+#if LMPROG_AMX
+  // Rows in groups of 32, each zero padded to whole tiles.
+  const int64_t padded_rows = (m + kTile - 1) / kTile * kTile;
+  std::vector<uint16_t> a(padded_rows * k, 0);
+  const auto xc = x.contiguous();
+  std::memcpy(a.data(), xc.data_ptr<bf16>(), m * k * 2);
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<bf16>());
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t pairs = (blocks + 1) / 2;
+#pragma omp parallel
+  {
+    lmprog::configure_tiles();
+    alignas(64) float cbuf[32 * 32];
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t nb = 2 * p;
+      const bool two = nb + 1 < blocks;
+      for (int64_t m0 = 0; m0 < padded_rows; m0 += 2 * kTile) {
+        const uint16_t* ap = a.data() + m0 * k;
+        const int64_t rows = std::min<int64_t>(2 * kTile, m - m0);
+        bf16* dst = op + m0 * n;
+        if (padded_rows - m0 > kTile) {
+          two ? tile_product<2, 2>(ap, k, w, nb, rows, n, bias_ptr, dst, cbuf)
+              : tile_product<2, 1>(ap, k, w, nb, rows, n, bias_ptr, dst, cbuf);
+        } else {
+          two ? tile_product<1, 2>(ap, k, w, nb, rows, n, bias_ptr, dst, cbuf)
+              : tile_product<1, 1>(ap, k, w, nb, rows, n, bias_ptr, dst, cbuf);
+        }
+      }
+    }
+    _tile_release();
+  }
+#endif
+  return out;
+}
