@@ -48,36 +48,74 @@ constexpr int64_t kRows = 16;      // query rows per block (a tile's rows)
 constexpr int64_t kKeys = 32;      // keys per step (two 16-column score tiles)
 constexpr int64_t kTileWords = 512;   // bfloat16 values per tile
 
+// Transposes a 16 x 16 matrix of 32-bit words held as 16 rows: rows[i] becomes column i.
+inline void transpose16(__m512i* rows) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: pairs of rows 2i, 2i + 1
+    t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + k], lane L: column 4L + k of rows 4i .. 4i + 3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // gather lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);      // lanes 0, 2
+    const __m512i w0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);      // lanes 1, 3
+    const __m512i v1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
+    rows[k] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+    rows[8 + k] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
+    rows[4 + k] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+    rows[12 + k] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
+  }
+}
+
 // Keys [keys, head_dim] (pool rows through `slots`) as second operands of q . k^T: per block
 // of 32 keys, per half (16 keys), per 32 dims c, a tile whose row r holds, for each of the
-// 16 keys, the pair of dims (32c + 2r, 32c + 2r + 1). Keys past `keys` are zero.
+// 16 keys, the pair of dims (32c + 2r, 32c + 2r + 1): the transpose of the 16 keys' words
+// of that chunk. Keys past `keys` are zero.
 void pack_keys(const bf16* buf, int64_t slot_stride, const int64_t* slots, int64_t keys,
                int64_t head_dim, uint16_t* packed) {
-  const int64_t chunks = head_dim / 32, blocks = (keys + kKeys - 1) / kKeys;
-  auto* words = reinterpret_cast<uint32_t*>(packed);
-  std::fill(words, words + blocks * 2 * chunks * kTileWords / 2, 0u);
-  for (int64_t key = 0; key < keys; ++key) {
-    const auto* row = reinterpret_cast<const uint32_t*>(buf + slots[key] * slot_stride);
-    const int64_t block = key / kKeys, half = (key % kKeys) / 16, col = key % 16;
+  const int64_t chunks = head_dim / 32, halves = (keys + kKeys - 1) / kKeys * 2;
+  for (int64_t half = 0; half < halves; ++half) {
+    const int64_t first = half * 16, count = std::clamp<int64_t>(keys - first, 0, 16);
     for (int64_t c = 0; c < chunks; ++c) {
-      uint32_t* tile = words + ((block * 2 + half) * chunks + c) * (kTileWords / 2);
-      for (int64_t r = 0; r < 16; ++r) tile[r * 16 + col] = row[c * 16 + r];
+      __m512i rows[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        rows[i] = i < count ? _mm512_loadu_si512(buf + slots[first + i] * slot_stride + c * 32)
+                            : _mm512_setzero_si512();
+      }
+      transpose16(rows);
+      uint16_t* tile = packed + (half * chunks + c) * kTileWords;
+      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(tile + r * 32, rows[r]);
     }
   }
 }
 
 // Values [keys, head_dim] as second operands of p . v: per block of 32 keys, per 16 dims j,
-// a tile whose row r holds, for each of the 16 dims, the values of keys 2r and 2r + 1.
+// a tile whose row r holds, for each of the 16 dims, the values of keys 2r and 2r + 1
+// (the two keys' 16 values interleaved). Keys past `keys` are zero.
 void pack_values(const bf16* buf, int64_t slot_stride, const int64_t* slots, int64_t keys,
                  int64_t head_dim, uint16_t* packed) {
   const int64_t dtiles = head_dim / 16, blocks = (keys + kKeys - 1) / kKeys;
-  std::fill(packed, packed + blocks * dtiles * kTileWords, uint16_t{0});
-  for (int64_t key = 0; key < keys; ++key) {
-    const uint16_t* row = reinterpret_cast<const uint16_t*>(buf + slots[key] * slot_stride);
-    const int64_t block = key / kKeys, r = (key % kKeys) / 2, pair = key % 2;
-    for (int64_t j = 0; j < dtiles; ++j) {
-      uint16_t* tile = packed + (block * dtiles + j) * kTileWords;
-      for (int64_t col = 0; col < 16; ++col) tile[r * 32 + col * 2 + pair] = row[j * 16 + col];
+  const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                              39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  for (int64_t block = 0; block < blocks; ++block) {
+    for (int64_t r = 0; r < kKeys / 2; ++r) {
+      const int64_t k0 = block * kKeys + 2 * r, k1 = k0 + 1;
+      const bf16* v0 = k0 < keys ? buf + slots[k0] * slot_stride : nullptr;
+      const bf16* v1 = k1 < keys ? buf + slots[k1] * slot_stride : nullptr;
+      for (int64_t j = 0; j < dtiles; ++j) {
+        const __m512i a = v0 ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + j * 16)))
+                             : _mm512_setzero_si512();
+        const __m512i b = v1 ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + j * 16)))
+                             : _mm512_setzero_si512();
+        _mm512_storeu_si512(packed + (block * dtiles + j) * kTileWords + r * 32,
+                            _mm512_permutex2var_epi16(a, interleave, b));
+      }
     }
   }
 }
