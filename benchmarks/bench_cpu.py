@@ -408,7 +408,7 @@ def main() -> None:
     if has_llama_cpp:
         workload += (
             " Baseline llama.cpp: sorted by prefix (reusing the previous prompt's KV) on the "
-            "shared-prefix workload, one prompt at a time from an empty context elsewhere."
+            "shared-prefix workload, one prompt at a time from an empty context elsewhere"
         )
     harness.write_result(
         args,
