@@ -22,6 +22,8 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #include "amx.h"
 #include "cpu_vec.h"
 #include "native_ops.h"
@@ -82,56 +84,84 @@ bool amx_linear_available() {
 #endif
 }
 
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(amx_linear_available(), "amx_linear: this build or CPU has no AMX bfloat16 tiles");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2,
-              "amx_linear: x must be a bfloat16 CPU tensor [rows, in]");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
-                  packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == kChunk,
-              "amx_linear: packed must be contiguous bfloat16 [out / 16, in / 32, 16, 32]");
-  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), n = blocks * kTile;
-  TORCH_CHECK(packed.size(1) * kChunk == k, "amx_linear: x has ", k, " inputs, the weight ",
-              packed.size(1) * kChunk);
-  const bf16* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
-                    bias->numel() == n,
-                "amx_linear: bias must be contiguous bfloat16 [out]");
-    bias_ptr = bias->data_ptr<bf16>();
+namespace {
+
+// x @ w.T + bias for up to any number of rows: pairs of output blocks split among threads.
+class AmxWork final : public LinearWork {
+ public:
+  AmxWork(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias)
+      : packed_(packed) {
+    TORCH_CHECK(amx_linear_available(), "amx_linear: this build or CPU has no AMX bfloat16 tiles");
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2,
+                "amx_linear: x must be a bfloat16 CPU tensor [rows, in]");
+    TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+                    packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == kChunk,
+                "amx_linear: packed must be contiguous bfloat16 [out / 16, in / 32, 16, 32]");
+    m_ = x.size(0), k_ = x.size(1), blocks_ = packed.size(0), n_ = blocks_ * kTile;
+    TORCH_CHECK(packed.size(1) * kChunk == k_, "amx_linear: x has ", k_, " inputs, the weight ",
+                packed.size(1) * kChunk);
+    if (bias.defined()) {
+      TORCH_CHECK(bias.scalar_type() == torch::kBFloat16 && bias.is_contiguous() &&
+                      bias.numel() == n_,
+                  "amx_linear: bias must be contiguous bfloat16 [out]");
+      bias_ = bias.data_ptr<bf16>();
+    }
+    out_ = torch::empty({m_, n_}, x.options());
+    // Rows zero padded to whole tiles.
+    padded_rows_ = (m_ + kTile - 1) / kTile * kTile;
+    a_.assign(padded_rows_ * k_, 0);
+    const auto xc = x.contiguous();
+    std::memcpy(a_.data(), xc.data_ptr<bf16>(), m_ * k_ * 2);
   }
-  auto out = torch::empty({m, n}, x.options());
+
+  void run(int64_t thread, int64_t num_threads) override {
 #if LMPROG_AMX
-  // Rows in groups of 32, each zero padded to whole tiles.
-  const int64_t padded_rows = (m + kTile - 1) / kTile * kTile;
-  std::vector<uint16_t> a(padded_rows * k, 0);
-  const auto xc = x.contiguous();
-  std::memcpy(a.data(), xc.data_ptr<bf16>(), m * k * 2);
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<bf16>());
-  bf16* op = out.data_ptr<bf16>();
-  const int64_t pairs = (blocks + 1) / 2;
-#pragma omp parallel
-  {
+    const int64_t pairs = (blocks_ + 1) / 2;
+    const int64_t first = pairs * thread / num_threads, last = pairs * (thread + 1) / num_threads;
+    if (first == last) return;
     lmprog::configure_tiles();
     alignas(64) float cbuf[32 * 32];
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < pairs; ++p) {
+    const auto* w = reinterpret_cast<const uint16_t*>(packed_.data_ptr<bf16>());
+    bf16* op = out_.data_ptr<bf16>();
+    for (int64_t p = first; p < last; ++p) {
       const int64_t nb = 2 * p;
-      const bool two = nb + 1 < blocks;
-      for (int64_t m0 = 0; m0 < padded_rows; m0 += 2 * kTile) {
-        const uint16_t* ap = a.data() + m0 * k;
-        const int64_t rows = std::min<int64_t>(2 * kTile, m - m0);
-        bf16* dst = op + m0 * n;
-        if (padded_rows - m0 > kTile) {
-          two ? tile_product<2, 2>(ap, k, w, nb, rows, n, bias_ptr, dst, cbuf)
-              : tile_product<2, 1>(ap, k, w, nb, rows, n, bias_ptr, dst, cbuf);
+      const bool two = nb + 1 < blocks_;
+      for (int64_t m0 = 0; m0 < padded_rows_; m0 += 2 * kTile) {
+        const uint16_t* ap = a_.data() + m0 * k_;
+        const int64_t rows = std::min<int64_t>(2 * kTile, m_ - m0);
+        bf16* dst = op + m0 * n_;
+        if (padded_rows_ - m0 > kTile) {
+          two ? tile_product<2, 2>(ap, k_, w, nb, rows, n_, bias_, dst, cbuf)
+              : tile_product<2, 1>(ap, k_, w, nb, rows, n_, bias_, dst, cbuf);
         } else {
-          two ? tile_product<1, 2>(ap, k, w, nb, rows, n, bias_ptr, dst, cbuf)
-              : tile_product<1, 1>(ap, k, w, nb, rows, n, bias_ptr, dst, cbuf);
+          two ? tile_product<1, 2>(ap, k_, w, nb, rows, n_, bias_, dst, cbuf)
+              : tile_product<1, 1>(ap, k_, w, nb, rows, n_, bias_, dst, cbuf);
         }
       }
     }
     _tile_release();
-  }
 #endif
-  return out;
+  }
+
+  torch::Tensor output() const override { return out_; }
+
+ private:
+  torch::Tensor packed_, out_;
+  const bf16* bias_ = nullptr;
+  int64_t m_ = 0, k_ = 0, blocks_ = 0, n_ = 0, padded_rows_ = 0;
+  std::vector<uint16_t> a_;
+};
+
+}  // namespace
+
+std::unique_ptr<LinearWork> prepare_amx_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                               const torch::Tensor& bias) {
+  return std::make_unique<AmxWork>(x, packed, bias);
+}
+
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  AmxWork work(x, packed, bias.has_value() ? *bias : torch::Tensor());
+#pragma omp parallel
+  work.run(omp_get_thread_num(), omp_get_num_threads());
+  return work.output();
 }

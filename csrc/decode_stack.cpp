@@ -10,9 +10,9 @@
 // It covers the plain case only; the caller keeps the Python path for anything else
 // (prefills, cascade attention over shared prefixes, Q/K norms).
 //
-// With quantized layers and a few tokens (a single stream), every kernel is short (tens of
-// microseconds) and forking OpenMP threads for each one cost more than its arithmetic: the
-// helper threads slept between kernels and waking them took longer than the kernel (on a
+// With quantized (or AMX bfloat16) layers and a few tokens (a single stream), every kernel
+// is short (tens of microseconds) and forking OpenMP threads for each one cost more than
+// its arithmetic: the helper threads slept between kernels and waking them took longer than the kernel (on a
 // 2-vCPU VM, a step of SmolLM2-135M took 10 ms this way and 6.5 ms with the helpers
 // spinning, by timers around each kernel). So that case runs the whole step in one
 // parallel region: the threads split each linear layer's outputs between them and wait for
@@ -23,6 +23,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <exception>
@@ -45,13 +46,19 @@ struct Linear {
 
   bool quantized() const { return kind == "q8_0" || kind == "q4_1"; }
 
-  // For the threads of a parallel region (quantized only): ready the input of x @ w.T.
-  std::unique_ptr<QuantizedLinearWork> prepare(const torch::Tensor& x) const {
+  // Whether `rows` rows can run split among a parallel region's threads (`prepare`).
+  bool splits(int64_t rows) const {
+    return (quantized() && rows < dense_rows) || (kind == "amx" && rows <= amx_rows);
+  }
+
+  // For the threads of a parallel region: ready the input of x @ w.T (+ bias).
+  std::unique_ptr<LinearWork> prepare(const torch::Tensor& x) const {
+    if (kind == "amx") return prepare_amx_linear(x, scales, bias);
     return prepare_quantized_linear(kind, weight, scales, mins, x);
   }
 
-  torch::Tensor finish(const QuantizedLinearWork& work) const {
-    return bias.defined() ? work.output() + bias : work.output();
+  torch::Tensor finish(const LinearWork& work) const {
+    return bias.defined() && kind != "amx" ? work.output() + bias : work.output();
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
@@ -98,8 +105,8 @@ struct Layer {
   Linear qkv, o, gate_up, down;
   torch::Tensor k_buf, v_buf;
 
-  bool quantized() const {
-    return qkv.quantized() && o.quantized() && gate_up.quantized() && down.quantized();
+  bool splits(int64_t rows) const {
+    return qkv.splits(rows) && o.splits(rows) && gate_up.splits(rows) && down.splits(rows);
   }
 };
 
@@ -152,7 +159,7 @@ class RegionSteps {
   }
 
   // work->run(...) on every thread, each for its share of the outputs.
-  void split(const std::unique_ptr<QuantizedLinearWork>& work) {
+  void split(const std::unique_ptr<LinearWork>& work) {
     guarded([&] { work->run(thread_, threads_); });
     barrier_.wait();
   }
@@ -174,7 +181,7 @@ class RegionSteps {
   std::atomic<bool>& failed_;
 };
 
-// Up to this many tokens, a step of quantized layers runs in one parallel region.
+// Up to this many tokens, a step of quantized or AMX layers runs in one parallel region.
 constexpr int64_t kRegionTokens = 4;
 
 }  // namespace
@@ -200,8 +207,6 @@ class DecodeStack {
     auto make = [&](const py::tuple& t) { return linear(t, dense_rows, amx_rows); };
     layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), make(qkv), make(o),
                             make(gate_up), make(down), std::move(k_buf), std::move(v_buf)});
-    quantized_ = quantized_ && layers_.back().quantized();
-    dense_rows_ = std::min(dense_rows_, dense_rows);
   }
 
   // residual: the embeddings of the batch's tokens [batch, hidden] (consumed: it is the
@@ -211,7 +216,9 @@ class DecodeStack {
                         torch::Tensor key_starts, torch::Tensor order) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack has no layers");
     const int64_t tokens = residual.size(0);
-    if (quantized_ && tokens <= kRegionTokens && tokens < dense_rows_ && omp_get_max_threads() > 1) {
+    const bool splits = std::all_of(layers_.begin(), layers_.end(),
+                                    [&](const Layer& l) { return l.splits(tokens); });
+    if (splits && tokens <= kRegionTokens && omp_get_max_threads() > 1) {
       return forward_in_one_region(residual, positions, out_cache_loc, req_to_token, req_rows,
                                    seq_lens, key_starts, order);
     }
@@ -251,7 +258,7 @@ class DecodeStack {
     return attn.view({tokens, q_size});
   }
 
-  // `forward` for a few tokens through quantized layers, as one parallel region (see the
+  // `forward` for a few tokens through quantized or AMX layers, as one parallel region (see the
   // top of the file): the same kernels in the same order, so the same results.
   torch::Tensor forward_in_one_region(torch::Tensor residual, const torch::Tensor& positions,
                                       const torch::Tensor& out_cache_loc,
@@ -259,7 +266,7 @@ class DecodeStack {
                                       const torch::Tensor& req_rows, const torch::Tensor& seq_lens,
                                       const torch::Tensor& key_starts, const torch::Tensor& order) {
     torch::Tensor hidden;
-    std::unique_ptr<QuantizedLinearWork> work;  // the linear layer the threads run next
+    std::unique_ptr<LinearWork> work;  // the linear layer the threads run next
     std::exception_ptr error;
     std::atomic<bool> failed{false};
     const int threads = omp_get_max_threads();
@@ -323,8 +330,6 @@ class DecodeStack {
   int64_t sliding_window_;
   torch::Tensor cos_, sin_, final_norm_;
   std::vector<Layer> layers_;
-  bool quantized_ = true;  // every layer's linears are quantized
-  int64_t dense_rows_ = INT64_MAX;
 };
 
 void register_decode_stack(py::module& m) {

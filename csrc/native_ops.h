@@ -22,17 +22,18 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
                           bool out_float32);
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           torch::Tensor mins, bool out_float32);
-// A quantized linear layer's product, split among threads that already run (the decode
-// stack's one parallel region): made by one thread, which readies the input and allocates
-// the output, then `run` by each of `num_threads` threads for its share of the outputs.
-class QuantizedLinearWork {
+// A linear layer's product (quantized, or bfloat16 on AMX tiles), split among threads that
+// already run (the decode stack's one parallel region): made by one thread, which readies
+// the input and allocates the output, then `run` by each of `num_threads` threads for its
+// share of the outputs.
+class LinearWork {
  public:
-  virtual ~QuantizedLinearWork() = default;
+  virtual ~LinearWork() = default;
   virtual void run(int64_t thread, int64_t num_threads) = 0;
   virtual torch::Tensor output() const = 0;
 };
 // kind "q8_0" (mins undefined) or "q4_1"; x [rows, in], float32 or bfloat16; output in x's dtype.
-std::unique_ptr<QuantizedLinearWork> prepare_quantized_linear(const std::string& kind,
+std::unique_ptr<LinearWork> prepare_quantized_linear(const std::string& kind,
                                                               const torch::Tensor& weight,
                                                               const torch::Tensor& scales,
                                                               const torch::Tensor& mins,
@@ -47,4 +48,6 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
                                torch::Tensor q_starts, double scale, int64_t sliding_window);
 bool amx_linear_available();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+std::unique_ptr<LinearWork> prepare_amx_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                               const torch::Tensor& bias);
 void register_decode_stack(py::module& m);

@@ -146,3 +146,36 @@ def test_disabled_or_float32_keeps_nn_linear(tiny_path):
         assert type(engine.runner.model.lm_head) is nn.Linear
     with Engine(tiny_path, dtype="bfloat16", max_total_tokens=256, disable_amx_linears=True) as engine:
         assert type(engine.runner.model.lm_head) is nn.Linear
+
+
+@pytest.mark.parametrize("num_prompts", [1, 3])
+def test_stack_steps_of_amx_layers_in_one_region_equal_the_python_forward(num_prompts):
+    """The built-in `small` model has whole tiles in every layer, so a bfloat16 decode step
+    of up to four tokens runs its AMX linears split among the threads of one parallel region
+    (`csrc/decode_stack.cpp`); tokens and log-probabilities equal the Python forward's."""
+    from lmprog_runtime.models.default_model import default_model_path
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        prompts = ["The quick brown fox", "Once upon a time there", "1, 2, 3,"][:num_prompts]
+        with Engine(default_model_path("small"), dtype="bfloat16", max_total_tokens=1024) as engine:
+            model = engine.runner.model
+            assert all(
+                isinstance(linear, AMXLinear)
+                for layer in model.layers
+                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                               layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            )
+            cache, built = model._decode_stack, []
+            get = cache.get
+            cache.get = lambda m, b: built.append(get(m, b)) or built[-1]
+            tokens, logprobs = _greedy(engine, prompts)
+            assert sum(stack is not None for stack in built) >= 7  # the decode steps
+            model.use_decode_stack = False
+            engine.flush_cache()
+            ref_tokens, ref_logprobs = _greedy(engine, prompts)
+    finally:
+        torch.set_num_threads(before)
+    assert tokens == ref_tokens
+    assert torch.equal(logprobs, ref_logprobs)
