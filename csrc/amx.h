@@ -48,3 +48,16 @@ inline void configure_tiles() {
 
 }  // namespace lmprog
 #endif
+
+namespace lmprog {
+
+// Whether the AMX kernels can run here: compiled in, and the tile state granted by the OS.
+inline bool amx_available() {
+#if LMPROG_AMX
+  return request_amx();
+#else
+  return false;
+#endif
+}
+
+}  // namespace lmprog

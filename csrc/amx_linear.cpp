@@ -6,8 +6,8 @@
 // (oneDNN) ran well below that on SmolLM2's layer shapes at 32 rows (30 layers in 31.6 ms,
 // 7 GB/s of weights). Here the weight [N, K] is packed once into AMX's second-operand
 // layout: per block of 16 outputs and chunk of 32 inputs, a tile whose row r holds, for
-// each of the 16 outputs, the pair of inputs (2r, 2r + 1) (`pack_for_amx`, done by
-// `amx_pack` in torch ops: a view and a permute). Each thread takes pairs of output blocks
+// each of the 16 outputs, the pair of inputs (2r, 2r + 1) (`pack_for_amx` in
+// `models/amx_linear.py`: a view and a permute). Each thread takes pairs of output blocks
 // and, for every 32 rows of x, accumulates 2 x 2 float32 tiles over K; the weight is read
 // once for up to 32 rows (again for every further 32). Products of bfloat16 values are
 // exact in float32; the output is rounded once to bfloat16, plus the bias if any.
@@ -76,13 +76,7 @@ void tile_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t 
 
 }  // namespace
 
-bool amx_linear_available() {
-#if LMPROG_AMX
-  return lmprog::request_amx();
-#else
-  return false;
-#endif
-}
+bool amx_linear_available() { return lmprog::amx_available(); }
 
 namespace {
 

@@ -257,13 +257,7 @@ void attend_block(const uint16_t* kpacked, const uint16_t* vpacked, int64_t rows
 
 }  // namespace
 
-bool extend_attention_available() {
-#if LMPROG_AMX
-  return lmprog::request_amx();
-#else
-  return false;
-#endif
-}
+bool extend_attention_available() { return lmprog::amx_available(); }
 
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                torch::Tensor req_to_token, torch::Tensor req_rows,

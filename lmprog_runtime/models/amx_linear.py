@@ -51,9 +51,8 @@ class AMXLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self._native = native
-        self._packed_from: tuple[int, int] | None = None  # (id, version) of the packed weight
         self.register_buffer("packed", pack_for_amx(self.weight), persistent=False)
-        self._packed_from = self._weight_state()
+        self._packed_from = self._weight_state()  # (id, version) of the weight packed
 
     def _weight_state(self) -> tuple[int, int]:
         return id(self.weight), self.weight._version
