@@ -7,12 +7,13 @@ Workloads, all greedy with the output length fixed (EOS masked):
 - shared prefix: 4 groups x 8 prompts (a 512-token system prompt per group + 32 tokens of
   their own), 16 new tokens each (llama.cpp runs them one at a time: in arrival order from
   an empty context each, and sorted, reusing the previous prompt's KV prefix);
-- prefill: 2 x 1024 fresh tokens, 1 new token, as a share of this machine's bfloat16
-  matmul peak measured in the same run (2 x non-embedding parameters x tokens FLOPs).
+- prefill: 2 x 1024 fresh tokens, 1 new token, as a share of this machine's matmul peak
+  measured in the same run, the faster of bfloat16 and float32 (2 x non-embedding
+  parameters x tokens FLOPs).
 Every side is built and warmed first; rounds alternate (ABBA), best and median reported.
 
 Each side runs in a worker process of its own (multiprocessing, "spawn"), built and warmed
-there once and kept for the whole run; the bfloat16 peak is measured in one more. In one
+there once and kept for the whole run; the matmul peak is measured in one more. In one
 process the sides' thread pools (torch's OpenMP threads, llama.cpp's) disturbed each
 other: an int4 engine alone in a process decoded 128 tokens in 2.04 s, 2.95 s beside the
 others. The parent builds the workloads, sends each timed run to its side's worker and
@@ -60,20 +61,26 @@ LLAMA_CPP = "llama.cpp"  # the side's name for `--skip`
 WORKLOADS = ("one stream", "shared prefix", "prefill")
 
 
-def bf16_peak_gflops(repeats: int = 10) -> float:
-    """torch's best bfloat16 matmul rate on this machine (GFLOP/s): the fastest of several
-    shapes (square ones and the shapes of a prefill), each warmed up, best of `repeats`."""
-    best_rate = 0.0
-    for m, k, n in ((2048, 2048, 2048), (4096, 4096, 4096), (2048, 576, 3072), (2048, 1536, 576)):
-        a = torch.randn(m, k, dtype=torch.bfloat16)
-        b = torch.randn(k, n, dtype=torch.bfloat16)
-        for _ in range(3):
-            a @ b
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best_rate = max(best_rate, 2 * m * k * n / (time.perf_counter() - start) / 1e9)
-    return best_rate
+def matmul_peak_gflops(repeats: int = 10) -> tuple[float, str]:
+    """torch's best matmul rate on this machine (GFLOP/s) and the dtype that reached it: the
+    fastest of bfloat16 and float32 (a CPU without native bfloat16 runs it far slower than
+    float32) over several shapes (square ones and the shapes of a prefill), each warmed up,
+    best of `repeats`."""
+    best_rate, best_dtype = 0.0, ""
+    shapes = ((2048, 2048, 2048), (4096, 4096, 4096), (2048, 576, 3072), (2048, 1536, 576))
+    for dtype in (torch.bfloat16, torch.float32):
+        for m, k, n in shapes:
+            a = torch.randn(m, k, dtype=dtype)
+            b = torch.randn(k, n, dtype=dtype)
+            for _ in range(3):
+                a @ b
+            for _ in range(repeats):
+                start = time.perf_counter()
+                a @ b
+                rate = 2 * m * k * n / (time.perf_counter() - start) / 1e9
+                if rate > best_rate:
+                    best_rate, best_dtype = rate, str(dtype).removeprefix("torch.")
+    return best_rate, best_dtype
 
 
 def workloads(tokenizer: Any) -> dict[str, tuple[list[list[int]], int]]:
@@ -183,10 +190,10 @@ def build_llama_cpp(gguf: str, threads: int, loads: Loads) -> Side:
 
 
 def build_peak() -> Side:
-    def run() -> tuple[float, float]:
+    def run() -> tuple[float, tuple[float, str]]:
         start = time.perf_counter()
-        gflops = bf16_peak_gflops()
-        return time.perf_counter() - start, gflops
+        peak = matmul_peak_gflops()
+        return time.perf_counter() - start, peak
 
     return run, lambda: None, lambda: None
 
@@ -360,7 +367,7 @@ def main() -> None:
         plan.append((LLAMA_CPP, "llama.cpp", (path,)))
     plan = [entry for entry in plan if entry[0] not in skip]
     if "prefill" in loads:
-        plan.append(("bf16 peak", "peak", ()))
+        plan.append(("matmul peak", "peak", ()))
     ctx = multiprocessing.get_context("spawn")  # torch after fork is unsafe
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     workers: dict[str, Worker] = {}
@@ -376,10 +383,10 @@ def main() -> None:
                 print(f"llama.cpp skipped, its worker failed to start: {e}", flush=True)
                 workers.pop(name).stop(graceful=False)
         has_llama_cpp = LLAMA_CPP in workers
-        peak = workers["bf16 peak"].call("run")[1] if "prefill" in loads else 0.0
+        peak, peak_dtype = workers["matmul peak"].call("run")[1] if "prefill" in loads else (0, "")
         rows, raw = run_workloads(workers, loads, args.repeats)
         if "prefill" in loads:  # measured again at the end: the higher one counts
-            peak = max(peak, workers["bf16 peak"].call("run")[1])
+            peak, peak_dtype = max((peak, peak_dtype), workers["matmul peak"].call("run")[1])
         graceful = True
     finally:
         for worker in workers.values():
@@ -391,7 +398,7 @@ def main() -> None:
                 prompts, _ = loads["prefill"]
                 seconds, best = row.pop("_seconds"), row.pop("_best")
                 gflops = 2 * params * sum(len(p) for p in prompts) / best / 1e9
-                row["best / median (s)"] = f"{seconds} ({gflops / peak:.0%} of bf16 peak)"
+                row["best / median (s)"] = f"{seconds} ({gflops / peak:.0%} of peak)"
     args.dtype = "per row: float32, auto (bfloat16 here), int8 / int4 with bfloat16 activations"
     if not cpu_has_native_bf16():
         args.dtype = "per row: float32 (auto and the quantized engines too: no native bfloat16)"
@@ -403,7 +410,7 @@ def main() -> None:
     }
     workload = "; ".join(described[w] for w in WORKLOADS if w in loads) + ". "
     if "prefill" in loads:
-        workload += f"bfloat16 matmul peak measured here: {peak:.0f} GFLOP/s. "
+        workload += f"Matmul peak measured here: {peak:.0f} GFLOP/s ({peak_dtype}). "
     workload += f"{args.repeats} rounds, alternating order, each side in a process of its own."
     if has_llama_cpp:
         workload += (
@@ -412,7 +419,8 @@ def main() -> None:
         )
     harness.write_result(
         args,
-        "cpu",
+        # Each kind of machine (AMX, AVX512-BF16 only, neither) gets a table of its own.
+        "cpu" if harness.bf16_kind() == "amx" else f"cpu_{harness.bf16_kind()}",
         {
             "title": "CPU speed: lmprog dtypes and quantization against transformers"
             + (" and llama.cpp" if has_llama_cpp else ""),

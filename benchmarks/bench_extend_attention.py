@@ -1,6 +1,6 @@
-"""Prefill attention on CPU in bfloat16: the native backend's AMX kernel
-(`csrc/extend_attention.cpp`) against torch's CPU flash attention (SDPA), the path it
-replaces.
+"""Prefill attention on CPU in bfloat16: the native backend's kernel
+(`csrc/extend_attention.cpp`: AMX tiles, or AVX512-BF16 dot products on CPUs without AMX)
+against torch's CPU flash attention (SDPA), the path it replaces.
 
 Two levels, each side alternating with the other (`harness.alternate`, best of the rounds):
 - one attention layer of SmolLM2-135M's shape (9 query heads, 3 kv heads, head size 64):
@@ -10,6 +10,9 @@ Two levels, each side alternating with the other (`harness.alternate`, best of t
 - a whole engine (`dtype="auto"`, the instruct model): the bench_cpu prefill (2 x 1024
   tokens) and shared-prefix workloads, the same engine switching its prefill attention
   between the two paths.
+The kernel is the one the engine picks here (AMX where it runs, else AVX512-BF16); each
+kind of machine writes a table of its own (`extend_attention` on AMX,
+`extend_attention_avx512_bf16` elsewhere).
 
     .venv/bin/python benchmarks/bench_extend_attention.py [--repeats 8]
 """
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 from harness import Phase
 
 
-def layer_cases(ops: Any) -> dict[str, dict[str, Callable[[], Any]]]:
+def layer_cases(ops: Any, amx: bool) -> dict[str, dict[str, Callable[[], Any]]]:
     heads, kv_heads, dim = 9, 3, 64
     scale = dim**-0.5
     gen = torch.Generator().manual_seed(0)
@@ -49,8 +52,8 @@ def layer_cases(ops: Any) -> dict[str, dict[str, Callable[[], Any]]]:
         )
         qs = q.view(reqs, new, heads, dim).transpose(1, 2)
 
-        def amx(q=q, k_buf=k_buf, v_buf=v_buf, table=table, meta=meta):
-            return ops.extend_attention(q, k_buf, v_buf, table, *meta, scale, 0)
+        def native(q=q, k_buf=k_buf, v_buf=v_buf, table=table, meta=meta):
+            return ops.extend_attention(q, k_buf, v_buf, table, *meta, scale, 0, amx)
 
         if prefix == 0:
             ks = k_buf[1:].view(reqs, keys, kv_heads, dim).transpose(1, 2)
@@ -74,7 +77,7 @@ def layer_cases(ops: Any) -> dict[str, dict[str, Callable[[], Any]]]:
                     qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True
                 )
 
-        cases[label] = {"AMX kernel": amx, "torch SDPA": sdpa}
+        cases[label] = {"native kernel": native, "torch SDPA": sdpa}
     return cases
 
 
@@ -98,42 +101,44 @@ def main() -> None:
     args = parser.parse_args()
 
     from lmprog_runtime import Engine
+    from lmprog_runtime.attention.native_backend import _preferred_extend_kernel
     from lmprog_runtime.native import load_native
 
     ops = load_native()
-    if not ops.extend_attention_available():
-        raise SystemExit("no AMX extend attention on this machine: nothing to compare")
+    kernel = _preferred_extend_kernel(ops)
+    if kernel is None:
+        raise SystemExit("no native extend attention on this machine: nothing to compare")
     rows = []
-    for label, fns in layer_cases(ops).items():
-        amx, sdpa = (Phase(name, fn) for name, fn in fns.items())
-        harness.alternate([amx, sdpa], args.repeats * 3)
-        rows.append(_row(f"one layer: {label}", amx.best, sdpa.best))
+    for label, fns in layer_cases(ops, kernel == "amx").items():
+        native, sdpa = (Phase(name, fn) for name, fn in fns.items())
+        harness.alternate([native, sdpa], args.repeats * 3)
+        rows.append(_row(f"one layer: {label}", native.best, sdpa.best, kernel))
     engine = Engine(harness.resolve_model(args.model), dtype="auto", max_total_tokens=8192)
     harness.warm_engine(engine)
     attention = engine.runner.attention
-    assert attention._amx_extend, "the engine does not use the AMX kernel"
+    assert attention._extend_kernel == kernel, "the engine does not use the native kernel"
     for label, (prompts, new) in engine_cases(engine).items():
         params = {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0}
 
         def generate(prompts=prompts, params=params) -> None:
             engine.generate(input_ids=prompts, sampling_params=params)
 
-        def switch(amx: bool) -> None:  # untimed, before each run
-            attention._amx_extend = amx
+        def switch(use: str | None) -> None:  # untimed, before each run
+            attention._extend_kernel = use
             harness.flush(engine)
 
-        amx = Phase("AMX kernel", generate, before=lambda: switch(True))
-        sdpa = Phase("torch SDPA", generate, before=lambda: switch(False))
-        harness.alternate([amx, sdpa], args.repeats)
-        rows.append(_row(label, amx.best, sdpa.best))
-    attention._amx_extend = True
+        native = Phase("native kernel", generate, before=lambda: switch(kernel))
+        sdpa = Phase("torch SDPA", generate, before=lambda: switch(None))
+        harness.alternate([native, sdpa], args.repeats)
+        rows.append(_row(label, native.best, sdpa.best, kernel))
+    attention._extend_kernel = kernel
     engine.shutdown()
     args.dtype = "bfloat16"
     harness.write_result(
         args,
-        "extend_attention",
+        "extend_attention" if kernel == "amx" else f"extend_attention_{harness.bf16_kind()}",
         {
-            "title": "Prefill attention on CPU: AMX kernel vs torch SDPA (bfloat16)",
+            "title": f"Prefill attention on CPU: {KERNEL_NAMES[kernel]} vs torch SDPA (bfloat16)",
             "workload": (
                 "one attention layer of SmolLM2-135M's shape, and whole engine runs with the "
                 f"prefill attention switched; sides alternating, best of {args.repeats} rounds "
@@ -145,12 +150,15 @@ def main() -> None:
     )
 
 
-def _row(label: str, amx: float, sdpa: float) -> dict[str, str]:
+KERNEL_NAMES = {"amx": "AMX kernel", "avx512_bf16": "AVX512-BF16 kernel"}
+
+
+def _row(label: str, native: float, sdpa: float, kernel: str) -> dict[str, str]:
     return {
         "case": label,
-        "AMX kernel (ms)": f"{amx * 1e3:.1f}",
+        f"{KERNEL_NAMES[kernel]} (ms)": f"{native * 1e3:.1f}",
         "torch SDPA (ms)": f"{sdpa * 1e3:.1f}",
-        "speedup": f"{sdpa / amx:.2f}x",
+        "speedup": f"{sdpa / native:.2f}x",
     }
 
 

@@ -215,6 +215,16 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def bf16_kind() -> str:
+    """How this CPU multiplies bfloat16: 'amx' (tiles), 'avx512_bf16' (dot products) or
+    'no_bf16'. The CPU benchmarks write one table per kind (`cpu`, `cpu_avx512_bf16`, ...):
+    the README keeps each kind of machine's figures side by side."""
+    flags = machine_info()["cpu_flags"]
+    if flags["amx_bf16"] and flags["amx_tile"]:
+        return "amx"
+    return "avx512_bf16" if flags["avx512_bf16"] else "no_bf16"
+
+
 def command_line() -> str:
     script = Path(sys.argv[0]).resolve()
     rel = script.relative_to(script.parent.parent) if script.parent.name == "benchmarks" else script

@@ -332,8 +332,10 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32 or bfloat16)");
-  m.def("extend_attention", &extend_attention, "causal extend attention over the paged pool (CPU, bfloat16, AMX)");
-  m.def("extend_attention_available", &extend_attention_available, "whether extend_attention can run here");
+  m.def("extend_attention", &extend_attention,
+        "causal extend attention over the paged pool (CPU, bfloat16; AMX tiles or AVX512-BF16)");
+  m.def("extend_attention_available", &extend_attention_available,
+        "whether extend_attention can run here, on AMX tiles (amx=True) or AVX512-BF16");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU, float32 or bfloat16)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused [rows, 2 * inter] input");

@@ -1,15 +1,17 @@
-// Native CPU extend (prefill) attention in bfloat16 on AMX tiles.
+// Native CPU extend (prefill) attention in bfloat16: products on AMX tiles, or by AVX512-BF16
+// dot products on CPUs without AMX.
 //
 // Each request's new tokens attend to its keys (its cached prefix and the new tokens
 // themselves, already written to the paged pool), causally, optionally within a sliding
 // window. torch's CPU flash attention spends as long on a 2 x 1024-token prefill as all of
 // a small model's matmuls do; here the products run on AMX (tdpbf16ps: a 16 x 16 float32
-// tile from 16 x 32 bfloat16 operands per instruction) and only the softmax on AVX-512.
+// tile from 16 x 32 bfloat16 operands per instruction) or AVX512-BF16 (vdpbf16ps: 16
+// float32 lanes, each += one pair of bfloat16 products), the softmax on AVX-512.
 //
-// Per request and kv head, the keys and values are first rearranged into the tile layout
-// AMX expects for its second operand (pairs of bfloat16 along the reduced dimension, see
-// `pack_keys` / `pack_values`), once for every query head of the group. Then per query head
-// and block of 16 query rows, in two passes over the keys that the block can see (causal:
+// Per request and kv head, the keys and values are first rearranged into AMX's tile layout
+// (`extend_tiles.h`, which also holds the products: AMX tiles, or AVX512-BF16 dot products
+// from the same layout), once for every query head of the group. Then per query head and
+// block of 16 query rows, in two passes over the keys that the block can see (causal:
 // later blocks see more):
 // 1. scores = q . k^T into a float32 row buffer, 32 keys per step; masked, softmax per row
 //    in float32 (exact, no running rescale), probabilities rounded to bfloat16;
@@ -24,8 +26,9 @@
 //   req_rows, prefix_lens, extend_lens, q_starts [requests] int64 (q_starts: first row of
 //                each request's new tokens in q)
 //   returns      out [tokens, num_heads * head_dim] bfloat16
-// head_dim must be 64 or 128. `extend_attention_available()` says whether this
-// build and CPU can run it (AMX compiled in, the CPU has it, the OS grants the tile state).
+// head_dim must be 64 or 128. `extend_attention_available(amx)` says whether this build and
+// CPU can run it: on AMX tiles (AMX compiled in, the CPU has it, the OS grants the tile
+// state) or by AVX512-BF16 dot products (compiled in: -march=native on a CPU that has them).
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -35,90 +38,16 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "extend_tiles.h"
 #include "native_ops.h"
-
-#include "amx.h"
 
 using lmprog::bf16;
 
 namespace {
 
-#if LMPROG_AMX
+#if LMPROG_BF16_DOT
 constexpr int64_t kRows = 16;      // query rows per block (a tile's rows)
-constexpr int64_t kKeys = 32;      // keys per step (two 16-column score tiles)
-constexpr int64_t kTileWords = 512;   // bfloat16 values per tile
-
-// Transposes a 16 x 16 matrix of 32-bit words held as 16 rows: rows[i] becomes column i.
-inline void transpose16(__m512i* rows) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: pairs of rows 2i, 2i + 1
-    t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + k], lane L: column 4L + k of rows 4i .. 4i + 3
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {  // gather lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
-    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);      // lanes 0, 2
-    const __m512i w0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);      // lanes 1, 3
-    const __m512i v1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
-    rows[k] = _mm512_shuffle_i32x4(v0, v1, 0x88);
-    rows[8 + k] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
-    rows[4 + k] = _mm512_shuffle_i32x4(w0, w1, 0x88);
-    rows[12 + k] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
-  }
-}
-
-// Keys [keys, head_dim] (pool rows through `slots`) as second operands of q . k^T: per block
-// of 32 keys, per half (16 keys), per 32 dims c, a tile whose row r holds, for each of the
-// 16 keys, the pair of dims (32c + 2r, 32c + 2r + 1): the transpose of the 16 keys' words
-// of that chunk. Keys past `keys` are zero.
-void pack_keys(const bf16* buf, int64_t slot_stride, const int64_t* slots, int64_t keys,
-               int64_t head_dim, uint16_t* packed) {
-  const int64_t chunks = head_dim / 32, halves = (keys + kKeys - 1) / kKeys * 2;
-  for (int64_t half = 0; half < halves; ++half) {
-    const int64_t first = half * 16, count = std::clamp<int64_t>(keys - first, 0, 16);
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m512i rows[16];
-      for (int64_t i = 0; i < 16; ++i) {
-        rows[i] = i < count ? _mm512_loadu_si512(buf + slots[first + i] * slot_stride + c * 32)
-                            : _mm512_setzero_si512();
-      }
-      transpose16(rows);
-      uint16_t* tile = packed + (half * chunks + c) * kTileWords;
-      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(tile + r * 32, rows[r]);
-    }
-  }
-}
-
-// Values [keys, head_dim] as second operands of p . v: per block of 32 keys, per 16 dims j,
-// a tile whose row r holds, for each of the 16 dims, the values of keys 2r and 2r + 1
-// (the two keys' 16 values interleaved). Keys past `keys` are zero.
-void pack_values(const bf16* buf, int64_t slot_stride, const int64_t* slots, int64_t keys,
-                 int64_t head_dim, uint16_t* packed) {
-  const int64_t dtiles = head_dim / 16, blocks = (keys + kKeys - 1) / kKeys;
-  const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                              39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  for (int64_t block = 0; block < blocks; ++block) {
-    for (int64_t r = 0; r < kKeys / 2; ++r) {
-      const int64_t k0 = block * kKeys + 2 * r, k1 = k0 + 1;
-      const bf16* v0 = k0 < keys ? buf + slots[k0] * slot_stride : nullptr;
-      const bf16* v1 = k1 < keys ? buf + slots[k1] * slot_stride : nullptr;
-      for (int64_t j = 0; j < dtiles; ++j) {
-        const __m512i a = v0 ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + j * 16)))
-                             : _mm512_setzero_si512();
-        const __m512i b = v1 ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + j * 16)))
-                             : _mm512_setzero_si512();
-        _mm512_storeu_si512(packed + (block * dtiles + j) * kTileWords + r * 32,
-                            _mm512_permutex2var_epi16(a, interleave, b));
-      }
-    }
-  }
-}
+using namespace lmprog::extend;
 
 struct Scratch {
   std::vector<float> scores;     // [16, keys_padded]
@@ -148,55 +77,10 @@ inline __mmask16 lanes(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
-// q . k^T for one block of 32 keys, the query's CHUNKS tiles of 32 dims resident in tiles 2..
-template <int CHUNKS>
-inline void score_block(const uint16_t* kpacked, int64_t b, float* scores, int64_t stride) {
-  _tile_zero(0);
-  _tile_zero(1);
-  const uint16_t* kb = kpacked + b * 2 * CHUNKS * kTileWords;
-  // (Tile numbers must be literals: the intrinsics paste them into the instruction.)
-#define LMPROG_SCORE_CHUNK(c, query_tile)                    \
-  if constexpr (CHUNKS > c) {                               \
-    _tile_loadd(6, kb + (0 * CHUNKS + c) * kTileWords, 64); \
-    _tile_dpbf16ps(0, query_tile, 6);                       \
-    _tile_loadd(7, kb + (1 * CHUNKS + c) * kTileWords, 64); \
-    _tile_dpbf16ps(1, query_tile, 7);                       \
-  }
-  LMPROG_SCORE_CHUNK(0, 2)
-  LMPROG_SCORE_CHUNK(1, 3)
-  LMPROG_SCORE_CHUNK(2, 4)
-  LMPROG_SCORE_CHUNK(3, 5)
-#undef LMPROG_SCORE_CHUNK
-  _tile_stored(0, scores + b * kKeys, stride * 4);
-  _tile_stored(1, scores + b * kKeys + 16, stride * 4);
-}
-
-// One block of up to 16 query rows of one head against its request's packed keys/values.
-// Query row i sits at position `first_pos + i`; it sees keys [max(0, pos - window + 1), pos].
-template <int CHUNKS>
-void attend_block(const uint16_t* kpacked, const uint16_t* vpacked, int64_t rows,
-                  int64_t first_pos, int64_t window, float scale, Scratch& s) {
-  constexpr int64_t head_dim = CHUNKS * 32, dtiles = head_dim / 16;
-  const int64_t end = first_pos + rows;  // keys the block needs
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-  const int64_t first_block = lo / kKeys, blocks = (end + kKeys - 1) / kKeys;
-  const int64_t stride = blocks * kKeys;  // row stride of scores / probs (from key 0)
-  if (static_cast<int64_t>(s.scores.size()) < kRows * stride) {
-    s.scores.resize(kRows * stride);
-    s.probs.resize(kRows * stride);
-  }
-  // 1. scores, the query's tiles loaded once
-  for (int c = 0; c < CHUNKS; ++c) {
-    switch (c) {
-      case 0: _tile_loadd(2, s.q.data(), head_dim * 2); break;
-      case 1: _tile_loadd(3, s.q.data() + 32, head_dim * 2); break;
-      case 2: _tile_loadd(4, s.q.data() + 64, head_dim * 2); break;
-      default: _tile_loadd(5, s.q.data() + 96, head_dim * 2); break;
-    }
-  }
-  for (int64_t b = first_block; b < blocks; ++b) score_block<CHUNKS>(kpacked, b, s.scores.data(), stride);
-  // Softmax per row over its visible keys, left unnormalized (each row's 1 / sum scales
-  // its output at the end); the probabilities of every other key in range are zero.
+// Softmax per row over its visible keys, left unnormalized (each row's 1 / sum scales its
+// output at the end); the probabilities of every other key in range are zero.
+void softmax_rows(Scratch& s, int64_t rows, int64_t first_pos, int64_t window, int64_t first_block,
+                  int64_t blocks, int64_t stride, float scale) {
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < kRows; ++i) {
     float* row = s.scores.data() + i * stride;
@@ -228,42 +112,53 @@ void attend_block(const uint16_t* kpacked, const uint16_t* vpacked, int64_t rows
     }
     s.inv_sum[i] = 1.f / _mm512_reduce_add_ps(vsum);
   }
-  // 2. out = p . v, four 16-dim tiles at a time
-  for (int64_t j0 = 0; j0 < dtiles; j0 += 4) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t b = first_block; b < blocks; ++b) {
-      _tile_loadd(4, s.probs.data() + b * kKeys, stride * 2);
-      const uint16_t* vb = vpacked + (b * dtiles + j0) * kTileWords;
-      _tile_loadd(5, vb, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, vb + kTileWords, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, vb + 2 * kTileWords, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, vb + 3 * kTileWords, 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    float* o = s.out.data() + j0 * 16;
-    _tile_stored(0, o, head_dim * 4);
-    _tile_stored(1, o + 16, head_dim * 4);
-    _tile_stored(2, o + 32, head_dim * 4);
-    _tile_stored(3, o + 48, head_dim * 4);
+}
+
+// One block of up to 16 query rows of one head against its request's packed keys/values.
+// Query row i sits at position `first_pos + i`; it sees keys [max(0, pos - window + 1), pos].
+template <int CHUNKS>
+void attend_block(const uint16_t* kpacked, const uint16_t* vpacked, int64_t rows,
+                  int64_t first_pos, int64_t window, float scale, bool amx, Scratch& s) {
+  const int64_t end = first_pos + rows;  // keys the block needs
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t first_block = lo / kKeys, blocks = (end + kKeys - 1) / kKeys;
+  const int64_t stride = blocks * kKeys;  // row stride of scores / probs (from key 0)
+  if (static_cast<int64_t>(s.scores.size()) < kRows * stride) {
+    s.scores.resize(kRows * stride);
+    s.probs.resize(kRows * stride);
   }
+#if LMPROG_AMX
+  if (amx) {
+    scores_amx<CHUNKS>(kpacked, first_block, blocks, s.q.data(), s.scores.data(), stride);
+    softmax_rows(s, rows, first_pos, window, first_block, blocks, stride, scale);
+    values_amx<CHUNKS>(vpacked, first_block, blocks, s.probs.data(), s.out.data(), stride);
+    return;
+  }
+#endif
+  // Rows past `rows` are zero queries (their scores are not read) and zero probabilities.
+  scores_dot<CHUNKS>(kpacked, first_block, blocks, rows, s.q.data(), s.scores.data(), stride);
+  softmax_rows(s, rows, first_pos, window, first_block, blocks, stride, scale);
+  values_dot<CHUNKS>(vpacked, first_block, blocks, rows, s.probs.data(), s.out.data(), stride);
 }
 #endif
 
 }  // namespace
 
-bool extend_attention_available() { return lmprog::amx_available(); }
+bool extend_attention_available(bool amx) {
+#if LMPROG_BF16_DOT
+  return amx ? lmprog::amx_available() : true;
+#else
+  return false;
+#endif
+}
 
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                torch::Tensor req_to_token, torch::Tensor req_rows,
                                torch::Tensor prefix_lens, torch::Tensor extend_lens,
-                               torch::Tensor q_starts, double scale, int64_t sliding_window) {
-  TORCH_CHECK(extend_attention_available(), "extend_attention: AMX is not available here");
+                               torch::Tensor q_starts, double scale, int64_t sliding_window,
+                               bool amx) {
+  TORCH_CHECK(extend_attention_available(amx), "extend_attention: ",
+              amx ? "AMX" : "AVX512-BF16", " is not available here");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kBFloat16 && q.stride(2) == 1,
               "extend_attention: q must be bfloat16 [tokens, heads, head_dim], last dim contiguous");
   TORCH_CHECK(k_buf.scalar_type() == torch::kBFloat16 && v_buf.scalar_type() == torch::kBFloat16 &&
@@ -282,7 +177,7 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
   TORCH_CHECK(req_to_token.scalar_type() == torch::kInt64 && req_to_token.is_contiguous(),
               "extend_attention: req_to_token must be contiguous int64");
   auto out = torch::empty({q.size(0), heads * head_dim}, q.options());
-#if LMPROG_AMX
+#if LMPROG_BF16_DOT
   const int64_t requests = req_rows.size(0), group = heads / kv_heads;
   const int64_t* rows = req_rows.data_ptr<int64_t>();
   const int64_t* prefix = prefix_lens.data_ptr<int64_t>();
@@ -334,7 +229,9 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
   const float fscale = static_cast<float>(scale);
 #pragma omp parallel
   {
-    lmprog::configure_tiles();
+#if LMPROG_AMX
+    if (amx) lmprog::configure_tiles();
+#endif
     Scratch s;
     s.q.resize(kRows * head_dim);
     s.out.resize(kRows * head_dim);
@@ -351,10 +248,10 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
       const int64_t base = offsets[r] * kv_heads + (offsets[r + 1] - offsets[r]) * h;
       if (head_dim == 64) {
         attend_block<2>(kpacked.data() + base, vpacked.data() + base, count, prefix[r] + row0,
-                        sliding_window, fscale, s);
+                        sliding_window, fscale, amx, s);
       } else {
         attend_block<4>(kpacked.data() + base, vpacked.data() + base, count, prefix[r] + row0,
-                        sliding_window, fscale, s);
+                        sliding_window, fscale, amx, s);
       }
       for (int64_t i = 0; i < count; ++i) {
         bf16* dst = op + (starts[r] + row0 + i) * heads * head_dim + it.head * head_dim;
@@ -363,7 +260,9 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
           dst[d] = lmprog::from_f32<bf16>(s.out[i * head_dim + d] * inv);
       }
     }
-    _tile_release();
+#if LMPROG_AMX
+    if (amx) _tile_release();
+#endif
   }
 #endif
   return out;

@@ -41,11 +41,12 @@ std::unique_ptr<LinearWork> prepare_quantized_linear(const std::string& kind,
 torch::Tensor q8_0_dequantize(torch::Tensor qweight, torch::Tensor scales, bool to_bf16);
 torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
                               bool to_bf16);
-bool extend_attention_available();
+bool extend_attention_available(bool amx);
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                torch::Tensor req_to_token, torch::Tensor req_rows,
                                torch::Tensor prefix_lens, torch::Tensor extend_lens,
-                               torch::Tensor q_starts, double scale, int64_t sliding_window);
+                               torch::Tensor q_starts, double scale, int64_t sliding_window,
+                               bool amx);
 bool amx_linear_available();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 std::unique_ptr<LinearWork> prepare_amx_linear(const torch::Tensor& x, const torch::Tensor& packed,

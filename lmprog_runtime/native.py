@@ -1,13 +1,17 @@
 """The native CPU kernels of `csrc/`, compiled on first use as a torch C++ extension.
 
-Built with OpenMP and `-march=native` into `$LMPROG_CACHE_DIR/native/<source hash>/`, so a
-rebuild happens only when the sources change (or on another machine). Nothing is compiled
-unless the `native` attention backend is asked for.
+Built with OpenMP and `-march=native` into `$LMPROG_CACHE_DIR/native/<key>/`, the key a hash
+of the sources, the torch and Python versions and this CPU's instruction sets: a cache shared
+between machines (a network home, a container image built elsewhere) never hands one CPU a
+build that uses instructions it lacks (AMX, AVX512-BF16), nor torch a build against another
+torch. Nothing is compiled unless the `native` attention backend is asked for.
 """
 
 from __future__ import annotations
 
 import hashlib
+import platform
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -23,13 +27,35 @@ _SOURCES = (
     "quant_linear.cpp",
 )
 # Included by the sources: part of the hash, not compiled alone.
-_HEADERS = ("amx.h", "cpu_vec.h", "native_ops.h")
+_HEADERS = ("amx.h", "cpu_vec.h", "extend_tiles.h", "native_ops.h")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 
 
 def csrc_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "csrc"
+
+
+def cpu_flags() -> bytes:
+    """This CPU's instruction-set flags as the kernel reports them (empty where it does not)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.processor().encode()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return " ".join(sorted(line.partition(":")[2].split())).encode()
+    return b""
+
+
+def build_key(sources: list[Path]) -> str:
+    """What a build depends on: its sources, the torch and Python it links and this CPU."""
+    import torch
+
+    parts = [s.read_bytes() for s in sources]
+    parts += [torch.__version__.encode(), sys.version.encode(), platform.machine().encode()]
+    parts.append(cpu_flags())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
 def load_native() -> ModuleType:
@@ -43,7 +69,7 @@ def load_native() -> ModuleType:
         missing = [str(s) for s in hashed if not s.is_file()]
         if missing:
             raise RuntimeError(f"native kernels need the csrc/ sources; missing: {missing}")
-        digest = hashlib.sha256(b"".join(s.read_bytes() for s in hashed)).hexdigest()[:16]
+        digest = build_key(hashed)
         build_dir = cache_dir() / "native" / digest
         build_dir.mkdir(parents=True, exist_ok=True)
         from torch.utils import cpp_extension

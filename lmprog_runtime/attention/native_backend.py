@@ -6,10 +6,11 @@ branches of a fork, prompts with one system prompt; see `CASCADE_MIN_SPARED_KEYS
 long) get cascade attention: the shared prefix is
 attended to once per group by torch's fused CPU attention kernel, each request's own suffix
 in C++, and the two partial results are merged by their log-sum-exp. Extend (prefill) in
-bfloat16 runs on AMX tiles where the CPU has them (`csrc/extend_attention.cpp`: products in
-the tiles with float32 sums, the softmax in float32, head sizes 64 and 128), reading every
-key, cached prefix and new, from the pool, when the batch's new tokens are at least 5% of
-its keys; otherwise, and in float32, it uses the reference path. In a mixed extend the running requests' decode tokens still take the C++ decode path.
+bfloat16 runs in C++ (`csrc/extend_attention.cpp`: products on AMX tiles where the CPU has
+them, else by AVX512-BF16 dot products, with float32 sums; the softmax in float32; head
+sizes 64 and 128), reading every key, cached prefix and new, from the pool, when the batch's
+new tokens are at least 5% of its keys; otherwise, on CPUs with neither and in float32, it
+uses the reference path. In a mixed extend the running requests' decode tokens still take the C++ decode path.
 float32 or bfloat16 on CPU: the kernels read the pool in its dtype and compute scores,
 softmax and sums in float32.
 """
@@ -37,12 +38,21 @@ MIN_CASCADE_PREFIX = 64
 # 119-144 ms a step); 2 x 16 x 2048 (61k) and 1 x 32 x 4096 (127k) faster as a cascade
 # (130-148 against 176-214 ms; 121-130 against 376-419 ms).
 CASCADE_MIN_SPARED_KEYS = 32768
-# The AMX extend kernel rearranges every key it reads (cached prefix included) into tiles,
-# so it runs a batch only when new tokens are at least this share of the keys. With the
-# rearranging vectorized, 32 prompts x 32 new tokens after a 512-token prefix (6% new)
-# measured 1.22x faster than torch's kernel at one layer; a few new tokens after long
+# The native extend kernel rearranges every key it reads (cached prefix included) into
+# tiles, so it runs a batch only when new tokens are at least this share of the keys. With
+# the rearranging vectorized, 32 prompts x 32 new tokens after a 512-token prefix (6% new)
+# measured 1.22x faster than torch's kernel at one layer on AMX; a few new tokens after long
 # cached prefixes (less) go to torch's kernel.
-AMX_MIN_NEW_SHARE = 0.05
+NATIVE_EXTEND_MIN_NEW_SHARE = 0.05
+
+
+def _preferred_extend_kernel(ops) -> str | None:
+    """'amx' on a CPU with AMX (and an OS that grants it), else 'avx512_bf16' where the
+    build has it, else None (torch's kernel)."""
+    for kernel, amx in (("amx", True), ("avx512_bf16", False)):
+        if ops.extend_attention_available(amx):
+            return kernel
+    return None
 
 
 class _PrefixGroup(NamedTuple):
@@ -60,12 +70,10 @@ class NativeAttentionBackend(TorchAttentionBackend):
         if buf.device.type != "cpu" or buf.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError("attention_backend='native' runs float32 or bfloat16 on CPU only")
         self._ops = load_native()
-        # AMX extend attention: bfloat16, head sizes it has tiles for, a CPU and OS with AMX.
-        self._amx_extend = (
-            buf.dtype == torch.bfloat16
-            and layout.head_dim in (64, 128)
-            and bool(self._ops.extend_attention_available())
-        )
+        # Native extend attention: bfloat16 and head sizes it has tiles for.
+        self._extend_kernel = None
+        if buf.dtype == torch.bfloat16 and layout.head_dim in (64, 128):
+            self._extend_kernel = _preferred_extend_kernel(self._ops)
 
     @property
     def native_ops(self):
@@ -94,10 +102,10 @@ class NativeAttentionBackend(TorchAttentionBackend):
 
     def _init_extend_any(self, batch: ForwardBatch) -> None:
         extend_lens = batch.extend_lens
-        self._amx_now = self._amx_extend and sum(extend_lens) >= AMX_MIN_NEW_SHARE * sum(
-            batch.seq_lens
-        )
-        if not self._amx_now:
+        self._native_extend_now = self._extend_kernel is not None and sum(
+            extend_lens
+        ) >= NATIVE_EXTEND_MIN_NEW_SHARE * sum(batch.seq_lens)
+        if not self._native_extend_now:
             super().init_forward_metadata(batch)
             return
         starts = [0]
@@ -114,7 +122,7 @@ class NativeAttentionBackend(TorchAttentionBackend):
     def _forward_extend_any(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        if not self._amx_now:
+        if not self._native_extend_now:
             return super().forward(q, k, v, layer_id, batch)
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         heads, dim = self.layout.num_heads, self.layout.head_dim
@@ -126,6 +134,7 @@ class NativeAttentionBackend(TorchAttentionBackend):
             *self._extend_meta,
             self.layout.scaling,
             self.layout.sliding_window or 0,
+            self._extend_kernel == "amx",
         )
 
     def _init_native_decode(self, batch: ForwardBatch) -> None:

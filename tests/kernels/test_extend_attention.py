@@ -1,5 +1,6 @@
-"""The AMX extend (prefill) attention of the native backend (`csrc/extend_attention.cpp`),
-bfloat16, against the torch backend in float32 on the same values.
+"""The native extend (prefill) attention of the native backend (`csrc/extend_attention.cpp`),
+bfloat16, on AMX tiles and by AVX512-BF16 dot products, against the torch backend in float32
+on the same values.
 
 Every case goes through `NativeAttentionBackend` (which writes the new keys and values to
 the pool, then calls the kernel) and through the reference: fresh prompts, cached prefixes,
@@ -8,8 +9,9 @@ a sliding window, a mixed extend + decode batch, both head sizes, query-head gro
 tolerance is the one bfloat16 attention needs anyway: torch's own bfloat16 SDPA on the same
 inputs must pass it too (checked in each case), and a broken kernel is far outside it.
 
-Runs only where the kernel can (AMX compiled in and granted by the OS); elsewhere the
-backend uses the reference path, which the other tests cover.
+Each kernel runs only where it can (AMX compiled in and granted by the OS; AVX512-BF16
+compiled in); a CPU with AMX runs both. Elsewhere the backend uses the reference path, which
+the other tests cover.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from lmprog_runtime.kvcache import KVPool, ReqToTokenPool
 from lmprog_runtime.native import load_native
 
 
-def _amx_available() -> bool:
+def _available(amx: bool) -> bool:
     try:
-        return bool(load_native().extend_attention_available())
+        return bool(load_native().extend_attention_available(amx))
     except RuntimeError:
         return False
 
 
-pytestmark = pytest.mark.skipif(not _amx_available(), reason="no AMX extend attention here")
+KERNELS = [k for k, amx in (("amx", True), ("avx512_bf16", False)) if _available(amx)]
+pytestmark = pytest.mark.skipif(not KERNELS, reason="no native extend attention here")
 
 
 def _setup(heads, kv_heads, head_dim, window, prefixes, extends, seed):
@@ -86,15 +89,23 @@ def _run(name, layout, pool, table, batch, q, k, v, dtype):
         (2, 2, 128, 40, [0], [129]),
     ],
 )
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_extend_attention_matches_the_float32_reference(
-    heads, kv_heads, head_dim, window, prefixes, extends, monkeypatch
+    heads, kv_heads, head_dim, window, prefixes, extends, kernel, monkeypatch
 ):
-    monkeypatch.setattr(native_backend, "AMX_MIN_NEW_SHARE", 0.0)  # the kernel, whatever the mix
+    # The kernel, whatever the mix of new and cached tokens.
+    monkeypatch.setattr(native_backend, "NATIVE_EXTEND_MIN_NEW_SHARE", 0.0)
+    monkeypatch.setattr(native_backend, "_preferred_extend_kernel", lambda ops: kernel)
     setup = _setup(heads, kv_heads, head_dim, window, prefixes, extends, seed=heads * head_dim)
     layout, pool, table, batch, q, k, v = setup
     ref = _run("torch", *setup, torch.float32)
     got = _run("native", *setup, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    from lmprog_runtime.attention import create_attention_backend
+
+    backend = create_attention_backend("native", layout, pool, table)  # the path it took
+    backend.init_forward_metadata(batch)
+    assert backend._extend_kernel == kernel and backend._native_extend_now
     torch_bf16 = _run("torch", *setup, torch.bfloat16)
     ours, theirs = (got.float() - ref).abs(), (torch_bf16.float() - ref).abs()
     # Within bfloat16's rounding of the output plus its rounding of the weights.
@@ -105,32 +116,33 @@ def test_extend_attention_matches_the_float32_reference(
     assert float(ours.mean()) <= 2 * float(theirs.mean()) + 1e-4
 
 
-def test_the_backend_takes_the_amx_path_in_bfloat16_unless_new_tokens_are_few():
+def test_the_backend_takes_the_native_path_in_bfloat16_unless_new_tokens_are_few():
     from lmprog_runtime.attention import create_attention_backend
 
     layout, pool, table, batch, *_ = _setup(4, 2, 64, None, [0, 10], [20, 30], seed=1)
     bf16 = create_attention_backend("native", layout, pool, table)
-    assert bf16._amx_extend
+    assert bf16._extend_kernel == KERNELS[0]  # AMX where it can run
     bf16.init_forward_metadata(batch)
-    assert bf16._amx_now  # 50 new tokens of 60 keys
+    assert bf16._native_extend_now  # 50 new tokens of 60 keys
     layout, pool, table, batch, *_ = _setup(4, 2, 64, None, [300, 600], [3, 4], seed=1)
     bf16 = create_attention_backend("native", layout, pool, table)
     bf16.init_forward_metadata(batch)
-    assert not bf16._amx_now  # 7 of 907: a few tokens after long cached prefixes go to torch
+    assert not bf16._native_extend_now  # 7 of 907: few tokens after long prefixes go to torch
     pool32 = KVPool(pool.num_slots, 1, 2, 64, torch.float32, "cpu")
-    assert not create_attention_backend("native", layout, pool32, table)._amx_extend
+    assert create_attention_backend("native", layout, pool32, table)._extend_kernel is None
     odd = AttentionLayout(4, 2, 32, 32**-0.5, None)
     pool_odd = KVPool(pool.num_slots, 1, 2, 32, torch.bfloat16, "cpu")
-    assert not create_attention_backend("native", odd, pool_odd, table)._amx_extend
+    assert create_attention_backend("native", odd, pool_odd, table)._extend_kernel is None
 
 
-def test_bad_inputs_are_refused():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bad_inputs_are_refused(kernel):
     ops = load_native()
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     buf = torch.zeros(16, 2, 64, dtype=torch.bfloat16)
     table = torch.arange(32).reshape(2, 16) % 16
     one = torch.tensor([0])
-    good = (table, torch.tensor([1]), one, torch.tensor([4]), one, 0.125, 0)
+    good = (table, torch.tensor([1]), one, torch.tensor([4]), one, 0.125, 0, kernel == "amx")
     ops.extend_attention(q, buf, buf, *good)
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.extend_attention(q.float(), buf, buf, *good)

@@ -12,6 +12,8 @@ bfloat16 accumulation) is far larger.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import PROMPTS, decode_batch, hf_greedy, hf_greedy_ids, run_backend
@@ -368,3 +370,28 @@ def test_native_engine_in_bfloat16_matches_the_torch_backend(tiny_path, always_c
         for got, ref in zip(mine_logits[:same_context], their_logits[:same_context]):
             assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
     assert agreed >= 0.5 * sum(len(t) for t in torch_ids)
+
+
+def test_the_build_key_covers_the_cpu_and_the_torch_it_links(tmp_path, monkeypatch):
+    """A cache shared between machines keeps one build per CPU and torch: a build for a CPU
+    with AMX must never load on one without it."""
+    import torch as torch_module
+
+    from lmprog_runtime import native
+
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int f();")
+    key = native.build_key([source])
+    assert key == native.build_key([source])
+    monkeypatch.setattr(native, "cpu_flags", lambda: b"avx2 avx512f")
+    without_amx = native.build_key([source])
+    monkeypatch.setattr(native, "cpu_flags", lambda: b"amx_bf16 amx_tile avx2 avx512f")
+    assert native.build_key([source]) != without_amx
+    monkeypatch.setattr(torch_module, "__version__", "0.0.0")
+    assert native.build_key([source]) not in (key, without_amx)
+    source.write_text("int g();")
+    monkeypatch.undo()
+    assert native.build_key([source]) != key
+    if Path("/proc/cpuinfo").is_file():  # Linux: this machine's flags, as the kernel lists them
+        flags = native.cpu_flags().split()
+        assert flags and flags == sorted(flags)
