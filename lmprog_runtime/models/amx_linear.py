@@ -39,7 +39,9 @@ def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:
     inputs, row r holds for each output j its inputs 2r and 2r + 1 (AMX's second operand)."""
     n, k = weight.shape
     blocks = weight.detach().reshape(n // _OUT_BLOCK, _OUT_BLOCK, k // _IN_CHUNK, _IN_CHUNK // 2, 2)
-    return blocks.permute(0, 2, 3, 1, 4).reshape(n // _OUT_BLOCK, k // _IN_CHUNK, 16, 32).contiguous()
+    return (
+        blocks.permute(0, 2, 3, 1, 4).reshape(n // _OUT_BLOCK, k // _IN_CHUNK, 16, 32).contiguous()
+    )
 
 
 class AMXLinear(nn.Module):

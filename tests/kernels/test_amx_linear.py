@@ -40,7 +40,9 @@ def _within_one_rounding(got: torch.Tensor, exact: torch.Tensor) -> None:
     assert excess.max() <= 0, f"worst excess {excess.max():.3g}"
 
 
-@pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (48, 64), (960, 576), (80, 1536)])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(16, 32), (48, 64), (960, 576), (80, 1536)]
+)
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 31, 32, 33, 70])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_is_the_float32_product_rounded_once(out_features, in_features, rows, with_bias):
@@ -144,7 +146,9 @@ def test_engine_in_bfloat16_decodes_as_without_amx_linears(tiny_path):
 def test_disabled_or_float32_keeps_nn_linear(tiny_path):
     with Engine(tiny_path, dtype="float32", max_total_tokens=256) as engine:
         assert type(engine.runner.model.lm_head) is nn.Linear
-    with Engine(tiny_path, dtype="bfloat16", max_total_tokens=256, disable_amx_linears=True) as engine:
+    with Engine(
+        tiny_path, dtype="bfloat16", max_total_tokens=256, disable_amx_linears=True
+    ) as engine:
         assert type(engine.runner.model.lm_head) is nn.Linear
 
 
@@ -164,8 +168,12 @@ def test_stack_steps_of_amx_layers_in_one_region_equal_the_python_forward(num_pr
             assert all(
                 isinstance(linear, AMXLinear)
                 for layer in model.layers
-                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                               layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                for linear in (
+                    layer.self_attn.qkv_proj,
+                    layer.self_attn.o_proj,
+                    layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj,
+                )
             )
             cache, built = model._decode_stack, []
             get = cache.get

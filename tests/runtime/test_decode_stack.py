@@ -89,7 +89,9 @@ def test_quantized_steps_in_one_region_equal_the_python_forward(
     threads split each layer's outputs, one does the small steps); more take a region per
     kernel. Both give the Python forward's results exactly."""
     prompts = [TEXT[: 12 + 7 * i] for i in range(num_prompts)]
-    with Engine(tiny_path, max_total_tokens=2048, dtype="bfloat16", quantization=quantization) as engine:
+    with Engine(
+        tiny_path, max_total_tokens=2048, dtype="bfloat16", quantization=quantization
+    ) as engine:
         calls = _steps_on_stack(engine)
         tokens, logprobs = _decode(engine, prompts)
         assert calls[0] >= 7
