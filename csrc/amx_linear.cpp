@@ -1,5 +1,5 @@
-// bfloat16 linear layers for a few rows (decode batches) on AMX tiles, over weights packed
-// once into the tiles' layout.
+// bfloat16 linear layers for a few rows (decode batches) on AMX tiles, or by AVX512-BF16 dot
+// products on CPUs without AMX, over weights packed once into the tiles' layout.
 //
 // At a decode batch (M = 1..64 rows), a linear layer reads its whole weight for little
 // arithmetic, so its speed is the speed of streaming the weight. torch's bfloat16 matmul
@@ -9,8 +9,13 @@
 // each of the 16 outputs, the pair of inputs (2r, 2r + 1) (`pack_for_amx` in
 // `models/amx_linear.py`: a view and a permute). Each thread takes pairs of output blocks
 // and, for every 32 rows of x, accumulates 2 x 2 float32 tiles over K; the weight is read
-// once for up to 32 rows (again for every further 32). Products of bfloat16 values are
-// exact in float32; the output is rounded once to bfloat16, plus the bias if any.
+// once for up to 32 rows (again for every further 32). Without AMX (AVX512-BF16: AMD Zen 4),
+// a tile row is one register of 16 outputs' input pairs, and vdpbf16ps adds to each output
+// lane its pair times the row's pair of x, broadcast: per pair of output blocks, up to 8
+// rows at a time, the blocks' weights re-read from cache for each further 8. torch's
+// bfloat16 matmul there streamed a one-row step's weights at about 11 GB/s. Products of
+// bfloat16 values are exact in float32; the output is rounded once to bfloat16, plus the
+// bias if any.
 //
 //   x      [M, K] bfloat16 (rows contiguous)
 //   packed [N / 16, K / 32, 16, 32] bfloat16: packed[b, c, r, 2j + p] = w[16b + j, 32c + 2r + p]
@@ -34,6 +39,19 @@ namespace {
 
 constexpr int64_t kTile = 16;     // rows of a tile; outputs per block
 constexpr int64_t kChunk = 32;    // inputs (bfloat16) per tile row
+
+// Writes out[i, col0 + j] = round(sum[i][j] + bias) for `rows` rows of `cols` outputs.
+inline void store_rows(const float* sums, int64_t sums_stride, int64_t rows, int64_t cols,
+                       int64_t col0, int64_t n, const bf16* bias, bf16* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    bf16* dst = out + i * n + col0;
+    const float* src = sums + i * sums_stride;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float b = bias != nullptr ? lmprog::to_f32(bias[col0 + j]) : 0.f;
+      dst[j] = lmprog::from_f32<bf16>(src[j] + b);
+    }
+  }
+}
 
 #if LMPROG_AMX
 // out[m0 .. m0 + rows, 16 nb .. 16 nb + 16 * blocks] for rows <= 32, blocks <= 2.
@@ -62,21 +80,66 @@ void tile_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t 
   if (Blocks == 2) _tile_stored(1, cbuf + 16, 128);
   if (RowTiles == 2) _tile_stored(2, cbuf + 16 * 32, 128);
   if (RowTiles == 2 && Blocks == 2) _tile_stored(3, cbuf + 16 * 32 + 16, 128);
-  const int64_t cols = Blocks * kTile, col0 = nb * kTile;
-  for (int64_t i = 0; i < rows; ++i) {
-    bf16* dst = out + i * n + col0;
-    const float* src = cbuf + i * 32;
-    for (int64_t j = 0; j < cols; ++j) {
-      const float b = bias != nullptr ? lmprog::to_f32(bias[col0 + j]) : 0.f;
-      dst[j] = lmprog::from_f32<bf16>(src[j] + b);
+  store_rows(cbuf, 32, rows, Blocks * kTile, nb * kTile, n, bias, out);
+}
+#endif
+
+#if LMPROG_BF16_DOT
+// out[m0 .. m0 + rows, 16 nb .. 16 (nb + Blocks)] for rows <= R by vdpbf16ps: accumulator
+// (i, b) holds the 16 outputs of block nb + b for row i.
+template <int R, int Blocks>
+void dot_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t nb, int64_t rows,
+                 int64_t n, const bf16* bias, bf16* out) {
+  const int64_t chunks = k / kChunk;
+  const uint16_t* w = packed + nb * chunks * kTile * kChunk;
+  __m512 acc[R][Blocks];
+  for (auto& row : acc)
+    for (auto& v : row) v = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int r = 0; r < kTile; ++r) {
+      __m512bh wr[Blocks];
+      for (int b = 0; b < Blocks; ++b)
+        wr[b] = lmprog::as_bh(_mm512_loadu_si512(w + (b * chunks + c) * kTile * kChunk + r * kChunk));
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m512bh xi = lmprog::broadcast_pair(a + i * k + c * kChunk + 2 * r);
+        for (int b = 0; b < Blocks; ++b) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], xi, wr[b]);
+      }
     }
+  }
+  alignas(64) float sums[R * Blocks * kTile];
+  for (int i = 0; i < R; ++i)
+    for (int b = 0; b < Blocks; ++b) _mm512_store_ps(sums + (i * Blocks + b) * kTile, acc[i][b]);
+  store_rows(sums, Blocks * kTile, rows, Blocks * kTile, nb * kTile, n, bias, out);
+}
+
+// Every row of x against output blocks nb (and nb + 1 when `two`), 8 rows at a time.
+inline void dot_rows(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packed, int64_t nb,
+                     bool two, int64_t n, const bf16* bias, bf16* out) {
+  for (int64_t m0 = 0; m0 < m; m0 += 8) {
+    const int64_t rows = std::min<int64_t>(8, m - m0);
+    const uint16_t* ap = a + m0 * k;
+    bf16* dst = out + m0 * n;
+#define LMPROG_DOT(R)                                                           \
+  (two ? dot_product<R, 2>(ap, k, packed, nb, rows, n, bias, dst)                \
+       : dot_product<R, 1>(ap, k, packed, nb, rows, n, bias, dst))
+    if (rows > 4) {
+      LMPROG_DOT(8);
+    } else if (rows > 2) {
+      LMPROG_DOT(4);
+    } else if (rows == 2) {
+      LMPROG_DOT(2);
+    } else {
+      LMPROG_DOT(1);
+    }
+#undef LMPROG_DOT
   }
 }
 #endif
 
 }  // namespace
 
-bool amx_linear_available() { return lmprog::amx_available(); }
+bool amx_linear_available() { return lmprog::amx_available() || LMPROG_BF16_DOT; }
 
 namespace {
 
@@ -85,7 +148,8 @@ class AmxWork final : public LinearWork {
  public:
   AmxWork(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias)
       : packed_(packed) {
-    TORCH_CHECK(amx_linear_available(), "amx_linear: this build or CPU has no AMX bfloat16 tiles");
+    TORCH_CHECK(amx_linear_available(),
+                "amx_linear: this build or CPU has neither AMX bfloat16 tiles nor AVX512-BF16");
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2,
                 "amx_linear: x must be a bfloat16 CPU tensor [rows, in]");
     TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
@@ -109,14 +173,21 @@ class AmxWork final : public LinearWork {
   }
 
   void run(int64_t thread, int64_t num_threads) override {
-#if LMPROG_AMX
     const int64_t pairs = (blocks_ + 1) / 2;
     const int64_t first = pairs * thread / num_threads, last = pairs * (thread + 1) / num_threads;
     if (first == last) return;
-    lmprog::configure_tiles();
-    alignas(64) float cbuf[32 * 32];
     const auto* w = reinterpret_cast<const uint16_t*>(packed_.data_ptr<bf16>());
     bf16* op = out_.data_ptr<bf16>();
+#if LMPROG_BF16_DOT
+    if (!amx_) {
+      for (int64_t p = first; p < last; ++p)
+        dot_rows(a_.data(), m_, k_, w, 2 * p, 2 * p + 1 < blocks_, n_, bias_, op);
+      return;
+    }
+#endif
+#if LMPROG_AMX
+    lmprog::configure_tiles();
+    alignas(64) float cbuf[32 * 32];
     for (int64_t p = first; p < last; ++p) {
       const int64_t nb = 2 * p;
       const bool two = nb + 1 < blocks_;
@@ -142,6 +213,7 @@ class AmxWork final : public LinearWork {
  private:
   torch::Tensor packed_, out_;
   const bf16* bias_ = nullptr;
+  const bool amx_ = lmprog::amx_available();  // else AVX512-BF16 dot products
   int64_t m_ = 0, k_ = 0, blocks_ = 0, n_ = 0, padded_rows_ = 0;
   std::vector<uint16_t> a_;
 };

@@ -22,6 +22,15 @@
 #define LMPROG_AVX512 0
 #endif
 
+// AVX-512 with its bfloat16 instructions (conversions, vdpbf16ps dot products): AMX CPUs
+// and some without AMX (AMD Zen 4 and later, Intel Cooper Lake).
+#if LMPROG_AVX512 && defined(__AVX512BF16__)
+#define LMPROG_BF16_DOT 1
+#include <immintrin.h>
+#else
+#define LMPROG_BF16_DOT 0
+#endif
+
 namespace lmprog {
 
 using bf16 = at::BFloat16;
@@ -75,5 +84,18 @@ inline void dispatch_float_types(c10::ScalarType dtype, const char* op, Fn&& fn)
     fn(bf16{});
   }
 }
+
+#if LMPROG_BF16_DOT
+// 32 bfloat16 as vdpbf16ps's operand type.
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// One pair of bfloat16 (a 32-bit word) broadcast to every lane: with a register of 16 pairs
+// (one per lane), vdpbf16ps adds to each lane the dot product of its pair with this one.
+inline __m512bh broadcast_pair(const uint16_t* pair) {
+  int32_t word;
+  std::memcpy(&word, pair, sizeof word);
+  return as_bh(_mm512_set1_epi32(word));
+}
+#endif
 
 }  // namespace lmprog

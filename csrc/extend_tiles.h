@@ -15,20 +15,16 @@
 #include "amx.h"
 #include "cpu_vec.h"
 
-// The kernel needs AVX-512 with its bfloat16 instructions (conversions, dot products); the
-// AMX tile path comes on top where the build has it.
-#if LMPROG_AVX512 && defined(__AVX512BF16__)
-#define LMPROG_BF16_DOT 1
-#else
-#define LMPROG_BF16_DOT 0
-#endif
-
+// The kernel needs AVX-512 with its bfloat16 instructions (LMPROG_BF16_DOT); the AMX tile
+// path comes on top where the build has it.
 #if LMPROG_BF16_DOT
 #include <immintrin.h>
 
 namespace lmprog::extend {
 
+using lmprog::as_bh;
 using lmprog::bf16;
+using lmprog::broadcast_pair;
 
 constexpr int64_t kKeys = 32;      // keys per step (two 16-column score tiles)
 constexpr int64_t kTileWords = 512;   // bfloat16 values per tile
@@ -172,15 +168,6 @@ void values_amx(const uint16_t* vpacked, int64_t first_block, int64_t blocks, co
   }
 }
 #endif
-
-inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
-
-// One pair of bfloat16 (a 32-bit word) broadcast to every lane.
-inline __m512bh broadcast_pair(const uint16_t* pair) {
-  int32_t word;
-  std::memcpy(&word, pair, sizeof word);
-  return as_bh(_mm512_set1_epi32(word));
-}
 
 // q . k^T for the blocks [first_block, blocks) by AVX512-BF16 dot products, 8 query rows at
 // a time: per block, lane i of a row's two accumulators is keys i and 16 + i; row r of a

@@ -70,10 +70,11 @@ class RuntimeConfig:
     # `QueueFull` at once. None: unbounded.
     max_queued_requests: int | None = 65536
     random_seed: int = 0
-    # On CPUs with AMX, bfloat16 linear layers keep a second copy of their weights packed
-    # for AMX tiles and multiply decode batches (up to 32 rows) with it, about twice as fast
-    # as torch's matmul there (`models/amx_linear.py`); the copy costs the weights' memory
-    # once more (skipped when over a quarter of the free memory, or with this set).
+    # On CPUs with AMX or AVX512-BF16, bfloat16 linear layers keep a second copy of their
+    # weights packed for AMX tiles and multiply decode batches (up to 32 rows) with it on the
+    # tiles or by AVX512-BF16 dot products, 1.5-3x as fast as torch's matmul there
+    # (`models/amx_linear.py`); the copy costs the weights' memory once more (skipped when
+    # over a quarter of the free memory, or with this set).
     disable_amx_linears: bool = False
     # Threads for torch's CPU ops; None leaves torch's default.
     num_threads: int | None = None

@@ -1,11 +1,14 @@
-"""bfloat16 linear layers that multiply decode batches on AMX tiles (CPU).
+"""bfloat16 linear layers that multiply decode batches on AMX tiles, or by AVX512-BF16 dot
+products on CPUs without AMX.
 
 A decode step reads every weight for a few rows of arithmetic, so its matmuls run at the
 speed of streaming the weights. torch's bfloat16 matmul (oneDNN) stays well below that at
 decode batch sizes: on SmolLM2-135M's 30 layers at 32 rows, 26.9 ms against 14.3 ms for
 `csrc/amx_linear.cpp` over weights packed once into AMX's tile layout (1.9x; 2.4x at one
-row; best of 6 alternating rounds, one 2-core Xeon). On the CPUs that have AMX, bfloat16
-models swap each `nn.Linear` for an `AMXLinear` at load: it keeps the same weight and bias
+row; best of 6 alternating rounds, one 2-core Xeon). Without AMX, the same packed layout
+feeds AVX512-BF16's vdpbf16ps: on a 2-core AMD Zen 4, 2.9x faster at one row, 1.7x at 32
+(`benchmarks/bench_packed_linears.py`). On the CPUs that have either, bfloat16 models
+swap each `nn.Linear` for an `AMXLinear` at load: it keeps the same weight and bias
 (the same Parameters: tied embeddings stay tied, the state dict is unchanged) plus the
 packed copy, which it uses for up to `AMX_MAX_ROWS` rows; more rows (prefills) take
 `F.linear`, which is faster there. The copy costs the weights' memory once more; when that
@@ -83,7 +86,8 @@ class AMXLinear(nn.Module):
 
 def use_amx_linears(model: nn.Module, free_bytes: int) -> int:
     """Swap the model's bfloat16 `nn.Linear` layers (outputs a multiple of 16, inputs of
-    32) for `AMXLinear`, in place, where the native kernels and AMX are available and the
+    32) for `AMXLinear`, in place, where the native kernels and AMX or AVX512-BF16 are
+    available and the
     packed copies take at most a quarter of `free_bytes`. Returns how many were swapped."""
     from lmprog_runtime.native import load_native
 

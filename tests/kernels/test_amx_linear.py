@@ -1,13 +1,13 @@
-"""bfloat16 linear layers on AMX tiles for decode batches (`csrc/amx_linear.cpp`,
-`models/amx_linear.py`), against float32 matmuls of the same bfloat16 values and against
-`F.linear`.
+"""bfloat16 linear layers for decode batches on AMX tiles or by AVX512-BF16 dot products
+(`csrc/amx_linear.cpp`, `models/amx_linear.py`), against float32 matmuls of the same
+bfloat16 values and against `F.linear`.
 
 The kernel's products are exact in float32 and its output is rounded once to bfloat16, so
 it must lie within one bfloat16 rounding (2^-8 relative, plus float32 summation order) of
 the float32 product; `F.linear` in bfloat16 must meet the same bound (checked alongside),
-and a wrong tile layout or a missed block is far outside it. Runs only where AMX is
-compiled in and granted by the OS; elsewhere the layers stay `nn.Linear`, which the other
-tests cover.
+and a wrong tile layout or a missed block is far outside it. Runs where AMX is compiled in
+and granted by the OS, or AVX512-BF16 compiled in (the path taken is AMX where it runs);
+elsewhere the layers stay `nn.Linear`, which the other tests cover.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _native():
     return native if native.amx_linear_available() else None
 
 
-pytestmark = pytest.mark.skipif(_native() is None, reason="no AMX here")
+pytestmark = pytest.mark.skipif(_native() is None, reason="no AMX or AVX512-BF16 here")
 
 
 def _within_one_rounding(got: torch.Tensor, exact: torch.Tensor) -> None:
