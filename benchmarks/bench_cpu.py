@@ -29,7 +29,7 @@ promise more than its OS enables); the figures in the README came from
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
       -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
-      .venv/bin/pip install --no-deps llama-cpp-python==0.3.36
+      .venv/bin/pip install --no-deps llama-cpp-python==0.3.36 && .venv/bin/pip install diskcache
 """
 
 from __future__ import annotations
