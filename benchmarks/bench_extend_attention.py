@@ -136,7 +136,7 @@ def main() -> None:
     args.dtype = "bfloat16"
     harness.write_result(
         args,
-        "extend_attention" if kernel == "amx" else f"extend_attention_{harness.bf16_kind()}",
+        "extend_attention" if kernel == "amx" else f"extend_attention_{kernel}",
         {
             "title": f"Prefill attention on CPU: {KERNEL_NAMES[kernel]} vs torch SDPA (bfloat16)",
             "workload": (

@@ -87,8 +87,8 @@ class AMXLinear(nn.Module):
 def use_amx_linears(model: nn.Module, free_bytes: int) -> int:
     """Swap the model's bfloat16 `nn.Linear` layers (outputs a multiple of 16, inputs of
     32) for `AMXLinear`, in place, where the native kernels and AMX or AVX512-BF16 are
-    available and the
-    packed copies take at most a quarter of `free_bytes`. Returns how many were swapped."""
+    available and the packed copies take at most a quarter of `free_bytes`. Returns how
+    many were swapped."""
     from lmprog_runtime.native import load_native
 
     try:

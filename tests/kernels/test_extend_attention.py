@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers import run_backend
 
-from lmprog_runtime.attention import AttentionLayout, native_backend
+from lmprog_runtime.attention import AttentionLayout, create_attention_backend, native_backend
 from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool
 from lmprog_runtime.native import load_native
@@ -101,8 +101,6 @@ def test_extend_attention_matches_the_float32_reference(
     ref = _run("torch", *setup, torch.float32)
     got = _run("native", *setup, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
-    from lmprog_runtime.attention import create_attention_backend
-
     backend = create_attention_backend("native", layout, pool, table)  # the path it took
     backend.init_forward_metadata(batch)
     assert backend._extend_kernel == kernel and backend._native_extend_now
@@ -117,8 +115,6 @@ def test_extend_attention_matches_the_float32_reference(
 
 
 def test_the_backend_takes_the_native_path_in_bfloat16_unless_new_tokens_are_few():
-    from lmprog_runtime.attention import create_attention_backend
-
     layout, pool, table, batch, *_ = _setup(4, 2, 64, None, [0, 10], [20, 30], seed=1)
     bf16 = create_attention_backend("native", layout, pool, table)
     assert bf16._extend_kernel == KERNELS[0]  # AMX where it can run
