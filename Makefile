@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_decode_overhead.py --baseline 1ad7a3d --sampled --batch 64 --tokens 1000
 	$(PY) benchmarks/bench_ray.py --model small
 	$(PY) benchmarks/bench_cpu.py
+	$(PY) benchmarks/bench_quant_linears.py
 	$(PY) benchmarks/report.py
 
 clean:

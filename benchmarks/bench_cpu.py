@@ -63,12 +63,16 @@ WORKLOADS = ("one stream", "shared prefix", "prefill")
 
 def matmul_peak_gflops(repeats: int = 10) -> tuple[float, str]:
     """torch's best matmul rate on this machine (GFLOP/s) and the dtype that reached it: the
-    fastest of bfloat16 and float32 (a CPU without native bfloat16 runs it far slower than
-    float32) over several shapes (square ones and the shapes of a prefill), each warmed up,
-    best of `repeats`."""
+    fastest of bfloat16 and float32 over several shapes (square ones and the shapes of a
+    prefill), each warmed up, best of `repeats`. A CPU without native bfloat16 (no AMX or
+    AVX512-BF16) runs it emulated, dozens of times slower than float32 (a 4096^3 product
+    took minutes on an AVX2-only Zen 3): there only float32 is measured."""
+    from lmprog_runtime.models.cpu import cpu_has_native_bf16
+
     best_rate, best_dtype = 0.0, ""
     shapes = ((2048, 2048, 2048), (4096, 4096, 4096), (2048, 576, 3072), (2048, 1536, 576))
-    for dtype in (torch.bfloat16, torch.float32):
+    dtypes = (torch.bfloat16, torch.float32) if cpu_has_native_bf16() else (torch.float32,)
+    for dtype in dtypes:
         for m, k, n in shapes:
             a = torch.randn(m, k, dtype=dtype)
             b = torch.randn(k, n, dtype=dtype)

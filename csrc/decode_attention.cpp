@@ -342,6 +342,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "in-place rotate-half RoPE on q and k");
   m.def("q8_0_linear", &q8_0_linear, "x @ w.T over Q8_0 blocks");
   m.def("q4_1_linear", &q4_1_linear, "x @ w.T over Q4_1 blocks");
+  m.def("quantized_dense_rows", &quantized_dense_rows,
+        "rows from which a quantized layer runs as a dense matmul over its dequantized weight");
   m.def("q8_0_dequantize", &q8_0_dequantize, "Q8_0 blocks to a dense float32 / bfloat16 matrix");
   m.def("q4_1_dequantize", &q4_1_dequantize, "Q4_1 blocks to a dense float32 / bfloat16 matrix");
   m.def("amx_linear_available", &amx_linear_available, "whether amx_linear can run here");

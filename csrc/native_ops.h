@@ -38,6 +38,8 @@ std::unique_ptr<LinearWork> prepare_quantized_linear(const std::string& kind,
                                                               const torch::Tensor& scales,
                                                               const torch::Tensor& mins,
                                                               const torch::Tensor& x);
+// From this many rows a quantized layer is faster dequantized to one dense matmul.
+int64_t quantized_dense_rows();
 torch::Tensor q8_0_dequantize(torch::Tensor qweight, torch::Tensor scales, bool to_bf16);
 torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
                               bool to_bf16);

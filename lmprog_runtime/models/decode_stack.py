@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from lmprog_runtime.models.amx_linear import AMX_MAX_ROWS, AMXLinear
-from lmprog_runtime.models.quantization import DENSE_ROWS, Q4Linear, Q8Linear
+from lmprog_runtime.models.quantization import Q4Linear, Q8Linear, dense_rows
 
 if TYPE_CHECKING:
     from lmprog_runtime.attention.native_backend import NativeAttentionBackend
@@ -90,6 +90,7 @@ class DecodeStackCache:
 
 def _build(model: LlamaForCausalLM, backend: NativeAttentionBackend):
     layout, config, pool = backend.layout, model.config, backend.kv_pool
+    quantized_dense_rows = dense_rows(backend.native_ops)
     stack = backend.native_ops.DecodeStack(
         layout.num_heads,
         layout.num_kv_heads,
@@ -112,7 +113,7 @@ def _build(model: LlamaForCausalLM, backend: NativeAttentionBackend):
             _linear_parts(mlp.down_proj),
             pool.k_buffers[i],
             pool.v_buffers[i],
-            DENSE_ROWS,
+            quantized_dense_rows,
             AMX_MAX_ROWS,
         )
     return stack

@@ -4,11 +4,15 @@ float16 scale and minimum per block of 32).
 
 Decode on a CPU reads every weight once per step, so it runs at the speed of memory: Q8_0
 reads 1.06 bytes per weight, Q4_1 0.63, against float32's 4. A few rows at a time (decode)
-go through the native kernels of `csrc/quant_linear.cpp`, which widen each block to
-float32 in registers and multiply it by float32 activations: the result is the float32
-matmul over the dequantized weight up to summation order. Many rows at once (a prefill)
+go through the native kernels of `csrc/quant_linear.cpp`. With AVX-512 they widen each
+block to float32 in registers and multiply it by float32 activations (the float32 matmul
+over the dequantized weight up to summation order), or by bfloat16 activations rounded to
+int16 per block where the CPU has VNNI. With AVX2 only, every activation dtype is rounded
+to int16 per block (15 bits against the block's largest: far below the 1e-3 the tests
+allow) and multiplied by the weights widened to int16. Many rows at once (a prefill)
 dequantize the weight to the activations' dtype and run one dense matmul (AMX for
-bfloat16). Without the native kernels every call takes that dense path.
+bfloat16); `dense_rows` says from how many. Without the native kernels every call takes
+that dense path.
 
 Layers are quantized at load from the float weights. A GGUF's Q8_0 and Q4_1 blocks,
 dequantized by the converter, come back to the same integers and scales (each block's
@@ -31,9 +35,14 @@ from lmprog_runtime.config import QUANTIZATIONS
 logger = logging.getLogger(__name__)
 
 BLOCK = 32
-# From this many rows (a prefill, a large batch) a layer dequantizes its weight and runs one
-# dense matmul; below it the native kernel, which reads each weight block once for all rows.
-DENSE_ROWS = 16
+
+
+def dense_rows(native: ModuleType | None) -> int:
+    """From this many rows (a prefill, a large batch) a layer dequantizes its weight and runs
+    one dense matmul; below it the native kernel, which reads each weight block once for all
+    rows. The kernels know their crossover on this CPU (16 rows with AVX-512, 64 with AVX2);
+    without them (0) every call is dense."""
+    return 0 if native is None else int(native.quantized_dense_rows())
 
 
 class QuantizedLinear(nn.Module):
@@ -50,6 +59,7 @@ class QuantizedLinear(nn.Module):
         self.bias = linear.bias
         self.float_output = float_output
         self._native = _native_kernels()
+        self.dense_rows = dense_rows(self._native)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the layer multiplies by, [out, in] (plain torch: the tests' reference)."""
@@ -63,7 +73,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self._native is None or flat.shape[0] >= DENSE_ROWS:
+        if flat.shape[0] >= self.dense_rows:
             out = F.linear(flat, self._dense_weight(flat.dtype))
             out = out.float() if self.float_output else out
         else:
