@@ -67,16 +67,16 @@ def test_twenty_engines_in_a_row_hold_memory_flat(tiny_path):
     alive would add over a GiB."""
     pool_tokens = 131_072
 
-    def cycle() -> None:
+    def cycle() -> int:
         engine_ref, pool_ref, thread = _build(tiny_path, "generate", pool_tokens)
         assert _is_collected((engine_ref, pool_ref), thread)
+        return _rss_bytes()
 
-    for _ in range(3):  # allocator caches and lazy imports settle first
-        cycle()
-    before = _rss_bytes()
-    for _ in range(20):
-        cycle()
-    assert _rss_bytes() - before < 64 * 2**20
+    # The allocator may keep the last freed pool mapped or not, so single readings swing by
+    # about one pool between cycles; compare the highs. A leaked pool per cycle adds 20.
+    before = max(cycle() for _ in range(3))  # allocator caches and lazy imports settle first
+    after = max(cycle() for _ in range(20))
+    assert after - before < 64 * 2**20
 
 
 def test_a_shut_down_engine_is_collected_too(tiny_path):
