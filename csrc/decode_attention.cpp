@@ -47,10 +47,22 @@ inline __mmask16 tail16(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
 }
 
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+// Full vectors are read by plain loads: masked ones cost more on AMD Zen 4 and 5, even with
+// every lane set (see quant_linear.cpp's Q4_1 loop).
+inline __m512 load16(const float* p, __mmask16 m) {
+  return m == 0xffff ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+}
+
+inline void store16(float* p, __mmask16 m, __m512 v) {
+  if (m == 0xffff)
+    _mm512_storeu_ps(p, v);
+  else
+    _mm512_mask_storeu_ps(p, m, v);
+}
 
 inline __m512 load16(const bf16* p, __mmask16 m) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(m, p);
+  const __m256i bits = m == 0xffff ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                   : _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
@@ -72,8 +84,15 @@ inline __m512 dot_partial(const bf16* q, const bf16* k, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 32) {
     const int64_t left = n - i;
-    const __mmask32 m = left >= 32 ? ~0u : (1u << left) - 1;
-    const __m512i qi = _mm512_maskz_loadu_epi16(m, q + i), ki = _mm512_maskz_loadu_epi16(m, k + i);
+    __m512i qi, ki;
+    if (left >= 32) {
+      qi = _mm512_loadu_si512(q + i);
+      ki = _mm512_loadu_si512(k + i);
+    } else {
+      const __mmask32 m = (1u << left) - 1;
+      qi = _mm512_maskz_loadu_epi16(m, q + i);
+      ki = _mm512_maskz_loadu_epi16(m, k + i);
+    }
     acc = _mm512_dpbf16_ps(acc, (__m512bh)qi, (__m512bh)ki);
   }
   return acc;
@@ -120,7 +139,7 @@ inline void dot_rows(const T* q, const int64_t* slots, int64_t n, const T* base,
     __m512 acc[16];
     for (int64_t i = 0; i < 16; ++i)
       acc[i] = i < count ? dot_partial(q, base + slots[j0 + i] * stride, head_dim) : _mm512_setzero_ps();
-    _mm512_mask_storeu_ps(scores + j0, tail16(count), _mm512_mul_ps(sum_lanes16(acc), vscale));
+    store16(scores + j0, tail16(count), _mm512_mul_ps(sum_lanes16(acc), vscale));
   }
 #else
   for (int64_t j = 0; j < n; ++j) {
@@ -159,10 +178,10 @@ inline void weighted_rows(const float* p, int64_t p_stride, const int64_t* slots
     }
     for (int h = 0; h < H; ++h) {
       float* o = out + h * head_dim + c;
-      _mm512_mask_storeu_ps(o, m0, a[h][0]);
-      _mm512_mask_storeu_ps(o + 16, m1, a[h][1]);
-      _mm512_mask_storeu_ps(o + 32, m2, a[h][2]);
-      _mm512_mask_storeu_ps(o + 48, m3, a[h][3]);
+      store16(o, m0, a[h][0]);
+      store16(o + 16, m1, a[h][1]);
+      store16(o + 32, m2, a[h][2]);
+      store16(o + 48, m3, a[h][3]);
     }
   }
 #else
