@@ -138,18 +138,24 @@ class NativeAttentionBackend(TorchAttentionBackend):
         )
 
     def _init_native_decode(self, batch: ForwardBatch) -> None:
-        self._seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device="cpu")
-        rows = self.req_to_token.table[batch.req_pool_indices]
+        seq_lens = batch.seq_lens
+        self._seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device="cpu")
+        table_rows = batch.req_pool_indices
+        first = self.req_to_token.table[table_rows, 0]  # [batch] each request's first slot
         # Requests that share a cached prefix share its first slot: process them together
         # so the prefix is read from memory once per step, not once each.
-        self._order = torch.argsort(rows[:, 0], stable=True)
+        self._order = torch.argsort(first, stable=True)
         self._groups: list[_PrefixGroup] = []
         self._key_starts = torch.zeros(batch.batch_size, dtype=torch.int64, device="cpu")
-        if self.layout.sliding_window is None:
-            self._find_prefix_groups(rows, batch.seq_lens)
+        # A cascade spares at most every request but one its longest possible prefix: where
+        # even that is below the threshold (a single stream, short contexts), skip the search.
+        can_spare = (len(seq_lens) - 1) * (max(seq_lens) - 1)
+        if self.layout.sliding_window is None and can_spare >= CASCADE_MIN_SPARED_KEYS:
+            self._find_prefix_groups(table_rows, first, seq_lens)
 
-    def _find_prefix_groups(self, rows: torch.Tensor, seq_lens: list[int]) -> None:
-        first = rows[:, 0]
+    def _find_prefix_groups(
+        self, table_rows: torch.Tensor, first: torch.Tensor, seq_lens: list[int]
+    ) -> None:
         values, counts = torch.unique(first, return_counts=True)
         for value in values[counts > 1].tolist():
             members = torch.nonzero(first == value).flatten()
@@ -157,7 +163,7 @@ class NativeAttentionBackend(TorchAttentionBackend):
             limit = min(seq_lens[i] for i in members.tolist()) - 1
             if limit < MIN_CASCADE_PREFIX:
                 continue
-            block = rows[members, :limit]
+            block = self.req_to_token.table[table_rows[members], :limit]
             same = (block == block[0]).all(dim=0)
             shared = int(same.to(torch.int64).cumprod(0).sum())
             if shared >= MIN_CASCADE_PREFIX:
