@@ -399,6 +399,16 @@ inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
 }
 
+// A single row streams the weights with little arithmetic per byte, ahead of what the
+// hardware prefetcher fetches: each output tile asks for the weights this many tiles on.
+// Measured on a Zen 5 (2 threads, SmolLM2-135M's 30 layers): Q4_1 1.15-1.4x, Q8_0 1.06-1.1x.
+constexpr int64_t kPrefetchTiles = 2;
+
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
 // The float16 values of lanes `k` (plain loads where every lane is read: masked loads cost
 // more on AMD Zen 4 and 5, even with every lane set: the Q4_1 loop below ran 2x slower
 // streaming its weights through them).
@@ -421,43 +431,59 @@ inline void add_min_terms(const at::Half* m, const float* xs, int64_t nb, __m512
   }
 }
 
-// Q4_1 output n for R rows (activations starting at row 0 of `a`'s slices).
-template <int R>
+// Q4_1 outputs n .. n + N - 1 for R rows (activations starting at row 0 of `a`'s slices):
+// sums[r * N + j] for output n + j. Several outputs at once share each activation load and
+// interleave independent chains of dot products.
+template <int R, int N>
 inline void q4_1_dot_rows_int16(const QWeight& w, const int16_t* xq, const float* xscale,
                                 const float* xs, int64_t padded, int64_t n, float* sums) {
-  const int64_t nb = w.blocks(), groups = q4_groups(nb);
-  const uint8_t* row = w.data + n * w.row_bytes();
+  const int64_t nb = w.blocks(), groups = q4_groups(nb), row_bytes = w.row_bytes();
+  const uint8_t* rows = w.data + n * row_bytes;
   const at::Half* d = w.d + n * nb;
+  if (R == 1) prefetch(rows + kPrefetchTiles * N * row_bytes, N * row_bytes);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   // The four scales of a group, one per 128-bit lane (a lane is a block).
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t blocks = std::min(kGroupBlocks, nb - g * kGroupBlocks);
-    const __mmask64 bytes = blocks == kGroupBlocks ? ~__mmask64{0} : (__mmask64{1} << (16 * blocks)) - 1;
-    const uint8_t* src = row + g * kGroupBlocks * 16;
     const bool full = blocks == kGroupBlocks;
-    const __m512i packed = full ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8(bytes, src);
-    const __m512i lo = _mm512_and_si512(packed, nibble);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-    const at::Half* dg = d + g * kGroupBlocks;
-    const __m128i d4 = full ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(dg))
-                            : _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << blocks) - 1), dg);
-    const __m512 dv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(d4)));
+    const __mmask64 bytes = full ? ~__mmask64{0} : (__mmask64{1} << (16 * blocks)) - 1;
+    __m512i lo[N], hi[N];
+    __m512 dv[N];
+    for (int j = 0; j < N; ++j) {
+      const uint8_t* src = rows + j * row_bytes + g * kGroupBlocks * 16;
+      const __m512i packed = full ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8(bytes, src);
+      lo[j] = _mm512_and_si512(packed, nibble);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      const at::Half* dg = d + j * nb + g * kGroupBlocks;
+      const __m128i d4 = full ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(dg))
+                              : _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << blocks) - 1), dg);
+      dv[j] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(d4)));
+    }
     for (int r = 0; r < R; ++r) {
       const int16_t* xg = xq + r * padded + g * kGroupValues;
-      __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));
-      __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xg + 64), lo);
-      h = _mm512_dpbusd_epi32(h, hi, _mm512_loadu_si512(xg + 32));
-      l = _mm512_dpbusd_epi32(l, _mm512_loadu_si512(xg + 96), hi);
-      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
-      const __m512 scale = _mm512_mul_ps(dv, _mm512_loadu_ps(xscale + (r * groups + g) * 16));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+      const __m512i x0 = _mm512_loadu_si512(xg), x1 = _mm512_loadu_si512(xg + 32),
+                    x2 = _mm512_loadu_si512(xg + 64), x3 = _mm512_loadu_si512(xg + 96);
+      const __m512 xsc = _mm512_loadu_ps(xscale + (r * groups + g) * 16);
+      for (int j = 0; j < N; ++j) {
+        __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], x0);
+        __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x2, lo[j]);
+        h = _mm512_dpbusd_epi32(h, hi[j], x1);
+        l = _mm512_dpbusd_epi32(l, x3, hi[j]);
+        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv[j], xsc), acc[r][j]);
+      }
     }
   }
-  add_min_terms<R>(w.m + n * nb, xs, nb, acc);
-  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int j = 0; j < N; ++j) {
+    __m512 col[R];
+    for (int r = 0; r < R; ++r) col[r] = acc[r][j];
+    add_min_terms<R>(w.m + (n + j) * nb, xs, nb, col);
+    for (int r = 0; r < R; ++r) sums[r * N + j] = _mm512_reduce_add_ps(col[r]);
+  }
 }
 
 // Q8_0 output n for R rows: one block (32 int8 -> 32 int16 words) per dot product.
@@ -467,6 +493,7 @@ inline void q8_0_dot_rows_int16(const QWeight& w, const int16_t* xq, const float
   const int64_t nb = w.blocks();
   const int8_t* row = reinterpret_cast<const int8_t*>(w.data + n * w.row_bytes());
   const at::Half* d = w.d + n * nb;
+  if (R == 1) prefetch(row + kPrefetchTiles * w.row_bytes(), w.row_bytes());
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   float ds[16];
@@ -485,30 +512,40 @@ inline void q8_0_dot_rows_int16(const QWeight& w, const int16_t* xq, const float
   for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-template <int R, typename T>
+// Outputs n .. n + N - 1 of rows r .. r + R - 1 (Q8_0: N is 1).
+template <int R, int N, typename T>
 inline void int16_dot_tile(const QWeight& w, const Int16Activations& a, int64_t r, int64_t n,
                            T* out) {
   const int64_t nb = w.blocks();
-  float sums[R];
+  float sums[R * N];
   if (w.format == Format::Q4_1) {
     const int64_t groups = q4_groups(nb);
-    q4_1_dot_rows_int16<R>(w, a.values.data() + r * a.padded, a.scales.data() + r * groups * 16,
-                           a.sums.data() + r * nb, a.padded, n, sums);
-  } else {
+    q4_1_dot_rows_int16<R, N>(w, a.values.data() + r * a.padded,
+                              a.scales.data() + r * groups * 16, a.sums.data() + r * nb, a.padded,
+                              n, sums);
+  } else if constexpr (N == 1) {
     q8_0_dot_rows_int16<R>(w, a.values.data() + r * a.padded, a.scales.data() + r * nb,
                            a.padded, n, sums);
   }
-  for (int i = 0; i < R; ++i) out[(r + i) * w.out_features + n] = lmprog::from_f32<T>(sums[i]);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < N; ++j)
+      out[(r + i) * w.out_features + n + j] = lmprog::from_f32<T>(sums[i * N + j]);
 }
 
-// Outputs [n_begin, n_end) of every row.
+// Outputs [n_begin, n_end) of every row. Q4_1 takes four outputs at a time for a single row
+// (a decode step of one stream): with its prefetches 1.15-1.4x faster over SmolLM2-135M's 30
+// layers on a Zen 5 (without them, slower than one at a time); tiles of rows gained nothing.
 template <typename T>
 void int16_outputs(const QWeight& w, const Int16Activations& a, int64_t rows, int64_t n_begin,
                    int64_t n_end, T* out) {
-  for (int64_t n = n_begin; n < n_end; ++n) {
+  int64_t n = n_begin;
+  if (w.format == Format::Q4_1 && rows == 1) {
+    for (; n + 4 <= n_end; n += 4) int16_dot_tile<1, 4>(w, a, 0, n, out);
+  }
+  for (; n < n_end; ++n) {
     int64_t r = 0;
-    for (; r + kRowTile <= rows; r += kRowTile) int16_dot_tile<kRowTile>(w, a, r, n, out);
-    for (; r < rows; ++r) int16_dot_tile<1>(w, a, r, n, out);
+    for (; r + kRowTile <= rows; r += kRowTile) int16_dot_tile<kRowTile, 1>(w, a, r, n, out);
+    for (; r < rows; ++r) int16_dot_tile<1, 1>(w, a, r, n, out);
   }
 }
 #endif  // LMPROG_VNNI

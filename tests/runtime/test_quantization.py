@@ -78,17 +78,19 @@ def test_layer_equals_float32_over_its_dequantized_weight(layer_type, bias, rows
 @pytest.mark.parametrize("layer_type", [Q8Linear, Q4Linear])
 @pytest.mark.parametrize("in_features", [160, 576])  # 5 blocks; 18 (Q4_1: 4 groups of 4 + 2)
 @pytest.mark.parametrize("rows", [1, 3, 4, 7])
+# Outputs split among threads in tiles of four for one row: whole tiles, and a tail.
+@pytest.mark.parametrize("out_features", [72, 90])
 def test_bfloat16_activations_give_the_float32_product_of_those_activations(
-    layer_type, in_features, rows
+    layer_type, in_features, rows, out_features
 ):
     """With bfloat16 activations, the integer kernels round each block of activations to
     int16: the float32 result must still equal float32 arithmetic over the same bfloat16
     activations within 1e-3, also with an outlier channel 50x the others (the block holding
     it keeps fewer bits for its small neighbours)."""
-    gen = torch.Generator().manual_seed(rows * in_features)
-    linear = torch.nn.Linear(in_features, 72, bias=False)
+    gen = torch.Generator().manual_seed(rows * in_features + out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=False)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(72, in_features, generator=gen))
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
     layer = layer_type(linear, float_output=True)
     x = torch.randn(rows, in_features, generator=gen)
     x[:, 3] *= 50
