@@ -308,8 +308,10 @@ class EngineLoop(OverlapLoop):
         if self.fault_hook is not None:
             for req in reqs:
                 self.fault_hook("sample", req)
-        last = torch.tensor([row_of[id(r)][-1] for r in reqs], device=logits.device)
-        out = sample(logits.index_select(0, last), reqs)
+        last = [row_of[id(r)][-1] for r in reqs]
+        if last != list(range(logits.shape[0])):  # a decode step's rows are already in order
+            logits = logits.index_select(0, torch.tensor(last, device=logits.device))
+        out = sample(logits, reqs)
         return list(zip(reqs, out.token_ids, out.logprobs))
 
     def _record_prompt_logprobs(

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lmprog_runtime.attention import AttentionLayout, BaseAttentionBackend
-from lmprog_runtime.forward_batch import ForwardBatch
+from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
 from lmprog_runtime.models.decode_stack import DecodeStackCache
 from lmprog_runtime.models.model_config import ModelConfig
 from lmprog_runtime.models.ops import NativeOps, TorchOps
@@ -139,7 +139,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = stack.forward(residual, batch.positions, batch.out_cache_loc, *inputs)
         else:
             hidden = self._layers(residual, batch, backend)
-        hidden = hidden.index_select(0, batch.logits_indices)
+        if batch.mode is not ForwardMode.DECODE:  # a decode step needs every row, in order
+            hidden = hidden.index_select(0, batch.logits_indices)
         return self.lm_head(hidden).float()
 
     def _layers(
