@@ -43,7 +43,8 @@ def assert_kernel_close(got: torch.Tensor, expected: torch.Tensor, roundings: in
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 7, 64])
+# 2048 rows: past the size from which the ops split their rows among threads.
+@pytest.mark.parametrize("rows", [1, 7, 64, 2048])
 def test_fused_ops_match_the_reference(native_ops, rows, dtype):
     gen = torch.Generator().manual_seed(rows)
     ref = TorchOps()
