@@ -144,7 +144,7 @@ bool amx_linear_available() { return lmprog::amx_available() || LMPROG_BF16_DOT;
 namespace {
 
 // x @ w.T + bias for up to any number of rows: pairs of output blocks split among threads.
-class AmxWork final : public LinearWork {
+class AmxWork final : public SplitWork {
  public:
   AmxWork(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias)
       : packed_(packed) {
@@ -220,7 +220,7 @@ class AmxWork final : public LinearWork {
 
 }  // namespace
 
-std::unique_ptr<LinearWork> prepare_amx_linear(const torch::Tensor& x, const torch::Tensor& packed,
+std::unique_ptr<SplitWork> prepare_amx_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                                const torch::Tensor& bias) {
   return std::make_unique<AmxWork>(x, packed, bias);
 }

@@ -28,6 +28,8 @@
 #include <limits>
 #include <vector>
 
+#include <omp.h>
+
 #include "cpu_vec.h"
 #include "native_ops.h"
 
@@ -236,72 +238,99 @@ struct DecodeProblem {
   int64_t sliding_window;
 };
 
-// Returns false if a slot index was out of range (no exceptions may leave an OpenMP region).
+// Attention of request ord[i] into op / lp, with the scratch vectors of the thread doing it.
+// Returns false if one of its KV slot indices is out of range (no exception may leave an
+// OpenMP region).
 template <typename T>
-bool decode_impl(const DecodeProblem& pb, const T* qp, const T* kp, const T* vp, T* op, float* lp) {
+bool decode_request(const DecodeProblem& pb, int64_t i, const T* qp, const T* kp, const T* vp,
+                    T* op, float* lp, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
   const int64_t group = num_heads / pb.num_kv_heads;
   const int64_t slot_stride = pb.num_kv_heads * head_dim;
-  std::atomic<bool> bad_slot{false};
-#pragma omp parallel
-  {
-    std::vector<float> scores;  // [num_heads, n]
-    std::vector<float> acc(num_heads * head_dim);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < pb.batch; ++i) {
-      const int64_t b = pb.ord[i];
-      const int64_t len = pb.lens[b];
-      int64_t start = pb.sliding_window > 0 ? std::max<int64_t>(0, len - pb.sliding_window) : 0;
-      start = std::max(start, pb.firsts[b]);  // keys before it are handled by the caller
-      const int64_t n = std::max<int64_t>(0, len - start);
-      const int64_t* slots = pb.table + pb.rows[b] * pb.context_len + start;
-      const T* qb = qp + b * num_heads * head_dim;
-      bool slots_ok = true;
-      for (int64_t j = 0; j < n; ++j) slots_ok &= slots[j] >= 0 && slots[j] < pb.num_slots;
-      if (!slots_ok) {
-        bad_slot = true;
-        continue;
-      }
-      scores.resize(num_heads * n);
-      // Pass 1: scores of each query head h against its kv head h / group, per key.
-      for (int64_t h = 0; h < num_heads; ++h) {
-        dot_rows(qb + h * head_dim, slots, n, kp + (h / group) * head_dim, slot_stride, head_dim,
-                 pb.scale, scores.data() + h * n);
-      }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* s = scores.data() + h * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-        float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = std::exp(s[j] - m);
-          sum += s[j];
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-        // log-sum-exp of the scores, so partial results over key ranges can be merged.
-        lp[b * num_heads + h] = sum > 0.f ? m + std::log(sum) : -std::numeric_limits<float>::infinity();
-      }
-      // Pass 2: the softmax-weighted sum of value rows, the query heads of each kv head
-      // together.
-      for (int64_t g = 0; g < pb.num_kv_heads; ++g) {
-        weighted_rows_group(scores.data() + g * group * n, n, slots, n, vp + g * head_dim,
-                            slot_stride, head_dim, group, acc.data() + g * group * head_dim);
-      }
-      T* ob = op + b * num_heads * head_dim;
-      for (int64_t d = 0; d < num_heads * head_dim; ++d) ob[d] = lmprog::from_f32<T>(acc[d]);
-    }
+  const int64_t b = pb.ord[i];
+  const int64_t len = pb.lens[b];
+  int64_t start = pb.sliding_window > 0 ? std::max<int64_t>(0, len - pb.sliding_window) : 0;
+  start = std::max(start, pb.firsts[b]);  // keys before it are handled by the caller
+  const int64_t n = std::max<int64_t>(0, len - start);
+  const int64_t* slots = pb.table + pb.rows[b] * pb.context_len + start;
+  const T* qb = qp + b * num_heads * head_dim;
+  bool slots_ok = true;
+  for (int64_t j = 0; j < n; ++j) slots_ok &= slots[j] >= 0 && slots[j] < pb.num_slots;
+  if (!slots_ok) return false;
+  scores.resize(num_heads * n);
+  acc.resize(num_heads * head_dim);
+  // Pass 1: scores of each query head h against its kv head h / group, per key.
+  for (int64_t h = 0; h < num_heads; ++h) {
+    dot_rows(qb + h * head_dim, slots, n, kp + (h / group) * head_dim, slot_stride, head_dim,
+             pb.scale, scores.data() + h * n);
   }
-  return !bad_slot;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* s = scores.data() + h * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = std::exp(s[j] - m);
+      sum += s[j];
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+    // log-sum-exp of the scores, so partial results over key ranges can be merged.
+    lp[b * num_heads + h] = sum > 0.f ? m + std::log(sum) : -std::numeric_limits<float>::infinity();
+  }
+  // Pass 2: the softmax-weighted sum of value rows, the query heads of each kv head
+  // together.
+  for (int64_t g = 0; g < pb.num_kv_heads; ++g) {
+    weighted_rows_group(scores.data() + g * group * n, n, slots, n, vp + g * head_dim,
+                        slot_stride, head_dim, group, acc.data() + g * group * head_dim);
+  }
+  T* ob = op + b * num_heads * head_dim;
+  for (int64_t d = 0; d < num_heads * head_dim; ++d) ob[d] = lmprog::from_f32<T>(acc[d]);
+  return true;
 }
 
-}  // namespace
+// The checked inputs and the outputs of one decode attention call; `run` does the requests
+// ord[first .. last) for one thread, in its own parallel region or a caller's.
+class DecodeAttentionWork final : public SplitWork {
+ public:
+  DecodeAttentionWork(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
+                      torch::Tensor req_to_token, torch::Tensor req_rows, torch::Tensor seq_lens,
+                      torch::Tensor key_starts, torch::Tensor order, double scale,
+                      int64_t sliding_window);
 
-std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf,
-                                            torch::Tensor v_buf, torch::Tensor req_to_token,
-                                            torch::Tensor req_rows, torch::Tensor seq_lens,
-                                            torch::Tensor key_starts, torch::Tensor order,
-                                            double scale, int64_t sliding_window) {
+  void run(int64_t thread, int64_t num_threads) override {
+    const int64_t first = pb_.batch * thread / num_threads;
+    const int64_t last = pb_.batch * (thread + 1) / num_threads;
+    std::vector<float> scores, acc;
+    lmprog::dispatch_float_types(q_.scalar_type(), "decode_attention", [&](auto tag) {
+      using T = decltype(tag);
+      for (int64_t i = first; i < last; ++i) {
+        if (!decode_request<T>(pb_, i, q_.data_ptr<T>(), k_buf_.data_ptr<T>(),
+                               v_buf_.data_ptr<T>(), out_.data_ptr<T>(), lse_.data_ptr<float>(),
+                               scores, acc))
+          bad_slot_ = true;
+      }
+    });
+  }
+
+  torch::Tensor output() const override {
+    TORCH_CHECK(!bad_slot_, "decode_attention: a KV slot index is out of range");
+    return out_;
+  }
+
+  torch::Tensor lse() const { return lse_; }
+
+ private:
+  torch::Tensor q_, k_buf_, v_buf_, tensors_[5], out_, lse_;  // tensors_: what pb_ points into
+  DecodeProblem pb_{};
+  std::atomic<bool> bad_slot_{false};
+};
+
+DecodeAttentionWork::DecodeAttentionWork(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
+                                         torch::Tensor req_to_token, torch::Tensor req_rows,
+                                         torch::Tensor seq_lens, torch::Tensor key_starts,
+                                         torch::Tensor order, double scale,
+                                         int64_t sliding_window) {
   TORCH_CHECK(lmprog::is_supported_dtype(q.scalar_type()), "q must be float32 or bfloat16, got ",
               q.scalar_type());
   check(q, "q", 3, q.scalar_type());
@@ -319,34 +348,52 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf
   TORCH_CHECK(req_rows.size(0) == batch && seq_lens.size(0) == batch && order.size(0) == batch &&
                   key_starts.size(0) == batch,
               "batch size mismatch");
-  const DecodeProblem pb{batch,
-                         num_heads,
-                         num_kv_heads,
-                         head_dim,
-                         req_to_token.size(1),
-                         k_buf.size(0),
-                         req_to_token.data_ptr<int64_t>(),
-                         req_rows.data_ptr<int64_t>(),
-                         seq_lens.data_ptr<int64_t>(),
-                         key_starts.data_ptr<int64_t>(),
-                         order.data_ptr<int64_t>(),
-                         static_cast<float>(scale),
-                         sliding_window};
+  pb_ = DecodeProblem{batch,
+                      num_heads,
+                      num_kv_heads,
+                      head_dim,
+                      req_to_token.size(1),
+                      k_buf.size(0),
+                      req_to_token.data_ptr<int64_t>(),
+                      req_rows.data_ptr<int64_t>(),
+                      seq_lens.data_ptr<int64_t>(),
+                      key_starts.data_ptr<int64_t>(),
+                      order.data_ptr<int64_t>(),
+                      static_cast<float>(scale),
+                      sliding_window};
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(pb.lens[b] >= 1 && pb.lens[b] <= pb.context_len, "seq_len out of range");
-    TORCH_CHECK(pb.ord[b] >= 0 && pb.ord[b] < batch, "order out of range");
+    TORCH_CHECK(pb_.lens[b] >= 1 && pb_.lens[b] <= pb_.context_len, "seq_len out of range");
+    TORCH_CHECK(pb_.ord[b] >= 0 && pb_.ord[b] < batch, "order out of range");
   }
+  q_ = std::move(q), k_buf_ = std::move(k_buf), v_buf_ = std::move(v_buf);
+  tensors_[0] = std::move(req_to_token), tensors_[1] = std::move(req_rows);
+  tensors_[2] = std::move(seq_lens), tensors_[3] = std::move(key_starts);
+  tensors_[4] = std::move(order);
+  out_ = torch::empty_like(q_);
+  lse_ = torch::empty({batch, num_heads}, q_.options().dtype(torch::kFloat32));
+}
 
-  auto out = torch::empty_like(q);
-  auto lse = torch::empty({batch, num_heads}, q.options().dtype(torch::kFloat32));
-  bool ok = true;
-  lmprog::dispatch_float_types(q.scalar_type(), "decode_attention", [&](auto tag) {
-    using T = decltype(tag);
-    ok = decode_impl<T>(pb, q.data_ptr<T>(), k_buf.data_ptr<T>(), v_buf.data_ptr<T>(),
-                        out.data_ptr<T>(), lse.data_ptr<float>());
-  });
-  TORCH_CHECK(ok, "decode_attention: a KV slot index is out of range");
-  return {out, lse};
+}  // namespace
+
+std::unique_ptr<SplitWork> prepare_decode_attention(torch::Tensor q, torch::Tensor k_buf,
+                                                    torch::Tensor v_buf, torch::Tensor req_to_token,
+                                                    torch::Tensor req_rows, torch::Tensor seq_lens,
+                                                    torch::Tensor key_starts, torch::Tensor order,
+                                                    double scale, int64_t sliding_window) {
+  return std::make_unique<DecodeAttentionWork>(q, k_buf, v_buf, req_to_token, req_rows, seq_lens,
+                                               key_starts, order, scale, sliding_window);
+}
+
+std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf,
+                                            torch::Tensor v_buf, torch::Tensor req_to_token,
+                                            torch::Tensor req_rows, torch::Tensor seq_lens,
+                                            torch::Tensor key_starts, torch::Tensor order,
+                                            double scale, int64_t sliding_window) {
+  DecodeAttentionWork work(q, k_buf, v_buf, req_to_token, req_rows, seq_lens, key_starts, order,
+                           scale, sliding_window);
+#pragma omp parallel
+  work.run(omp_get_thread_num(), omp_get_num_threads());
+  return {work.output(), work.lse()};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

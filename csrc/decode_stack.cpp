@@ -10,15 +10,17 @@
 // It covers the plain case only; the caller keeps the Python path for anything else
 // (prefills, cascade attention over shared prefixes, Q/K norms).
 //
-// With quantized (or AMX bfloat16) layers and a few tokens (a single stream), every kernel
-// is short (tens of microseconds) and forking OpenMP threads for each one cost more than
-// its arithmetic: the helper threads slept between kernels and waking them took longer than the kernel (on a
-// 2-vCPU VM, a step of SmolLM2-135M took 10 ms this way and 6.5 ms with the helpers
-// spinning, by timers around each kernel). So that case runs the whole step in one
-// parallel region: the threads split each linear layer's outputs between them and wait for
-// each other at a spin barrier, and one thread does the small steps in between (norms,
-// RoPE, the KV store, attention: at a few tokens, parallel attention has nothing to
-// split, as it splits by token). The spinning lasts as long as the step, no longer.
+// With quantized (or AMX bfloat16) layers at decode batch sizes, every kernel is short (tens
+// to hundreds of microseconds) and forking OpenMP threads for each one cost more than its
+// arithmetic: the helper threads slept between kernels and waking them took longer than the
+// kernel (on a 2-vCPU VM, a step of SmolLM2-135M took 10 ms this way and 6.5 ms with the
+// helpers spinning, by timers around each kernel). libgomp lets them sleep at once whenever
+// the process holds more of its threads than there are CPUs, as it does when the main
+// thread and the engine's loop thread each have a team. So such a step runs in one parallel
+// region: the threads split each linear layer's outputs, and the attention's requests,
+// between them and wait for each other at a spin barrier, and one thread does the small
+// steps in between (norms, RoPE, the KV store, readying the next kernel's input). The
+// spinning lasts as long as the step, no longer.
 #include <torch/extension.h>
 
 #include <omp.h>
@@ -52,12 +54,12 @@ struct Linear {
   }
 
   // For the threads of a parallel region: ready the input of x @ w.T (+ bias).
-  std::unique_ptr<LinearWork> prepare(const torch::Tensor& x) const {
+  std::unique_ptr<SplitWork> prepare(const torch::Tensor& x) const {
     if (kind == "amx") return prepare_amx_linear(x, scales, bias);
     return prepare_quantized_linear(kind, weight, scales, mins, x);
   }
 
-  torch::Tensor finish(const LinearWork& work) const {
+  torch::Tensor finish(const SplitWork& work) const {
     return bias.defined() && kind != "amx" ? work.output() + bias : work.output();
   }
 
@@ -159,7 +161,7 @@ class RegionSteps {
   }
 
   // work->run(...) on every thread, each for its share of the outputs.
-  void split(const std::unique_ptr<LinearWork>& work) {
+  void split(const std::unique_ptr<SplitWork>& work) {
     guarded([&] { work->run(thread_, threads_); });
     barrier_.wait();
   }
@@ -181,8 +183,11 @@ class RegionSteps {
   std::atomic<bool>& failed_;
 };
 
-// Up to this many tokens, a step of quantized or AMX layers runs in one parallel region.
-constexpr int64_t kRegionTokens = 4;
+// What a decode step's attention reads besides its layer: positions, KV slots, the table.
+struct StepInputs {
+  const torch::Tensor &positions, &out_cache_loc, &req_to_token, &req_rows, &seq_lens,
+      &key_starts, &order;
+};
 
 }  // namespace
 
@@ -209,6 +214,13 @@ class DecodeStack {
                             make(gate_up), make(down), std::move(k_buf), std::move(v_buf)});
   }
 
+  // Whether a step of `tokens` tokens runs as one parallel region: every linear layer splits
+  // at that many rows (quantized below its dense threshold, AMX up to its most rows).
+  bool runs_in_one_region(int64_t tokens) const {
+    return omp_get_max_threads() > 1 &&
+           std::all_of(layers_.begin(), layers_.end(), [&](const Layer& l) { return l.splits(tokens); });
+  }
+
   // residual: the embeddings of the batch's tokens [batch, hidden] (consumed: it is the
   // residual stream). Returns the final norm's output [batch, hidden].
   torch::Tensor forward(torch::Tensor residual, torch::Tensor positions, torch::Tensor out_cache_loc,
@@ -216,19 +228,13 @@ class DecodeStack {
                         torch::Tensor key_starts, torch::Tensor order) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack has no layers");
     const int64_t tokens = residual.size(0);
-    const bool splits = std::all_of(layers_.begin(), layers_.end(),
-                                    [&](const Layer& l) { return l.splits(tokens); });
-    if (splits && tokens <= kRegionTokens && omp_get_max_threads() > 1) {
-      return forward_in_one_region(residual, positions, out_cache_loc, req_to_token, req_rows,
-                                   seq_lens, key_starts, order);
-    }
+    const StepInputs in{positions, out_cache_loc, req_to_token, req_rows, seq_lens, key_starts, order};
+    if (runs_in_one_region(tokens)) return forward_in_one_region(residual, in);
     auto hidden = rms_norm(residual, layers_[0].input_norm, eps_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       auto qkv = layer.qkv(hidden);
-      auto attn = attention(layer, qkv, positions, out_cache_loc, req_to_token, req_rows, seq_lens,
-                            key_starts, order);
-      auto attn_out = layer.o(attn);
+      auto attn_out = layer.o(attention(layer, qkv, in));
       hidden = add_rms_norm(attn_out, residual, layer.post_norm, eps_);
       auto mlp_out = layer.down(silu_and_mul(layer.gate_up(hidden)));
       const auto& next_norm = i + 1 == layers_.size() ? final_norm_ : layers_[i + 1].input_norm;
@@ -238,35 +244,37 @@ class DecodeStack {
   }
 
  private:
-  // RoPE on q and k of the fused QKV output, k and v into the pool, decode attention:
-  // [tokens, num_heads * head_dim].
-  torch::Tensor attention(const Layer& layer, const torch::Tensor& qkv, const torch::Tensor& positions,
-                          const torch::Tensor& out_cache_loc, const torch::Tensor& req_to_token,
-                          const torch::Tensor& req_rows, const torch::Tensor& seq_lens,
-                          const torch::Tensor& key_starts, const torch::Tensor& order) const {
+  // RoPE on q and k of the fused QKV output, k and v into the pool; returns the decode
+  // attention of q, to run (its output [tokens, num_heads, head_dim]).
+  std::unique_ptr<SplitWork> prepare_attention(const Layer& layer, const torch::Tensor& qkv,
+                                               const StepInputs& in) const {
     const int64_t tokens = qkv.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
     auto q = parts[0].view({tokens, num_heads_, head_dim_});
     auto k = parts[1].view({tokens, num_kv_heads_, head_dim_});
     auto v = parts[2].view({tokens, num_kv_heads_, head_dim_});
-    rope_(q, k, positions, cos_, sin_);
-    store_rows(layer.k_buf, k, out_cache_loc);
-    store_rows(layer.v_buf, v, out_cache_loc);
-    auto attn = decode_attention(q.contiguous(), layer.k_buf, layer.v_buf, req_to_token, req_rows,
-                                 seq_lens, key_starts, order, scale_, sliding_window_)[0];
-    return attn.view({tokens, q_size});
+    rope_(q, k, in.positions, cos_, sin_);
+    store_rows(layer.k_buf, k, in.out_cache_loc);
+    store_rows(layer.v_buf, v, in.out_cache_loc);
+    return prepare_decode_attention(q.contiguous(), layer.k_buf, layer.v_buf, in.req_to_token,
+                                    in.req_rows, in.seq_lens, in.key_starts, in.order, scale_,
+                                    sliding_window_);
   }
 
-  // `forward` for a few tokens through quantized or AMX layers, as one parallel region (see the
-  // top of the file): the same kernels in the same order, so the same results.
-  torch::Tensor forward_in_one_region(torch::Tensor residual, const torch::Tensor& positions,
-                                      const torch::Tensor& out_cache_loc,
-                                      const torch::Tensor& req_to_token,
-                                      const torch::Tensor& req_rows, const torch::Tensor& seq_lens,
-                                      const torch::Tensor& key_starts, const torch::Tensor& order) {
+  // [tokens, num_heads * head_dim]
+  torch::Tensor attention(const Layer& layer, const torch::Tensor& qkv, const StepInputs& in) const {
+    auto work = prepare_attention(layer, qkv, in);
+#pragma omp parallel
+    work->run(omp_get_thread_num(), omp_get_num_threads());
+    return work->output().view({qkv.size(0), num_heads_ * head_dim_});
+  }
+
+  // `forward` through quantized or AMX layers, as one parallel region (see the top of the
+  // file): the same kernels in the same order, so the same results.
+  torch::Tensor forward_in_one_region(torch::Tensor residual, const StepInputs& in) {
     torch::Tensor hidden;
-    std::unique_ptr<LinearWork> work;  // the linear layer the threads run next
+    std::unique_ptr<SplitWork> work;  // the linear layer or attention the threads run next
     std::exception_ptr error;
     std::atomic<bool> failed{false};
     const int threads = omp_get_max_threads();
@@ -287,10 +295,11 @@ class DecodeStack {
         for (size_t i = 0; i < layers_.size(); ++i) {
           const Layer& layer = layers_[i];
           steps.split(work);
+          steps.serial([&] { work = prepare_attention(layer, layer.qkv.finish(*work), in); });
+          steps.split(work);
           steps.serial([&] {
-            auto attn = attention(layer, layer.qkv.finish(*work), positions, out_cache_loc,
-                                  req_to_token, req_rows, seq_lens, key_starts, order);
-            work = layer.o.prepare(attn);
+            const int64_t tokens = residual.size(0);
+            work = layer.o.prepare(work->output().view({tokens, num_heads_ * head_dim_}));
           });
           steps.split(work);
           steps.serial([&] {
@@ -337,5 +346,6 @@ void register_decode_stack(py::module& m) {
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor, torch::Tensor,
                     torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("runs_in_one_region", &DecodeStack::runs_in_one_region)
       .def("forward", &DecodeStack::forward);
 }

@@ -8,11 +8,29 @@
 #include <string>
 #include <vector>
 
+// One kernel's work (a quantized or AMX linear layer's product, a step of decode attention)
+// split among threads that already run (the decode stack's one parallel region): made by
+// one thread, which readies the input and allocates the output, then `run` by each of
+// `num_threads` threads for its share, then `output` read by one thread once all are done.
+class SplitWork {
+ public:
+  virtual ~SplitWork() = default;
+  virtual void run(int64_t thread, int64_t num_threads) = 0;
+  virtual torch::Tensor output() const = 0;
+};
+
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_buf,
                                             torch::Tensor v_buf, torch::Tensor req_to_token,
                                             torch::Tensor req_rows, torch::Tensor seq_lens,
                                             torch::Tensor key_starts, torch::Tensor order,
                                             double scale, int64_t sliding_window);
+// decode_attention's output [batch, num_heads, head_dim], its requests split among threads
+// (each thread a contiguous run of `order`); output() raises if a KV slot was out of range.
+std::unique_ptr<SplitWork> prepare_decode_attention(torch::Tensor q, torch::Tensor k_buf,
+                                                    torch::Tensor v_buf, torch::Tensor req_to_token,
+                                                    torch::Tensor req_rows, torch::Tensor seq_lens,
+                                                    torch::Tensor key_starts, torch::Tensor order,
+                                                    double scale, int64_t sliding_window);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
@@ -22,18 +40,8 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
                           bool out_float32);
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           torch::Tensor mins, bool out_float32);
-// A linear layer's product (quantized, or bfloat16 on AMX tiles), split among threads that
-// already run (the decode stack's one parallel region): made by one thread, which readies
-// the input and allocates the output, then `run` by each of `num_threads` threads for its
-// share of the outputs.
-class LinearWork {
- public:
-  virtual ~LinearWork() = default;
-  virtual void run(int64_t thread, int64_t num_threads) = 0;
-  virtual torch::Tensor output() const = 0;
-};
 // kind "q8_0" (mins undefined) or "q4_1"; x [rows, in], float32 or bfloat16; output in x's dtype.
-std::unique_ptr<LinearWork> prepare_quantized_linear(const std::string& kind,
+std::unique_ptr<SplitWork> prepare_quantized_linear(const std::string& kind,
                                                               const torch::Tensor& weight,
                                                               const torch::Tensor& scales,
                                                               const torch::Tensor& mins,
@@ -51,6 +59,6 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
                                bool amx);
 bool amx_linear_available();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
-std::unique_ptr<LinearWork> prepare_amx_linear(const torch::Tensor& x, const torch::Tensor& packed,
+std::unique_ptr<SplitWork> prepare_amx_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                                const torch::Tensor& bias);
 void register_decode_stack(py::module& m);

@@ -599,7 +599,7 @@ QWeight check_weight(Format format, const torch::Tensor& data, const torch::Tens
 // y = x @ w.T in x's dtype (float32 or bfloat16), or in float32 when `out_float32`. The
 // input is readied once (rounded to int16 blocks, or widened to float32 with its block
 // sums); output rows are then split among threads in contiguous ranges.
-class Work final : public LinearWork {
+class Work final : public SplitWork {
  public:
   Work(const QWeight& w, const torch::Tensor& x, bool out_float32) : w_(w), rows_(x.size(0)) {
     TORCH_CHECK(x.device().is_cpu() && lmprog::is_supported_dtype(x.scalar_type()),
@@ -724,7 +724,7 @@ torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch:
                     to_bf16 ? torch::kBFloat16 : torch::kFloat32);
 }
 
-std::unique_ptr<LinearWork> prepare_quantized_linear(const std::string& kind,
+std::unique_ptr<SplitWork> prepare_quantized_linear(const std::string& kind,
                                                               const torch::Tensor& weight,
                                                               const torch::Tensor& scales,
                                                               const torch::Tensor& mins,

@@ -155,7 +155,7 @@ def test_disabled_or_float32_keeps_nn_linear(tiny_path):
 @pytest.mark.parametrize("num_prompts", [1, 3])
 def test_stack_steps_of_amx_layers_in_one_region_equal_the_python_forward(num_prompts):
     """The built-in `small` model has whole tiles in every layer, so a bfloat16 decode step
-    of up to four tokens runs its AMX linears split among the threads of one parallel region
+    of up to 32 tokens runs its AMX linears split among the threads of one parallel region
     (`csrc/decode_stack.cpp`); tokens and log-probabilities equal the Python forward's."""
     from lmprog_runtime.models.default_model import default_model_path
 

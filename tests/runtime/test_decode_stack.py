@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmprog_runtime import Engine
+from lmprog_runtime import Engine, default_model_path
+from lmprog_runtime.models.amx_linear import AMXLinear
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it "
 
@@ -80,21 +81,34 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-@pytest.mark.parametrize("num_prompts", [1, 4, 6])
-def test_quantized_steps_in_one_region_equal_the_python_forward(
-    tiny_path, two_threads, quantization, num_prompts
-):
-    """Up to four tokens the stack runs quantized layers in one parallel region (the
-    threads split each layer's outputs, one does the small steps); more take a region per
-    kernel. Both give the Python forward's results exactly."""
+@pytest.mark.parametrize("quantization", ["int8", "int4", None])
+@pytest.mark.parametrize("num_prompts", [1, 4, 6, 20])
+def test_steps_in_one_region_equal_the_python_forward(two_threads, quantization, num_prompts):
+    """Below the quantized kernels' dense threshold (16 rows or more), and up to 32 rows of
+    packed bfloat16 linears where the CPU has AMX or AVX512-BF16, the stack runs a step in
+    one parallel region (the threads split each layer's outputs and the attention's
+    requests, one does the small steps); other steps take a region per kernel. Both give
+    the Python forward's results exactly."""
     prompts = [TEXT[: 12 + 7 * i] for i in range(num_prompts)]
+    # The built-in `small` model: every layer whole blocks of 32 and tiles of 16 (the tiny
+    # one has a float down projection, which keeps its steps out of the region).
     with Engine(
-        tiny_path, max_total_tokens=2048, dtype="bfloat16", quantization=quantization
+        default_model_path("small"),
+        max_total_tokens=4096,
+        dtype="bfloat16",
+        quantization=quantization,
     ) as engine:
-        calls = _steps_on_stack(engine)
+        if quantization is None and not isinstance(
+            engine.runner.model.layers[0].mlp.down_proj, AMXLinear
+        ):
+            pytest.skip("no AMX or AVX512-BF16: bfloat16 layers stay plain linears")
+        seen: list = []
+        calls = _steps_on_stack(engine, seen)
         tokens, logprobs = _decode(engine, prompts)
         assert calls[0] >= 7
+        stack, _ = seen[-1]
+        in_region = num_prompts < 16 if quantization else num_prompts <= 32
+        assert stack.runs_in_one_region(num_prompts) == in_region
         engine.runner.model.use_decode_stack = False
         engine.flush_cache()
         ref_tokens, ref_logprobs = _decode(engine, prompts)
@@ -102,14 +116,18 @@ def test_quantized_steps_in_one_region_equal_the_python_forward(
     assert torch.equal(logprobs, ref_logprobs)
 
 
-def test_an_error_inside_the_region_is_raised_and_the_stack_goes_on(tiny_path, two_threads):
+@pytest.mark.parametrize("num_prompts", [1, 6])
+def test_an_error_inside_the_region_is_raised_and_the_stack_goes_on(two_threads, num_prompts):
     """A failure in a step of the parallel region (here a KV slot out of range) reaches the
     caller as an exception, with no thread left waiting; the next step runs normally."""
-    with Engine(tiny_path, max_total_tokens=1024, quantization="int4") as engine:
+    prompts = [TEXT[: 12 + 7 * i] for i in range(num_prompts)]
+    small = default_model_path("small")
+    with Engine(small, max_total_tokens=1024, quantization="int4") as engine:
         seen: list = []
         _steps_on_stack(engine, seen)
-        tokens, _ = _decode(engine, [TEXT])
+        tokens, _ = _decode(engine, prompts)
         stack, args = seen[-1]
+        assert stack.runs_in_one_region(num_prompts)
         bad = list(args)
         bad[2] = torch.full_like(args[2], 10**9)  # out_cache_loc
         with pytest.raises(RuntimeError, match="out of range"):
@@ -117,7 +135,7 @@ def test_an_error_inside_the_region_is_raised_and_the_stack_goes_on(tiny_path, t
         good = stack.forward(*[a.clone() for a in args])
         assert torch.isfinite(good).all()
         engine.flush_cache()
-        assert _decode(engine, [TEXT])[0] == tokens
+        assert _decode(engine, prompts)[0] == tokens
 
 
 def test_replaced_weights_rebuild_the_stack(tiny_path):
