@@ -41,6 +41,12 @@ def add_common_args(parser: argparse.ArgumentParser, repeats: int = 3) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=repeats, help="rounds, order alternating")
     parser.add_argument("--results-dir", default=str(RESULTS_DIR))
+    parser.add_argument(
+        "--table-suffix",
+        default="",
+        help="appended to the result's table name (`cpu_avx512_bf16_zen5`): a table of its "
+        "own for a machine whose kind another table already holds",
+    )
 
 
 def resolve_model(name_or_path: str) -> str:
@@ -238,6 +244,8 @@ def write_result(args: argparse.Namespace, bench: str, result: dict[str, Any]) -
     one key per column), plus raw timings and checks for anyone who wants to look deeper.
     """
     label = model_label(args.model)
+    if getattr(args, "table_suffix", ""):
+        bench = f"{bench}_{args.table_suffix}"
     payload = {
         "bench": bench,
         "model": label,
