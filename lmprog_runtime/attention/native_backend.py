@@ -36,7 +36,11 @@ MIN_CASCADE_PREFIX = 64
 # layer. Measured on SmolLM2-135M (bfloat16, 2 cores, decode steps at batch 32): 4 groups
 # x 8 members x 512 prefix tokens (14k keys spared) were faster plain (104-112 ms against
 # 119-144 ms a step); 2 x 16 x 2048 (61k) and 1 x 32 x 4096 (127k) faster as a cascade
-# (130-148 against 176-214 ms; 121-130 against 376-419 ms).
+# (130-148 against 176-214 ms; 121-130 against 376-419 ms). Since plain steps of up to 32
+# requests run as one parallel region, on a 2-core Zen 5 (median step, best of 3): 4 x 8 x
+# 512 plain 32 / cascade 63 ms, 2 x 16 x 2048 62 / 64, 1 x 32 x 4096 105 / 130, 1 x 64 x
+# 2048 119 / 142, 1 x 64 x 4096 198 / 213, but 2 x 32 x 4096 345 / 237: spared keys alone
+# do not predict the crossover there (the groups' prefixes against the caches do).
 CASCADE_MIN_SPARED_KEYS = 32768
 # The native extend kernel rearranges every key it reads (cached prefix included) into
 # tiles, so it runs a batch only when new tokens are at least this share of the keys. With
