@@ -49,22 +49,10 @@ inline __mmask16 tail16(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
 }
 
-// Full vectors are read by plain loads: masked ones cost more on AMD Zen 4 and 5, even with
-// every lane set (see quant_linear.cpp's Q4_1 loop).
-inline __m512 load16(const float* p, __mmask16 m) {
-  return m == 0xffff ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
-}
-
-inline void store16(float* p, __mmask16 m, __m512 v) {
-  if (m == 0xffff)
-    _mm512_storeu_ps(p, v);
-  else
-    _mm512_mask_storeu_ps(p, m, v);
-}
+inline __m512 load16(const float* p, __mmask16 m) { return lmprog::load16_ps(p, m); }
 
 inline __m512 load16(const bf16* p, __mmask16 m) {
-  const __m256i bits = m == 0xffff ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                   : _mm256_maskz_loadu_epi16(m, p);
+  const __m256i bits = lmprog::load16_epi16(p, m);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
@@ -141,7 +129,7 @@ inline void dot_rows(const T* q, const int64_t* slots, int64_t n, const T* base,
     __m512 acc[16];
     for (int64_t i = 0; i < 16; ++i)
       acc[i] = i < count ? dot_partial(q, base + slots[j0 + i] * stride, head_dim) : _mm512_setzero_ps();
-    store16(scores + j0, tail16(count), _mm512_mul_ps(sum_lanes16(acc), vscale));
+    lmprog::store16_ps(scores + j0, tail16(count), _mm512_mul_ps(sum_lanes16(acc), vscale));
   }
 #else
   for (int64_t j = 0; j < n; ++j) {
@@ -180,10 +168,10 @@ inline void weighted_rows(const float* p, int64_t p_stride, const int64_t* slots
     }
     for (int h = 0; h < H; ++h) {
       float* o = out + h * head_dim + c;
-      store16(o, m0, a[h][0]);
-      store16(o + 16, m1, a[h][1]);
-      store16(o + 32, m2, a[h][2]);
-      store16(o + 48, m3, a[h][3]);
+      lmprog::store16_ps(o, m0, a[h][0]);
+      lmprog::store16_ps(o + 16, m1, a[h][1]);
+      lmprog::store16_ps(o + 32, m2, a[h][2]);
+      lmprog::store16_ps(o + 48, m3, a[h][3]);
     }
   }
 #else

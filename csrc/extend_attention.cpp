@@ -77,11 +77,6 @@ inline __mmask16 lanes(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
-// Plain loads for full vectors: masked ones cost more on AMD Zen 4 and 5, all lanes set or not.
-inline __m512 load_lanes(const float* p, __mmask16 m) {
-  return m == 0xFFFF ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
-}
-
 // Softmax per row over its visible keys, left unnormalized (each row's 1 / sum scales its
 // output at the end); the probabilities of every other key in range are zero.
 void softmax_rows(Scratch& s, int64_t rows, int64_t first_pos, int64_t window, int64_t first_block,
@@ -102,13 +97,13 @@ void softmax_rows(Scratch& s, int64_t rows, int64_t first_pos, int64_t window, i
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t k = k0; k < k1; k += 16) {
       const __mmask16 m = lanes(k1 - k);
-      vmax = _mm512_mask_max_ps(vmax, m, vmax, load_lanes(row + k, m));
+      vmax = _mm512_mask_max_ps(vmax, m, vmax, lmprog::load16_ps(row + k, m));
     }
     const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * scale);
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; k += 16) {
       const __mmask16 m = lanes(k1 - k);
-      const __m512 x = _mm512_fmsub_ps(load_lanes(row + k, m), vscale, shift);
+      const __m512 x = _mm512_fmsub_ps(lmprog::load16_ps(row + k, m), vscale, shift);
       const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(x));
       const __m256bh p = _mm512_cvtneps_pbh(e);
       if (m == 0xFFFF)

@@ -409,25 +409,14 @@ inline void prefetch(const void* p, int64_t bytes) {
     _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
 }
 
-// The float16 values of lanes `k` (plain loads where every lane is read: masked loads cost
-// more on AMD Zen 4 and 5, even with every lane set: the Q4_1 loop below ran 2x slower
-// streaming its weights through them).
-inline __m256i half16(const at::Half* p, __mmask16 k) {
-  return k == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                     : _mm256_maskz_loadu_epi16(k, p);
-}
-
 // sums[r] += sum over blocks of m_b * sum(x_rb), sixteen blocks at a time (Q4_1's minimums).
 template <int R>
 inline void add_min_terms(const at::Half* m, const float* xs, int64_t nb, __m512* acc) {
   for (int64_t b = 0; b < nb; b += 16) {
     const __mmask16 k = first_lanes(nb - b);
-    const __m512 mv = _mm512_cvtph_ps(half16(m + b, k));
-    for (int r = 0; r < R; ++r) {
-      const float* x = xs + r * nb + b;
-      const __m512 xv = k == 0xFFFF ? _mm512_loadu_ps(x) : _mm512_maskz_loadu_ps(k, x);
-      acc[r] = _mm512_fmadd_ps(mv, xv, acc[r]);
-    }
+    const __m512 mv = _mm512_cvtph_ps(lmprog::load16_epi16(m + b, k));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(mv, lmprog::load16_ps(xs + r * nb + b, k), acc[r]);
   }
 }
 
@@ -499,7 +488,7 @@ inline void q8_0_dot_rows_int16(const QWeight& w, const int16_t* xq, const float
   float ds[16];
   for (int64_t b0 = 0; b0 < nb; b0 += 16) {
     const int64_t count = std::min<int64_t>(16, nb - b0);
-    _mm512_storeu_ps(ds, _mm512_cvtph_ps(half16(d + b0, first_lanes(count))));
+    _mm512_storeu_ps(ds, _mm512_cvtph_ps(lmprog::load16_epi16(d + b0, first_lanes(count))));
     for (int64_t i = 0; i < count; ++i) {
       const int64_t b = b0 + i;
       const __m512i wq = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock)));
