@@ -108,6 +108,52 @@ inline void store16_ps(float* p, __mmask16 m, __m512 v) {
 }
 #endif
 
+#if LMPROG_AVX512
+// exp(x) for x <= 0 (attention scores minus their row's maximum): 2^(x log2 e) as
+// 2^n * 2^f with |f| <= 1/2, 2^f by its degree-5 Taylor polynomial (relative error under
+// 3e-6, far below the bfloat16 rounding of the probabilities), 2^n by vscalefps (0 below
+// float range).
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)), _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));  // in nats
+  __m512 p = _mm512_set1_ps(1.f / 120);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if LMPROG_AVX512
+// Transposes a 16 x 16 matrix of 32-bit words held as 16 rows: rows[i] becomes column i.
+inline void transpose16(__m512i* rows) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: pairs of rows 2i, 2i + 1
+    t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + k], lane L: column 4L + k of rows 4i .. 4i + 3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // gather lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);      // lanes 0, 2
+    const __m512i w0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);      // lanes 1, 3
+    const __m512i v1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
+    rows[k] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+    rows[8 + k] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
+    rows[4 + k] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+    rows[12 + k] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
+  }
+}
+#endif
+
 #if LMPROG_BF16_DOT
 // 32 bfloat16 as vdpbf16ps's operand type.
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }

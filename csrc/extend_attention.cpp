@@ -57,22 +57,6 @@ struct Scratch {
   float inv_sum[kRows];          // 1 / each row's sum of probabilities
 };
 
-// exp(x) for x <= 0 (scores minus their row's maximum): 2^(x log2 e) as 2^n * 2^f with
-// |f| <= 1/2, 2^f by its degree-5 Taylor polynomial (relative error under 3e-6, far below
-// the bfloat16 rounding of the probabilities), 2^n by vscalefps (0 below float range).
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)), _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));  // in nats
-  __m512 p = _mm512_set1_ps(1.f / 120);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 inline __mmask16 lanes(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
@@ -104,7 +88,7 @@ void softmax_rows(Scratch& s, int64_t rows, int64_t first_pos, int64_t window, i
     for (int64_t k = k0; k < k1; k += 16) {
       const __mmask16 m = lanes(k1 - k);
       const __m512 x = _mm512_fmsub_ps(lmprog::load16_ps(row + k, m), vscale, shift);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(x));
+      const __m512 e = _mm512_maskz_mov_ps(m, lmprog::exp_nonpositive(x));
       const __m256bh p = _mm512_cvtneps_pbh(e);
       if (m == 0xFFFF)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + k), reinterpret_cast<const __m256i&>(p));

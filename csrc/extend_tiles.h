@@ -25,34 +25,10 @@ namespace lmprog::extend {
 using lmprog::as_bh;
 using lmprog::bf16;
 using lmprog::broadcast_pair;
+using lmprog::transpose16;
 
 constexpr int64_t kKeys = 32;      // keys per step (two 16-column score tiles)
 constexpr int64_t kTileWords = 512;   // bfloat16 values per tile
-
-// Transposes a 16 x 16 matrix of 32-bit words held as 16 rows: rows[i] becomes column i.
-inline void transpose16(__m512i* rows) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: pairs of rows 2i, 2i + 1
-    t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + k], lane L: column 4L + k of rows 4i .. 4i + 3
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {  // gather lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
-    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);      // lanes 0, 2
-    const __m512i w0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);      // lanes 1, 3
-    const __m512i v1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
-    rows[k] = _mm512_shuffle_i32x4(v0, v1, 0x88);
-    rows[8 + k] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
-    rows[4 + k] = _mm512_shuffle_i32x4(w0, w1, 0x88);
-    rows[12 + k] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
-  }
-}
 
 // Keys [keys, head_dim] (pool rows through `slots`) as second operands of q . k^T: per block
 // of 32 keys, per half (16 keys), per 32 dims c, a tile whose row r holds, for each of the
