@@ -54,12 +54,12 @@ inline void store_rows(const float* sums, int64_t sums_stride, int64_t rows, int
 }
 
 #if LMPROG_AMX
-// out[m0 .. m0 + rows, 16 nb .. 16 nb + 16 * blocks] for rows <= 32, blocks <= 2.
+// sums[i * 32 + 16 b + j] = x_i . w_j of block b, for the 16 * RowTiles rows of `a` and the
+// Blocks (1 or 2) packed blocks at `w` (each [k / 32][16][32]); the caller's tiles configured.
 template <int RowTiles, int Blocks>
-void tile_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t nb, int64_t rows,
-                  int64_t n, const bf16* bias, bf16* out, float* cbuf) {
+void tile_sums(const uint16_t* a, int64_t k, const uint16_t* w, float* sums) {
   const int64_t chunks = k / kChunk;
-  const uint16_t* b0 = packed + nb * chunks * kTile * kChunk;
+  const uint16_t* b0 = w;
   const uint16_t* b1 = b0 + chunks * kTile * kChunk;
   _tile_zero(0);
   if (Blocks == 2) _tile_zero(1);
@@ -75,23 +75,28 @@ void tile_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t 
     if (RowTiles == 2) _tile_dpbf16ps(2, 5, 6);
     if (RowTiles == 2 && Blocks == 2) _tile_dpbf16ps(3, 5, 7);
   }
-  // cbuf: [32 rows, 32 outputs] float32.
-  _tile_stored(0, cbuf, 128);
-  if (Blocks == 2) _tile_stored(1, cbuf + 16, 128);
-  if (RowTiles == 2) _tile_stored(2, cbuf + 16 * 32, 128);
-  if (RowTiles == 2 && Blocks == 2) _tile_stored(3, cbuf + 16 * 32 + 16, 128);
+  _tile_stored(0, sums, 128);
+  if (Blocks == 2) _tile_stored(1, sums + 16, 128);
+  if (RowTiles == 2) _tile_stored(2, sums + 16 * 32, 128);
+  if (RowTiles == 2 && Blocks == 2) _tile_stored(3, sums + 16 * 32 + 16, 128);
+}
+
+// out[m0 .. m0 + rows, 16 nb .. 16 nb + 16 * blocks] for rows <= 32, blocks <= 2.
+template <int RowTiles, int Blocks>
+void tile_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t nb, int64_t rows,
+                  int64_t n, const bf16* bias, bf16* out, float* cbuf) {
+  tile_sums<RowTiles, Blocks>(a, k, packed + nb * (k / kChunk) * kTile * kChunk, cbuf);
   store_rows(cbuf, 32, rows, Blocks * kTile, nb * kTile, n, bias, out);
 }
 #endif
 
 #if LMPROG_BF16_DOT
-// out[m0 .. m0 + rows, 16 nb .. 16 (nb + Blocks)] for rows <= R by vdpbf16ps: accumulator
-// (i, b) holds the 16 outputs of block nb + b for row i.
+// sums[i * stride + 16 b + j] = x_i . w_j of block b for the R rows of `a` and the Blocks
+// (1 or 2) packed blocks at `w` (each [k / 32][16][32]), by vdpbf16ps: accumulator (i, b)
+// holds the 16 outputs of block b for row i.
 template <int R, int Blocks>
-void dot_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t nb, int64_t rows,
-                 int64_t n, const bf16* bias, bf16* out) {
+void dot_sums(const uint16_t* a, int64_t k, const uint16_t* w, float* sums, int64_t stride) {
   const int64_t chunks = k / kChunk;
-  const uint16_t* w = packed + nb * chunks * kTile * kChunk;
   __m512 acc[R][Blocks];
   for (auto& row : acc)
     for (auto& v : row) v = _mm512_setzero_ps();
@@ -107,9 +112,16 @@ void dot_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t n
       }
     }
   }
-  alignas(64) float sums[R * Blocks * kTile];
   for (int i = 0; i < R; ++i)
-    for (int b = 0; b < Blocks; ++b) _mm512_store_ps(sums + (i * Blocks + b) * kTile, acc[i][b]);
+    for (int b = 0; b < Blocks; ++b) _mm512_storeu_ps(sums + i * stride + b * kTile, acc[i][b]);
+}
+
+// out[m0 .. m0 + rows, 16 nb .. 16 (nb + Blocks)] for rows <= R.
+template <int R, int Blocks>
+void dot_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t nb, int64_t rows,
+                 int64_t n, const bf16* bias, bf16* out) {
+  alignas(64) float sums[R * Blocks * kTile];
+  dot_sums<R, Blocks>(a, k, packed + nb * (k / kChunk) * kTile * kChunk, sums, Blocks * kTile);
   store_rows(sums, Blocks * kTile, rows, Blocks * kTile, nb * kTile, n, bias, out);
 }
 
@@ -219,6 +231,61 @@ class AmxWork final : public SplitWork {
 };
 
 }  // namespace
+
+PackedRows::PackedRows(const torch::Tensor& x) : amx_(lmprog::amx_available()) {
+  TORCH_CHECK(amx_linear_available(), "PackedRows: neither AMX bfloat16 tiles nor AVX512-BF16 here");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 &&
+                  x.size(1) % kChunk == 0,
+              "PackedRows: x must be a bfloat16 CPU tensor [rows, in], in a multiple of 32");
+  m_ = x.size(0), k_ = x.size(1);
+  padded_ = (m_ + 2 * kTile - 1) / (2 * kTile) * (2 * kTile);
+  a_.assign(padded_ * k_, 0);
+  const auto xc = x.contiguous();
+  std::memcpy(a_.data(), xc.data_ptr<bf16>(), m_ * k_ * 2);
+}
+
+void PackedRows::begin() const {
+#if LMPROG_AMX
+  if (amx_) lmprog::configure_tiles();
+#endif
+}
+
+void PackedRows::end() const {
+#if LMPROG_AMX
+  if (amx_) _tile_release();
+#endif
+}
+
+void PackedRows::sums(const uint16_t* blocks, bool two, float* out) const {
+#if LMPROG_AMX
+  if (amx_) {
+    for (int64_t m0 = 0; m0 < padded_; m0 += 2 * kTile) {
+      two ? tile_sums<2, 2>(a_.data() + m0 * k_, k_, blocks, out + m0 * 2 * kTile)
+          : tile_sums<2, 1>(a_.data() + m0 * k_, k_, blocks, out + m0 * 2 * kTile);
+    }
+    return;
+  }
+#endif
+#if LMPROG_BF16_DOT
+  for (int64_t m0 = 0; m0 < m_; m0 += 8) {
+    const uint16_t* ap = a_.data() + m0 * k_;
+    float* dst = out + m0 * 2 * kTile;
+    const int64_t rows = m_ - m0;
+#define LMPROG_SUMS(R)                                                      \
+  (two ? dot_sums<R, 2>(ap, k_, blocks, dst, 2 * kTile) : dot_sums<R, 1>(ap, k_, blocks, dst, 2 * kTile))
+    if (rows > 4) {
+      LMPROG_SUMS(8);
+    } else if (rows > 2) {
+      LMPROG_SUMS(4);
+    } else if (rows == 2) {
+      LMPROG_SUMS(2);
+    } else {
+      LMPROG_SUMS(1);
+    }
+#undef LMPROG_SUMS
+  }
+#endif
+}
 
 std::unique_ptr<SplitWork> prepare_amx_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                                const torch::Tensor& bias) {

@@ -46,8 +46,9 @@ std::unique_ptr<SplitWork> prepare_quantized_linear(const std::string& kind,
                                                               const torch::Tensor& scales,
                                                               const torch::Tensor& mins,
                                                               const torch::Tensor& x);
-// From this many rows a quantized layer is faster dequantized to one dense matmul.
-int64_t quantized_dense_rows();
+// From this many rows (of bfloat16 activations when `bf16`, else float32) a quantized layer
+// is faster dequantized to one dense matmul.
+int64_t quantized_dense_rows(bool bf16);
 torch::Tensor q8_0_dequantize(torch::Tensor qweight, torch::Tensor scales, bool to_bf16);
 torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
                               bool to_bf16);
@@ -61,4 +62,25 @@ bool amx_linear_available();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 std::unique_ptr<SplitWork> prepare_amx_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                                const torch::Tensor& bias);
+// The rows of a bfloat16 x [rows, in] readied once (copied, zero padded to whole tiles) for
+// products with packed bfloat16 weight blocks built on the fly (a quantized layer's blocks,
+// dequantized one pair of 16 outputs at a time): AMX tiles where the CPU has them, else
+// AVX512-BF16 dot products. Needs `amx_linear_available()`.
+class PackedRows {
+ public:
+  explicit PackedRows(const torch::Tensor& x);
+  int64_t padded_rows() const { return padded_; }
+  // Around each thread's calls of `sums` (AMX: loads and releases the tile configuration).
+  void begin() const;
+  void end() const;
+  // out[i * 32 + 16 b + j] = x_i . (output j of block b) for every row i < padded_rows(),
+  // over one or (`two`) two blocks packed at `blocks`, each [in / 32][16][32]:
+  // block[c][r][2j + p] = w[j][32c + 2r + p] (`amx_linear`'s layout).
+  void sums(const uint16_t* blocks, bool two, float* out) const;
+
+ private:
+  bool amx_;
+  int64_t m_ = 0, k_ = 0, padded_ = 0;
+  std::vector<uint16_t> a_;
+};
 void register_decode_stack(py::module& m);

@@ -15,6 +15,11 @@
 // (`avx2_dot_rows`). Each weight block is read once for all rows of the input. Rows are
 // processed in tiles of up to four, whose accumulators stay in registers.
 //
+// From 16 rows of bfloat16 activations on a CPU with AVX512-BF16 or AMX (a decode batch),
+// the per-row rescaling of every block costs more than the products: there each thread
+// dequantizes 16 outputs at a time to bfloat16, in the packed layout of `amx_linear`, and
+// multiplies every row by them (`tiled_outputs`, `PackedRows`).
+//
 // `dequantize_*` expand a layer to a dense float32 or bfloat16 matrix: many rows at once (a
 // prefill) run faster as one dense matmul (AMX / AVX-512 through torch) than here.
 #include <torch/extension.h>
@@ -559,6 +564,77 @@ void float_outputs(const QWeight& w, const float* x, const float* xs, int64_t ro
   }
 }
 
+#if LMPROG_BF16_DOT
+// From this many rows of bfloat16 activations a layer runs `tiled_outputs`; up to
+// `kTiledMaxRows` (`quantized_dense_rows`), beyond which it dequantizes the whole weight
+// once and runs one dense matmul.
+constexpr int64_t kTiledMinRows = 16;
+constexpr int64_t kTiledMaxRows = 1024;
+
+// Outputs n0 .. n0 + 15 (those below out_features; zeros past it) dequantized to bfloat16
+// in `PackedRows`' block layout, [in / 32][16][32]: per block of 32 inputs, the 16 outputs'
+// values as 16 words each (pairs of inputs), transposed so that row r holds pair r of every
+// output. Each value is q * d (+ m) in float32 rounded to nearest, as `dequantize` rounds it.
+inline void dequantize_packed_block(const QWeight& w, int64_t n0, uint16_t* tiles) {
+  const int64_t nb = w.blocks(), outputs = std::min<int64_t>(16, w.out_features - n0);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i rows[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= outputs) {
+        rows[j] = _mm512_setzero_si512();
+        continue;
+      }
+      const int64_t n = n0 + j;
+      __m512 lo, hi;
+      block_values_avx512(w, n, b, lo, hi);
+      const __m512 d = _mm512_set1_ps(half_to_f32(w.d[n * nb + b]));
+      if (w.format == Format::Q8_0) {
+        lo = _mm512_mul_ps(lo, d);
+        hi = _mm512_mul_ps(hi, d);
+      } else {
+        const __m512 m = _mm512_set1_ps(half_to_f32(w.m[n * nb + b]));
+        lo = _mm512_fmadd_ps(lo, d, m);
+        hi = _mm512_fmadd_ps(hi, d, m);
+      }
+      const __m512bh values = _mm512_cvtne2ps_pbh(hi, lo);  // elements 0-31 in order
+      rows[j] = reinterpret_cast<const __m512i&>(values);
+    }
+    lmprog::transpose16(rows);
+    for (int r = 0; r < 16; ++r) _mm512_storeu_si512(tiles + b * 512 + r * 32, rows[r]);
+  }
+}
+
+// Outputs [n_begin, n_end) (whole blocks of 16, save at the end) of every row of bfloat16
+// activations: per pair of blocks of 16 outputs, the weights dequantized to bfloat16 into
+// a buffer that stays in L2 (`dequantize_packed_block`), then multiplied by every row
+// (`PackedRows::sums`). At 16-64 rows this keeps a decode batch at the speed of a bfloat16
+// layer: the per-block rescaling of `int16_outputs` costs more per row, and dequantizing the
+// whole weight for each step more than the products (a Q8_0 engine's decode step at 32 rows
+// on SmolLM2-135M ran 2.8x a bfloat16 one's).
+template <typename T>
+void tiled_outputs(const QWeight& w, const PackedRows& x, int64_t rows, int64_t n_begin,
+                   int64_t n_end, T* out) {
+  if (n_begin >= n_end) return;
+  const int64_t chunk_words = w.blocks() * 512;
+  std::vector<uint16_t> tiles(2 * chunk_words);
+  std::vector<float> sums(x.padded_rows() * 32);
+  x.begin();
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += 32) {
+    const bool two = n0 + 16 < n_end;
+    dequantize_packed_block(w, n0, tiles.data());
+    if (two) dequantize_packed_block(w, n0 + 16, tiles.data() + chunk_words);
+    x.sums(tiles.data(), two, sums.data());
+    const int64_t cols = std::min<int64_t>(32, n_end - n0);
+    for (int64_t i = 0; i < rows; ++i) {
+      T* dst = out + i * w.out_features + n0;
+      const float* src = sums.data() + i * 32;
+      for (int64_t j = 0; j < cols; ++j) dst[j] = lmprog::from_f32<T>(src[j]);
+    }
+  }
+  x.end();
+}
+#endif
+
 QWeight check_weight(Format format, const torch::Tensor& data, const torch::Tensor& scales,
                      const torch::Tensor* mins) {
   const char* name = format == Format::Q8_0 ? "q8_0" : "q4_1";
@@ -597,6 +673,12 @@ class Work final : public SplitWork {
                 "], got ", x.sizes());
     out_ = torch::empty({rows_, w.out_features},
                         x.options().dtype(out_float32 ? torch::kFloat32 : x.scalar_type()));
+#if LMPROG_BF16_DOT
+    if (x.scalar_type() == torch::kBFloat16 && rows_ >= kTiledMinRows && amx_linear_available()) {
+      tiled_ = std::make_unique<PackedRows>(x);
+      return;
+    }
+#endif
 #if LMPROG_VNNI
     // Q8_0 gains only for a row or two (its per-block rescaling is per row); Q4_1 always.
     int16_ = x.scalar_type() == torch::kBFloat16 && (w.format == Format::Q4_1 || rows_ < kRowTile);
@@ -631,6 +713,14 @@ class Work final : public SplitWork {
     const int64_t n_end = w_.out_features * (thread + 1) / num_threads;
     lmprog::dispatch_float_types(out_.scalar_type(), "quantized_linear", [&](auto tag) {
       using T = decltype(tag);
+#if LMPROG_BF16_DOT
+      if (tiled_) {  // whole pairs of blocks of 16 outputs per thread
+        const int64_t pairs = (w_.out_features + 31) / 32;
+        const int64_t first = pairs * thread / num_threads * 32;
+        const int64_t last = std::min(w_.out_features, pairs * (thread + 1) / num_threads * 32);
+        return tiled_outputs<T>(w_, *tiled_, rows_, first, last, out_.data_ptr<T>());
+      }
+#endif
 #if LMPROG_INT16
       if (int16_) return int16_outputs<T>(w_, a_, rows_, n_begin, n_end, out_.data_ptr<T>());
 #endif
@@ -651,6 +741,7 @@ class Work final : public SplitWork {
 #endif
   torch::Tensor x32_;         // the float path's input
   std::vector<float> xsums_;  // and its block sums [rows, in / 32]
+  std::unique_ptr<PackedRows> tiled_;  // the tiled path's input (bfloat16, many rows)
 };
 
 torch::Tensor quantized_linear(const QWeight& w, const torch::Tensor& x, bool out_float32) {
@@ -681,7 +772,10 @@ torch::Tensor dequantize(const QWeight& w, c10::ScalarType dtype) {
 
 }  // namespace
 
-int64_t quantized_dense_rows() {
+int64_t quantized_dense_rows(bool bf16) {
+#if LMPROG_BF16_DOT
+  if (bf16 && amx_linear_available()) return kTiledMaxRows;
+#endif
 #if LMPROG_AVX2_INT16
   // Widened once per output row, a weight serves every row tile from L1: on a 2-core Zen 3
   // this kernel beat dequantize + float32 matmul up to about 64 rows (Q8_0 to 128).

@@ -90,7 +90,7 @@ class DecodeStackCache:
 
 def _build(model: LlamaForCausalLM, backend: NativeAttentionBackend):
     layout, config, pool = backend.layout, model.config, backend.kv_pool
-    quantized_dense_rows = dense_rows(backend.native_ops)
+    quantized_dense_rows = dense_rows(backend.native_ops, model.norm.weight.dtype)
     stack = backend.native_ops.DecodeStack(
         layout.num_heads,
         layout.num_kv_heads,

@@ -9,10 +9,12 @@ block to float32 in registers and multiply it by float32 activations (the float3
 over the dequantized weight up to summation order), or by bfloat16 activations rounded to
 int16 per block where the CPU has VNNI. With AVX2 only, every activation dtype is rounded
 to int16 per block (15 bits against the block's largest: far below the 1e-3 the tests
-allow) and multiplied by the weights widened to int16. Many rows at once (a prefill)
-dequantize the weight to the activations' dtype and run one dense matmul (AMX for
-bfloat16); `dense_rows` says from how many. Without the native kernels every call takes
-that dense path.
+allow) and multiplied by the weights widened to int16. A decode batch (16 rows or more) of
+bfloat16 activations on a CPU with AVX512-BF16 or AMX dequantizes 16 outputs at a time to
+bfloat16 inside the kernel and multiplies every row by them, at the speed of a bfloat16
+layer. Many rows at once (a prefill) dequantize the whole weight to the activations' dtype
+and run one dense matmul; `dense_rows` says from how many. Without the native kernels
+every call takes that dense path.
 
 Layers are quantized at load from the float weights. A GGUF's Q8_0 and Q4_1 blocks,
 dequantized by the converter, come back to the same integers and scales (each block's
@@ -35,14 +37,20 @@ from lmprog_runtime.config import QUANTIZATIONS
 logger = logging.getLogger(__name__)
 
 BLOCK = 32
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the activations the native kernels take
 
 
-def dense_rows(native: ModuleType | None) -> int:
-    """From this many rows (a prefill, a large batch) a layer dequantizes its weight and runs
-    one dense matmul; below it the native kernel, which reads each weight block once for all
-    rows. The kernels know their crossover on this CPU (16 rows with AVX-512, 64 with AVX2);
-    without them (0) every call is dense."""
-    return 0 if native is None else int(native.quantized_dense_rows())
+def dense_rows(native: ModuleType | None, dtype: torch.dtype) -> int:
+    """From this many rows of `dtype` activations (a prefill, a large batch) a layer
+    dequantizes its whole weight and runs one dense matmul; below it the native kernel, which
+    reads each weight block once for all rows. The kernels know their crossover on this CPU:
+    float32 16 rows with AVX-512, 64 with AVX2; bfloat16 the same, or 1024 where the CPU has
+    AVX512-BF16 or AMX (from 16 rows the kernel dequantizes 16 outputs at a time to
+    bfloat16 and multiplies every row by them there). Without the kernels, or for other
+    dtypes, 0: every call is dense."""
+    if native is None or dtype not in _KERNEL_DTYPES:
+        return 0
+    return int(native.quantized_dense_rows(dtype == torch.bfloat16))
 
 
 class QuantizedLinear(nn.Module):
@@ -59,7 +67,11 @@ class QuantizedLinear(nn.Module):
         self.bias = linear.bias
         self.float_output = float_output
         self._native = _native_kernels()
-        self.dense_rows = dense_rows(self._native)
+        self._dense_rows = {dtype: dense_rows(self._native, dtype) for dtype in _KERNEL_DTYPES}
+
+    def dense_rows(self, dtype: torch.dtype) -> int:
+        """From how many rows of `dtype` activations `forward` runs one dense matmul."""
+        return self._dense_rows.get(dtype, 0)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the layer multiplies by, [out, in] (plain torch: the tests' reference)."""
@@ -73,7 +85,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] >= self.dense_rows:
+        if flat.shape[0] >= self.dense_rows(flat.dtype):
             out = F.linear(flat, self._dense_weight(flat.dtype))
             out = out.float() if self.float_output else out
         else:

@@ -84,11 +84,13 @@ def two_threads():
 @pytest.mark.parametrize("quantization", ["int8", "int4", None])
 @pytest.mark.parametrize("num_prompts", [1, 4, 6, 20])
 def test_steps_in_one_region_equal_the_python_forward(two_threads, quantization, num_prompts):
-    """Below the quantized kernels' dense threshold (16 rows or more), and up to 32 rows of
-    packed bfloat16 linears where the CPU has AMX or AVX512-BF16, the stack runs a step in
-    one parallel region (the threads split each layer's outputs and the attention's
-    requests, one does the small steps); other steps take a region per kernel. Both give
-    the Python forward's results exactly."""
+    """Below the quantized kernels' dense threshold (16 rows, or 1024 for bfloat16 where the
+    CPU has AMX or AVX512-BF16: from 16 rows there, 20 here, the kernel dequantizes blocks of
+    outputs to bfloat16 for every row), and up to 32 rows of packed bfloat16 linears where
+    the CPU has AMX or AVX512-BF16, the stack runs a step in one parallel region (the
+    threads split each layer's outputs and the attention's requests, one does the small
+    steps); other steps take a region per kernel. Both give the Python forward's results
+    exactly."""
     prompts = [TEXT[: 12 + 7 * i] for i in range(num_prompts)]
     # The built-in `small` model: every layer whole blocks of 32 and tiles of 16 (the tiny
     # one has a float down projection, which keeps its steps out of the region).
@@ -107,7 +109,11 @@ def test_steps_in_one_region_equal_the_python_forward(two_threads, quantization,
         tokens, logprobs = _decode(engine, prompts)
         assert calls[0] >= 7
         stack, _ = seen[-1]
-        in_region = num_prompts < 16 if quantization else num_prompts <= 32
+        if quantization:
+            down = engine.runner.model.layers[0].mlp.down_proj
+            in_region = num_prompts < down.dense_rows(torch.bfloat16)
+        else:
+            in_region = num_prompts <= 32
         assert stack.runs_in_one_region(num_prompts) == in_region
         engine.runner.model.use_decode_stack = False
         engine.flush_cache()

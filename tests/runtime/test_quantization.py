@@ -50,8 +50,9 @@ def test_layer_equals_float32_over_its_dequantized_weight(layer_type, bias, rows
         linear.weight.copy_(torch.randn(96, 160, generator=gen))
     layer = layer_type(linear)
     assert layer._native is not None  # the kernels built; otherwise this tests the fallback
-    assert layer.dense_rows in (16, 64)
-    rows = {"kernel's most": layer.dense_rows - 1, "dense": layer.dense_rows + 24}.get(rows, rows)
+    threshold = layer.dense_rows(torch.float32)
+    assert threshold in (16, 64)
+    rows = {"kernel's most": threshold - 1, "dense": threshold + 24}.get(rows, rows)
     weight = layer.dequantized()
     x = torch.randn(rows, 160, generator=gen)
     with torch.no_grad():
@@ -99,6 +100,40 @@ def test_bfloat16_activations_give_the_float32_product_of_those_activations(
         out = layer(x)
     ref = F.linear(x.float(), layer.dequantized())
     assert out.dtype == torch.float32 and _rel_err(out, ref) <= REL_TOL
+
+
+@pytest.mark.parametrize("layer_type", [Q8Linear, Q4Linear])
+@pytest.mark.parametrize("in_features", [160, 576])
+# Pairs of blocks of 16 outputs: whole (96), an odd block at the end (80), a partial one (90).
+@pytest.mark.parametrize("out_features", [96, 80, 90])
+@pytest.mark.parametrize("rows", [16, 21, 40, "most"])
+def test_bfloat16_batches_multiply_the_bfloat16_dequantized_weight(
+    layer_type, in_features, out_features, rows
+):
+    """From 16 rows of bfloat16 activations (a decode batch) on a CPU with AVX512-BF16 or AMX,
+    the kernel dequantizes 16 outputs at a time to bfloat16 and multiplies every row by them:
+    the result must be float32 arithmetic over the bfloat16 activations and the bfloat16
+    dequantized weight (what the dense path multiplies) up to summation order, for every row
+    count up to the one where the dense path takes over."""
+    linear = torch.nn.Linear(in_features, out_features, bias=True)
+    layer = layer_type(linear, float_output=True)
+    most = layer.dense_rows(torch.bfloat16) - 1
+    if most < 16:
+        pytest.skip("this CPU has neither AVX512-BF16 nor AMX: no tiled bfloat16 path")
+    rows = most if rows == "most" else rows
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = layer._dense_weight(torch.bfloat16)
+    assert torch.equal(weight, layer.dequantized().bfloat16())
+    with torch.no_grad():
+        out = layer(x)
+        ref = F.linear(x.float(), weight.float(), linear.bias)
+    assert out.dtype == torch.float32 and _rel_err(out, ref) <= 1e-5
+    layer.float_output = False  # bfloat16 out: the same sums rounded once
+    with torch.no_grad():
+        out = layer(x)
+    assert out.dtype == torch.float32  # the float32 bias promotes it
+    assert _rel_err(out, ref) <= 2 * 2.0**-8
 
 
 def test_float_output_layer_returns_float32():
