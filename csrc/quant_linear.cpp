@@ -15,7 +15,7 @@
 // (`avx2_dot_rows`). Each weight block is read once for all rows of the input. Rows are
 // processed in tiles of up to four, whose accumulators stay in registers.
 //
-// From 16 rows of bfloat16 activations on a CPU with AVX512-BF16 or AMX (a decode batch),
+// From 8 rows of bfloat16 activations on a CPU with AVX512-BF16 or AMX (a decode batch),
 // the per-row rescaling of every block costs more than the products: there each thread
 // dequantizes 16 outputs at a time to bfloat16, in the packed layout of `amx_linear`, and
 // multiplies every row by them (`tiled_outputs`, `PackedRows`).
@@ -567,8 +567,11 @@ void float_outputs(const QWeight& w, const float* x, const float* xs, int64_t ro
 #if LMPROG_BF16_DOT
 // From this many rows of bfloat16 activations a layer runs `tiled_outputs`; up to
 // `kTiledMaxRows` (`quantized_dense_rows`), beyond which it dequantizes the whole weight
-// once and runs one dense matmul.
-constexpr int64_t kTiledMinRows = 16;
+// once and runs one dense matmul. Over SmolLM2-135M's 30 layers on a 2-core Zen 5 (ms, int8
+// / int4, `bench_quant_linears.py --activations bfloat16`): at 4 rows the integer kernels
+// 8.1 / 8.2 against 12.9 / 12.7 tiled, at 8 rows 20.0 / 15.0 against 16.9 / 14.3, at 12
+// 22.9 / 22.2 against 16.4 / 15.7; at 1024 rows tiled and dense break even.
+constexpr int64_t kTiledMinRows = 8;
 constexpr int64_t kTiledMaxRows = 1024;
 
 // Outputs n0 .. n0 + 15 (those below out_features; zeros past it) dequantized to bfloat16
@@ -607,7 +610,7 @@ inline void dequantize_packed_block(const QWeight& w, int64_t n0, uint16_t* tile
 // Outputs [n_begin, n_end) (whole blocks of 16, save at the end) of every row of bfloat16
 // activations: per pair of blocks of 16 outputs, the weights dequantized to bfloat16 into
 // a buffer that stays in L2 (`dequantize_packed_block`), then multiplied by every row
-// (`PackedRows::sums`). At 16-64 rows this keeps a decode batch at the speed of a bfloat16
+// (`PackedRows::sums`). At 8-256 rows this keeps a decode batch at the speed of a bfloat16
 // layer: the per-block rescaling of `int16_outputs` costs more per row, and dequantizing the
 // whole weight for each step more than the products (a Q8_0 engine's decode step at 32 rows
 // on SmolLM2-135M ran 2.8x a bfloat16 one's).

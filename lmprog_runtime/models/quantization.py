@@ -9,7 +9,7 @@ block to float32 in registers and multiply it by float32 activations (the float3
 over the dequantized weight up to summation order), or by bfloat16 activations rounded to
 int16 per block where the CPU has VNNI. With AVX2 only, every activation dtype is rounded
 to int16 per block (15 bits against the block's largest: far below the 1e-3 the tests
-allow) and multiplied by the weights widened to int16. A decode batch (16 rows or more) of
+allow) and multiplied by the weights widened to int16. A decode batch (8 rows or more) of
 bfloat16 activations on a CPU with AVX512-BF16 or AMX dequantizes 16 outputs at a time to
 bfloat16 inside the kernel and multiplies every row by them, at the speed of a bfloat16
 layer. Many rows at once (a prefill) dequantize the whole weight to the activations' dtype
@@ -45,7 +45,7 @@ def dense_rows(native: ModuleType | None, dtype: torch.dtype) -> int:
     dequantizes its whole weight and runs one dense matmul; below it the native kernel, which
     reads each weight block once for all rows. The kernels know their crossover on this CPU:
     float32 16 rows with AVX-512, 64 with AVX2; bfloat16 the same, or 1024 where the CPU has
-    AVX512-BF16 or AMX (from 16 rows the kernel dequantizes 16 outputs at a time to
+    AVX512-BF16 or AMX (from 8 rows the kernel dequantizes 16 outputs at a time to
     bfloat16 and multiplies every row by them there). Without the kernels, or for other
     dtypes, 0: every call is dense."""
     if native is None or dtype not in _KERNEL_DTYPES:

@@ -85,7 +85,7 @@ def two_threads():
 @pytest.mark.parametrize("num_prompts", [1, 4, 6, 20])
 def test_steps_in_one_region_equal_the_python_forward(two_threads, quantization, num_prompts):
     """Below the quantized kernels' dense threshold (16 rows, or 1024 for bfloat16 where the
-    CPU has AMX or AVX512-BF16: from 16 rows there, 20 here, the kernel dequantizes blocks of
+    CPU has AMX or AVX512-BF16: from 8 rows there, 20 here, the kernel dequantizes blocks of
     outputs to bfloat16 for every row), and up to 32 rows of packed bfloat16 linears where
     the CPU has AMX or AVX512-BF16, the stack runs a step in one parallel region (the
     threads split each layer's outputs and the attention's requests, one does the small
