@@ -24,10 +24,11 @@ _SOURCES = (
     "decode_stack.cpp",
     "extend_attention.cpp",
     "fused_ops.cpp",
+    "module.cpp",
     "quant_linear.cpp",
 )
 # Included by the sources: part of the hash, not compiled alone.
-_HEADERS = ("amx.h", "cpu_vec.h", "extend_tiles.h", "native_ops.h")
+_HEADERS = ("amx.h", "cpu_vec.h", "decode_rows.h", "extend_tiles.h", "native_ops.h")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 
