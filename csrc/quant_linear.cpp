@@ -677,7 +677,7 @@ class Work final : public SplitWork {
     out_ = torch::empty({rows_, w.out_features},
                         x.options().dtype(out_float32 ? torch::kFloat32 : x.scalar_type()));
 #if LMPROG_BF16_DOT
-    if (x.scalar_type() == torch::kBFloat16 && rows_ >= kTiledMinRows && amx_linear_available()) {
+    if (x.scalar_type() == torch::kBFloat16 && rows_ >= kTiledMinRows) {
       tiled_ = std::make_unique<PackedRows>(x);
       return;
     }
@@ -777,7 +777,7 @@ torch::Tensor dequantize(const QWeight& w, c10::ScalarType dtype) {
 
 int64_t quantized_dense_rows(bool bf16) {
 #if LMPROG_BF16_DOT
-  if (bf16 && amx_linear_available()) return kTiledMaxRows;
+  if (bf16) return kTiledMaxRows;
 #endif
 #if LMPROG_AVX2_INT16
   // Widened once per output row, a weight serves every row tile from L1: on a 2-core Zen 3

@@ -90,7 +90,8 @@ class DecodeStackCache:
 
 def _build(model: LlamaForCausalLM, backend: NativeAttentionBackend):
     layout, config, pool = backend.layout, model.config, backend.kv_pool
-    quantized_dense_rows = dense_rows(backend.native_ops, model.norm.weight.dtype)
+    activations = model.norm.weight.dtype  # the dtype the whole forward runs in
+    quantized_dense_rows = dense_rows(backend.native_ops, activations)
     stack = backend.native_ops.DecodeStack(
         layout.num_heads,
         layout.num_kv_heads,
