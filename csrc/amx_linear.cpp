@@ -153,6 +153,14 @@ inline void dot_rows(const uint16_t* a, int64_t m, int64_t k, const uint16_t* pa
 
 bool amx_linear_available() { return lmprog::amx_available() || LMPROG_BF16_DOT; }
 
+int64_t amx_linear_max_rows() {
+  // AMX tiles read the packed weight once for every 32 rows, and from 64 rows oneDNN's own
+  // kernels were as fast on a Xeon. The AVX512-BF16 dot products stayed ahead of torch's
+  // bfloat16 matmul up to 256 rows over SmolLM2-135M's 30 layers on a 2-core Zen 5 (1.10-1.16x
+  // at 32-256 rows, `bench_packed_linears.py`).
+  return lmprog::amx_available() ? 32 : 256;
+}
+
 namespace {
 
 // x @ w.T + bias for up to any number of rows: pairs of output blocks split among threads.

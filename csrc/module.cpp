@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_dequantize", &q8_0_dequantize, "Q8_0 blocks to a dense float32 / bfloat16 matrix");
   m.def("q4_1_dequantize", &q4_1_dequantize, "Q4_1 blocks to a dense float32 / bfloat16 matrix");
   m.def("amx_linear_available", &amx_linear_available, "whether amx_linear can run here");
+  m.def("amx_linear_max_rows", &amx_linear_max_rows,
+        "up to how many rows amx_linear beats a dense matmul on this CPU");
   m.def("amx_linear", &amx_linear, "x @ w.T + bias over a weight packed for AMX tiles (CPU, bfloat16)",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   register_decode_stack(m);

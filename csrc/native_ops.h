@@ -59,6 +59,8 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
                                torch::Tensor q_starts, double scale, int64_t sliding_window,
                                bool amx);
 bool amx_linear_available();
+// Up to how many rows a layer multiplies on its packed weight (more: a dense matmul).
+int64_t amx_linear_max_rows();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 std::unique_ptr<SplitWork> prepare_amx_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                                const torch::Tensor& bias);

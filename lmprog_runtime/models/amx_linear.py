@@ -10,7 +10,8 @@ feeds AVX512-BF16's vdpbf16ps: on a 2-core AMD Zen 4, 2.9x faster at one row, 1.
 (`benchmarks/bench_packed_linears.py`). On the CPUs that have either, bfloat16 models
 swap each `nn.Linear` for an `AMXLinear` at load: it keeps the same weight and bias
 (the same Parameters: tied embeddings stay tied, the state dict is unchanged) plus the
-packed copy, which it uses for up to `AMX_MAX_ROWS` rows; more rows (prefills) take
+packed copy, which it uses for up to `max_rows` rows (32 on AMX tiles, 256 by AVX512-BF16
+dot products: `amx_linear_max_rows` in the kernel says why); more rows (prefills) take
 `F.linear`, which is faster there. The copy costs the weights' memory once more; when that
 would exceed a quarter of the free host memory, or with `disable_amx_linears`, the layers
 stay as they are.
@@ -31,9 +32,6 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# Up to this many rows a layer multiplies on its packed weight (the packed weight is read
-# once for every 32 rows; from 64 rows oneDNN's own kernels were as fast).
-AMX_MAX_ROWS = 32
 _OUT_BLOCK, _IN_CHUNK = 16, 32  # outputs per tile block, inputs per tile row
 
 
@@ -56,6 +54,7 @@ class AMXLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self._native = native
+        self.max_rows = int(native.amx_linear_max_rows())  # more rows: F.linear
         self.register_buffer("packed", pack_for_amx(self.weight), persistent=False)
         self._packed_from = self._weight_state()  # (id, version) of the weight packed
 
@@ -74,7 +73,7 @@ class AMXLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > AMX_MAX_ROWS or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        if rows > self.max_rows or x.dtype != torch.bfloat16 or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         out = self._native.amx_linear(flat, self.packed_weight(), self.bias)

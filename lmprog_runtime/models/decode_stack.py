@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lmprog_runtime.models.amx_linear import AMX_MAX_ROWS, AMXLinear
+from lmprog_runtime.models.amx_linear import AMXLinear
 from lmprog_runtime.models.quantization import Q4Linear, Q8Linear, dense_rows
 
 if TYPE_CHECKING:
@@ -115,6 +115,6 @@ def _build(model: LlamaForCausalLM, backend: NativeAttentionBackend):
             pool.k_buffers[i],
             pool.v_buffers[i],
             quantized_dense_rows,
-            AMX_MAX_ROWS,
+            int(backend.native_ops.amx_linear_max_rows()),
         )
     return stack

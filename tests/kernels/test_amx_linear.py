@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmprog_runtime import Engine
-from lmprog_runtime.models.amx_linear import AMX_MAX_ROWS, AMXLinear, pack_for_amx, use_amx_linears
+from lmprog_runtime.models.amx_linear import AMXLinear, pack_for_amx, use_amx_linears
 from lmprog_runtime.native import load_native
 
 
@@ -43,7 +43,7 @@ def _within_one_rounding(got: torch.Tensor, exact: torch.Tensor) -> None:
 @pytest.mark.parametrize(
     ("out_features", "in_features"), [(16, 32), (48, 64), (960, 576), (80, 1536)]
 )
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 31, 32, 33, 70])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 31, 32, 33, 70, 256])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_is_the_float32_product_rounded_once(out_features, in_features, rows, with_bias):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -84,7 +84,8 @@ def test_layer_uses_the_packed_weight_for_decode_rows_and_repacks_when_the_weigh
         layer.weight = nn.Parameter(torch.randn(48, 64, generator=gen).bfloat16())  # replaced
         _within_one_rounding(layer(x), exact(x))
         assert layer.is_current()
-        many = torch.randn(AMX_MAX_ROWS + 1, 64, generator=gen).bfloat16()
+        assert layer.max_rows in (32, 256)  # AMX tiles, AVX512-BF16 dot products
+        many = torch.randn(layer.max_rows + 1, 64, generator=gen).bfloat16()
         assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
         batched = torch.randn(2, 3, 64, generator=gen).bfloat16()  # leading dims kept
         assert torch.equal(layer(batched), layer(batched.reshape(6, 64)).reshape(2, 3, 48))

@@ -82,12 +82,12 @@ def two_threads():
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", None])
-@pytest.mark.parametrize("num_prompts", [1, 4, 6, 20])
+@pytest.mark.parametrize("num_prompts", [1, 4, 6, 20, 40])
 def test_steps_in_one_region_equal_the_python_forward(two_threads, quantization, num_prompts):
     """Below the quantized kernels' dense threshold (16 rows, or 1024 for bfloat16 where the
     CPU has AMX or AVX512-BF16: from 8 rows there, 20 here, the kernel dequantizes blocks of
-    outputs to bfloat16 for every row), and up to 32 rows of packed bfloat16 linears where
-    the CPU has AMX or AVX512-BF16, the stack runs a step in one parallel region (the
+    outputs to bfloat16 for every row), and up to 32 rows of packed bfloat16 linears on AMX
+    tiles (256 by AVX512-BF16 dot products), the stack runs a step in one parallel region (the
     threads split each layer's outputs and the attention's requests, one does the small
     steps); other steps take a region per kernel. Both give the Python forward's results
     exactly."""
@@ -113,7 +113,7 @@ def test_steps_in_one_region_equal_the_python_forward(two_threads, quantization,
             down = engine.runner.model.layers[0].mlp.down_proj
             in_region = num_prompts < down.dense_rows(torch.bfloat16)
         else:
-            in_region = num_prompts <= 32
+            in_region = num_prompts <= engine.runner.model.layers[0].mlp.down_proj.max_rows
         assert stack.runs_in_one_region(num_prompts) == in_region
         engine.runner.model.use_decode_stack = False
         engine.flush_cache()
