@@ -91,6 +91,12 @@ inline void dispatch_float_types(c10::ScalarType dtype, const char* op, Fn&& fn)
 // float32 lanes to memory. Full vectors take plain loads and stores: masked ones cost more
 // on AMD Zen 4 and 5 even with every lane set (a Q4_1 kernel streamed its weights at half
 // the speed of plain loads through them on a Zen 5).
+// The first `left` of 16 lanes (none when left <= 0, all from 16): a loop's tail.
+inline __mmask16 tail16(int64_t left) {
+  if (left <= 0) return 0;
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
 inline __m512 load16_ps(const float* p, __mmask16 m) {
   return m == 0xFFFF ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
 }
@@ -157,6 +163,18 @@ inline void transpose16(__m512i* rows) {
 #if LMPROG_BF16_DOT
 // 32 bfloat16 as vdpbf16ps's operand type.
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// 16 float32 lanes rounded to bfloat16 (to nearest even) and stored, those of `m`; returns
+// the rounded values (what was stored).
+inline __m256bh store16_bf16(void* p, __mmask16 m, __m512 v) {
+  const __m256bh rounded = _mm512_cvtneps_pbh(v);
+  const __m256i bits = reinterpret_cast<const __m256i&>(rounded);
+  if (m == 0xFFFF)
+    _mm256_storeu_si256(static_cast<__m256i*>(p), bits);
+  else
+    _mm256_mask_storeu_epi16(p, m, bits);
+  return rounded;
+}
 
 // One pair of bfloat16 (a 32-bit word) broadcast to every lane: with a register of 16 pairs
 // (one per lane), vdpbf16ps adds to each lane the dot product of its pair with this one.

@@ -128,25 +128,16 @@ bool decode_request(const DecodeProblem& pb, int64_t i, const T* qp, const T* kp
       s.inv.resize(num_heads);
       softmax_to_bf16(s.scores.data(), num_heads, n, p_stride, s.probs.data(), s.inv.data(),
                       lp + b * num_heads);
-      // Pass 2: the weighted sum of value rows, the query heads of each kv head together,
-      // up to four at a time (16 accumulators).
-      for (int64_t h = 0; h < num_heads;) {
-        const int64_t take = std::min<int64_t>(4, group - h % group);
-        const uint16_t* ph = s.probs.data() + h * p_stride;
-        const bf16* vg = vp + (h / group) * head_dim;
-        float* oh = s.acc.data() + h * head_dim;
-        if (take == 4) weighted_pairs<4>(ph, p_stride, slots, n, vg, slot_stride, head_dim, oh);
-        if (take == 3) weighted_pairs<3>(ph, p_stride, slots, n, vg, slot_stride, head_dim, oh);
-        if (take == 2) weighted_pairs<2>(ph, p_stride, slots, n, vg, slot_stride, head_dim, oh);
-        if (take == 1) weighted_pairs<1>(ph, p_stride, slots, n, vg, slot_stride, head_dim, oh);
-        h += take;
+      // Pass 2: the weighted sum of value rows, the query heads of each kv head together.
+      for (int64_t g = 0; g < pb.num_kv_heads; ++g) {
+        weighted_pairs_group(s.probs.data() + g * group * p_stride, p_stride, slots, n,
+                             vp + g * head_dim, slot_stride, head_dim, group,
+                             s.acc.data() + g * group * head_dim);
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         const __m512 inv = _mm512_set1_ps(s.inv[h]);
-        for (int64_t d = h * head_dim; d < (h + 1) * head_dim; d += 16) {
-          const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(&s.acc[d]), inv));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + d), reinterpret_cast<const __m256i&>(rounded));
-        }
+        for (int64_t d = h * head_dim; d < (h + 1) * head_dim; d += 16)
+          lmprog::store16_bf16(ob + d, 0xFFFF, _mm512_mul_ps(_mm512_loadu_ps(&s.acc[d]), inv));
       }
       return true;
     }

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "cpu_vec.h"
 
@@ -22,10 +23,7 @@ using lmprog::to_f32;
 
 #if LMPROG_AVX512
 // 16-lane helpers for the loops below: masked tails, bfloat16 widened in registers.
-inline __mmask16 tail16(int64_t left) {
-  if (left <= 0) return 0;
-  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-}
+using lmprog::tail16;
 
 inline __m512 load16(const float* p, __mmask16 m) { return lmprog::load16_ps(p, m); }
 
@@ -197,6 +195,20 @@ inline void weighted_rows(const float* p, int64_t p_stride, const int64_t* slots
 #endif
 }
 
+// fn(h, H) for the `heads` consecutive query heads of one kv head, H (a compile-time 1-4)
+// of them from head h at a time, at most `most`.
+template <typename Fn>
+inline void in_head_tiles(int64_t heads, int64_t most, Fn&& fn) {
+  for (int64_t h = 0; h < heads;) {
+    const int64_t take = std::min(most, heads - h);
+    if (take == 4) fn(h, std::integral_constant<int, 4>{});
+    if (take == 3) fn(h, std::integral_constant<int, 3>{});
+    if (take == 2) fn(h, std::integral_constant<int, 2>{});
+    if (take == 1) fn(h, std::integral_constant<int, 1>{});
+    h += take;
+  }
+}
+
 // weighted_rows for `heads` consecutive query heads of one kv head: up to four at a time
 // for head sizes up to 64 (16 accumulators); one at a time beyond (at 128, two or four at
 // once measured slower than one: 3.0 against 2.5 ms for 8 requests x 1000 keys x 32 heads).
@@ -204,17 +216,10 @@ template <typename T>
 inline void weighted_rows_group(const float* p, int64_t p_stride, const int64_t* slots, int64_t n,
                                 const T* base, int64_t stride, int64_t head_dim, int64_t heads,
                                 float* out) {
-  const int64_t most = head_dim <= 64 ? 4 : 1;
-  for (int64_t h = 0; h < heads;) {
-    const int64_t take = std::min(most, heads - h);
-    const float* ph = p + h * p_stride;
-    float* oh = out + h * head_dim;
-    if (take == 4) weighted_rows<4>(ph, p_stride, slots, n, base, stride, head_dim, oh);
-    if (take == 3) weighted_rows<3>(ph, p_stride, slots, n, base, stride, head_dim, oh);
-    if (take == 2) weighted_rows<2>(ph, p_stride, slots, n, base, stride, head_dim, oh);
-    if (take == 1) weighted_rows<1>(ph, p_stride, slots, n, base, stride, head_dim, oh);
-    h += take;
-  }
+  in_head_tiles(heads, head_dim <= 64 ? 4 : 1, [&](int64_t h, auto tile) {
+    weighted_rows<decltype(tile)::value>(p + h * p_stride, p_stride, slots, n, base, stride,
+                                         head_dim, out + h * head_dim);
+  });
 }
 
 #if LMPROG_BF16_DOT
@@ -278,6 +283,17 @@ inline void weighted_pairs(const uint16_t* p, int64_t p_stride, const int64_t* s
   }
 }
 
+// weighted_pairs for `heads` consecutive query heads of one kv head, up to four at a time
+// (16 accumulators).
+inline void weighted_pairs_group(const uint16_t* p, int64_t p_stride, const int64_t* slots,
+                                 int64_t n, const bf16* base, int64_t stride, int64_t head_dim,
+                                 int64_t heads, float* out) {
+  in_head_tiles(heads, 4, [&](int64_t h, auto tile) {
+    weighted_pairs<decltype(tile)::value>(p + h * p_stride, p_stride, slots, n, base, stride,
+                                          head_dim, out + h * head_dim);
+  });
+}
+
 // The softmax of each head's n scores (scores + h * n, already scaled) as unnormalized
 // bfloat16 probabilities exp(s - max) into probs + h * p_stride (a zero after the last when
 // n is odd), 1 / their sum into inv[h] (the sum of the rounded values, which is what the
@@ -299,13 +315,7 @@ inline void softmax_to_bf16(const float* scores, int64_t heads, int64_t n, int64
       const __mmask16 m = tail16(n - j);
       const __m512 e = _mm512_maskz_mov_ps(
           m, lmprog::exp_nonpositive(_mm512_sub_ps(lmprog::load16_ps(s + j, m), shift)));
-      const __m256bh pb = _mm512_cvtneps_pbh(e);
-      const __m256i bits = reinterpret_cast<const __m256i&>(pb);
-      if (m == 0xFFFF)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + j), bits);
-      else
-        _mm256_mask_storeu_epi16(ph + j, m, bits);
-      vsum = _mm512_add_ps(vsum, _mm512_cvtpbh_ps(pb));
+      vsum = _mm512_add_ps(vsum, _mm512_cvtpbh_ps(lmprog::store16_bf16(ph + j, m, e)));
     }
     if (n & 1) ph[n] = 0;
     const float sum = _mm512_reduce_add_ps(vsum);

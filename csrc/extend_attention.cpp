@@ -57,10 +57,6 @@ struct Scratch {
   float inv_sum[kRows];          // 1 / each row's sum of probabilities
 };
 
-inline __mmask16 lanes(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
-
 // Softmax per row over its visible keys, left unnormalized (each row's 1 / sum scales its
 // output at the end); the probabilities of every other key in range are zero.
 void softmax_rows(Scratch& s, int64_t rows, int64_t first_pos, int64_t window, int64_t first_block,
@@ -80,22 +76,17 @@ void softmax_rows(Scratch& s, int64_t rows, int64_t first_pos, int64_t window, i
     std::fill(prow + k1, prow + to, uint16_t{0});
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t k = k0; k < k1; k += 16) {
-      const __mmask16 m = lanes(k1 - k);
+      const __mmask16 m = lmprog::tail16(k1 - k);
       vmax = _mm512_mask_max_ps(vmax, m, vmax, lmprog::load16_ps(row + k, m));
     }
     const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * scale);
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; k += 16) {
-      const __mmask16 m = lanes(k1 - k);
+      const __mmask16 m = lmprog::tail16(k1 - k);
       const __m512 x = _mm512_fmsub_ps(lmprog::load16_ps(row + k, m), vscale, shift);
       const __m512 e = _mm512_maskz_mov_ps(m, lmprog::exp_nonpositive(x));
-      const __m256bh p = _mm512_cvtneps_pbh(e);
-      if (m == 0xFFFF)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + k), reinterpret_cast<const __m256i&>(p));
-      else
-        _mm256_mask_storeu_epi16(prow + k, m, reinterpret_cast<const __m256i&>(p));
       // The sum of what the output will be weighted by: the rounded probabilities.
-      vsum = _mm512_add_ps(vsum, _mm512_cvtpbh_ps(p));
+      vsum = _mm512_add_ps(vsum, _mm512_cvtpbh_ps(lmprog::store16_bf16(prow + k, m, e)));
     }
     s.inv_sum[i] = 1.f / _mm512_reduce_add_ps(vsum);
   }
