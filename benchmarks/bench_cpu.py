@@ -1,5 +1,5 @@
 """CPU speed side by side (issue 17): lmprog in float32, `dtype="auto"`, int8 and int4
-weights, against transformers `generate` (bfloat16 and float32) and, when
+weights, and int8 weights with int8 activations (w8a8), against transformers `generate` (bfloat16 and float32) and, when
 llama-cpp-python is installed, llama.cpp on the same GGUF.
 
 Workloads, all greedy with the output length fixed (EOS masked):
@@ -55,6 +55,7 @@ SIDES = {  # name -> Engine options
     "lmprog auto dtype": {"dtype": "auto"},
     "lmprog int8": {"dtype": "auto", "quantization": "int8"},
     "lmprog int4": {"dtype": "auto", "quantization": "int4"},
+    "lmprog w8a8": {"dtype": "auto", "quantization": "w8a8_int8"},
 }
 HF_DTYPES = ("bfloat16", "float32")
 LLAMA_CPP = "llama.cpp"  # the side's name for `--skip`
@@ -403,7 +404,10 @@ def main() -> None:
                 seconds, best = row.pop("_seconds"), row.pop("_best")
                 gflops = 2 * params * sum(len(p) for p in prompts) / best / 1e9
                 row["best / median (s)"] = f"{seconds} ({gflops / peak:.0%} of peak)"
-    args.dtype = "per row: float32, auto (bfloat16 here), int8 / int4 with bfloat16 activations"
+    args.dtype = (
+        "per row: float32, auto (bfloat16 here), int8 / int4 with bfloat16 activations, w8a8"
+        " (int8 activations; its prefill share counts the same FLOPs against the bfloat16 peak)"
+    )
     if not cpu_has_native_bf16():
         args.dtype = "per row: float32 (auto and the quantized engines too: no native bfloat16)"
     described = {

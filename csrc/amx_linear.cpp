@@ -126,21 +126,6 @@ void dot_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t n
   store_rows(sums, Blocks * kTile, rows, Blocks * kTile, nb * kTile, n, bias, out);
 }
 
-// fn(R) with R the rows of accumulators (8, 4, 2 or 1, a compile-time constant) for the
-// `rows` (at most 8) left.
-template <typename Fn>
-inline void with_row_tile(int64_t rows, Fn&& fn) {
-  if (rows > 4) {
-    fn(std::integral_constant<int, 8>{});
-  } else if (rows > 2) {
-    fn(std::integral_constant<int, 4>{});
-  } else if (rows == 2) {
-    fn(std::integral_constant<int, 2>{});
-  } else {
-    fn(std::integral_constant<int, 1>{});
-  }
-}
-
 // Every row of x against output blocks nb (and nb + 1 when `two`), 8 rows at a time.
 inline void dot_rows(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packed, int64_t nb,
                      bool two, int64_t n, const bf16* bias, bf16* out) {
@@ -148,7 +133,7 @@ inline void dot_rows(const uint16_t* a, int64_t m, int64_t k, const uint16_t* pa
     const int64_t rows = std::min<int64_t>(8, m - m0);
     const uint16_t* ap = a + m0 * k;
     bf16* dst = out + m0 * n;
-    with_row_tile(rows, [&](auto tile) {
+    lmprog::with_row_tile(rows, [&](auto tile) {
       constexpr int R = decltype(tile)::value;
       two ? dot_product<R, 2>(ap, k, packed, nb, rows, n, bias, dst)
           : dot_product<R, 1>(ap, k, packed, nb, rows, n, bias, dst);
@@ -286,7 +271,7 @@ void PackedRows::sums(const uint16_t* blocks, bool two, float* out) const {
   for (int64_t m0 = 0; m0 < m_; m0 += 8) {
     const uint16_t* ap = a_.data() + m0 * k_;
     float* dst = out + m0 * 2 * kTile;
-    with_row_tile(m_ - m0, [&](auto tile) {
+    lmprog::with_row_tile(m_ - m0, [&](auto tile) {
       constexpr int R = decltype(tile)::value;
       two ? dot_sums<R, 2>(ap, k_, blocks, dst, 2 * kTile)
           : dot_sums<R, 1>(ap, k_, blocks, dst, 2 * kTile);

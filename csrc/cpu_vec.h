@@ -13,6 +13,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 // AVX-512 code paths need the foundation plus 16-bit element (BW) and 256-bit (VL) forms,
 // which every AVX-512 server CPU has; anything else takes the portable loops.
@@ -83,6 +85,35 @@ inline void dispatch_float_types(c10::ScalarType dtype, const char* op, Fn&& fn)
     fn(float{});
   } else {
     fn(bf16{});
+  }
+}
+
+// fn(std::integral_constant<int, I>{}) for I = 0 .. N - 1, unrolled as written out. Kernels
+// index their register arrays this way: with plain loops, even under `#pragma GCC unroll`,
+// GCC 12 keeps such an array addressable (it is split into registers before loops are
+// unrolled), then copies accumulators between registers and the stack on every step.
+template <typename Fn, int... I>
+inline void static_for(Fn&& fn, std::integer_sequence<int, I...>) {
+  (fn(std::integral_constant<int, I>{}), ...);
+}
+
+template <int N, typename Fn>
+inline void static_for(Fn&& fn) {
+  static_for(fn, std::make_integer_sequence<int, N>{});
+}
+
+// fn(R) with R the rows of accumulators (8, 4, 2 or 1, a compile-time constant) for the
+// `rows` (at most 8) left of a matmul whose kernels hold 8 rows' accumulators at most.
+template <typename Fn>
+inline void with_row_tile(int64_t rows, Fn&& fn) {
+  if (rows > 4) {
+    fn(std::integral_constant<int, 8>{});
+  } else if (rows > 2) {
+    fn(std::integral_constant<int, 4>{});
+  } else if (rows == 2) {
+    fn(std::integral_constant<int, 2>{});
+  } else {
+    fn(std::integral_constant<int, 1>{});
   }
 }
 

@@ -38,8 +38,11 @@
 namespace {
 
 // One linear layer: `kind` "dense" (weight [out, in]), "amx" (bfloat16 weight [out, in] and,
-// as `scales`, the same packed for AMX tiles), "q8_0" (weight int8, scales) or "q4_1"
-// (weight packed, scales, mins); bias optional (an undefined tensor when absent).
+// as `scales`, the same packed for AMX tiles), "q8_0" (weight int8, scales), "q4_1"
+// (weight packed, scales, mins), "w8a8" (weight int8, scales per output and, as `mins`,
+// the weight packed by w8a8_pack or undefined) or "w8a8_gated" (a gated MLP's gate/up
+// projection, `mins` packed gated: its output is the activation, silu(gate) * up); bias
+// optional (undefined when absent).
 struct Linear {
   std::string kind;
   torch::Tensor weight, scales, mins, bias;
@@ -47,25 +50,33 @@ struct Linear {
   int64_t amx_rows;    // amx: up to this many rows on the packed weight
 
   bool quantized() const { return kind == "q8_0" || kind == "q4_1"; }
+  bool gated() const { return kind == "w8a8_gated"; }
 
   // Whether `rows` rows can run split among a parallel region's threads (`prepare`).
   bool splits(int64_t rows) const {
-    return (quantized() && rows < dense_rows) || (kind == "amx" && rows <= amx_rows);
+    return (quantized() && rows < dense_rows) || (kind == "amx" && rows <= amx_rows) ||
+           (kind == "w8a8" && mins.defined() && w8a8_packed_available() &&
+            rows <= w8a8_packed_max_rows()) ||
+           gated();
   }
 
   // For the threads of a parallel region: ready the input of x @ w.T (+ bias).
   std::unique_ptr<SplitWork> prepare(const torch::Tensor& x) const {
     if (kind == "amx") return prepare_amx_linear(x, scales, bias);
+    if (kind == "w8a8" || gated()) return prepare_w8a8_linear(x, mins, scales, bias, false, gated());
     return prepare_quantized_linear(kind, weight, scales, mins, x);
   }
 
   torch::Tensor finish(const SplitWork& work) const {
-    return bias.defined() && kind != "amx" ? work.output() + bias : work.output();
+    const bool biased = kind != "amx" && kind != "w8a8" && !gated();  // those add it themselves
+    return bias.defined() && biased ? work.output() + bias : work.output();
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == "amx" && x.size(0) <= amx_rows) return amx_linear(x, scales, bias);
     if (kind == "dense" || kind == "amx") return at::linear(x, weight, bias);
+    if (kind == "w8a8") return w8a8_linear(x, weight, scales, mins, bias, false);
+    if (gated()) return w8a8_gated(x, scales, mins);
     torch::Tensor out;
     if (x.size(0) >= dense_rows) {
       const bool bf16 = x.scalar_type() == torch::kBFloat16;
@@ -236,7 +247,8 @@ class DecodeStack {
       auto qkv = layer.qkv(hidden);
       auto attn_out = layer.o(attention(layer, qkv, in));
       hidden = add_rms_norm(attn_out, residual, layer.post_norm, eps_);
-      auto mlp_out = layer.down(silu_and_mul(layer.gate_up(hidden)));
+      auto act = layer.gate_up(hidden);
+      auto mlp_out = layer.down(layer.gate_up.gated() ? act : silu_and_mul(act));
       const auto& next_norm = i + 1 == layers_.size() ? final_norm_ : layers_[i + 1].input_norm;
       hidden = add_rms_norm(mlp_out, residual, next_norm, eps_);
     }
@@ -307,7 +319,10 @@ class DecodeStack {
             work = layer.gate_up.prepare(hidden);
           });
           steps.split(work);
-          steps.serial([&] { work = layer.down.prepare(silu_and_mul(layer.gate_up.finish(*work))); });
+          steps.serial([&] {
+            auto act = layer.gate_up.finish(*work);
+            work = layer.down.prepare(layer.gate_up.gated() ? act : silu_and_mul(act));
+          });
           steps.split(work);
           steps.serial([&] {
             const bool last = i + 1 == layers_.size();
@@ -329,7 +344,8 @@ class DecodeStack {
     };
     Linear l{t[0].cast<std::string>(), tensor(1), tensor(2), tensor(3), tensor(4), dense_rows,
              amx_rows};
-    TORCH_CHECK(l.kind == "dense" || l.kind == "amx" || l.kind == "q8_0" || l.kind == "q4_1",
+    TORCH_CHECK(l.kind == "dense" || l.kind == "amx" || l.kind == "q8_0" || l.kind == "q4_1" ||
+                    l.kind == "w8a8" || l.gated(),
                 "unknown linear kind ", l.kind);
     return l;
   }

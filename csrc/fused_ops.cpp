@@ -10,6 +10,7 @@
 // x / (1 + exp(-x)).
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cpu_vec.h"
@@ -91,8 +92,10 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
     T* o = op + r * inter;
 #pragma omp simd
     for (int64_t i = 0; i < inter; ++i) {
+      // e^-g capped below float32's overflow (g < -88: silu is -0 to float32 precision
+      // either way); with -ffast-math, which assumes no infinity, g / (1 + inf) gave NaN.
       const float g = to_f32(gate[i]);
-      o[i] = from_f32<T>(g / (1.f + std::exp(-g)) * to_f32(up[i]));
+      o[i] = from_f32<T>(g / (1.f + std::exp(std::min(-g, 88.f))) * to_f32(up[i]));
     }
   }
 }

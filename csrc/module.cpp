@@ -20,6 +20,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows from which a quantized layer runs as a dense matmul over its dequantized weight");
   m.def("q8_0_dequantize", &q8_0_dequantize, "Q8_0 blocks to a dense float32 / bfloat16 matrix");
   m.def("q4_1_dequantize", &q4_1_dequantize, "Q4_1 blocks to a dense float32 / bfloat16 matrix");
+  m.def("w8a8_quantize_rows", &w8a8_quantize_rows,
+        "rows rounded to int8 with one scale each: (int8 [rows, in], float32 [rows])");
+  m.def("w8a8_packed_available", &w8a8_packed_available,
+        "whether w8a8_linear's packed-weight kernel (AVX512-VNNI) is in this build");
+  m.def("w8a8_packed_max_rows", &w8a8_packed_max_rows,
+        "up to how many rows w8a8_linear multiplies through the packed weight");
+  m.def("w8a8_pack", &w8a8_pack, "an int8 weight [out, in] packed for w8a8_linear's VNNI kernel "
+        "(gated: a fused gate/up weight for w8a8_gated)", py::arg("qweight"), py::arg("gated") = false);
+  m.def("w8a8_gated", &w8a8_gated,
+        "silu(gate) * up of a gated MLP from x and its fused gate/up weight packed gated");
+  m.def("w8a8_linear", &w8a8_linear,
+        "x @ w.T + bias over an int8 weight with per-output scales, x rounded to int8 per row",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("packed") = py::none(),
+        py::arg("bias") = py::none(), py::arg("out_float32") = false);
   m.def("amx_linear_available", &amx_linear_available, "whether amx_linear can run here");
   m.def("amx_linear_max_rows", &amx_linear_max_rows,
         "up to how many rows amx_linear beats a dense matmul on this CPU");

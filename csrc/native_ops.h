@@ -52,6 +52,25 @@ int64_t quantized_dense_rows(bool bf16);
 torch::Tensor q8_0_dequantize(torch::Tensor qweight, torch::Tensor scales, bool to_bf16);
 torch::Tensor q4_1_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
                               bool to_bf16);
+// W8A8 (w8a8_linear.cpp): x [rows, in] float32 or bfloat16 rounded to int8 per row ->
+// {int8 [rows, in], float32 scales [rows]}; and x @ w.T + bias over an int8 weight [out, in]
+// with float32 scales [out], through those int8 rows (output in x's dtype or float32). Up to
+// `w8a8_packed_max_rows()` rows go through `packed` (`w8a8_pack(qweight)`) where given and
+// the CPU has AVX512-VNNI (`w8a8_packed_available()`); `prepare_w8a8_linear` is that path
+// split among a parallel region's threads.
+std::vector<torch::Tensor> w8a8_quantize_rows(torch::Tensor x);
+bool w8a8_packed_available();
+int64_t w8a8_packed_max_rows();
+// `gated`: a gated MLP's fused gate/up weight, blocks of gate and up outputs paired, for
+// `w8a8_gated`: silu(x @ gate.T) * (x @ up.T), each product rounded to x's dtype first.
+torch::Tensor w8a8_pack(torch::Tensor qweight, bool gated);
+torch::Tensor w8a8_gated(torch::Tensor x, torch::Tensor scales, torch::Tensor packed);
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                          c10::optional<torch::Tensor> packed, c10::optional<torch::Tensor> bias,
+                          bool out_float32);
+std::unique_ptr<SplitWork> prepare_w8a8_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                               const torch::Tensor& scales, const torch::Tensor& bias,
+                                               bool out_float32, bool gated);
 bool extend_attention_available(bool amx);
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                torch::Tensor req_to_token, torch::Tensor req_rows,

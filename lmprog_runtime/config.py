@@ -14,7 +14,7 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "w8a8_int8")
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,10 @@ class RuntimeConfig:
     # on a CPU bfloat16 where it computes in bfloat16 natively (AMX or AVX512-BF16) and the
     # checkpoint is 16-bit, else float32.
     dtype: str = "auto"
-    # Weight-only quantization of the linear layers (CPU): None, "int8" (llama.cpp's Q8_0
-    # blocks) or "int4" (Q4_1 blocks); the LM head is Q8_0 with either.
+    # Quantization of the linear layers (CPU): None; weight-only "int8" (llama.cpp's Q8_0
+    # blocks) or "int4" (Q4_1 blocks); or "w8a8_int8" (int8 weights per output channel and
+    # activations rounded to int8 per token, int32 products: SGLang's w8a8_int8, the LM head
+    # included). The LM head is Q8_0 with the weight-only methods.
     quantization: str | None = None
     # "auto": Triton kernels on CUDA; the native C++ kernels for float32 on CPU (torch if
     # they cannot be built); the torch reference elsewhere.

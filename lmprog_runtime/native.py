@@ -26,6 +26,7 @@ _SOURCES = (
     "fused_ops.cpp",
     "module.cpp",
     "quant_linear.cpp",
+    "w8a8_linear.cpp",
 )
 # Included by the sources: part of the hash, not compiled alone.
 _HEADERS = ("amx.h", "cpu_vec.h", "decode_rows.h", "extend_tiles.h", "native_ops.h")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from lmprog_runtime.models.amx_linear import AMXLinear
-from lmprog_runtime.models.quantization import Q4Linear, Q8Linear, dense_rows
+from lmprog_runtime.models.quantization import Q4Linear, Q8Linear, W8A8Linear, dense_rows
 
 if TYPE_CHECKING:
     from lmprog_runtime.attention.native_backend import NativeAttentionBackend
@@ -39,11 +39,15 @@ nn.modules.module.register_module_module_registration_hook(_count_registration)
 
 def _linear_parts(layer: nn.Module) -> tuple | None:
     """(kind, weight, scales, mins, bias) as the native stack takes a linear; None if it
-    cannot. AMX layers pass their packed weight as `scales`."""
+    cannot. AMX layers pass their packed weight as `scales`, W8A8 ones theirs (or None) as
+    `mins`."""
     if isinstance(layer, Q8Linear):
         return ("q8_0", layer.qweight, layer.scales, None, layer.bias)
     if isinstance(layer, Q4Linear):
         return ("q4_1", layer.packed, layer.scales, layer.mins, layer.bias)
+    if isinstance(layer, W8A8Linear):
+        kind = "w8a8_gated" if layer.gated else "w8a8"
+        return (kind, layer.qweight, layer.scales, layer.packed, layer.bias)
     if isinstance(layer, AMXLinear):
         return ("amx", layer.weight, layer.packed_weight(), None, layer.bias)
     if type(layer) is nn.Linear:
@@ -52,7 +56,7 @@ def _linear_parts(layer: nn.Module) -> tuple | None:
 
 
 def _stack_supports(model: LlamaForCausalLM) -> bool:
-    """No Q/K norms, and every projection a float or Q8_0 / Q4_1 linear."""
+    """No Q/K norms, and every projection a float, Q8_0 / Q4_1 or W8A8 linear."""
     linears = (
         linear
         for layer in model.layers

@@ -1,6 +1,8 @@
-"""Weight-only quantized linear layers in llama.cpp's block layouts: `"int8"` is Q8_0 (int8
+"""Quantized linear layers. Weight-only, in llama.cpp's block layouts: `"int8"` is Q8_0 (int8
 values and a float16 scale per block of 32 inputs), `"int4"` is Q4_1 (4-bit values with a
-float16 scale and minimum per block of 32).
+float16 scale and minimum per block of 32). Weights and activations, `"w8a8_int8"`
+(`W8A8Linear`): int8 weights with a scale per output channel, activations rounded to int8
+per token at run time, int32 products.
 
 Decode on a CPU reads every weight once per step, so it runs at the speed of memory: Q8_0
 reads 1.06 bytes per weight, Q4_1 0.63, against float32's 4. A few rows at a time (decode)
@@ -156,6 +158,92 @@ class Q4Linear(QuantizedLinear):
         return self._native.q4_1_linear(x, self.packed, self.scales, self.mins, self.float_output)
 
 
+class W8A8Linear(nn.Module):
+    """y = x @ w.T + bias with w int8 per output channel (w = q * d, d = max |w| / 127 of its
+    row) and x rounded to int8 per row as it arrives (x = qx * sx, sx = max |x| / 127 of the
+    row, no clipping), the products summed in int32: SGLang's w8a8_int8.
+
+    A CPU with AVX512-VNNI multiplies 64 byte pairs per instruction (torch's `_int_mm`,
+    oneDNN; AMX-INT8 where present), twice a bfloat16 dot product's count, so a prefill's
+    linears take about half the time of bfloat16 ones. The price is the activations'
+    rounding: 8 bits against the row's largest value, coarser than bfloat16's 8 bits against
+    each value's own magnitude (greedy outputs diverge from float32 sooner; see the README).
+    The native kernels round the rows and rescale the sums in one pass each
+    (`csrc/w8a8_linear.cpp`), and multiply a few rows (decode) through a copy of the weight
+    packed for vpdpbusd, `packed`, where the CPU has AVX512-VNNI; without them the same
+    arithmetic runs as torch ops. The sums are exact, so every path gives the same output."""
+
+    def __init__(self, linear: nn.Linear, float_output: bool = False, gated: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+        self.float_output = float_output
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1) / 127
+        safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+        q = torch.round(weight / safe[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales)
+        self._native = _native_kernels()
+        # A second copy, packed for the few-row kernel (AVX512-VNNI): decode steps and small
+        # prefills. A gated MLP's gate/up projection (`gated`) pairs its gate and up blocks
+        # instead, for `gated_activation`, which then takes every row count.
+        self.gated = (
+            gated
+            and self.bias is None
+            and self.out_features % 32 == 0
+            and self._native is not None
+            and self._native.w8a8_packed_available()
+        )
+        packed = None
+        if self._native is not None and self._native.w8a8_packed_available():
+            packed = self._native.w8a8_pack(q, self.gated)
+        self.register_buffer("packed", packed)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the layer multiplies by, [out, in]."""
+        return (self.qweight.float() * self.scales[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self._native is not None and flat.dtype in _KERNEL_DTYPES:
+            packed = None if self.gated else self.packed  # a gated pack is in pair order
+            out = self._native.w8a8_linear(
+                flat, self.qweight, self.scales, packed, self.bias, self.float_output
+            )
+        else:
+            qx, sx = quantize_rows_int8(flat)
+            sums = torch._int_mm(qx, self.qweight.t()).float()
+            out = sums * (sx[:, None] * self.scales)
+            out = out if self.bias is None else out + self.bias.float()
+            out = out if self.float_output else out.to(flat.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def gated_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a gated MLP whose fused gate/up projection this is ([..., 2 *
+        inter] -> [..., inter]), in one pass with the product where the layer is `gated`:
+        gate and up are rounded to x's dtype first, as `forward`'s output would be before
+        `silu_and_mul`, and the activation is computed in float32 (to within the kernel's
+        exponential, a few parts per million, of g / (1 + e^-g) u)."""
+        flat = x.reshape(-1, self.in_features)
+        if self.gated and flat.dtype in _KERNEL_DTYPES:
+            out = self._native.w8a8_gated(flat, self.scales, self.packed)
+        else:
+            gate, up = self(flat).float().chunk(2, dim=-1)
+            out = (gate / (1 + torch.exp(-gate)) * up).to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features // 2)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] rounded to int8 per row: (q, s) with x ~ q * s[:, None], s = max |x| / 127
+    of the row (a zero row: q and s zero). Round half to even, as the native kernel."""
+    x = x.float()
+    amax = x.abs().amax(dim=1)
+    # A true quotient (torch's scalar / tensor multiplies by the reciprocal, a second rounding).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    return torch.round(x * inv[:, None]).to(torch.int8), amax / 127
+
+
 def _blocks(weight: torch.Tensor) -> torch.Tensor:
     out_features, in_features = weight.shape
     return weight.detach().float().reshape(out_features, in_features // BLOCK, BLOCK)
@@ -172,18 +260,27 @@ def _native_kernels() -> ModuleType | None:
 
 
 def quantize_linears(model: nn.Module, method: str) -> int:
-    """Replace the model's projections by `method` layers and its LM head by a Q8_0 one, in
-    place (CPU only). Returns how many layers were quantized; one whose inputs are not a
-    whole number of blocks stays in float."""
+    """Replace the model's projections by `method` layers and its LM head by a Q8_0 one (W8A8
+    with "w8a8_int8": the activations' rounding there cost no more greedy picks of SmolLM2-135M
+    and saved a tenth of a decode step at 32 rows), in place (CPU only). Returns how many layers were quantized; a block-quantized one whose
+    inputs are not a whole number of blocks stays in float."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {method!r}")
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or child.in_features % BLOCK:
+            if not isinstance(child, nn.Linear):
                 continue
-            if name == "lm_head":
-                layer: QuantizedLinear = Q8Linear(child, float_output=True)
+            layer: nn.Module
+            if method == "w8a8_int8":
+                # Every decoder MLP's gate/up projection feeds silu_and_mul (`llama.MLP`).
+                layer = W8A8Linear(
+                    child, float_output=name == "lm_head", gated=name == "gate_up_proj"
+                )
+            elif child.in_features % BLOCK:
+                continue
+            elif name == "lm_head":
+                layer = Q8Linear(child, float_output=True)
             else:
                 layer = Q8Linear(child) if method == "int8" else Q4Linear(child)
             setattr(parent, name, layer)

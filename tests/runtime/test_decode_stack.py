@@ -54,8 +54,10 @@ def _steps_on_stack(engine: Engine, seen: list | None = None) -> list[int]:
         {"dtype": "bfloat16"},
         {"quantization": "int8"},
         {"quantization": "int4", "dtype": "bfloat16"},
+        {"quantization": "w8a8_int8"},
+        {"quantization": "w8a8_int8", "dtype": "bfloat16"},
     ],
-    ids=["float32", "bfloat16", "int8", "int4-bf16"],
+    ids=["float32", "bfloat16", "int8", "int4-bf16", "w8a8", "w8a8-bf16"],
 )
 def test_stack_equals_python_forward(tiny_path, options):
     prompts = [TEXT, TEXT[:20], "Once upon a time"]
@@ -81,13 +83,14 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4", None])
-@pytest.mark.parametrize("num_prompts", [1, 4, 6, 20, 40])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8_int8", None])
+@pytest.mark.parametrize("num_prompts", [1, 4, 6, 20, 32, 40])
 def test_steps_in_one_region_equal_the_python_forward(two_threads, quantization, num_prompts):
     """Below the quantized kernels' dense threshold (16 rows, or 1024 for bfloat16 where the
     CPU has AMX or AVX512-BF16: from 8 rows there, 20 here, the kernel dequantizes blocks of
     outputs to bfloat16 for every row), and up to 32 rows of packed bfloat16 linears on AMX
-    tiles (256 by AVX512-BF16 dot products), the stack runs a step in one parallel region (the
+    tiles (256 by AVX512-BF16 dot products), and up to 32 rows of W8A8 linears with
+    AVX512-VNNI, the stack runs a step in one parallel region (the
     threads split each layer's outputs and the attention's requests, one does the small
     steps); other steps take a region per kernel. Both give the Python forward's results
     exactly."""
@@ -109,7 +112,11 @@ def test_steps_in_one_region_equal_the_python_forward(two_threads, quantization,
         tokens, logprobs = _decode(engine, prompts)
         assert calls[0] >= 7
         stack, _ = seen[-1]
-        if quantization:
+        if quantization == "w8a8_int8":  # the packed VNNI kernel up to its most rows
+            native = engine.runner.attention.native_ops
+            down = engine.runner.model.layers[0].mlp.down_proj
+            in_region = down.packed is not None and num_prompts <= native.w8a8_packed_max_rows()
+        elif quantization:
             down = engine.runner.model.layers[0].mlp.down_proj
             in_region = num_prompts < down.dense_rows(torch.bfloat16)
         else:
