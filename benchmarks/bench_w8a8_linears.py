@@ -18,11 +18,10 @@ import argparse
 import harness
 import torch
 import torch.nn.functional as F
+from bench_packed_linears import NUM_LAYERS, SHAPES  # the same 30 layers of SmolLM2 shapes
 from harness import Phase
 from torch import nn
 
-SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # out, in: qkv, o, gate_up, down
-NUM_LAYERS = 30
 ROWS = (1, 8, 32, 128, 256, 512, 2048)
 
 
