@@ -169,9 +169,10 @@ class W8A8Linear(nn.Module):
     rounding: 8 bits against the row's largest value, coarser than bfloat16's 8 bits against
     each value's own magnitude (greedy outputs diverge from float32 sooner; see the README).
     The native kernels round the rows and rescale the sums in one pass each
-    (`csrc/w8a8_linear.cpp`), and multiply a few rows (decode) through a copy of the weight
-    packed for vpdpbusd, `packed`, where the CPU has AVX512-VNNI; without them the same
-    arithmetic runs as torch ops. The sums are exact, so every path gives the same output."""
+    (`csrc/w8a8_linear.cpp`), and multiply up to 256 rows (decode, small prefills) through a
+    copy of the weight packed for vpdpbusd, `packed`, where the CPU has AVX512-VNNI; without
+    them the same arithmetic runs as torch ops. The sums are exact, so every path gives the
+    same output."""
 
     def __init__(self, linear: nn.Linear, float_output: bool = False, gated: bool = False) -> None:
         super().__init__()
@@ -261,9 +262,10 @@ def _native_kernels() -> ModuleType | None:
 
 def quantize_linears(model: nn.Module, method: str) -> int:
     """Replace the model's projections by `method` layers and its LM head by a Q8_0 one (W8A8
-    with "w8a8_int8": the activations' rounding there cost no more greedy picks of SmolLM2-135M
-    and saved a tenth of a decode step at 32 rows), in place (CPU only). Returns how many layers were quantized; a block-quantized one whose
-    inputs are not a whole number of blocks stays in float."""
+    with "w8a8_int8": the activations' rounding there cost no more teacher-forced picks of
+    SmolLM2-135M and saved a tenth of a decode step at 32 rows), in place (CPU only).
+    Returns how many layers were quantized; a block-quantized one whose inputs are not a
+    whole number of blocks stays in float."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {method!r}")
     count = 0
