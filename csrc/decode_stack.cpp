@@ -51,6 +51,10 @@ struct Linear {
 
   bool quantized() const { return kind == "q8_0" || kind == "q4_1"; }
   bool gated() const { return kind == "w8a8_gated"; }
+  // A gate/up projection's output to the MLP's activation (a gated kind's output already is).
+  torch::Tensor activation(const torch::Tensor& out) const {
+    return gated() ? out : silu_and_mul(out);
+  }
 
   // Whether `rows` rows can run split among a parallel region's threads (`prepare`).
   bool splits(int64_t rows) const {
@@ -247,8 +251,7 @@ class DecodeStack {
       auto qkv = layer.qkv(hidden);
       auto attn_out = layer.o(attention(layer, qkv, in));
       hidden = add_rms_norm(attn_out, residual, layer.post_norm, eps_);
-      auto act = layer.gate_up(hidden);
-      auto mlp_out = layer.down(layer.gate_up.gated() ? act : silu_and_mul(act));
+      auto mlp_out = layer.down(layer.gate_up.activation(layer.gate_up(hidden)));
       const auto& next_norm = i + 1 == layers_.size() ? final_norm_ : layers_[i + 1].input_norm;
       hidden = add_rms_norm(mlp_out, residual, next_norm, eps_);
     }
@@ -320,8 +323,7 @@ class DecodeStack {
           });
           steps.split(work);
           steps.serial([&] {
-            auto act = layer.gate_up.finish(*work);
-            work = layer.down.prepare(layer.gate_up.gated() ? act : silu_and_mul(act));
+            work = layer.down.prepare(layer.gate_up.activation(layer.gate_up.finish(*work)));
           });
           steps.split(work);
           steps.serial([&] {

@@ -391,14 +391,23 @@ std::unique_ptr<SplitWork> prepare_w8a8_linear(const torch::Tensor& x, const tor
       x, packed, scales, bias.defined() ? bias.to(dtype).contiguous() : bias, out_float32, gated);
 }
 
+namespace {
+
+// `work` run by a team of threads, or by the calling thread alone for a small weight.
+torch::Tensor run_packed(W8A8Work& work, int64_t weights) {
+#pragma omp parallel if (weights >= kParallelElements * 8)
+  work.run(omp_get_thread_num(), omp_get_num_threads());
+  return work.output();
+}
+
+}  // namespace
+
 torch::Tensor w8a8_gated(torch::Tensor x, torch::Tensor scales, torch::Tensor packed) {
   TORCH_CHECK(w8a8_packed_available(), "w8a8_gated: this build has no AVX512-VNNI kernel");
   TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == torch::kFloat32 && scales.is_contiguous(),
               "scales must be a contiguous float32 [out]");
   W8A8Work work(x, packed, scales, torch::Tensor(), false, true);
-#pragma omp parallel
-  work.run(omp_get_thread_num(), omp_get_num_threads());
-  return work.output();
+  return run_packed(work, scales.size(0) * x.size(1));
 }
 
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
@@ -413,9 +422,7 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   if (packed.has_value() && packed->defined() && w8a8_packed_available() &&
       rows <= w8a8_packed_max_rows()) {
     W8A8Work work(x, *packed, scales, b, out_float32, false);
-#pragma omp parallel if (out * in >= kParallelElements * 8)
-    work.run(omp_get_thread_num(), omp_get_num_threads());
-    return work.output();
+    return run_packed(work, out * in);
   }
   const auto quantized = w8a8_quantize_rows(x);
   auto y = torch::empty({rows, out}, torch::dtype(dtype));
