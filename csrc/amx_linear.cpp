@@ -95,13 +95,35 @@ void tile_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t 
 // sums[i * stride + 16 b + j] = x_i . w_j of block b for the R rows of `a` and the Blocks
 // (1 or 2) packed blocks at `w` (each [k / 32][16][32]), by vdpbf16ps: accumulator (i, b)
 // holds the 16 outputs of block b for row i.
+// `fetch` (optional): part of the weights the caller multiplies next (2 blocks) fetched into
+// L2 meanwhile, a share of each chunk: the reads of a decode batch's weights then overlap its
+// products (the first 8 rows otherwise took as long as streaming the weight alone).
+struct Prefetch {
+  const char* next = nullptr;  // 2 blocks of `chunks` tiles of 1 KiB: 32 lines a chunk
+  int part = 0, parts = 1;     // this call fetches lines [part, part + 1) * 32 / parts of each
+};
+
+// The share of `next` that the 8 rows from m0 of m fetch: the first (up to) 32 groups of 8
+// rows split its lines.
+inline Prefetch share(const uint16_t* next, int64_t m, int64_t m0) {
+  const int64_t parts = std::min<int64_t>((m + 7) / 8, 32), part = m0 / 8;
+  if (next == nullptr || part >= parts) return {};
+  return {reinterpret_cast<const char*>(next), static_cast<int>(part), static_cast<int>(parts)};
+}
+
 template <int R, int Blocks>
-void dot_sums(const uint16_t* a, int64_t k, const uint16_t* w, float* sums, int64_t stride) {
+void dot_sums(const uint16_t* a, int64_t k, const uint16_t* w, float* sums, int64_t stride,
+              Prefetch fetch = {}) {
   const int64_t chunks = k / kChunk;
   __m512 acc[R][Blocks];
   for (auto& row : acc)
     for (auto& v : row) v = _mm512_setzero_ps();
+  const int l0 = fetch.part * 32 / fetch.parts, l1 = (fetch.part + 1) * 32 / fetch.parts;
   for (int64_t c = 0; c < chunks; ++c) {
+    if (fetch.next != nullptr) {
+      const char* lines = fetch.next + c * 2 * kTile * kChunk * 2;
+      for (int l = l0; l < l1; ++l) _mm_prefetch(lines + l * 64, _MM_HINT_T1);
+    }
     for (int r = 0; r < kTile; ++r) {
       __m512bh wr[Blocks];
       for (int b = 0; b < Blocks; ++b)
@@ -120,23 +142,47 @@ void dot_sums(const uint16_t* a, int64_t k, const uint16_t* w, float* sums, int6
 // out[m0 .. m0 + rows, 16 nb .. 16 (nb + Blocks)] for rows <= R.
 template <int R, int Blocks>
 void dot_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t nb, int64_t rows,
-                 int64_t n, const bf16* bias, bf16* out) {
+                 int64_t n, const bf16* bias, bf16* out, Prefetch fetch) {
   alignas(64) float sums[R * Blocks * kTile];
-  dot_sums<R, Blocks>(a, k, packed + nb * (k / kChunk) * kTile * kChunk, sums, Blocks * kTile);
+  dot_sums<R, Blocks>(a, k, packed + nb * (k / kChunk) * kTile * kChunk, sums, Blocks * kTile, fetch);
   store_rows(sums, Blocks * kTile, rows, Blocks * kTile, nb * kTile, n, bias, out);
 }
 
-// Every row of x against output blocks nb (and nb + 1 when `two`), 8 rows at a time.
+// Every row of x against output blocks nb (and nb + 1 when `two`), 8 rows at a time; the
+// first 8 fetch the next pair of blocks (`next`, null at the end) into L2.
 inline void dot_rows(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packed, int64_t nb,
-                     bool two, int64_t n, const bf16* bias, bf16* out) {
+                     bool two, int64_t n, const bf16* bias, bf16* out, const uint16_t* next) {
   for (int64_t m0 = 0; m0 < m; m0 += 8) {
     const int64_t rows = std::min<int64_t>(8, m - m0);
     const uint16_t* ap = a + m0 * k;
     bf16* dst = out + m0 * n;
+    const Prefetch fetch = share(next, m, m0);
     lmprog::with_row_tile(rows, [&](auto tile) {
       constexpr int R = decltype(tile)::value;
-      two ? dot_product<R, 2>(ap, k, packed, nb, rows, n, bias, dst)
-          : dot_product<R, 1>(ap, k, packed, nb, rows, n, bias, dst);
+      two ? dot_product<R, 2>(ap, k, packed, nb, rows, n, bias, dst, fetch)
+          : dot_product<R, 1>(ap, k, packed, nb, rows, n, bias, dst, fetch);
+    });
+  }
+}
+
+// A gated MLP's activation from its fused gate/up weight packed by pairs (`pack_for_amx`,
+// gated: block 2p holds gate outputs 16p .. 16p + 15, block 2p + 1 the same up outputs):
+// y[i][16 p + j] = silu(g) u for every row, g and u rounded to bfloat16 first, as the
+// layer's output would be before `silu_and_mul`. `next` as for `dot_rows`.
+inline void gated_rows(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packed, int64_t p,
+                       int64_t inter, bf16* y, const uint16_t* next) {
+  const uint16_t* pair = packed + 2 * p * (k / kChunk) * kTile * kChunk;
+  for (int64_t m0 = 0; m0 < m; m0 += 8) {
+    const int64_t rows = std::min<int64_t>(8, m - m0);
+    lmprog::with_row_tile(rows, [&](auto tile) {
+      constexpr int R = decltype(tile)::value;
+      alignas(64) float sums[R * 2 * kTile];
+      dot_sums<R, 2>(a + m0 * k, k, pair, sums, 2 * kTile, share(next, m, m0));
+      for (int64_t i = 0; i < rows; ++i) {
+        const __m512 g = lmprog::round16_bf16(_mm512_load_ps(sums + i * 2 * kTile));
+        const __m512 u = lmprog::round16_bf16(_mm512_load_ps(sums + i * 2 * kTile + kTile));
+        lmprog::store16_bf16(y + (m0 + i) * inter + p * kTile, 0xFFFF, lmprog::silu_mul16(g, u));
+      }
     });
   }
 }
@@ -145,6 +191,10 @@ inline void dot_rows(const uint16_t* a, int64_t m, int64_t k, const uint16_t* pa
 }  // namespace
 
 bool amx_linear_available() { return lmprog::amx_available() || LMPROG_BF16_DOT; }
+
+// Dot products only where they are also amx_linear's products: on AMX tiles, a prefill's
+// gate/up projection is faster through oneDNN's matmul, then `silu_and_mul`.
+bool amx_gated_available() { return LMPROG_BF16_DOT && !lmprog::amx_available(); }
 
 int64_t amx_linear_max_rows() {
   // AMX tiles read the packed weight once for every 32 rows, and from 64 rows oneDNN's own
@@ -157,12 +207,16 @@ int64_t amx_linear_max_rows() {
 namespace {
 
 // x @ w.T + bias for up to any number of rows: pairs of output blocks split among threads.
+// `gated`: a gated MLP's activation from a pair-packed gate/up weight, by dot products
+// (`gated_rows`), whatever the CPU's tiles.
 class AmxWork final : public SplitWork {
  public:
-  AmxWork(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias)
-      : packed_(packed) {
+  AmxWork(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias,
+          bool gated = false)
+      : packed_(packed), gated_(gated) {
     TORCH_CHECK(amx_linear_available(),
                 "amx_linear: this build or CPU has neither AMX bfloat16 tiles nor AVX512-BF16");
+    TORCH_CHECK(!gated || amx_gated_available(), "amx_gated: this build has no AVX512-BF16 kernel");
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2,
                 "amx_linear: x must be a bfloat16 CPU tensor [rows, in]");
     TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
@@ -177,7 +231,9 @@ class AmxWork final : public SplitWork {
                   "amx_linear: bias must be contiguous bfloat16 [out]");
       bias_ = bias.data_ptr<bf16>();
     }
-    out_ = torch::empty({m_, n_}, x.options());
+    TORCH_CHECK(!gated || (blocks_ % 2 == 0 && !bias.defined()),
+                "amx_gated: a gated weight needs gate and up outputs in whole blocks of 16 and no bias");
+    out_ = torch::empty({m_, gated ? n_ / 2 : n_}, x.options());
     // Rows zero padded to whole tiles.
     padded_rows_ = (m_ + kTile - 1) / kTile * kTile;
     a_.assign(padded_rows_ * k_, 0);
@@ -192,9 +248,19 @@ class AmxWork final : public SplitWork {
     const auto* w = reinterpret_cast<const uint16_t*>(packed_.data_ptr<bf16>());
     bf16* op = out_.data_ptr<bf16>();
 #if LMPROG_BF16_DOT
+    const int64_t pair_words = 2 * (k_ / kChunk) * kTile * kChunk;
+    if (gated_) {
+      for (int64_t p = first; p < last; ++p) {
+        const uint16_t* next = p + 1 < last ? w + (p + 1) * pair_words : nullptr;
+        gated_rows(a_.data(), m_, k_, w, p, n_ / 2, op, next);
+      }
+      return;
+    }
     if (!amx_) {
-      for (int64_t p = first; p < last; ++p)
-        dot_rows(a_.data(), m_, k_, w, 2 * p, 2 * p + 1 < blocks_, n_, bias_, op);
+      for (int64_t p = first; p < last; ++p) {
+        const uint16_t* next = p + 1 < last ? w + (p + 1) * pair_words : nullptr;
+        dot_rows(a_.data(), m_, k_, w, 2 * p, 2 * p + 1 < blocks_, n_, bias_, op, next);
+      }
       return;
     }
 #endif
@@ -226,6 +292,7 @@ class AmxWork final : public SplitWork {
  private:
   torch::Tensor packed_, out_;
   const bf16* bias_ = nullptr;
+  const bool gated_;
   const bool amx_ = lmprog::amx_available();  // else AVX512-BF16 dot products
   int64_t m_ = 0, k_ = 0, blocks_ = 0, n_ = 0, padded_rows_ = 0;
   std::vector<uint16_t> a_;
@@ -287,6 +354,17 @@ std::unique_ptr<SplitWork> prepare_amx_linear(const torch::Tensor& x, const torc
 
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
   AmxWork work(x, packed, bias.has_value() ? *bias : torch::Tensor());
+#pragma omp parallel
+  work.run(omp_get_thread_num(), omp_get_num_threads());
+  return work.output();
+}
+
+std::unique_ptr<SplitWork> prepare_amx_gated(const torch::Tensor& x, const torch::Tensor& packed) {
+  return std::make_unique<AmxWork>(x, packed, torch::Tensor(), true);
+}
+
+torch::Tensor amx_gated(torch::Tensor x, torch::Tensor packed) {
+  AmxWork work(x, packed, torch::Tensor(), true);
 #pragma omp parallel
   work.run(omp_get_thread_num(), omp_get_num_threads());
   return work.output();

@@ -162,6 +162,26 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+
+// silu(g) * u lane by lane in float32: silu(g) = g sigmoid(g), with e = e^-|g|
+// (exp_nonpositive's range): sigmoid(g) is 1 / (1 + e) for g >= 0 and e / (1 + e) below. No
+// infinity on the way (-ffast-math assumes none: 1 / (1 + e^-g) through e^-g = inf gave NaN).
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 numerator = _mm512_mask_blend_ps(negative, one, e);
+  return _mm512_mul_ps(_mm512_div_ps(_mm512_mul_ps(g, numerator), _mm512_add_ps(one, e)), u);
+}
+
+// 16 float32 lanes rounded to bfloat16 (to nearest even, as from_f32; NaN aside) and widened
+// back: what storing them as bfloat16 keeps.
+inline __m512 round16_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 #endif
 
 #if LMPROG_AVX512

@@ -41,8 +41,9 @@ namespace {
 // as `scales`, the same packed for AMX tiles), "q8_0" (weight int8, scales), "q4_1"
 // (weight packed, scales, mins), "w8a8" (weight int8, scales per output and, as `mins`,
 // the weight packed by w8a8_pack or undefined) or "w8a8_gated" (a gated MLP's gate/up
-// projection, `mins` packed gated: its output is the activation, silu(gate) * up); bias
-// optional (undefined when absent).
+// projection, `mins` packed gated: its output is the activation, silu(gate) * up) or
+// "amx_gated" (the same for bfloat16: weight [out, in] and, as `scales`, packed by pairs of
+// gate and up blocks for amx_gated); bias optional (undefined when absent).
 struct Linear {
   std::string kind;
   torch::Tensor weight, scales, mins, bias;
@@ -50,7 +51,7 @@ struct Linear {
   int64_t amx_rows;    // amx: up to this many rows on the packed weight
 
   bool quantized() const { return kind == "q8_0" || kind == "q4_1"; }
-  bool gated() const { return kind == "w8a8_gated"; }
+  bool gated() const { return kind == "w8a8_gated" || kind == "amx_gated"; }
   // A gate/up projection's output to the MLP's activation (a gated kind's output already is).
   torch::Tensor activation(const torch::Tensor& out) const {
     return gated() ? out : silu_and_mul(out);
@@ -67,7 +68,8 @@ struct Linear {
   // For the threads of a parallel region: ready the input of x @ w.T (+ bias).
   std::unique_ptr<SplitWork> prepare(const torch::Tensor& x) const {
     if (kind == "amx") return prepare_amx_linear(x, scales, bias);
-    if (kind == "w8a8" || gated()) return prepare_w8a8_linear(x, mins, scales, bias, false, gated());
+    if (kind == "amx_gated") return prepare_amx_gated(x, scales);
+    if (kind == "w8a8" || kind == "w8a8_gated") return prepare_w8a8_linear(x, mins, scales, bias, false, gated());
     return prepare_quantized_linear(kind, weight, scales, mins, x);
   }
 
@@ -80,6 +82,7 @@ struct Linear {
     if (kind == "amx" && x.size(0) <= amx_rows) return amx_linear(x, scales, bias);
     if (kind == "dense" || kind == "amx") return at::linear(x, weight, bias);
     if (kind == "w8a8") return w8a8_linear(x, weight, scales, mins, bias, false);
+    if (kind == "amx_gated") return amx_gated(x, scales);
     if (gated()) return w8a8_gated(x, scales, mins);
     torch::Tensor out;
     if (x.size(0) >= dense_rows) {

@@ -39,5 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "up to how many rows amx_linear beats a dense matmul on this CPU");
   m.def("amx_linear", &amx_linear, "x @ w.T + bias over a weight packed for AMX tiles (CPU, bfloat16)",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+  m.def("amx_gated_available", &amx_gated_available,
+        "whether amx_gated can run here (AVX512-BF16 dot products)");
+  m.def("amx_gated", &amx_gated,
+        "silu(x @ gate.T) * (x @ up.T) over a fused gate/up weight packed by pairs (CPU, bfloat16)",
+        py::arg("x"), py::arg("packed"));
   register_decode_stack(m);
 }

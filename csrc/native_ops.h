@@ -83,6 +83,13 @@ int64_t amx_linear_max_rows();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 std::unique_ptr<SplitWork> prepare_amx_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                                const torch::Tensor& bias);
+// A gated MLP's activation, silu(x @ gate.T) * (x @ up.T) with each product rounded to
+// bfloat16 first, from its fused gate/up weight packed by pairs of 16-output blocks (gate
+// block p, then up block p), at any row count, by AVX512-BF16 dot products; available
+// (`amx_gated_available()`) on CPUs that have those and no AMX tiles.
+bool amx_gated_available();
+torch::Tensor amx_gated(torch::Tensor x, torch::Tensor packed);
+std::unique_ptr<SplitWork> prepare_amx_gated(const torch::Tensor& x, const torch::Tensor& packed);
 // The rows of a bfloat16 x [rows, in] readied once (copied, zero padded to whole tiles) for
 // products with packed bfloat16 weight blocks built on the fly (a quantized layer's blocks,
 // dequantized one pair of 16 outputs at a time): AMX tiles where the CPU has them, else

@@ -185,11 +185,8 @@ template <typename T>
 inline __m512 round16(__m512 v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
-  } else {  // to nearest even, as lmprog::from_f32 (NaN aside: none reach here)
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else {
+    return lmprog::round16_bf16(v);
   }
 }
 
@@ -208,14 +205,7 @@ void gated_product(const uint8_t* a, int64_t stride, int64_t in, const int8_t* p
     const __m512 rs = _mm512_set1_ps(row_scales[i]);
     const __m512 g = round16<T>(_mm512_mul_ps(sums[0], _mm512_mul_ps(rs, gate_scales)));
     const __m512 u = round16<T>(_mm512_mul_ps(sums[1], _mm512_mul_ps(rs, up_scales)));
-    // silu(g) = g sigmoid(g), with e = e^-|g| (exp_nonpositive's range): sigmoid(g) is
-    // 1 / (1 + e) for g >= 0 and e / (1 + e) below. No infinity on the way (-ffast-math
-    // assumes none: 1 / (1 + e^-g) through e^-g = inf gave NaN).
-    const __m512 e = lmprog::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 numerator = _mm512_mask_blend_ps(negative, _mm512_set1_ps(1.f), e);
-    const __m512 silu = _mm512_div_ps(_mm512_mul_ps(g, numerator), _mm512_add_ps(_mm512_set1_ps(1.f), e));
-    store16(y + i * inter + p * kOutputs, static_cast<__mmask16>(0xFFFF), _mm512_mul_ps(silu, u));
+    store16(y + i * inter + p * kOutputs, static_cast<__mmask16>(0xFFFF), lmprog::silu_mul16(g, u));
   });
 }
 #endif

@@ -35,27 +35,44 @@ logger = logging.getLogger(__name__)
 _OUT_BLOCK, _IN_CHUNK = 16, 32  # outputs per tile block, inputs per tile row
 
 
-def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:
+def pack_for_amx(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """w [out, in] -> [out / 16, in / 32, 16, 32]: per block of 16 outputs and chunk of 32
-    inputs, row r holds for each output j its inputs 2r and 2r + 1 (AMX's second operand)."""
+    inputs, row r holds for each output j its inputs 2r and 2r + 1 (AMX's second operand).
+    `gated` (a gated MLP's fused gate/up weight, [gate; up]): the blocks go in pairs, gate
+    outputs 16p .. 16p + 15 then the same up outputs, for `amx_gated`."""
     n, k = weight.shape
-    blocks = weight.detach().reshape(n // _OUT_BLOCK, _OUT_BLOCK, k // _IN_CHUNK, _IN_CHUNK // 2, 2)
+    weight = weight.detach()
+    if gated:
+        weight = weight.reshape(2, n // (2 * _OUT_BLOCK), _OUT_BLOCK, k).transpose(0, 1)
+    blocks = weight.reshape(n // _OUT_BLOCK, _OUT_BLOCK, k // _IN_CHUNK, _IN_CHUNK // 2, 2)
     return (
         blocks.permute(0, 2, 3, 1, 4).reshape(n // _OUT_BLOCK, k // _IN_CHUNK, 16, 32).contiguous()
     )
 
 
 class AMXLinear(nn.Module):
-    """`linear` (bfloat16, CPU) with a copy of its weight packed for AMX tiles."""
+    """`linear` (bfloat16, CPU) with a copy of its weight packed for AMX tiles.
 
-    def __init__(self, linear: nn.Linear, native: ModuleType) -> None:
+    `gated`: `linear` is a gated MLP's fused gate/up projection ([gate; up] outputs, no
+    bias) and its copy is packed by pairs of gate and up blocks, where `amx_gated` can run
+    (AVX512-BF16, no AMX): `gated_activation` then computes silu(gate) * up with the product,
+    at every row count (a prefill's [rows, 2 * inter] output is never written), and
+    `forward` takes `F.linear`. Elsewhere the layer is not gated."""
+
+    def __init__(self, linear: nn.Linear, native: ModuleType, gated: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         self._native = native
         self.max_rows = int(native.amx_linear_max_rows())  # more rows: F.linear
-        self.register_buffer("packed", pack_for_amx(self.weight), persistent=False)
+        self.gated = (
+            gated
+            and native.amx_gated_available()
+            and linear.bias is None
+            and self.out_features % (2 * _OUT_BLOCK) == 0
+        )
+        self.register_buffer("packed", self._pack(), persistent=False)
         self._packed_from = self._weight_state()  # (id, version) of the weight packed
 
     def _weight_state(self) -> tuple[int, int]:
@@ -64,20 +81,42 @@ class AMXLinear(nn.Module):
     def packed_weight(self) -> torch.Tensor:
         """The packed weight, packed again if the weight was replaced or changed in place."""
         if self._packed_from != self._weight_state():
-            self.packed = pack_for_amx(self.weight)
+            self.packed = self._pack()
             self._packed_from = self._weight_state()
         return self.packed
+
+    def _pack(self) -> torch.Tensor:
+        return pack_for_amx(self.weight, self.gated)
 
     def is_current(self) -> bool:
         return self._packed_from == self._weight_state()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > self.max_rows or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        if (
+            self.gated  # the packed copy is in pair order
+            or rows > self.max_rows
+            or x.dtype != torch.bfloat16
+            or x.device.type != "cpu"
+        ):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         out = self._native.amx_linear(flat, self.packed_weight(), self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def gated_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the gated MLP whose fused gate/up projection this is ([...,
+        2 * inter] -> [..., inter]): in one pass with the product where the layer is `gated`
+        (gate and up rounded to bfloat16 first, as `forward`'s output would be; the
+        activation in float32, to within the kernel's exponential, a few parts per million,
+        of `silu_and_mul`), else `forward` and then the reference arithmetic."""
+        if self.gated and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            flat = x.reshape(-1, self.in_features)
+            out = self._native.amx_gated(flat, self.packed_weight())
+        else:
+            gate, up = self(x).float().chunk(2, dim=-1)
+            out = (gate / (1 + torch.exp(-gate)) * up).to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features // 2)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -116,5 +155,6 @@ def use_amx_linears(model: nn.Module, free_bytes: int) -> int:
         )
         return 0
     for parent, name, child in targets:
-        setattr(parent, name, AMXLinear(child, native))
+        # Every decoder MLP's gate/up projection feeds silu_and_mul (`llama.MLP`).
+        setattr(parent, name, AMXLinear(child, native, gated=name == "gate_up_proj"))
     return len(targets)

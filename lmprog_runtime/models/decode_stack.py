@@ -49,7 +49,8 @@ def _linear_parts(layer: nn.Module) -> tuple | None:
         kind = "w8a8_gated" if layer.gated else "w8a8"
         return (kind, layer.qweight, layer.scales, layer.packed, layer.bias)
     if isinstance(layer, AMXLinear):
-        return ("amx", layer.weight, layer.packed_weight(), None, layer.bias)
+        kind = "amx_gated" if layer.gated else "amx"
+        return (kind, layer.weight, layer.packed_weight(), None, layer.bias)
     if type(layer) is nn.Linear:
         return ("dense", layer.weight, None, None, layer.bias)
     return None

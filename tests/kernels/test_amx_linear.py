@@ -176,6 +176,9 @@ def test_stack_steps_of_amx_layers_in_one_region_equal_the_python_forward(num_pr
                     layer.mlp.down_proj,
                 )
             )
+            # Gate/up projections fused with the activation where the kernel runs here.
+            gated = _native().amx_gated_available()
+            assert all(layer.mlp.gate_up_proj.gated == gated for layer in model.layers)
             cache, built = model._decode_stack, []
             get = cache.get
             cache.get = lambda m, b: built.append(get(m, b)) or built[-1]
@@ -188,3 +191,85 @@ def test_stack_steps_of_amx_layers_in_one_region_equal_the_python_forward(num_pr
         torch.set_num_threads(before)
     assert tokens == ref_tokens
     assert torch.equal(logprobs, ref_logprobs)
+
+
+# ---- the gated MLP activation (`amx_gated`): AVX512-BF16, no AMX ----------------------------
+
+_gated = pytest.mark.skipif(
+    _native() is None or not _native().amx_gated_available(),
+    reason="amx_gated runs on AVX512-BF16 CPUs without AMX",
+)
+
+
+def _gated_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u in float64 of g and u, x's products with the gate and up halves of the
+    fused weight as `amx_linear` returns them (the float32 product rounded once to
+    bfloat16, which the tests above hold it to; the fused kernel sums in the same order, so
+    its g and u are these bit for bit)."""
+    fused = _native().amx_linear(x.reshape(-1, x.shape[-1]), pack_for_amx(w))
+    g, u = fused.double().chunk(2, dim=-1)
+    return g / (1 + torch.exp(-g)) * u
+
+
+@_gated
+@pytest.mark.parametrize(("inter", "in_features"), [(16, 32), (48, 64), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 33, 300])
+def test_gated_kernel_is_silu_of_the_rounded_gate_times_up(inter, in_features, rows):
+    gen = torch.Generator().manual_seed(rows * 100 + inter)
+    w = (torch.randn(2 * inter, in_features, generator=gen) / in_features**0.5).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    x[:, 1] *= 30  # an outlier channel: large gates of both signs
+    got = _native().amx_gated(x, pack_for_amx(w, gated=True))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
+    exact = _gated_reference(x, w)
+    # One bfloat16 rounding of the result, plus the float32 activation's own error (that of
+    # its exponential: a few parts per million).
+    excess = (got.double() - exact).abs() - (2**-8 * exact.abs() + 1e-5 * exact.abs().max())
+    assert excess.max() <= 0, f"worst excess {excess.max():.3g}"
+    # And what the unfused path returns, but for a last bit here and there (the two
+    # exponentials differ in the last float32 bits, which decides a bfloat16 tie).
+    unfused = _native().silu_and_mul(_native().amx_linear(x, pack_for_amx(w)))
+    differ = got != unfused
+    assert differ.sum() <= max(2, differ.numel() // 500)
+    torch.testing.assert_close(got.float(), unfused.float(), rtol=2**-7, atol=0)
+
+
+@_gated
+def test_gated_pack_pairs_gate_and_up_blocks():
+    w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32).bfloat16()  # inter 32
+    gate, up = w[:32], w[32:]
+    pairs = torch.cat([gate[:16], up[:16], gate[16:], up[16:]])
+    assert torch.equal(pack_for_amx(w, gated=True), pack_for_amx(pairs))
+
+
+@_gated
+def test_gated_kernel_refuses_bad_inputs():
+    native = _native()
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        native.amx_gated(torch.randn(2, 32).bfloat16(), pack_for_amx(torch.randn(48, 32).bfloat16()))
+    with pytest.raises(RuntimeError, match="inputs"):
+        native.amx_gated(torch.randn(2, 64).bfloat16(), pack_for_amx(torch.randn(64, 32).bfloat16()))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        native.amx_gated(torch.randn(2, 32), pack_for_amx(torch.randn(64, 32).bfloat16()))
+
+
+@_gated
+def test_gated_layer_computes_the_activation_and_forward_stays_the_product():
+    gen = torch.Generator().manual_seed(1)
+    linear = nn.Linear(64, 96, bias=False).bfloat16()
+    layer = AMXLinear(linear, _native(), gated=True)
+    assert layer.gated
+    assert not AMXLinear(nn.Linear(64, 96).bfloat16(), _native(), gated=True).gated  # a bias
+    with torch.no_grad():
+        for rows in (2, 40, 700):  # decode rows and a prefill's
+            x = torch.randn(rows, 64, generator=gen).bfloat16()
+            assert torch.equal(layer(x), F.linear(x, layer.weight))
+            exact = _gated_reference(x, layer.weight)
+            got = layer.gated_activation(x.reshape(1, rows, 64))
+            assert got.shape == (1, rows, 48)
+            torch.testing.assert_close(got[0].double(), exact, rtol=2**-8, atol=1e-5)
+        layer.weight.mul_(-2)  # in place: packed again, in pair order
+        assert not layer.is_current()
+        got = layer.gated_activation(x)
+        exact = _gated_reference(x, layer.weight)
+        torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5)
