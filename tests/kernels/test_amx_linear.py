@@ -246,9 +246,13 @@ def test_gated_pack_pairs_gate_and_up_blocks():
 def test_gated_kernel_refuses_bad_inputs():
     native = _native()
     with pytest.raises(RuntimeError, match="whole blocks"):
-        native.amx_gated(torch.randn(2, 32).bfloat16(), pack_for_amx(torch.randn(48, 32).bfloat16()))
+        native.amx_gated(
+            torch.randn(2, 32).bfloat16(), pack_for_amx(torch.randn(48, 32).bfloat16())
+        )
     with pytest.raises(RuntimeError, match="inputs"):
-        native.amx_gated(torch.randn(2, 64).bfloat16(), pack_for_amx(torch.randn(64, 32).bfloat16()))
+        native.amx_gated(
+            torch.randn(2, 64).bfloat16(), pack_for_amx(torch.randn(64, 32).bfloat16())
+        )
     with pytest.raises(RuntimeError, match="bfloat16"):
         native.amx_gated(torch.randn(2, 32), pack_for_amx(torch.randn(64, 32).bfloat16()))
 
