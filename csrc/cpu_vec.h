@@ -11,10 +11,13 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <utility>
+
+#include <xmmintrin.h>
 
 // AVX-512 code paths need the foundation plus 16-bit element (BW) and 256-bit (VL) forms,
 // which every AVX-512 server CPU has; anything else takes the portable loops.
@@ -144,6 +147,45 @@ inline void store16_ps(float* p, __mmask16 m, __m512 v) {
     _mm512_mask_storeu_ps(p, m, v);
 }
 #endif
+
+// Prefetching the weights a kernel multiplies next while it multiplies these, a few cache
+// lines every step of its loop: the reads of a decode batch's weights then overlap its
+// products (the first rows' pass otherwise took as long as streaming the weight alone). A
+// kernel that passes over its weights once for every 8 rows fetches a share in each of the
+// first (up to) 32 passes: into L1 when a single pass covers all the rows, else into L2
+// (into L1 there, it evicts the weights the next pass reads again).
+class NextWeights {
+ public:
+  NextWeights() = default;
+  // The share of `bytes` of weights at `base` (null: none) for the pass over the 8 rows
+  // from row0 of `rows`, spread over `steps` steps.
+  NextWeights(const void* base, int64_t bytes, int64_t rows, int64_t row0, int64_t steps) {
+    const int64_t parts = std::min<int64_t>((rows + 7) / 8, 32), part = row0 / 8;
+    if (base == nullptr || part >= parts || steps <= 0) return;
+    const int64_t lines = (bytes + 63) / 64;
+    const int64_t first = lines * part / parts, last = lines * (part + 1) / parts;
+    next_ = static_cast<const char*>(base) + first * 64;
+    end_ = static_cast<const char*>(base) + last * 64;
+    per_step_ = (last - first + steps - 1) / steps;
+    to_l1_ = parts == 1;
+  }
+
+  // Fetch this step's lines.
+  inline void step() {
+    for (int64_t l = 0; l < per_step_ && next_ < end_; ++l, next_ += 64) {
+      if (to_l1_)
+        _mm_prefetch(next_, _MM_HINT_T0);
+      else
+        _mm_prefetch(next_, _MM_HINT_T1);
+    }
+  }
+
+ private:
+  const char* next_ = nullptr;
+  const char* end_ = nullptr;
+  int64_t per_step_ = 0;
+  bool to_l1_ = false;
+};
 
 #if LMPROG_AVX512
 // exp(x) for x <= 0 (attention scores minus their row's maximum): 2^(x log2 e) as

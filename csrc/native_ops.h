@@ -103,8 +103,10 @@ class PackedRows {
   void end() const;
   // out[i * 32 + 16 b + j] = x_i . (output j of block b) for every row i < padded_rows(),
   // over one or (`two`) two blocks packed at `blocks`, each [in / 32][16][32]:
-  // block[c][r][2j + p] = w[j][32c + 2r + p] (`amx_linear`'s layout).
-  void sums(const uint16_t* blocks, bool two, float* out) const;
+  // block[c][r][2j + p] = w[j][32c + 2r + p] (`amx_linear`'s layout). Meanwhile the
+  // `next_bytes` at `next` (what the caller reads next, if any) are fetched into cache.
+  void sums(const uint16_t* blocks, bool two, float* out, const void* next = nullptr,
+            int64_t next_bytes = 0) const;
 
  private:
   bool amx_;

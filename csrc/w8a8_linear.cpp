@@ -122,16 +122,17 @@ void rescale_row(const int32_t* acc, float row_scale, const float* col_scales, c
 // (1 or 2) packed blocks at w[0], w[1]: accumulator (i, b) holds block b's 16 outputs of row
 // i, one vpdpbusd per quad of inputs; then epilogue(i, sums) for each row i < rows, sums[b]
 // block b's 16 exact sums (the compensation subtracted) as float32. All R rows of `a` are
-// read (the caller pads them).
+// read (the caller pads them). `fetch`: the weights multiplied next, a share per quad.
 template <int R, int Blocks, typename Epilogue>
 inline void block_sums(const uint8_t* a, int64_t stride, int64_t in, const int8_t* const* w,
-                       int64_t rows, Epilogue&& epilogue) {
+                       int64_t rows, lmprog::NextWeights fetch, Epilogue&& epilogue) {
   const int64_t nq = quads(in);
   __m512i acc[R][Blocks];
   lmprog::static_for<R>([&](auto i) {
     lmprog::static_for<Blocks>([&](auto b) { acc[i][b] = _mm512_setzero_si512(); });
   });
   for (int64_t c = 0; c < nq; ++c) {
+    fetch.step();
     __m512i wc[Blocks];
     lmprog::static_for<Blocks>([&](auto b) { wc[b] = _mm512_loadu_si512(w[b] + c * kQuadBytes); });
     lmprog::static_for<R>([&](auto i) {
@@ -157,7 +158,7 @@ inline void block_sums(const uint8_t* a, int64_t stride, int64_t in, const int8_
 template <int R, int Blocks, typename T>
 void block_product(const uint8_t* a, int64_t stride, int64_t in, const int8_t* packed, int64_t nb,
                    int64_t rows, const float* row_scales, const float* col_scales, const T* bias,
-                   int64_t out, T* y) {
+                   int64_t out, T* y, lmprog::NextWeights fetch) {
   const int8_t* w[Blocks];
   int64_t n0[Blocks];
   __mmask16 m[Blocks];
@@ -172,7 +173,7 @@ void block_product(const uint8_t* a, int64_t stride, int64_t in, const int8_t* p
       lanes[j] = lmprog::to_f32(bias[n0[b] + j]);
     bv[b] = _mm512_load_ps(lanes);
   });
-  block_sums<R, Blocks>(a, stride, in, w, rows, [&](int i, const __m512* sums) {
+  block_sums<R, Blocks>(a, stride, in, w, rows, fetch, [&](int i, const __m512* sums) {
     const __m512 rs = _mm512_set1_ps(row_scales[i]);
     lmprog::static_for<Blocks>([&](auto b) {
       store16(y + i * out + n0[b], m[b], _mm512_fmadd_ps(sums[b], _mm512_mul_ps(rs, sw[b]), bv[b]));
@@ -197,11 +198,11 @@ inline __m512 round16(__m512 v) {
 template <int R, typename T>
 void gated_product(const uint8_t* a, int64_t stride, int64_t in, const int8_t* packed, int64_t p,
                    int64_t rows, const float* row_scales, const float* col_scales, int64_t inter,
-                   T* y) {
+                   T* y, lmprog::NextWeights fetch) {
   const int8_t* w[2] = {packed + 2 * p * block_bytes(in), packed + (2 * p + 1) * block_bytes(in)};
   const __m512 gate_scales = _mm512_loadu_ps(col_scales + p * kOutputs);
   const __m512 up_scales = _mm512_loadu_ps(col_scales + inter + p * kOutputs);
-  block_sums<R, 2>(a, stride, in, w, rows, [&](int i, const __m512* sums) {
+  block_sums<R, 2>(a, stride, in, w, rows, fetch, [&](int i, const __m512* sums) {
     const __m512 rs = _mm512_set1_ps(row_scales[i]);
     const __m512 g = round16<T>(_mm512_mul_ps(sums[0], _mm512_mul_ps(rs, gate_scales)));
     const __m512 u = round16<T>(_mm512_mul_ps(sums[1], _mm512_mul_ps(rs, up_scales)));
@@ -282,18 +283,21 @@ class W8A8Work final : public SplitWork {
         const int64_t c1 = std::min(rows_, c0 + kRowChunk);
         for (int64_t p = first; p < last; ++p) {
           const bool two = 2 * p + 1 < blocks;
+          // The next pair of blocks, fetched while this one multiplies the chunk's rows.
+          const int8_t* next = p + 1 < last ? packed + 2 * (p + 1) * block_bytes(in_) : nullptr;
           for (int64_t r0 = c0; r0 < c1; r0 += 8) {
             const int64_t rows = std::min<int64_t>(8, c1 - r0);
             const uint8_t* a = a_.data() + r0 * stride_;
             const float* rs = row_scales_.data() + r0;
             T* yr = y + r0 * width;
+            const lmprog::NextWeights fetch(next, 2 * block_bytes(in_), c1 - c0, r0 - c0, quads(in_));
             lmprog::with_row_tile(rows, [&](auto tile) {
               constexpr int R = decltype(tile)::value;
               if (gated_) {
-                gated_product<R, T>(a, stride_, in_, packed, p, rows, rs, col_scales, width, yr);
+                gated_product<R, T>(a, stride_, in_, packed, p, rows, rs, col_scales, width, yr, fetch);
               } else {
                 auto product = two ? block_product<R, 2, T> : block_product<R, 1, T>;
-                product(a, stride_, in_, packed, 2 * p, rows, rs, col_scales, bias, out_, yr);
+                product(a, stride_, in_, packed, 2 * p, rows, rs, col_scales, bias, out_, yr, fetch);
               }
             });
           }
