@@ -17,8 +17,6 @@
 #include <type_traits>
 #include <utility>
 
-#include <xmmintrin.h>
-
 // AVX-512 code paths need the foundation plus 16-bit element (BW) and 256-bit (VL) forms,
 // which every AVX-512 server CPU has; anything else takes the portable loops.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -174,9 +172,9 @@ class NextWeights {
   inline void step() {
     for (int64_t l = 0; l < per_step_ && next_ < end_; ++l, next_ += 64) {
       if (to_l1_)
-        _mm_prefetch(next_, _MM_HINT_T0);
+        __builtin_prefetch(next_, 0, 3);  // prefetcht0
       else
-        _mm_prefetch(next_, _MM_HINT_T1);
+        __builtin_prefetch(next_, 0, 2);  // prefetcht1
     }
   }
 
