@@ -78,7 +78,7 @@ class Engine(EngineLoop):
         loader = PreTrainedTokenizerFast if is_gguf else AutoTokenizer
         self.tokenizer = loader.from_pretrained(model_dir, local_files_only=True)
         self._tokenizer_lock = threading.Lock()
-        self.runner = ModelRunner(self.config, model_dir)
+        self.runner = ModelRunner(self.config, model_dir, self.tokenizer)
         self.context_len = self.runner.context_len
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
         self._stats = EngineStats()

@@ -37,10 +37,20 @@ DEFAULT_CPU_MAX_TOTAL_TOKENS = 65536
 
 
 class ModelRunner:
-    def __init__(self, config: RuntimeConfig, model_path: str) -> None:
+    def __init__(self, config: RuntimeConfig, model_path: str, tokenizer=None) -> None:
+        """`tokenizer` (the engine's; else loaded from `model_path` when needed) tokenizes
+        W8A8's calibration text."""
         self.config = config
         self.device = torch.device(config.device)
         self.model = load_model(model_path, self._dtype(model_path), config.device)
+        if config.quantization == "w8a8_int8":
+            from lmprog_runtime.models.smoothing import calibrate_and_smooth
+
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+            calibrate_and_smooth(self.model, lambda text: tokenizer(text).input_ids)
         if config.quantization is not None:
             quantize_linears(self.model, config.quantization)
         self.model_config = self.model.config

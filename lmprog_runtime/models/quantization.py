@@ -168,6 +168,8 @@ class W8A8Linear(nn.Module):
     linears take about half the time of bfloat16 ones. The price is the activations'
     rounding: 8 bits against the row's largest value, coarser than bfloat16's 8 bits against
     each value's own magnitude (greedy outputs diverge from float32 sooner; see the README).
+    An engine smooths the decoder's projection inputs before quantizing them
+    (`models/smoothing.py`), which recovers about half of what the rounding costs.
     The native kernels round the rows and rescale the sums in one pass each
     (`csrc/w8a8_linear.cpp`), and multiply up to 256 rows (decode, small prefills) through a
     copy of the weight packed for vpdpbusd, `packed`, where the CPU has AVX512-VNNI; without

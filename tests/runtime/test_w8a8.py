@@ -206,6 +206,10 @@ def test_engine_equals_the_reference_arithmetic(tiny_path):
             for name, layer in layers.items():
                 parent, _, child = name.rpartition(".")
                 setattr(modules[parent], child, _ReferenceW8A8(layer))
+            with torch.no_grad():  # the smoothing folded into the norms (the rest is in `layers`)
+                for ours_layer, ref_layer in zip(model.layers, reference.runner.model.layers):
+                    for norm in ("input_layernorm", "post_attention_layernorm"):
+                        getattr(ref_layer, norm).weight.copy_(getattr(ours_layer, norm).weight)
             reference.runner.model.use_decode_stack = False
             ref = _logprobs(reference, text)
     assert ours.shape == ref.shape
@@ -244,4 +248,75 @@ def test_the_instruct_model_picks_float32s_tokens():
     assert same >= TEACHER_FORCED_AGREEMENT * 8 * 64, same
 
 
-TEACHER_FORCED_AGREEMENT = 0.85  # measured 460-470 of 512 (0.90-0.92); bfloat16 507
+# Measured 482-486 of 512 (0.94-0.95) with smoothing, 460-470 without; bfloat16 507.
+TEACHER_FORCED_AGREEMENT = 0.90
+
+
+# ---- smoothing (`models/smoothing.py`) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smoothing_leaves_the_float_model_bit_for_bit(dtype):
+    """Folding power-of-two scales into the norms, value rows, up rows and the projections'
+    columns changes no float result: the instruct model's log-probabilities (prompt and
+    greedy steps) are identical before and after, while the weights did change."""
+    from lmprog_runtime.models.smoothing import calibrate_and_smooth
+
+    text = "Question: what is the tallest mountain on Earth? Answer:"
+    options = {"dtype": dtype, "max_total_tokens": 1024, "disable_amx_linears": True}
+    with Engine("smollm2-135m-instruct", **options) as engine:
+        model = engine.runner.model
+        before = _logprobs(engine, text)
+        norm = model.layers[3].input_layernorm.weight.clone()
+        down = model.layers[3].mlp.down_proj.weight.clone()
+        count = calibrate_and_smooth(model, lambda t: engine.tokenizer(t).input_ids)
+        assert count == 4 * len(model.layers)
+        assert not torch.equal(norm, model.layers[3].input_layernorm.weight)
+        ratio = (model.layers[3].mlp.down_proj.weight / down).float()
+        assert not torch.all(ratio == 1)
+        exponents = torch.log2(ratio[0])  # one power of two per column
+        assert torch.equal(exponents, exponents.round())
+        engine.flush_cache()
+        after = _logprobs(engine, text)
+    assert torch.equal(before, after)
+
+
+def test_activation_ranges_are_those_of_the_layer_inputs(tiny_path):
+    """The first layer's QKV input is the input norm of the embeddings, computed here in
+    plain torch; every projection of every layer gets one range per input channel."""
+    from lmprog_runtime.models.smoothing import activation_ranges
+
+    with Engine(tiny_path, max_total_tokens=256) as engine:
+        model = engine.runner.model
+        ids = engine.tokenizer("The quick brown fox jumps over the lazy dog").input_ids
+        ranges = activation_ranges(model, ids)
+        with torch.no_grad():
+            x = model.embed_tokens(torch.tensor(ids)).double()
+            norm = model.layers[0].input_layernorm
+            eps = model.config.rms_norm_eps
+            normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm.weight.double()
+        torch.testing.assert_close(
+            ranges[(0, "qkv_proj")].double(), normed.abs().amax(0), rtol=1e-5, atol=1e-6
+        )
+        assert len(ranges) == 4 * len(model.layers)
+        layer = model.layers[1]
+        assert ranges[(1, "down_proj")].shape == (layer.mlp.down_proj.in_features,)
+        assert ranges[(1, "o_proj")].shape == (layer.self_attn.o_proj.in_features,)
+        assert all(bool((r >= 0).all()) and bool(r.isfinite().all()) for r in ranges.values())
+        with pytest.raises(ValueError, match="token_ids"):
+            activation_ranges(model, [])
+
+
+def test_smoothing_refuses_bad_alpha_and_quantized_layers(tiny_path):
+    from lmprog_runtime.models.smoothing import smooth_for_w8a8
+
+    with (
+        Engine(tiny_path, max_total_tokens=256) as engine,
+        pytest.raises(ValueError, match="alpha"),
+    ):
+        smooth_for_w8a8(engine.runner.model, {}, alpha=1.5)
+    with (
+        Engine(tiny_path, max_total_tokens=256, quantization="w8a8_int8") as engine,
+        pytest.raises(TypeError, match="nn.Linear"),
+    ):
+        smooth_for_w8a8(engine.runner.model, {})
