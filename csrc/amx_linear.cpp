@@ -193,7 +193,7 @@ namespace {
 
 // x @ w.T + bias for up to any number of rows: pairs of output blocks split among threads.
 // `gated`: a gated MLP's activation from a pair-packed gate/up weight, by dot products
-// (`gated_rows`), whatever the CPU's tiles.
+// (`gated_rows`; only where `amx_gated_available()`: no AMX tiles).
 class AmxWork final : public SplitWork {
  public:
   AmxWork(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias,

@@ -624,7 +624,8 @@ void tiled_outputs(const QWeight& w, const PackedRows& x, int64_t rows, int64_t 
     if (two) dequantize_packed_block(w, n0 + 16, tiles.data() + chunk_words);
     // The next 32 outputs' quantized rows are fetched while these multiply.
     const int64_t next = std::min<int64_t>(32, std::max<int64_t>(0, n_end - n0 - 32));
-    x.sums(tiles.data(), two, sums.data(), w.data + (n0 + 32) * w.row_bytes(), next * w.row_bytes());
+    const uint8_t* next_rows = next > 0 ? w.data + (n0 + 32) * w.row_bytes() : nullptr;
+    x.sums(tiles.data(), two, sums.data(), next_rows, next * w.row_bytes());
     const int64_t cols = std::min<int64_t>(32, n_end - n0);
     for (int64_t i = 0; i < rows; ++i) {
       T* dst = out + i * w.out_features + n0;

@@ -63,12 +63,10 @@ _LINEARS = (
 )
 
 
-def activation_ranges(
-    model: nn.Module, token_ids: list[int]
-) -> dict[tuple[int, str], torch.Tensor]:
-    """(layer, linear name) -> max |x_j| over the tokens, for every input channel j of the
-    decoder layers' projections, from one forward of `model` over `token_ids` (its own
-    forward, torch ops and attention, on a KV pool of its own)."""
+def forward_tokens(model: nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """`model`'s logits at the last of `token_ids` (one sequence from position 0), through
+    its own forward with torch ops and attention on a KV pool of its own: what calibration
+    runs, outside any engine."""
     from lmprog_runtime.attention import create_attention_backend
     from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
     from lmprog_runtime.kvcache import KVPool, ReqToTokenPool
@@ -96,6 +94,22 @@ def activation_ranges(
         prefix_lens=[0],
         logits_indices=torch.tensor([n - 1], dtype=torch.int64, device=device),
     )
+    ops, use_stack = model.ops, model.use_decode_stack
+    model.ops, model.use_decode_stack = TorchOps(), False
+    try:
+        backend.init_forward_metadata(batch)
+        with torch.inference_mode():
+            return model(batch, backend)
+    finally:
+        model.ops, model.use_decode_stack = ops, use_stack
+
+
+def activation_ranges(
+    model: nn.Module, token_ids: list[int]
+) -> dict[tuple[int, str], torch.Tensor]:
+    """(layer, linear name) -> max |x_j| over the tokens, for every input channel j of the
+    decoder layers' projections, from one forward of `model` over `token_ids`
+    (`forward_tokens`)."""
     ranges: dict[tuple[int, str], torch.Tensor] = {}
 
     def record(key: tuple[int, str]) -> Callable:
@@ -110,14 +124,9 @@ def activation_ranges(
         for i, layer in enumerate(model.layers)
         for part, name in _LINEARS
     ]
-    ops, use_stack = model.ops, model.use_decode_stack
-    model.ops, model.use_decode_stack = TorchOps(), False
     try:
-        backend.init_forward_metadata(batch)
-        with torch.inference_mode():
-            model(batch, backend)
+        forward_tokens(model, token_ids)
     finally:
-        model.ops, model.use_decode_stack = ops, use_stack
         for handle in hooks:
             handle.remove()
     return ranges
@@ -207,8 +216,9 @@ def calibrate_and_smooth(
     model: nn.Module, tokenize: Callable[[str], list[int]], alpha: float = ALPHA
 ) -> int:
     """Measure the activations' ranges over `CALIBRATION_TEXT` (tokenized by `tokenize`)
-    and smooth the model. Returns how many projection inputs were smoothed."""
-    ids = tokenize(CALIBRATION_TEXT)
+    and smooth the model (the text cut to the model's context). Returns how many projection
+    inputs were smoothed."""
+    ids = tokenize(CALIBRATION_TEXT)[: model.config.context_len]
     count = smooth_for_w8a8(model, activation_ranges(model, ids), alpha)
     logger.info("W8A8 smoothing: %d projection inputs over %d calibration tokens", count, len(ids))
     return count

@@ -234,7 +234,6 @@ def test_gated_kernel_is_silu_of_the_rounded_gate_times_up(inter, in_features, r
     torch.testing.assert_close(got.float(), unfused.float(), rtol=2**-7, atol=0)
 
 
-@_gated
 def test_gated_pack_pairs_gate_and_up_blocks():
     w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32).bfloat16()  # inter 32
     gate, up = w[:32], w[32:]

@@ -263,3 +263,26 @@ def test_checkpoint_without_safetensors_is_rejected(tmp_path, checkpoint):
     torch.save({}, tmp_path / "pytorch_model.bin")  # pickle weights are never read
     with pytest.raises(ValueError, match="safetensors"):
         load_model(str(tmp_path), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_smoothing_leaves_every_architecture_bit_for_bit(case, dtype, checkpoint):
+    """W8A8's smoothing (`models/smoothing.py`) folds power-of-two scales into the norms,
+    the value rows (biases included, one scale per kv head's channel under GQA), the up rows
+    and the projections' columns: the float model's logits do not change in any bit, with
+    biases, tied embeddings, Q/K norms and sliding windows alike, while its weights do."""
+    from lmprog_runtime.models.smoothing import (
+        activation_ranges,
+        forward_tokens,
+        smooth_for_w8a8,
+    )
+
+    model = load_model(checkpoint(case)[0], dtype, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (40,), generator=gen).tolist()
+    before = forward_tokens(model, ids)
+    qkv = model.layers[0].self_attn.qkv_proj.weight.clone()
+    assert smooth_for_w8a8(model, activation_ranges(model, ids[:20])) == 4 * len(model.layers)
+    assert not torch.equal(qkv, model.layers[0].self_attn.qkv_proj.weight)
+    assert torch.equal(forward_tokens(model, ids), before)
