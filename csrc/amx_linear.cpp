@@ -96,9 +96,9 @@ void tile_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t 
 // (1 or 2) packed blocks at `w` (each [k / 32][16][32]), by vdpbf16ps: accumulator (i, b)
 // holds the 16 outputs of block b for row i.
 // `fetch`: the weights the caller multiplies next, a share fetched per chunk (NextWeights).
-// Over SmolLM2-135M's 30 layers on a 2-core Zen 5 (ms, alternating processes,
-// `bench_packed_linears.py` shapes): at 1 / 8 / 32 rows about 5.3 / 7.2 / 12.7 without,
-// 3.6-4.9 / 4.1-5.0 / 7.9-8.7 with.
+// Over SmolLM2-135M's 30 layers on a 2-core Zen 5 (ms, `bench_packed_linears.py` shapes):
+// at 1 / 8 / 32 rows 5.3 / 7.2 / 12.7 without (one run of that script), 3.6-4.9 / 4.1-5.0 /
+// 7.9-8.7 with (three processes alternating with other variants).
 template <int R, int Blocks>
 void dot_sums(const uint16_t* a, int64_t k, const uint16_t* w, float* sums, int64_t stride,
               lmprog::NextWeights fetch = {}) {
