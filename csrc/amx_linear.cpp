@@ -132,8 +132,8 @@ void dot_product(const uint16_t* a, int64_t k, const uint16_t* packed, int64_t n
   store_rows(sums, Blocks * kTile, rows, Blocks * kTile, nb * kTile, n, bias, out);
 }
 
-// Every row of x against output blocks nb (and nb + 1 when `two`), 8 rows at a time; the
-// first 8 fetch the next pair of blocks (`next`, null at the end) into L2.
+// Every row of x against output blocks nb (and nb + 1 when `two`), 8 rows at a time,
+// fetching the next pair of blocks (`next`, null at the end) meanwhile (NextWeights).
 inline void dot_rows(const uint16_t* a, int64_t m, int64_t k, const uint16_t* packed, int64_t nb,
                      bool two, int64_t n, const bf16* bias, bf16* out, const uint16_t* next) {
   for (int64_t m0 = 0; m0 < m; m0 += 8) {
@@ -233,18 +233,14 @@ class AmxWork final : public SplitWork {
     const auto* w = reinterpret_cast<const uint16_t*>(packed_.data_ptr<bf16>());
     bf16* op = out_.data_ptr<bf16>();
 #if LMPROG_BF16_DOT
-    const int64_t pair_words = 2 * (k_ / kChunk) * kTile * kChunk;
-    if (gated_) {
+    if (gated_ || !amx_) {
+      const int64_t pair_words = 2 * (k_ / kChunk) * kTile * kChunk;
       for (int64_t p = first; p < last; ++p) {
         const uint16_t* next = p + 1 < last ? w + (p + 1) * pair_words : nullptr;
-        gated_rows(a_.data(), m_, k_, w, p, n_ / 2, op, next);
-      }
-      return;
-    }
-    if (!amx_) {
-      for (int64_t p = first; p < last; ++p) {
-        const uint16_t* next = p + 1 < last ? w + (p + 1) * pair_words : nullptr;
-        dot_rows(a_.data(), m_, k_, w, 2 * p, 2 * p + 1 < blocks_, n_, bias_, op, next);
+        if (gated_)
+          gated_rows(a_.data(), m_, k_, w, p, n_ / 2, op, next);
+        else
+          dot_rows(a_.data(), m_, k_, w, 2 * p, 2 * p + 1 < blocks_, n_, bias_, op, next);
       }
       return;
     }

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmprog_runtime.models.ops import TorchOps
+
 logger = logging.getLogger(__name__)
 
 _OUT_BLOCK, _IN_CHUNK = 16, 32  # outputs per tile block, inputs per tile row
@@ -109,13 +111,10 @@ class AMXLinear(nn.Module):
         2 * inter] -> [..., inter]): in one pass with the product where the layer is `gated`
         (gate and up rounded to bfloat16 first, as `forward`'s output would be; the
         activation in float32, to within the kernel's exponential, a few parts per million,
-        of `silu_and_mul`), else `forward` and then the reference arithmetic."""
-        if self.gated and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            flat = x.reshape(-1, self.in_features)
-            out = self._native.amx_gated(flat, self.packed_weight())
-        else:
-            gate, up = self(x).float().chunk(2, dim=-1)
-            out = (gate / (1 + torch.exp(-gate)) * up).to(x.dtype)
+        of `silu_and_mul`), else `forward` and then `TorchOps.silu_and_mul`."""
+        if not (self.gated and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+            return TorchOps.silu_and_mul(self(x))
+        out = self._native.amx_gated(x.reshape(-1, self.in_features), self.packed_weight())
         return out.reshape(*x.shape[:-1], self.out_features // 2)
 
     def extra_repr(self) -> str:
