@@ -17,7 +17,9 @@ with launch shapes that depend on the batch size only (e.g. a fixed split count)
 
 On a CPU (tests) the runner works in eager mode (`capture=False`): the same padded static
 buffers, run without capture, so the padding and bucketing are checked against the plain
-forward where no GPU is available.
+forward where no GPU is available. With a capturable backend an eager run passes the
+placeholder lengths a capture saw, so only the static buffers carry the step, as in a
+replay.
 """
 
 from __future__ import annotations
@@ -105,10 +107,18 @@ class DecodeGraphRunner:
             self._graphs[size].replay()
             logits = self._outputs[size]
         else:
-            padded = self._static_batch(size, fb.seq_lens + [1] * (size - num_reqs))
-            logits = self._forward(padded)
+            logits = self._forward(self._eager_batch(size, fb))
         # A copy: the graph's output buffer is overwritten by the next replay.
         return logits[:num_reqs].clone()
+
+    def _eager_batch(self, size: int, fb: ForwardBatch) -> ForwardBatch:
+        """What an eager run forwards. A capturable backend gets what a capture saw: the
+        placeholder Python lengths, this step's values only in the static buffers (so the
+        CPU tests show its forward reads nothing else); other backends get the step's
+        lengths, and the run checks the padding alone."""
+        if self.attention.supports_cuda_graph:
+            return self._static_batch(size, [1] * size)
+        return self._static_batch(size, fb.seq_lens + [1] * (size - fb.batch_size))
 
     def _static_batch(self, size: int, seq_lens: list[int]) -> ForwardBatch:
         """A decode batch of `size` requests over the static buffers."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from unittest import mock
+
 import torch
 
 PROMPTS = [
@@ -110,3 +114,85 @@ def run_backend(name: str, layout, pool, table, batch, q, k, v):
     backend = create_attention_backend(name, layout, pool, table)
     backend.init_forward_metadata(batch)
     return backend.forward(q, k, v, 0, batch)
+
+
+# Operations a CUDA graph capture refuses: each waits for the device (a value read back or
+# an output shape that depends on values) or copies Python data in from pageable memory.
+_UNCAPTURABLE_OPS = {
+    "aten::_local_scalar_dense",  # .item(), int(t), bool(t)
+    "aten::item",  # the same under inference mode, where it is not decomposed
+    "aten::is_nonzero",
+    "aten::equal",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::_unique2",
+    "aten::unique_dim",
+    "aten::unique_consecutive",
+    "aten::bincount",
+    "aten::lift_fresh",  # torch.tensor(python data)
+}
+_HOST_READS = ("tolist", "numpy")  # Tensor methods no dispatch mode sees
+_guard_state = threading.local()  # .depth: forbid_host_syncs blocks open on this thread
+
+
+@contextlib.contextmanager
+def forbid_host_syncs():
+    """Raise, on this thread, on what a CUDA graph cannot capture: host reads of device
+    values (`.item()`, `int(t)`, `.tolist()`, `.numpy()`), outputs whose shape depends on
+    values (`nonzero`, boolean indexing, `repeat_interleave` without `output_size`) and
+    tensors made from Python data. A CPU test can so show that a forward is capturable.
+    Triton kernels run by the interpreter are exempt: on a GPU each is one launch (the
+    interpreter itself reads its arguments into numpy)."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    class Guard(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func._schema.name
+            if name in _UNCAPTURABLE_OPS:
+                raise AssertionError(f"{func} cannot be captured in a CUDA graph")
+            if name == "aten::index" and any(
+                t is not None and t.dtype == torch.bool for t in args[1]
+            ):
+                raise AssertionError("boolean indexing cannot be captured in a CUDA graph")
+            if name == "aten::repeat_interleave" and kwargs.get("output_size") is None:
+                raise AssertionError("repeat_interleave needs output_size in a CUDA graph")
+            return func(*args, **kwargs)
+
+    def refusing(name):
+        original = getattr(torch.Tensor, name)
+
+        def method(self, *args, **kwargs):
+            if getattr(_guard_state, "depth", 0):
+                raise AssertionError(f"Tensor.{name}() reads device values on the host")
+            return original(self, *args, **kwargs)
+
+        return method
+
+    patches = [mock.patch.object(torch.Tensor, name, refusing(name)) for name in _HOST_READS]
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        interpreter = None
+    if interpreter is not None:
+        launch = interpreter.GridExecutor.__call__
+
+        def exempt_launch(self, *args, **kwargs):
+            depth = getattr(_guard_state, "depth", 0)
+            _guard_state.depth = 0
+            try:
+                with _disable_current_modes():
+                    return launch(self, *args, **kwargs)
+            finally:
+                _guard_state.depth = depth
+
+        patches.append(mock.patch.object(interpreter.GridExecutor, "__call__", exempt_launch))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        stack.enter_context(Guard())
+        _guard_state.depth = getattr(_guard_state, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _guard_state.depth -= 1

@@ -366,12 +366,33 @@ def store_kv(
     )
 
 
-def extend_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the extend kernel: large 16-bit tiles for tensor cores while a
-    [BLOCK_M, head_dim] q tile and its accumulator fit; float32 tiles are twice the bytes."""
+class ExtendTiles(NamedTuple):
+    """The extend kernel's tile: BLOCK_M queries by BLOCK_N keys, and its warps."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def extend_tiles(head_dim: int, dtype: torch.dtype, capability: tuple[int, int]) -> ExtendTiles:
+    """The largest tiles that compile without spilling registers (checked for sm_80 and
+    sm_90 by `benchmarks/triton_aot.py` and its test). 16-bit tiles feed tensor cores:
+    Hopper's wgmma keeps its accumulator in fewer registers than the mma.sync of sm_80/89,
+    so it takes the wider key block at head_dim 128. Float32 multiplies on the FMA units
+    (full precision), where a [BLOCK_M, head_dim] accumulator of fp32 must fit beside the
+    operands: small tiles.
+
+    Example:
+        >>> extend_tiles(128, torch.bfloat16, (9, 0))
+        ExtendTiles(block_m=128, block_n=64, num_warps=8)
+    """
     if dtype == torch.float32:
-        return (64, 32) if head_dim <= 128 else (32, 32)
-    return (128, 64) if head_dim <= 128 else (64, 64)
+        if head_dim <= 64:
+            return ExtendTiles(32, 16, 4)
+        return ExtendTiles(16, 32, 4) if head_dim <= 128 else ExtendTiles(16, 16, 4)
+    if head_dim <= 64 or (head_dim <= 128 and capability >= (9, 0)):
+        return ExtendTiles(128, 64, 8)
+    return ExtendTiles(128, 32, 8) if head_dim <= 128 else ExtendTiles(64, 32, 8)
 
 
 def extend_attention(
@@ -394,7 +415,8 @@ def extend_attention(
 
     Request b's new tokens are rows `extend_starts[b] ..` of q, at positions
     `prefix_lens[b] ..`; its keys are `req_to_token[req_rows[b]]` in the pool, the new
-    tokens' already stored. `blocks` overrides `extend_blocks` (tests use small tiles).
+    tokens' already stored. `blocks` (BLOCK_M, BLOCK_N) overrides `extend_tiles`' (tests
+    use small tiles).
 
     Example (one request, 5 new tokens after a 3-token prefix):
         >>> out = extend_attention(q, k_buf, v_buf, table, rows, tensor([3]), tensor([5]),
@@ -413,7 +435,10 @@ def extend_attention(
     )
     heads, head_dim = q.shape[1], q.shape[2]
     out = _out(out, q)
-    block_m, block_n = blocks or extend_blocks(head_dim, q.dtype)
+    tiles = extend_tiles(head_dim, q.dtype, _capability(q.device))
+    if blocks is not None:
+        tiles = ExtendTiles(*blocks, num_warps=8 if blocks[0] >= 128 else 4)
+    block_m, block_n = tiles.block_m, tiles.block_n
     grid = (req_rows.shape[0], heads, triton.cdiv(max(1, max_extend), block_m))
     _extend_kernel[grid](
         q,
@@ -439,10 +464,17 @@ def extend_attention(
         BLOCK_D=_block_d(head_dim),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        num_warps=8 if block_m >= 128 else 4,
+        num_warps=tiles.num_warps,
         **_dot_config(q)._asdict(),
     )
     return out
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return (9, 0)  # an H200's: CPU runs (the interpreter) only check the choice
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.cache
@@ -514,7 +546,9 @@ def decode_attention(
     group = heads // kv_heads
     block_h = min(64, max(16, triton.next_power_of_2(group)))
     head_blocks = triton.cdiv(group, block_h)
-    block_n = block_n or (32 if q.dtype == torch.float32 else 64)
+    if block_n is None:
+        # Float32 keys past head_dim 64 spill registers at 32 per block (triton_aot.py).
+        block_n = 64 if q.dtype != torch.float32 else 32 if head_dim <= 64 else 16
     block_d = _block_d(head_dim)
     # Per-split partial outputs (normalised) and their log2-sum-exp2, in float32.
     part_o = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import forbid_host_syncs
 
 from lmprog_runtime import Engine
 from lmprog_runtime.cuda_graph import MAX_GRAPH_BATCH, DecodeGraphRunner, batch_buckets
@@ -71,6 +72,42 @@ def test_padded_decode_equals_the_plain_forward(tiny_path, backend):
             del runner.run
         assert {size for size, _ in seen} == set(sizes)
         assert {bucket for _, bucket in seen} == buckets
+
+
+def test_a_graph_forward_reads_only_its_static_buffers_and_never_syncs(tiny_path):
+    """What a capture needs of the Triton backend with the fused Triton ops (the CUDA set):
+    each bucket's batch carries capture's placeholder lengths (the step lives in the static
+    buffers alone), and its forward neither reads a device value on the host nor builds a
+    tensor from Python data (`forbid_host_syncs`). Its logits equal the plain forward's."""
+    from lmprog_runtime.models.triton_ops import TritonOps
+
+    with Engine(tiny_path, attention_backend="triton", max_running_requests=12) as engine:
+        runner = engine.runner
+        runner.model.ops = TritonOps()  # as the runner sets them on CUDA
+        graphs = DecodeGraphRunner(runner, capture=False)
+        forward = graphs._forward
+        plain_run = runner.run
+        seen: list[int] = []
+
+        def guarded_forward(fb):
+            assert fb.seq_lens == [1] * fb.batch_size  # capture's placeholders
+            with forbid_host_syncs():
+                return forward(fb)
+
+        def run_both(fb):
+            logits = plain_run(fb)
+            if graphs.can_run(fb):
+                torch.testing.assert_close(graphs.run(fb), logits, atol=1e-5, rtol=1e-5)
+                seen.append(fb.batch_size)
+            return logits
+
+        graphs._forward = guarded_forward
+        runner.run = run_both
+        try:
+            engine.generate(PROMPTS[:3], {"max_new_tokens": 3, "temperature": 0})
+        finally:
+            del runner.run
+        assert seen and set(seen) <= {1, 2, 3}
 
 
 @pytest.mark.parametrize("backend", ["torch", "native"])
