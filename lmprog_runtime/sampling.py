@@ -163,6 +163,10 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
 def _apply_penalties_and_masks(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     vocab = logits.shape[-1]
     cloned = False
+    # (row, token) pairs banned this step, set at once: one index copy and one launch for
+    # the batch (a decode batch under min_new_tokens bans EOS in every row, every step).
+    banned_rows: list[int] = []
+    banned_ids: list[int] = []
     for i, req in enumerate(reqs):
         params = req.params
         if params.has_penalties and req.output_ids:
@@ -177,10 +181,14 @@ def _apply_penalties_and_masks(logits: torch.Tensor, reqs: list[Req]) -> torch.T
             # A grammar decides by itself where its output may end: its EOS stays allowed.
             keep = {req.grammar_eos} if req.matcher is not None else set()
             banned = [t for t in (req.eos_token_ids | req.stop_token_ids) - keep if 0 <= t < vocab]
-            if banned:
-                if not cloned:
-                    logits, cloned = logits.clone(), True
-                logits[i, banned] = float("-inf")
+            banned_rows += [i] * len(banned)
+            banned_ids += banned
+    if banned_ids:
+        if not cloned:
+            logits, cloned = logits.clone(), True
+        where = torch.tensor([banned_rows, banned_ids], dtype=torch.int64, device="cpu")
+        where = where.to(logits.device)
+        logits[where[0], where[1]] = float("-inf")
     constrained = [i for i, req in enumerate(reqs) if req.matcher is not None]
     if constrained:
         if not cloned:

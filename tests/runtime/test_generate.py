@@ -114,6 +114,28 @@ def test_stop_token_ids_end_generation_and_are_not_in_text(engine, hf_tiny):
     assert target not in held["output_ids"][: first + 2]
 
 
+def test_min_new_tokens_bans_each_rows_own_stop_tokens_in_one_batch(engine, hf_tiny):
+    """One batch, each row banning a different token (its own greedy first token, made a
+    stop token held back by min_new_tokens) and one row banning nothing: each row's first
+    token is transformers' argmax with that row's ban, and the others are untouched."""
+    model, tokenizer = hf_tiny
+    prompts = PROMPTS[:5]
+    greedy = {"max_new_tokens": 1, "temperature": 0}
+    firsts = [o["output_ids"][0] for o in engine.generate(prompts, greedy)]
+    params = [
+        {**greedy, "stop_token_ids": [first], "min_new_tokens": 1} for first in firsts[:-1]
+    ] + [greedy]
+    got = [o["output_ids"][0] for o in engine.generate(prompts, params)]
+    for prompt, first, token, p in zip(prompts, firsts, got, params):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            logits = model(ids).logits[0, -1].clone()
+            if "stop_token_ids" in p:  # held back too: the EOS token
+                logits[[first, tokenizer.eos_token_id]] = float("-inf")
+        assert token == int(logits.argmax())
+        assert (token != first) == ("stop_token_ids" in p)
+
+
 def test_prefill_only_returns_prompt_logprobs(engine, hf_tiny):
     model, tokenizer = hf_tiny
     prompt = PROMPTS[3]
