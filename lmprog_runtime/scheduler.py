@@ -163,7 +163,6 @@ class Scheduler:
         budget = cfg.max_prefill_tokens
         entries: list[tuple[Req, int]] = []
         num_active = len(self.running)
-        used = self._reserved_tokens()
 
         if self.chunked_req is not None:
             req = self.chunked_req
@@ -173,7 +172,8 @@ class Scheduler:
             num_active += 1
         waiting = [r for r in self.waiting if r.group is None or r.group.is_ready]
         if not waiting and not entries:
-            return None
+            return None  # (every decode step: nothing is computed for it)
+        used = self._reserved_tokens()
         admitted: set[int] = set()
         blocks = PrefixBlocks()
         for req in self.policy.order(waiting):
