@@ -42,7 +42,8 @@ def host_path(
             while time.perf_counter() < end:  # launching: Python holding the GIL
                 pass
             time.sleep(device_s)  # the device computes; the host is free
-            return table[fb.input_ids % table.shape[0]]  # one row per token: [rows, vocab]
+            # [logits rows, vocab], one row per `logits_indices` as the real forward
+            return table[fb.input_ids[fb.logits_indices] % table.shape[0]]
 
         engine.runner.run = emulated_forward
         prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]

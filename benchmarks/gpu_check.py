@@ -437,48 +437,61 @@ def decode_overhead(check: Check) -> dict[str, Any]:
     # Batch 64, issue 18's goal; "medium" too when time allows (a GPU step long enough for
     # the host's share to be small at all: "small" runs a step in a few hundred microseconds).
     n, new = (4, 8) if check.smoke else (64, 64)
-    runs = [("tiny", "default", {})] if check.smoke else [("small", "default", {})]
+    runs = [("tiny", "default", {}, 0)] if check.smoke else [("small", "default", {}, 0)]
     if not check.smoke:
-        runs.append(("small", "cuda_graphs_off", {"disable_cuda_graph": True}))
+        runs.append(("small", "cuda_graphs_off", {"disable_cuda_graph": True}, 15))
         # Is overlap scheduling worth its hand-offs here? (bench_host_path.py, CPU-emulated
         # device: the synchronous loop's host path was the shorter for plain greedy decode.)
-        runs.append(("small", "overlap_off", {"overlap_schedule": False}))
-        if check.remaining() > 60:
-            runs.append(("medium", "medium", {}))
+        runs.append(("small", "overlap_off", {"overlap_schedule": False}, 15))
+        runs.append(("medium", "medium", {}, 45))
     params = {"max_new_tokens": new, "min_new_tokens": new, **GREEDY}
     out: dict[str, Any] = {}
-    for name, label, config in runs:
-        prompts = corpus_prompts(name, n, 8)
-        with check.engine(name, max_running_requests=n, **config) as engine:
-            run = functools.partial(engine.generate, input_ids=prompts, sampling_params=params)
-            run()  # warm-up
-            engine.flush_cache()
-            engine.reset_stats()
-            entry: dict[str, Any] = {
-                "model": name,
-                "batch": n,
-                "cuda_graphs": engine.runner.graphs is not None,
-                "overlap": engine._worker is not None,
-            }
-            if check.device == "cuda":
-                from torch.profiler import ProfilerActivity, profile
-
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    wall = _timed(run)
-                busy_us = sum(_device_us(e) for e in prof.key_averages())
-                entry["wall_s"] = wall
-                entry["gpu_busy_s"] = busy_us / 1e6
-                entry["fraction_outside_gpu"] = 1 - busy_us / 1e6 / wall
-            else:
-                entry["wall_s"] = _timed(run)
-            stats = engine.stats()
-            entry["forward_passes"] = stats["forward_passes"]
-            entry["ms_per_step"] = 1e3 * stats["step_seconds"] / max(1, stats["forward_passes"])
-            entry["fraction_of_step_outside_forward_call"] = 1 - stats["forward_seconds"] / max(
-                stats["step_seconds"], 1e-9
-            )
-            out[label] = entry
+    for name, label, config, min_s in runs:
+        if check.remaining() < min_s:  # the default run always goes
+            out[label] = {"status": "skipped", "reason": "time budget spent"}
+            continue
+        try:
+            out[label] = _overhead_run(check, name, n, params, config)
+        except Exception as error:  # noqa: BLE001 - keep the other runs' figures
+            out[label] = {"status": "error", "error": repr(error), "traceback": _tail()}
+            _free_memory()
     return out
+
+
+def _overhead_run(
+    check: Check, name: str, n: int, params: dict[str, Any], config: dict[str, Any]
+) -> dict[str, Any]:
+    """One engine's decode overhead (see `decode_overhead`)."""
+    prompts = corpus_prompts(name, n, 8)
+    with check.engine(name, max_running_requests=n, **config) as engine:
+        run = functools.partial(engine.generate, input_ids=prompts, sampling_params=params)
+        run()  # warm-up
+        engine.flush_cache()
+        engine.reset_stats()
+        entry: dict[str, Any] = {
+            "model": name,
+            "batch": n,
+            "cuda_graphs": engine.runner.graphs is not None,
+            "overlap": engine._worker is not None,
+        }
+        if check.device == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                wall = _timed(run)
+            busy_us = sum(_device_us(e) for e in prof.key_averages())
+            entry["wall_s"] = wall
+            entry["gpu_busy_s"] = busy_us / 1e6
+            entry["fraction_outside_gpu"] = 1 - busy_us / 1e6 / wall
+        else:
+            entry["wall_s"] = _timed(run)
+        stats = engine.stats()
+        entry["forward_passes"] = stats["forward_passes"]
+        entry["ms_per_step"] = 1e3 * stats["step_seconds"] / max(1, stats["forward_passes"])
+        entry["fraction_of_step_outside_forward_call"] = 1 - stats["forward_seconds"] / max(
+            stats["step_seconds"], 1e-9
+        )
+        return entry
 
 
 def _device_us(event: Any) -> float:

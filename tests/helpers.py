@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from unittest import mock
 
 import torch
 
@@ -123,7 +122,10 @@ _UNCAPTURABLE_OPS = {
     "aten::item",  # the same under inference mode, where it is not decomposed
     "aten::is_nonzero",
     "aten::equal",
+    "aten::allclose",
     "aten::nonzero",
+    "aten::nonzero_numpy",  # nonzero(as_tuple=True) under inference mode
+    "aten::argwhere",
     "aten::masked_select",
     "aten::_unique2",
     "aten::unique_dim",
@@ -133,17 +135,65 @@ _UNCAPTURABLE_OPS = {
 }
 _HOST_READS = ("tolist", "numpy")  # Tensor methods no dispatch mode sees
 _guard_state = threading.local()  # .depth: forbid_host_syncs blocks open on this thread
+_hooks_lock = threading.Lock()
+_hooks_installed = False
+
+
+def _guard_depth() -> int:
+    return getattr(_guard_state, "depth", 0)
+
+
+def _install_guard_hooks() -> None:
+    """Once per process: `Tensor.tolist` / `numpy` refuse on a thread with a guard open, and
+    the Triton interpreter's launches run outside it. Elsewhere both act as before (so
+    guards on several threads, opened and closed in any order, never undo each other)."""
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        for name in _HOST_READS:
+            original = getattr(torch.Tensor, name)
+
+            def method(self, *args, _name=name, _original=original, **kwargs):
+                if _guard_depth():
+                    raise AssertionError(f"Tensor.{_name}() reads device values on the host")
+                return _original(self, *args, **kwargs)
+
+            setattr(torch.Tensor, name, method)
+        try:
+            from triton.runtime import interpreter
+        except ImportError:
+            interpreter = None
+        if interpreter is not None:
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            launch = interpreter.GridExecutor.__call__
+
+            def exempt_launch(self, *args, **kwargs):
+                depth = _guard_depth()
+                if not depth:
+                    return launch(self, *args, **kwargs)
+                _guard_state.depth = 0
+                try:
+                    with _disable_current_modes():
+                        return launch(self, *args, **kwargs)
+                finally:
+                    _guard_state.depth = depth
+
+            interpreter.GridExecutor.__call__ = exempt_launch
+        _hooks_installed = True
 
 
 @contextlib.contextmanager
 def forbid_host_syncs():
-    """Raise, on this thread, on what a CUDA graph cannot capture: host reads of device
-    values (`.item()`, `int(t)`, `.tolist()`, `.numpy()`), outputs whose shape depends on
-    values (`nonzero`, boolean indexing, `repeat_interleave` without `output_size`) and
-    tensors made from Python data. A CPU test can so show that a forward is capturable.
-    Triton kernels run by the interpreter are exempt: on a GPU each is one launch (the
-    interpreter itself reads its arguments into numpy)."""
-    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+    """Raise, on this thread, on what a CUDA graph cannot capture and a CPU can see: host
+    reads of values (`.item()`, `int(t)`, `bool(t)`, `.tolist()`, `.numpy()`, `equal`,
+    `allclose`), outputs whose shape depends on values (`nonzero`, `argwhere`, one-argument
+    `where`, boolean indexing, `masked_select`, unique, `repeat_interleave` without
+    `output_size`) and tensors made from Python data. (A `.cpu()` copy cannot be told from
+    a no-op on a CPU.) Triton kernels run by the interpreter are exempt: on a GPU each is
+    one launch (the interpreter itself reads its arguments into numpy)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Guard(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -151,6 +201,8 @@ def forbid_host_syncs():
             name = func._schema.name
             if name in _UNCAPTURABLE_OPS:
                 raise AssertionError(f"{func} cannot be captured in a CUDA graph")
+            if name == "aten::where" and len(args) == 1:
+                raise AssertionError("where(condition) cannot be captured in a CUDA graph")
             if name == "aten::index" and any(
                 t is not None and t.dtype == torch.bool for t in args[1]
             ):
@@ -159,39 +211,9 @@ def forbid_host_syncs():
                 raise AssertionError("repeat_interleave needs output_size in a CUDA graph")
             return func(*args, **kwargs)
 
-    def refusing(name):
-        original = getattr(torch.Tensor, name)
-
-        def method(self, *args, **kwargs):
-            if getattr(_guard_state, "depth", 0):
-                raise AssertionError(f"Tensor.{name}() reads device values on the host")
-            return original(self, *args, **kwargs)
-
-        return method
-
-    patches = [mock.patch.object(torch.Tensor, name, refusing(name)) for name in _HOST_READS]
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        interpreter = None
-    if interpreter is not None:
-        launch = interpreter.GridExecutor.__call__
-
-        def exempt_launch(self, *args, **kwargs):
-            depth = getattr(_guard_state, "depth", 0)
-            _guard_state.depth = 0
-            try:
-                with _disable_current_modes():
-                    return launch(self, *args, **kwargs)
-            finally:
-                _guard_state.depth = depth
-
-        patches.append(mock.patch.object(interpreter.GridExecutor, "__call__", exempt_launch))
-    with contextlib.ExitStack() as stack:
-        for patch in patches:
-            stack.enter_context(patch)
-        stack.enter_context(Guard())
-        _guard_state.depth = getattr(_guard_state, "depth", 0) + 1
+    _install_guard_hooks()
+    with Guard():
+        _guard_state.depth = _guard_depth() + 1
         try:
             yield
         finally:

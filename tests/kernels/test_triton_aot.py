@@ -45,7 +45,11 @@ def reports(tmp_path_factory) -> dict[int, list[dict]]:
         )
         for arch in ARCHS
     }
-    results = {arch: proc.communicate(timeout=900) for arch, proc in procs.items()}
+    try:
+        results = {arch: proc.communicate(timeout=900) for arch, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()  # a no-op once exited; ends the other one if one timed out
     for arch, proc in procs.items():
         if proc.returncode == triton_aot.UNSUPPORTED_TRITON:
             pytest.skip(results[arch][1].strip())

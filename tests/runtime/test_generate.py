@@ -122,16 +122,18 @@ def test_min_new_tokens_bans_each_rows_own_stop_tokens_in_one_batch(engine, hf_t
     prompts = PROMPTS[:5]
     greedy = {"max_new_tokens": 1, "temperature": 0}
     firsts = [o["output_ids"][0] for o in engine.generate(prompts, greedy)]
+    # Row 0 also bans the last row's token: a ban leaking into other rows would show there.
     params = [
         {**greedy, "stop_token_ids": [first], "min_new_tokens": 1} for first in firsts[:-1]
     ] + [greedy]
+    params[0]["stop_token_ids"].append(firsts[-1])
     got = [o["output_ids"][0] for o in engine.generate(prompts, params)]
     for prompt, first, token, p in zip(prompts, firsts, got, params):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.inference_mode():
             logits = model(ids).logits[0, -1].clone()
             if "stop_token_ids" in p:  # held back too: the EOS token
-                logits[[first, tokenizer.eos_token_id]] = float("-inf")
+                logits[[*p["stop_token_ids"], tokenizer.eos_token_id]] = float("-inf")
         assert token == int(logits.argmax())
         assert (token != first) == ("stop_token_ids" in p)
 
