@@ -435,8 +435,9 @@ def extend_attention(
     )
     heads, head_dim = q.shape[1], q.shape[2]
     out = _out(out, q)
-    tiles = extend_tiles(head_dim, q.dtype, _capability(q.device))
-    if blocks is not None:
+    if blocks is None:
+        tiles = extend_tiles(head_dim, q.dtype, _capability(q.device))
+    else:
         tiles = ExtendTiles(*blocks, num_warps=8 if blocks[0] >= 128 else 4)
     block_m, block_n = tiles.block_m, tiles.block_n
     grid = (req_rows.shape[0], heads, triton.cdiv(max(1, max_extend), block_m))
