@@ -1,21 +1,30 @@
 """The host's share of a decode step against an emulated GPU: what a CPU can say of issue
 18's "time outside the GPU" before a GPU runs it.
 
-The model forward is replaced by a sleep of `--device-ms` (the GIL released, as while a
-GPU computes) that returns fixed logits, so every other part of a step runs for real:
-sampling, appending tokens, stop checks, scheduling, preparing the inputs, and with overlap
-scheduling the hand-offs to the forward worker and back. Per step, wall time minus the
-emulated device time is the host's critical path: what a GPU would sit idle for. It is
-measured for the synchronous loop and the overlapped one, in one run, best of `--repeats`.
+The model forward is replaced by an emulated device: launching it holds the GIL for
+`--launch-ms` (Python queueing kernels), then `--device-ms` of device time is queued on a
+device clock (each forward starts when the one before it has ended, or when it is
+queued), and its logits are fixed rows of a table. Everything else of a step runs for
+real: sampling, appending tokens, stop checks, scheduling, preparing the inputs, and with
+overlap scheduling the hand-offs to the forward worker and back. Results are waited for as
+on a GPU: the synchronous loop reads each forward's logits at once (it sleeps until the
+device clock has passed the forward); the overlapped loop reads only the drawn tokens,
+when it collects them (`ForwardWorker.sampled` sleeps until then), so its next forward may
+be queued while the device is still busy.
+
+Per step, wall time minus the device time is the host's critical path: what a GPU would
+sit idle for. It is measured for the synchronous loop and the overlapped one, in one run,
+best of `--repeats`.
 
     .venv/bin/python benchmarks/bench_host_path.py [--batch 64] [--device-ms 1] [--tokens 128]
 
-(`time.sleep` overshoots by some tens of microseconds; both loops pay it each step.)
+(`time.sleep` overshoots by some tens of microseconds each time it waits.)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -26,6 +35,25 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 
+class EmulatedDevice:
+    """A device queue on the CPU: work queued on it ends `seconds` after both the work
+    before it has ended and it was queued."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+
+    def queue(self, seconds: float) -> float:
+        """Queue `seconds` of work; returns when it ends (a `perf_counter` time)."""
+        self.free_at = max(time.perf_counter(), self.free_at) + seconds
+        return self.free_at
+
+    @staticmethod
+    def wait(until: float) -> None:
+        remaining = until - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)  # the GIL released, as while waiting for a GPU
+
+
 def host_path(
     batch: int, device_s: float, launch_s: float, tokens: int, repeats: int, overlap: bool
 ) -> dict:
@@ -34,18 +62,50 @@ def host_path(
     with Engine(
         default_model_path("tiny"), max_running_requests=batch, overlap_schedule=overlap
     ) as engine:
-        vocab = engine.runner.model_config.vocab_size
+        runner, worker = engine.runner, engine._worker
+        vocab = runner.model_config.vocab_size
         table = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0))
+        device = EmulatedDevice()
+        ends: list[float] = []  # each forward's end, in launch order
 
         def emulated_forward(fb):
             end = time.perf_counter() + launch_s
             while time.perf_counter() < end:  # launching: Python holding the GIL
                 pass
-            time.sleep(device_s)  # the device computes; the host is free
+            ends.append(device.queue(device_s))
+            if worker is None:
+                device.wait(ends[-1])  # the synchronous loop reads the logits now
+            ids = runner.resolve_future_ids(fb.input_ids)
             # [logits rows, vocab], one row per `logits_indices` as the real forward
-            return table[fb.input_ids[fb.logits_indices] % table.shape[0]]
+            return table[ids[fb.logits_indices] % table.shape[0]]
 
-        engine.runner.run = emulated_forward
+        runner.run = emulated_forward
+        if worker is not None:
+            launch, sample, sampled = worker.launch, worker.sample, worker.sampled
+            order = itertools.count()
+            launched_as: dict[int, int] = {}  # id(launch future) -> its forward's index
+            due: dict[int, float] = {}  # id(draw future) -> when its forward ends
+
+            def counted_launch(fb):
+                future = launch(fb)
+                launched_as[id(future)] = next(order)
+                return future
+
+            def timed_sample(launched, *args):
+                future = sample(launched, *args)  # (its forward has run: `ends` has it)
+                due[id(future)] = ends[launched_as[id(launched)]]
+                return future
+
+            def waiting_sampled(future):
+                out = sampled(future)
+                device.wait(due.pop(id(future)))
+                return out
+
+            worker.launch, worker.sample, worker.sampled = (
+                counted_launch,
+                timed_sample,
+                waiting_sampled,
+            )
         prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]
         params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
         engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
@@ -57,8 +117,8 @@ def host_path(
             engine.generate(input_ids=prompts, sampling_params=params)
             wall = time.perf_counter() - start
             best = min(best, wall / engine.stats()["forward_passes"])
-        del engine.runner.run
-    return {"step_ms": 1e3 * best, "host_ms": 1e3 * (best - device_s - launch_s)}
+        del runner.run
+    return {"step_ms": 1e3 * best, "host_ms": 1e3 * (best - device_s)}
 
 
 def main(argv: list[str] | None = None) -> None:

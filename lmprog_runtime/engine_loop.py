@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +27,14 @@ from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache.radix_view import snapshot
 from lmprog_runtime.overlap import OverlapLoop
 from lmprog_runtime.request import Req
-from lmprog_runtime.sampling import record_prompt_logprobs, sample
+from lmprog_runtime.sampling import (
+    SampleRow,
+    record_prompt_logprobs,
+    sample_each,
+    sample_rows,
+    take_rows,
+    token_logprobs,
+)
 from lmprog_runtime.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -272,47 +280,71 @@ class EngineLoop(OverlapLoop):
         sampling raises fails alone. Returns the requests that got a token."""
         appended = []
         for req, token, logprob in self._draw(reqs, logits, row_of):
-            if logprob is not None:
-                req.output_token_logprobs.append((logprob[0], token))
-                if req.top_logprobs_num:
-                    req.output_top_logprobs.append(logprob[1])
             req.output_ids.append(token)
+            self._record_token_logprob(req, token, logprob)
             appended.append(req)
         return appended
+
+    @staticmethod
+    def _record_token_logprob(req: Req, token: int, logprob: Any) -> None:
+        if logprob is not None:
+            req.output_token_logprobs.append((logprob[0], token))
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(logprob[1])
 
     def _draw(
         self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
     ) -> list[tuple[Req, int, Any]]:
-        """(request, token, logprob) for each request, sampled as one batch. If the batch
-        raises, each request is sampled alone (seeded generators rewound first, so the
-        others draw what they would have), and the one that raises fails."""
-        seeded = [r for r in reqs if not r.params.is_greedy]
-        states = [r.generator.get_state() for r in seeded]
+        """(request, token, logprob) for each request, sampled as one batch; a request whose
+        row raises fails alone (`sample_each`)."""
+        reqs, rows = self._rows_to_draw(reqs, logits.shape[-1])
+        if not reqs:
+            return []
+        logits = take_rows(logits, [row_of[id(r)][-1] for r in reqs])
+        token_ids, errors = sample_each(logits, rows)
+        return self._drawn(reqs, logits, token_ids.tolist(), errors)
+
+    def _rows_to_draw(self, reqs: list[Req], vocab: int) -> tuple[list[Req], list[SampleRow]]:
+        """What sampling reads of each request (`sample_rows`), and the requests it was
+        taken for: one whose grammar cannot say what may come next fails alone, as does one
+        the fault hook's "sample" point fails (a test hook)."""
+        if self.fault_hook is not None:
+            reqs = self._each(reqs, lambda req: self.fault_hook("sample", req))
         try:
-            return self._draw_batch(reqs, logits, row_of)
+            return reqs, sample_rows(reqs, vocab)
         except Exception:  # noqa: BLE001 - find the culprit below
-            logger.exception("sampling failed; sampling each request alone")
-        for req, state in zip(seeded, states):
-            req.generator.set_state(state)
-        drawn = []
+            logger.exception("preparing the draw failed; preparing each request alone")
+        rows: dict[int, SampleRow] = {}
+        reqs = self._each(reqs, lambda req: rows.update({id(req): sample_rows([req], vocab)[0]}))
+        return reqs, [rows[id(req)] for req in reqs]
+
+    def _each(self, reqs: list[Req], action: Callable[[Req], Any]) -> list[Req]:
+        """Run `action` on each request; one it raises for fails. Returns the others."""
+        kept = []
         for req in reqs:
             try:
-                drawn += self._draw_batch([req], logits, row_of)
+                action(req)
             except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
                 self._finish(req, error)
-        return drawn
+                continue
+            kept.append(req)
+        return kept
 
-    def _draw_batch(
-        self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
+    def _drawn(
+        self,
+        reqs: list[Req],
+        logits: torch.Tensor,
+        ids: list[int],
+        errors: dict[int, Exception],
     ) -> list[tuple[Req, int, Any]]:
-        if self.fault_hook is not None:
-            for req in reqs:
-                self.fault_hook("sample", req)
-        last = [row_of[id(r)][-1] for r in reqs]
-        if last != list(range(logits.shape[0])):  # a decode step's rows are already in order
-            logits = logits.index_select(0, torch.tensor(last, device=logits.device))
-        out = sample(logits, reqs)
-        return list(zip(reqs, out.token_ids, out.logprobs))
+        """Fail the requests whose row failed; (request, token, logprob) for the others
+        (`logits`: row i is reqs[i]'s)."""
+        for i, error in errors.items():
+            self._finish(reqs[i], error)
+        ok = [i for i in range(len(reqs)) if i not in errors]
+        if len(ok) < len(reqs):
+            reqs, ids, logits = [reqs[i] for i in ok], [ids[i] for i in ok], take_rows(logits, ok)
+        return list(zip(reqs, ids, token_logprobs(logits, ids, reqs)))
 
     def _record_prompt_logprobs(
         self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
@@ -333,6 +365,8 @@ class EngineLoop(OverlapLoop):
         if req.done.is_set():
             return
         self._live.pop(req.rid, None)
+        if req.output_ids and req.output_ids[-1] < 0:  # (overlap) a token still being drawn
+            req.output_ids.pop()
         if error is not None:
             req.abort(error)
         try:

@@ -40,6 +40,10 @@ class ForwardBatch:
     # launch shapes may depend on the batch size only, never on lengths read on the host.
     # Backends without `supports_cuda_graph` are never captured, and ignore it.
     is_cuda_graph: bool = False
+    # Overlap scheduling: some `input_ids` are placeholders `-(row + 1)`, the token drawn
+    # for table row `row` by the step before, still on the device; `ModelRunner.run`
+    # puts the tokens in their place before the model runs.
+    has_future_ids: bool = False
 
     @property
     def batch_size(self) -> int:

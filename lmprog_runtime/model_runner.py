@@ -7,6 +7,10 @@ Turns a `ScheduledBatch` (requests + their new KV slots) into the flat tensors o
 is built as Python lists and sent as one int64 tensor (one host-to-device copy), and the
 request table's host writes are synced (`ReqToTokenPool.sync`). `run` reads only those
 tensors; on CUDA it replays a captured graph for decode steps (`cuda_graph.py`).
+
+With overlap scheduling a request's last token may still be on the device when the next
+forward is prepared: its input is then the placeholder `-(row + 1)`, and `run` takes the
+token from `future_tokens[row]`, where the draw stored it (`store_future_tokens`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from lmprog_runtime.models.loader import read_torch_dtype
 from lmprog_runtime.models.quantization import quantize_linears
 from lmprog_runtime.request import Req
 from lmprog_runtime.scheduler import ScheduledBatch
+from lmprog_runtime.transfer import index_tensor, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +94,10 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(
             config.max_running_requests, self.context_len, self.device
         )
+        # Per request-table row: the token last drawn for it on the device (overlap).
+        self.future_tokens = torch.zeros(
+            self.req_to_token.num_reqs + 1, dtype=torch.int64, device=self.device
+        )
         self.attention = create_attention_backend(
             self.attention_backend, self.model.attention_layout(), self.kv_pool, self.req_to_token
         )
@@ -143,14 +152,31 @@ class ModelRunner:
     def run(self, fb: ForwardBatch) -> torch.Tensor:
         """`forward` on prepared inputs: logits [num_rows, vocab] (float32). Reads tensors
         only, never a request: the overlap loop runs it on its forward worker."""
+        if fb.has_future_ids:
+            fb.input_ids = self.resolve_future_ids(fb.input_ids)
+            fb.has_future_ids = False
         if self.graphs is not None and self.graphs.can_run(fb):
             return self.graphs.run(fb)
         self.attention.init_forward_metadata(fb)
         return self.model(fb, self.attention)
 
+    def resolve_future_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids` with each placeholder `-(row + 1)` replaced by `future_tokens[row]`
+        (on the device: nothing is read back)."""
+        rows = (-input_ids - 1).clamp_(min=0)
+        return torch.where(input_ids < 0, self.future_tokens[rows], input_ids)
+
+    def store_future_tokens(self, rows: list[int], token_ids: torch.Tensor) -> None:
+        """`future_tokens[rows[i]] = token_ids[i]`: drawn tokens, for the placeholders of
+        the forwards queued after this (on the stream the draw ran on)."""
+        if rows:
+            self.future_tokens[index_tensor(rows, self.device)] = token_ids
+
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[list[int]]]:
         """`forward`'s inputs, read from the requests now (on the thread that owns them),
         and each request's logits rows."""
+        if batch.mode is ForwardMode.DECODE:
+            return self._prepare_decode(batch)
         ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -158,10 +184,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         for req, prefix, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             end = prefix + n
-            if batch.mode is ForwardMode.DECODE:
-                new_ids = [req.output_ids[-1]]
-            else:
-                new_ids = req.fill_ids[prefix:end]
+            new_ids = req.fill_ids[prefix:end]
             start_row = len(ids)
             ids.extend(new_ids)
             positions.extend(range(prefix, end))
@@ -170,15 +193,34 @@ class ModelRunner:
             mine = list(range(len(logits_rows), len(logits_rows) + end - first))
             logits_rows.extend(range(start_row + first - prefix, start_row + end - prefix))
             rows_per_req.append(mine)
+        return self._send(batch, ids, positions, seq_lens, logits_rows), rows_per_req
+
+    def _prepare_decode(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[list[int]]]:
+        """`prepare` for a decode batch: one token per request, its logits row its own."""
+        ids = [req.output_ids[-1] for req in batch.reqs]
+        positions = batch.prefix_lens
+        logits_rows = list(range(len(ids)))
+        fb = self._send(batch, ids, positions, [p + 1 for p in positions], logits_rows)
+        return fb, [[i] for i in logits_rows]
+
+    def _send(
+        self,
+        batch: ScheduledBatch,
+        ids: list[int],
+        positions: list[int],
+        seq_lens: list[int],
+        logits_rows: list[int],
+    ) -> ForwardBatch:
+        """The batch's inputs on the device, as one copy, and its `ForwardBatch`."""
         req_rows = [req.req_pool_idx for req in batch.reqs]
         # [ids; positions; table rows; seq_lens; logits rows; KV slots]: one int64 tensor,
         # one copy to the device, split into views there.
         fields = (ids, positions, req_rows, seq_lens, logits_rows)
         flat = torch.tensor([v for field in fields for v in field], dtype=torch.int64, device="cpu")
         sizes = [len(field) for field in fields] + [batch.out_cache_loc.numel()]
-        on_device = torch.cat([flat, batch.out_cache_loc]).to(self.device).split(sizes)
+        on_device = to_device(torch.cat([flat, batch.out_cache_loc]), self.device).split(sizes)
         self.req_to_token.sync()
-        fb = ForwardBatch(
+        return ForwardBatch(
             mode=batch.mode,
             input_ids=on_device[0],
             positions=on_device[1],
@@ -189,8 +231,8 @@ class ModelRunner:
             logits_indices=on_device[4],
             num_decodes=batch.num_decodes,
             seq_lens_device=on_device[3],
+            has_future_ids=bool(ids) and min(ids) < 0,
         )
-        return fb, rows_per_req
 
 
 def _resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -1,29 +1,48 @@
-"""Overlap scheduling: the loop checks step N's tokens while step N+1's forward runs.
+"""Overlap scheduling: the device never waits for the host between decode steps.
 
-Run synchronously, a step is its forward, then the CPU work on its results: stop checks and
-the detokenizing they need, grammar advances, jump-forward, streaming, finishing requests
-(slots to the cache, callers told); the device waits through all of it. Overlapped (as
-SGLang's zero-overhead scheduler does), one iteration of the loop:
+Run synchronously, a step is its forward, then the CPU work on its results: drawing the
+tokens, stop checks and the detokenizing they need, grammar advances, jump-forward,
+streaming, finishing requests (slots to the cache, callers told), scheduling and preparing
+the next step; the device waits through all of it. Overlapped, as SGLang's zero-overhead
+scheduler does, the next tokens stay on the device ("future tokens"): one iteration of the
+loop, with forward N launched by the previous one,
 
-1. collects step N from the `ForwardWorker`, accounts its K/V, draws its tokens and appends
-   them to the requests, unchecked (`EngineLoop._commit`);
+1. commits forward N as soon as it is queued (`_advance`): its K/V go to the requests, the
+   requests whose prompt is done get a placeholder for their next token, and the draw of
+   those tokens is queued behind the forward (`ForwardWorker.sample`), with what sampling
+   reads of each request taken now (`sampling.sample_rows`);
 2. takes what callers handed in, schedules step N+1, reads its inputs from the requests and
-   launches its forward on the worker;
-3. checks step N's tokens (`EngineLoop._check`) while that forward runs.
+   launches its forward, queued behind that draw: a placeholder input `-(row + 1)` is
+   replaced on the device by the token just drawn for table row `row`
+   (`ModelRunner.future_tokens`);
+3. waits for step N's tokens, puts them in place of the placeholders (`_collect`) and checks
+   them (`EngineLoop._check`) while forward N+1 runs.
+
+On a GPU the host's whole iteration runs during forward N+1: the device idles only if the
+host takes longer than a forward. The tokens a request's sampling depends on (penalties,
+min_new_tokens, its grammar's state) are all checked before its next draw is queued, and
+its seeded generator draws once per token: the outputs are token-identical to the
+synchronous loop.
 
 Step N+1 is scheduled before step N's tokens are checked, so it carries the requests those
 checks finish: each leaves it as it finishes (`_leave_in_flight`: the pages the forward
-started for it are freed at once), and what the forward computed for it is dropped when the
-forward is collected; a request that jumps forward leaves the same way. Everything a forward
-reads from the requests is read in step 2, on the loop thread (`ModelRunner.prepare`): the
-worker touches tensors only, and nothing writes the K/V pool or the request table while it
-runs (step 3 only frees slots and rows, which nothing can take before the next schedule).
-Sampling stays in step 1, after the previous checks, so penalties, grammar masks and seeded
-generators see what they see in the synchronous loop: the outputs are token-identical.
+started for it are freed at once, and its placeholder is dropped), and what the forward
+computed for it is dropped when the forward is committed; a request that jumps forward
+leaves the same way. A forward that fails is seen when it is committed, before anything
+depends on it (launching is all a forward does before it is committed: on a GPU its
+kernels are queued, on a CPU it has run); its requests then run one by one, as in the
+synchronous loop. A draw that fails fails its own request only (`sampling.sample_each`).
 
-The worker is one thread. On CUDA it queues the forward on a stream of its own, behind the
-loop thread's copies of the inputs, and waits for it there; on a CPU it computes the forward
-itself (overlap is off there by default: the forward and the loop share the cores).
+Everything a forward reads from the requests is read on the loop thread, in step 2
+(`ModelRunner.prepare`); the worker touches tensors only. The K/V pool is written by
+forwards alone, queued in order on the worker. The request table's device copy is
+written by `prepare` (on the loop's stream, so on a GPU while the forward before may run):
+only entries that forward does not read (new positions, rows of requests admitted since),
+or the rows of requests that left it, whose results it drops.
+
+The worker is one thread running its jobs in order. On CUDA it queues them on a stream of
+its own, behind the loop thread's copies of the inputs; on a CPU it computes them (overlap
+is off there by default: the forward and the loop share the cores).
 """
 
 from __future__ import annotations
@@ -33,9 +52,12 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from lmprog_runtime.forward_batch import ForwardMode
+from lmprog_runtime.sampling import SampleRow, sample_each, take_rows
 
 if TYPE_CHECKING:
     from lmprog_runtime.forward_batch import ForwardBatch
@@ -46,13 +68,44 @@ if TYPE_CHECKING:
 logger = logging.getLogger("lmprog_runtime.engine")
 
 
-class ForwardWorker:
-    """Runs prepared forwards one at a time, in launch order, off the loop thread.
+class ForwardTimer:
+    """How long a forward took on its device: CUDA events around it (read once they have
+    passed), or the seconds a CPU forward ran."""
 
-    Example:
+    def __init__(self, seconds: float = 0.0) -> None:
+        self._seconds = seconds
+        self.start: torch.cuda.Event | None = None
+        self.end: torch.cuda.Event | None = None
+
+    def seconds(self) -> float:
+        if self.end is None:
+            return self._seconds
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1000
+
+
+@dataclass
+class Sampled:
+    """A queued draw's outcome: the tokens (a host tensor, valid once `ready` has passed),
+    the rows that failed, the logits rows they were drawn from, the forward's timer."""
+
+    token_ids: torch.Tensor
+    ready: torch.cuda.Event | None
+    errors: dict[int, Exception]
+    logits: torch.Tensor
+    timer: ForwardTimer
+
+
+class ForwardWorker:
+    """Runs forwards and draws one at a time, in the order they are queued, off the loop
+    thread.
+
+    Example (one request decoding, its logits in row 0, its table row `row`):
         >>> worker = ForwardWorker(engine.runner)  # doctest: +SKIP
         >>> fb, rows = engine.runner.prepare(batch)  # doctest: +SKIP
-        >>> logits, seconds = worker.result(worker.launch(fb))  # doctest: +SKIP
+        >>> launched = worker.launch(fb)  # doctest: +SKIP
+        >>> drawing = worker.sample(launched, [0], sample_rows([req], vocab), [row])  # doctest: +SKIP
+        >>> ids, errors, logits_rows, seconds = worker.sampled(drawing)  # doctest: +SKIP
     """
 
     def __init__(self, runner: ModelRunner) -> None:
@@ -62,35 +115,84 @@ class ForwardWorker:
         self._stream = torch.cuda.Stream(runner.device) if is_cuda else None
 
     def launch(self, fb: ForwardBatch) -> Future:
-        """Start `fb`'s forward; returns a future of (logits, seconds the forward took)."""
+        """Queue `fb`'s forward; returns a future of (logits, its `ForwardTimer`), set once
+        the forward is queued on the device (on a CPU, once it has run)."""
         inputs_ready = None
         if self._stream is not None:
             inputs_ready = torch.cuda.Event()
             inputs_ready.record()  # after the inputs' copies, queued on the loop's stream
         return self._executor.submit(self._forward, fb, inputs_ready)
 
-    def result(self, future: Future) -> tuple[torch.Tensor, float]:
-        """Wait for a launched forward (raising its error). Its kernels are done, so the
-        logits may be used on the loop thread's stream. (Freed, they may serve the worker's
-        next forward, which first waits for what the loop queued before launching it.)"""
-        return future.result()
+    def sample(
+        self, launched: Future, index: list[int], rows: list[SampleRow], table_rows: list[int]
+    ) -> Future:
+        """Queue the draw of `rows` from rows `index` of a launched forward's logits, behind
+        it; the tokens also go to `future_tokens[table_rows]`, where the next forward's
+        placeholders find them. Returns a future of `Sampled`."""
+        return self._executor.submit(self._sample, launched, index, rows, table_rows)
+
+    def sampled(self, future: Future) -> tuple[list[int], dict[int, Exception], Any, float]:
+        """Wait for a queued draw: (token ids, failed rows' errors, the logits rows drawn
+        from, the forward's seconds). The logits may be read on the loop thread's stream
+        (their kernels are done); hold them until that reading is done."""
+        drawn: Sampled = future.result()
+        if drawn.ready is not None:
+            drawn.ready.synchronize()
+        return drawn.token_ids.tolist(), drawn.errors, drawn.logits, drawn.timer.seconds()
+
+    @staticmethod
+    def wait_forward(launched: Future) -> tuple[torch.Tensor, ForwardTimer]:
+        """A launched forward's (logits, timer), once its kernels are done (to read the
+        logits on the loop thread's stream, as prompt logprobs do)."""
+        logits, timer = launched.result()
+        if timer.end is not None:
+            timer.end.synchronize()
+        return logits, timer
+
+    def synchronize(self) -> None:
+        """Wait until nothing queued on the worker runs any more (on the device too)."""
+        self._executor.submit(lambda: None).result()
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)
 
     def _forward(
         self, fb: ForwardBatch, inputs_ready: torch.cuda.Event | None
-    ) -> tuple[torch.Tensor, float]:
-        start = time.perf_counter()
+    ) -> tuple[torch.Tensor, ForwardTimer]:
         if self._stream is None:
-            return self._runner.run(fb), time.perf_counter() - start
+            start = time.perf_counter()
+            logits = self._runner.run(fb)
+            return logits, ForwardTimer(time.perf_counter() - start)
+        timer = ForwardTimer()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(inputs_ready)
+            # The inputs are one block, made on the loop's stream and dropped once this is
+            # queued: not to be handed out again before this stream has read it.
+            fb.positions.record_stream(self._stream)
+            timer.start = torch.cuda.Event(enable_timing=True)
+            timer.end = torch.cuda.Event(enable_timing=True)
+            timer.start.record()
             logits = self._runner.run(fb)
-            done = torch.cuda.Event()
-            done.record()
-        done.synchronize()
-        return logits, time.perf_counter() - start
+            timer.end.record()
+        return logits, timer
+
+    def _sample(
+        self, launched: Future, index: list[int], rows: list[SampleRow], table_rows: list[int]
+    ) -> Sampled:
+        logits, timer = launched.result()  # done: jobs run in order
+        on_stream = self._stream is not None
+        with torch.cuda.stream(self._stream) if on_stream else contextlib.nullcontext():
+            logits = take_rows(logits, index)
+            token_ids, errors = sample_each(logits, rows)
+            self._runner.store_future_tokens(table_rows, token_ids)
+            ready = None
+            if self._stream is not None:
+                token_ids = token_ids.to("cpu", non_blocking=True)  # into pinned memory
+                ready = torch.cuda.Event()
+                ready.record()
+        return Sampled(token_ids, ready, errors, logits, timer)
 
 
 @dataclass
@@ -101,13 +203,16 @@ class InFlight:
     batch: ScheduledBatch
     rows: list[list[int]]
     future: Future
-    slots: list[torch.Tensor] = field(init=False)  # per request: its new KV slots
     index: dict[int, int] = field(init=False)  # id(request) -> its index in `batch`
     left: set[int] = field(default_factory=set)  # indices of the requests that left
 
     def __post_init__(self) -> None:
-        self.slots = self.batch.slots_per_req()
         self.index = {id(req): i for i, req in enumerate(self.batch.reqs)}
+
+    def slots_of(self, i: int) -> torch.Tensor:
+        """Request i's new KV slots (a view; `i` as launched, before `drop_left`)."""
+        start = sum(self.batch.extend_lens[:i])
+        return self.batch.out_cache_loc[start : start + self.batch.extend_lens[i]]
 
     def drop_left(self) -> None:
         """Narrow the batch (and its rows) to the requests that stayed."""
@@ -117,25 +222,37 @@ class InFlight:
             self.rows = [self.rows[i] for i in keep] if self.rows else []
 
 
+@dataclass
+class Pending:
+    """A queued draw: the requests whose next token it draws (each holds a placeholder for
+    it) and the worker's future of it."""
+
+    reqs: list[Req]
+    future: Future
+    forward_counted: bool = False  # its forward's seconds are in the stats already
+
+
 class OverlapLoop:
     """The overlapped iteration of `EngineLoop` (a mixin, as it is: `Engine` sets
     `_worker` and `_in_flight`)."""
 
     def _run_once_overlapped(self) -> None:
-        """Collect step N, launch step N+1, check step N (see the module docstring)."""
+        """Commit forward N and queue its draw, launch forward N+1, check step N's tokens
+        (see the module docstring)."""
         start = time.perf_counter()
-        appended = self._collect() if self._in_flight is not None else None
+        drawing = self._advance() if self._in_flight is not None else None
         self._take_inputs()
         batch = self._schedule()
         if batch is not None:
             self._launch(batch)
-        if appended is not None:
+        if drawing is not None:
+            appended = self._collect(drawing) if isinstance(drawing, Pending) else drawing
             self._check(appended)
             self._stats.add("step_seconds", time.perf_counter() - start)
 
     def _launch(self, batch: ScheduledBatch) -> None:
-        """Read `batch`'s inputs from the requests now, then start its forward on the
-        worker. A failure here counts as the forward's: it shows when `batch` is collected."""
+        """Read `batch`'s inputs from the requests now, then queue its forward on the
+        worker. A failure here counts as the forward's: it shows when `batch` is committed."""
         rows: list[list[int]] = []
         try:
             if self.fault_hook is not None:
@@ -156,37 +273,96 @@ class OverlapLoop:
         i = flight.index.pop(id(req), None) if flight is not None else None
         if i is not None:
             flight.left.add(i)
-            self.scheduler.free_started_pages(flight.slots[i])
+            self.scheduler.free_started_pages(flight.slots_of(i))
 
-    def _collect(self) -> list[Req] | None:
-        """Wait for the launched forward and commit it for the requests that stayed in it
-        (their tokens drawn and appended). A failed forward is run again request by request,
-        as the synchronous loop does. Returns the requests that got a token; None if the
-        step failed or nothing is left of it."""
+    def _advance(self) -> Pending | list[Req] | None:
+        """Commit the launched forward for the requests that stayed in it, and queue the
+        draw of their next tokens. A failed forward is run again request by request, as the
+        synchronous loop does (its tokens are then drawn at once). Returns the draw; the
+        requests that got a token if they got it at once; None if nothing is drawn."""
         flight, self._in_flight = self._in_flight, None
         batch = flight.batch
         try:
-            logits, forward_seconds = self._worker.result(flight.future)
+            logits, timer = flight.future.result()
             error = None
         except Exception as forward_error:  # noqa: BLE001 - find the request it belongs to
-            error, forward_seconds = forward_error, 0.0
+            error = forward_error
         try:
             flight.drop_left()
             if not batch.reqs:
                 return None  # every request of it finished meanwhile: nothing to count
-            rows = flight.rows
-            if error is not None:
-                if len(batch.reqs) < 2:
-                    raise error
-                logger.error("forward failed; running each request alone", exc_info=error)
-                logits, rows = self._forward_alone(batch)
-                if not batch.reqs:
-                    return None
-            return self._commit(batch, logits, rows, forward_seconds)
+            if error is None:
+                return self._commit_launched(flight, logits)
+            if len(batch.reqs) < 2:
+                raise error
+            logger.error("forward failed; running each request alone", exc_info=error)
+            self._worker.synchronize()  # nothing of the failed forward may still write
+            logits, rows = self._forward_alone(batch)
+            if not batch.reqs:
+                return None
+            return self._commit(batch, logits, rows, 0.0)
         except Exception as step_error:  # one bad step must not take the loop down
             logger.exception("engine step failed")
             self._fail_step(batch, step_error)
             return None
+
+    def _commit_launched(self, flight: InFlight, logits: torch.Tensor) -> Pending:
+        """`EngineLoop._commit` for a forward still on the device: the same bookkeeping, and
+        the requests whose prompt is done get a placeholder token, drawn on the worker."""
+        batch = flight.batch
+        ready = self.scheduler.on_forward_done(batch)
+        batch.kv_committed = True
+        num_running = len(self.scheduler.running)
+        self._stats.record_step(batch, num_running=num_running, forward_seconds=0.0)
+        row_of = {id(req): req_rows for req, req_rows in zip(batch.reqs, flight.rows)}
+        # Requests told now (prefill-only ones), or prompt logprobs to read: the forward
+        # must be over first, and its seconds counted before any caller wakes.
+        waits = any(r.max_new_tokens == 0 for r in ready) or (
+            batch.mode is ForwardMode.EXTEND and any(_wants_prompt_logprobs(r) for r in ready)
+        )
+        if waits:
+            logits, timer = self._worker.wait_forward(flight.future)
+            self._stats.add("forward_seconds", timer.seconds())
+            self._record_prompt_logprobs(ready, logits, row_of)
+        ready = [r for r in ready if not r.done.is_set()]
+        for req in ready:
+            if req.max_new_tokens == 0:
+                req.finish_prefill_only()
+                self._finish(req)
+        to_sample = [r for r in ready if r.max_new_tokens > len(r.output_ids)]
+        to_sample, rows = self._rows_to_draw(to_sample, logits.shape[-1])
+        index = [row_of[id(req)][-1] for req in to_sample]
+        table_rows = [req.req_pool_idx for req in to_sample]
+        future = self._worker.sample(flight.future, index, rows, table_rows)
+        for req in to_sample:
+            req.output_ids.append(-(req.req_pool_idx + 1))  # what the next forward reads
+        return Pending(to_sample, future, forward_counted=waits)
+
+    def _collect(self, drawing: Pending) -> list[Req]:
+        """Wait for a queued draw and put its tokens in place of the placeholders, for the
+        requests still running; a row whose draw failed fails its request. Returns the
+        requests that got a token."""
+        try:
+            ids, errors, logits, seconds = self._worker.sampled(drawing.future)
+        except Exception as error:  # noqa: BLE001 - the draw itself broke: its requests fail
+            logger.exception("drawing the next tokens failed")
+            for req in drawing.reqs:
+                self._finish(req, error)
+            return []
+        if not drawing.forward_counted:
+            self._stats.add("forward_seconds", seconds)
+        keep = [i for i, req in enumerate(drawing.reqs) if not req.done.is_set()]
+        if len(keep) < len(drawing.reqs):
+            position = {i: j for j, i in enumerate(keep)}
+            errors = {position[i]: e for i, e in errors.items() if i in position}
+            ids, logits = [ids[i] for i in keep], take_rows(logits, keep)
+        reqs = [drawing.reqs[i] for i in keep]
+        appended = []
+        for req, token, logprob in self._drawn(reqs, logits, ids, errors):
+            req.output_ids[-1] = token  # its placeholder
+            self._record_token_logprob(req, token, logprob)
+            appended.append(req)
+        return appended
 
     def _abandon_in_flight(self, error: BaseException) -> None:
         """Fail the requests of the launched forward, if any, once it is over (at shutdown,
@@ -197,7 +373,13 @@ class OverlapLoop:
             return
         with contextlib.suppress(Exception):  # its outcome no longer matters
             flight.future.result()
+        with contextlib.suppress(Exception):  # (a worker shut down already)
+            self._worker.synchronize()
         flight.drop_left()
         for req, n in zip(flight.batch.reqs, flight.batch.extend_lens):
             req.kv_len += n
             self._finish(req, error)
+
+
+def _wants_prompt_logprobs(req: Req) -> bool:
+    return req.logprob_start_len >= 0 and not req.input_logprobs_done

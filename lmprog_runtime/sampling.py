@@ -16,17 +16,27 @@ generator (tokens identical to the multinomial reference); on an accelerator eac
 generator lives on that device (`Req.generator`) and the row is drawn there as an
 exponential race, so a seed reproduces its tokens on the same kind of device, whatever
 shares the batch, but not the CPU's tokens (the logits differ there anyway).
+
+What sampling reads of a request is taken first, on the engine's loop thread
+(`sample_rows`); drawing from those `SampleRow`s (`sample_each`) reads no request, so the
+overlap loop runs it on its forward worker, queued behind the forward, while the loop
+goes on changing the requests.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NamedTuple
 
 import torch
 
-from lmprog_runtime.constrained.base import allowed_masks
+from lmprog_runtime.constrained.base import mask_words, unpack_mask_words
 from lmprog_runtime.request import Req
+from lmprog_runtime.sampling_params import SamplingParams
+from lmprog_runtime.transfer import index_tensor, to_device
+
+logger = logging.getLogger(__name__)
 
 # Top-k / top-p sort only this many leading tokens of a row unless it needs more.
 FILTER_WINDOW = 256
@@ -38,19 +48,86 @@ class SampleOutput(NamedTuple):
     logprobs: list[tuple[float, list[tuple[float, int]]] | None]
 
 
+class SampleRow(NamedTuple):
+    """What sampling reads of one request, taken when its row is drawn: its parameters and
+    generator, its output so far (when it has penalties), the tokens it may not draw yet
+    (EOS and stop tokens under min_new_tokens) and its grammar's allowed tokens as bits."""
+
+    rid: int
+    params: SamplingParams
+    generator: torch.Generator
+    penalty_ids: list[int] | None
+    banned: list[int]
+    mask_words: torch.Tensor | None  # int32 [ceil(vocab / 32)] on the host
+
+
+def sample_rows(reqs: list[Req], vocab: int) -> list[SampleRow]:
+    """Each request's `SampleRow` now (on the thread that owns the requests)."""
+    constrained = [req for req in reqs if req.matcher is not None]
+    words = iter(mask_words([req.matcher for req in constrained], vocab)) if constrained else None
+    rows = []
+    for req in reqs:
+        params = req.params
+        banned: list[int] = []
+        if not req.can_stop:
+            # A grammar decides by itself where its output may end: its EOS stays allowed.
+            keep = {req.grammar_eos} if req.matcher is not None else set()
+            banned = [t for t in (req.eos_token_ids | req.stop_token_ids) - keep if 0 <= t < vocab]
+        penalty_ids = list(req.output_ids) if params.has_penalties and req.output_ids else None
+        mask = next(words) if req.matcher is not None else None
+        rows.append(SampleRow(req.rid, params, req.generator, penalty_ids, banned, mask))
+    return rows
+
+
+def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`logits[rows]` (the tensor itself when `rows` are all of its rows, in order)."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, index_tensor(rows, logits.device))
+
+
 def sample(logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
     """logits: [batch, vocab] float32 (any device), row i belongs to reqs[i]."""
-    raw = logits
-    logits = _apply_penalties_and_masks(logits, reqs)
+    ids = sample_token_ids(logits, sample_rows(reqs, logits.shape[-1])).tolist()
+    return SampleOutput(ids, token_logprobs(logits, ids, reqs))
+
+
+def sample_token_ids(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The tokens drawn for `rows` from `logits` [len(rows), vocab], as an int64 tensor on
+    the logits' device (read nothing back for greedy rows)."""
+    logits = _apply_penalties_and_masks(logits, rows)
     token_ids = logits.argmax(dim=-1)  # [batch]
-    sampled_rows = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+    sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if sampled_rows:
-        rows = torch.tensor(sampled_rows, dtype=torch.int64, device=logits.device)
-        sampled = [reqs[i] for i in sampled_rows]
-        probs = _filtered_probs(logits.index_select(0, rows), sampled)
-        token_ids[rows] = draw(probs, [r.generator for r in sampled], [r.rid for r in sampled])
-    ids = token_ids.tolist()
-    return SampleOutput(ids, token_logprobs(raw, ids, reqs))
+        index = index_tensor(sampled_rows, logits.device)
+        sampled = [rows[i] for i in sampled_rows]
+        probs = _filtered_probs(logits.index_select(0, index), sampled)
+        token_ids[index] = draw(probs, [r.generator for r in sampled], [r.rid for r in sampled])
+    return token_ids
+
+
+def sample_each(
+    logits: torch.Tensor, rows: list[SampleRow]
+) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """`sample_token_ids` for the batch; if it raises, each row is drawn alone (seeded
+    generators rewound first, so the others draw what they would have). Returns the token
+    ids (0 where a row failed) and each failed row's error, by row index."""
+    seeded = [r.generator for r in rows if not r.params.is_greedy]
+    states = [generator.get_state() for generator in seeded]
+    try:
+        return sample_token_ids(logits, rows), {}
+    except Exception:  # noqa: BLE001 - find the culprit below
+        logger.exception("sampling failed; sampling each request alone")
+    for generator, state in zip(seeded, states):
+        generator.set_state(state)
+    token_ids = torch.zeros(len(rows), dtype=torch.int64, device=logits.device)
+    errors: dict[int, Exception] = {}
+    for i, row in enumerate(rows):
+        try:
+            token_ids[i : i + 1] = sample_token_ids(logits[i : i + 1], [row])
+        except Exception as error:  # noqa: BLE001 - this row fails, the rest go on
+            errors[i] = error
+    return token_ids, errors
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator], rids: list[int]) -> torch.Tensor:
@@ -160,69 +237,65 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
     return list(zip(values.tolist(), indices.tolist()))
 
 
-def _apply_penalties_and_masks(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+def _apply_penalties_and_masks(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     vocab = logits.shape[-1]
     cloned = False
     # (row, token) pairs banned this step, set at once: one index copy and one launch for
     # the batch (a decode batch under min_new_tokens bans EOS in every row, every step).
     banned_rows: list[int] = []
     banned_ids: list[int] = []
-    for i, req in enumerate(reqs):
-        params = req.params
-        if params.has_penalties and req.output_ids:
+    for i, row in enumerate(rows):
+        params = row.params
+        if row.penalty_ids is not None:
             if not cloned:
                 logits, cloned = logits.clone(), True
-            output_ids = torch.tensor(req.output_ids, dtype=torch.int64, device=logits.device)
+            output_ids = index_tensor(row.penalty_ids, logits.device)
             counts = torch.bincount(output_ids, minlength=vocab)[:vocab]
             counts = counts.to(logits.dtype)
             logits[i] -= params.frequency_penalty * counts
             logits[i] -= params.presence_penalty * (counts > 0).to(logits.dtype)
-        if not req.can_stop:
-            # A grammar decides by itself where its output may end: its EOS stays allowed.
-            keep = {req.grammar_eos} if req.matcher is not None else set()
-            banned = [t for t in (req.eos_token_ids | req.stop_token_ids) - keep if 0 <= t < vocab]
-            banned_rows += [i] * len(banned)
-            banned_ids += banned
+        banned_rows += [i] * len(row.banned)
+        banned_ids += row.banned
     if banned_ids:
         if not cloned:
             logits, cloned = logits.clone(), True
-        where = torch.tensor([banned_rows, banned_ids], dtype=torch.int64, device="cpu")
-        where = where.to(logits.device)
+        where = index_tensor(banned_rows + banned_ids, logits.device).view(2, -1)
         logits[where[0], where[1]] = float("-inf")
-    constrained = [i for i, req in enumerate(reqs) if req.matcher is not None]
+    constrained = [i for i, row in enumerate(rows) if row.mask_words is not None]
     if constrained:
         if not cloned:
             logits = logits.clone()
-        rows = torch.tensor(constrained, dtype=torch.int64, device=logits.device)
-        allowed = allowed_masks([reqs[i].matcher for i in constrained], vocab, logits.device)
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        index = index_tensor(constrained, logits.device)
+        words = torch.stack([rows[i].mask_words for i in constrained])
+        allowed = unpack_mask_words(words, vocab, logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits
 
 
-def _filtered_probs(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then top-k, then top-p, then min-p; each filter sees what the previous
     one kept, renormalised (transformers' and vLLM's order). Returns unnormalised probs
     [n, vocab]."""
     vocab = logits.shape[-1]
-    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs]
+    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
     # [4, n] on the host: temperature, top-k, top-p and min-p; decisions are taken here, on
     # the float32 values the device gets (one copy), so the device is never read back.
     host = torch.tensor(
         [
-            [r.params.temperature for r in reqs],
+            [r.params.temperature for r in rows],
             top_k,
-            [r.params.top_p for r in reqs],
-            [r.params.min_p for r in reqs],
+            [r.params.top_p for r in rows],
+            [r.params.min_p for r in rows],
         ],
         dtype=torch.float64,
         device="cpu",
     ).to(logits.dtype)
-    params = host.to(logits.device)
+    params = to_device(host, logits.device)
     temps, top_p, min_p = params[0], params[2], params[3]
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     filtered = ((host[1] < vocab) | (host[2] < 1.0)).nonzero().flatten().tolist()
     if filtered:
-        rows = torch.tensor(filtered, dtype=torch.int64, device=logits.device)
+        rows = index_tensor(filtered, logits.device)
         k = params[1].to(torch.int64)[rows]
         max_k = max((top_k[i] for i in filtered if top_k[i] < vocab), default=0)
         probs[rows] = _top_k_top_p(probs[rows], k, top_p[rows], max_top_k=max_k)

@@ -115,37 +115,44 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
 
+    @property
+    def decoding(self) -> list[Req]:
+        """The running requests that decode next step: not those whose last token (still
+        being drawn, with overlap scheduling) is their last by max_new_tokens."""
+        return [r for r in self.running if len(r.output_ids) < r.max_new_tokens]
+
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
     # ---- choosing the next batch ----------------------------------------------------------
     def next_batch(self) -> ScheduledBatch | None:
-        if self.chunked_req is not None and self.running and self._last_was_extend:
-            batch = self._schedule_decode()  # a long prompt must not stall running requests
+        decoding = self.decoding
+        if self.chunked_req is not None and decoding and self._last_was_extend:
+            batch = self._schedule_decode(decoding)  # a long prompt must not stall decoding
         else:
             batch = self._schedule_extend()
-            if batch is not None and self.running and not self.config.disable_mixed_batches:
-                self._mix_decodes(batch)
-            if batch is None and self.running:
-                batch = self._schedule_decode()
+            if batch is not None and decoding and not self.config.disable_mixed_batches:
+                self._mix_decodes(batch, decoding)
+            if batch is None and decoding:
+                batch = self._schedule_decode(decoding)
         self._last_was_extend = (
             batch is not None and batch.mode is ForwardMode.EXTEND and not batch.num_decodes
         )
         return batch
 
-    def _mix_decodes(self, batch: ScheduledBatch) -> None:
-        """Add one decode token of every running request to an extend batch, if a slot for
+    def _mix_decodes(self, batch: ScheduledBatch, decoding: list[Req]) -> None:
+        """Add one decode token of each `decoding` request to an extend batch, if a slot for
         each is free now (otherwise they decode next step, evicting or retracting there)."""
-        rows, kv_lens, last = self._decode_positions()
+        rows, kv_lens, last = self._decode_positions(decoding)
         slots = self.allocator.alloc_decode(last)
         if slots is None:
             return
         self._write_decode_slots(rows, kv_lens, slots)
-        batch.reqs += self.running
+        batch.reqs += decoding
         batch.out_cache_loc = torch.cat([batch.out_cache_loc, slots])
         batch.prefix_lens += kv_lens.tolist()
-        batch.extend_lens += [1] * len(self.running)
-        batch.num_decodes = len(self.running)
+        batch.extend_lens += [1] * len(decoding)
+        batch.num_decodes = len(decoding)
         self._decay_new_token_ratio()
 
     def _decay_new_token_ratio(self) -> None:
@@ -311,37 +318,48 @@ class Scheduler:
             ForwardMode.EXTEND, reqs, torch.cat(slots_list), prefix_lens, extend_lens
         )
 
-    def _schedule_decode(self) -> ScheduledBatch:
-        slots, rows, kv_lens = self._alloc_decode_slots()
+    def _schedule_decode(self, decoding: list[Req]) -> ScheduledBatch | None:
+        slots, rows, kv_lens, reqs = self._alloc_decode_slots(decoding)
+        if not reqs:
+            return None
         self._write_decode_slots(rows, kv_lens, slots)
-        reqs = list(self.running)
         self._decay_new_token_ratio()
         prefix_lens = kv_lens.tolist()
         return ScheduledBatch(ForwardMode.DECODE, reqs, slots, prefix_lens, [1] * len(reqs))
 
-    def _alloc_decode_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One new slot per running request (evicting, then retracting, when short).
-        Returns (slots, table rows, positions), each [num_running]."""
+    def _alloc_decode_slots(
+        self, decoding: list[Req]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Req]]:
+        """One new slot per `decoding` request (evicting, then retracting, when short).
+        Returns (slots, table rows, positions), each [n], and the n requests that got one
+        (those not retracted)."""
         while True:
-            rows, kv_lens, last = self._decode_positions()
+            rows, kv_lens, last = self._decode_positions(decoding)
             slots = self.allocator.alloc_decode(last)
             if slots is not None:
-                return slots, rows, kv_lens
+                return slots, rows, kv_lens, decoding
             ps = self.allocator.page_size
             short = int(((last + 1) % ps == 0).sum()) * ps - self.allocator.num_free
             if self._evict(short) >= short:
                 continue
-            victim = self._pick_victim()
+            if len(decoding) < len(self.running):
+                # (overlap) the others finish at their next check, freeing their slots:
+                # nothing decodes until then, and nothing is retracted for room they give.
+                return last[:0], rows[:0], kv_lens[:0], []
+            victim = self._pick_victim(decoding)
             if victim is None:
                 # Admission checks every request fits the pool alone, so this cannot happen.
                 raise RuntimeError("KV pool exhausted by a single request")
             self.retract(victim)
+            decoding = [r for r in decoding if r is not victim]
 
-    def _decode_positions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per running request: its table row, its next position, and the KV slot of the
+    def _decode_positions(
+        self, decoding: list[Req]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per `decoding` request: its table row, its next position, and the KV slot of the
         position before (running requests always hold K/V, so there is one)."""
-        rows = torch.tensor([r.req_pool_idx for r in self.running], dtype=torch.int64, device="cpu")
-        kv_lens = torch.tensor([r.kv_len for r in self.running], dtype=torch.int64, device="cpu")
+        rows = torch.tensor([r.req_pool_idx for r in decoding], dtype=torch.int64, device="cpu")
+        kv_lens = torch.tensor([r.kv_len for r in decoding], dtype=torch.int64, device="cpu")
         last = self.req_to_token.host_table[rows, kv_lens - 1]
         return rows, kv_lens, last
 
@@ -350,13 +368,13 @@ class Scheduler:
     ) -> None:
         self.req_to_token.write_tokens(rows, kv_lens, slots)
 
-    def _pick_victim(self) -> Req | None:
+    def _pick_victim(self, decoding: list[Req]) -> Req | None:
         if self.chunked_req is not None:
             return self.chunked_req
-        if len(self.running) <= 1:
+        if len(decoding) <= 1:
             return None
         # The request that has made the least progress loses the least by recomputing.
-        return min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
+        return min(decoding, key=lambda r: (len(r.output_ids), -r.prompt_len))
 
     def jump_forward(self, req: Req) -> None:
         """`req`'s output grew by forced tokens without K/V: extend it next, then decode."""

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from lmprog_runtime.attention.base import BaseAttentionBackend
 from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
+from lmprog_runtime.transfer import index_tensor, to_device
 
 # A bucket holds requests whose new-token counts are within this factor of its shortest.
 BUCKET_GROWTH = 2
@@ -56,7 +57,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
             self._mask = None
             return
         key_pos = torch.arange(max_len, device=device)
-        q_pos = torch.tensor(batch.seq_lens, device=device)[:, None] - 1  # [batch, 1]
+        q_pos = index_tensor(batch.seq_lens, device)[:, None] - 1  # [batch, 1]
         mask = key_pos[None, :] <= q_pos
         if window is not None:
             mask &= key_pos[None, :] > q_pos - window
@@ -110,22 +111,22 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 ]
             )
             dst = torch.cat([torch.arange(n, device="cpu") + j * max_q for j, n in enumerate(ext)])
-            src, dst = src.to(device), dst.to(device)
+            src, dst = to_device(src, device), to_device(dst, device)
         fresh = max(prefix) == 0 and (window is None or window >= max_q)
         if fresh:
             mask = None
             if not uniform:
                 pos = torch.arange(max_q, device=device)
-                lens = torch.tensor(ext, device=device)
+                lens = index_tensor(ext, device)
                 allowed = (pos[None, None, :] <= pos[None, :, None]) & (
                     pos[None, None, :] < lens[:, None, None]
                 )  # [reqs, q, k]
                 mask = _additive(allowed[:, None])
             return _Bucket(len(idx), max_q, max_q, src, dst, None, mask)
-        rows = batch.req_pool_indices[torch.tensor(idx, dtype=torch.int64, device=device)]
+        rows = batch.req_pool_indices[index_tensor(idx, device)]
         kv_index = self.req_to_token.table[rows, :max_len].reshape(-1)
         key_pos = torch.arange(max_len, device=device)
-        q_pos = torch.tensor(prefix, device=device)[:, None] + torch.arange(max_q, device=device)
+        q_pos = index_tensor(prefix, device)[:, None] + torch.arange(max_q, device=device)
         allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # [reqs, q, max_len]
         if window is not None:
             allowed &= key_pos[None, None, :] > q_pos[:, :, None] - window

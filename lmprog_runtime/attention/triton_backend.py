@@ -23,6 +23,7 @@ import torch
 from lmprog_runtime.attention.base import AttentionLayout, BaseAttentionBackend
 from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool
+from lmprog_runtime.transfer import to_device
 
 
 class _ExtendPlan(NamedTuple):
@@ -108,9 +109,8 @@ class TritonAttentionBackend(BaseAttentionBackend):
         return _DecodePlan(batch.req_pool_indices, seq_lens, num_splits)
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device="cpu").to(
-            self.req_to_token.table.device
-        )
+        host = torch.tensor(values, dtype=torch.int64, device="cpu")
+        return to_device(host, self.req_to_token.table.device)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch

@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from lmprog_runtime.transfer import to_device
+
 
 class Matcher(ABC):
     """One request's position in a grammar."""
@@ -61,11 +63,24 @@ def allowed_masks(
     """[len(matchers), vocab_size] bool on `device`: each matcher's allowed next tokens,
     written on the host as one bitmask tensor (a row per matcher; matchers write host
     memory), copied to `device` as bits (32x less than the mask) and unpacked there."""
+    return unpack_mask_words(mask_words(matchers, vocab_size), vocab_size, device)
+
+
+def mask_words(matchers: list[Matcher], vocab_size: int) -> torch.Tensor:
+    """`allowed_masks`' host half: int32 [len(matchers), ceil(vocab_size / 32)] on the CPU,
+    bit `t % 32` of word `t // 32` set where token t may come next."""
     shape = (len(matchers), (vocab_size + 31) // 32)
     words = torch.zeros(shape, dtype=torch.int32, device="cpu")
     for matcher, row in zip(matchers, words):
         matcher.fill_mask_words(row)
-    words = words.to(device)
+    return words
+
+
+def unpack_mask_words(
+    words: torch.Tensor, vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """`allowed_masks`' device half: `mask_words`' rows as bool [n, vocab_size] on `device`."""
+    words = to_device(words, device)
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     bits = (words[:, :, None] >> shifts) & 1
-    return bits.reshape(len(matchers), -1)[:, :vocab_size].bool()
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()

@@ -51,6 +51,7 @@ def engine_pair(tiny_path: str) -> Iterator[tuple[Engine, Engine]]:
 
 def result_key(out: dict) -> tuple:
     """What must be identical between the two loops (not the request id)."""
+    assert all(token >= 0 for token in out["output_ids"])  # no placeholder left behind
     meta = out["meta_info"]
     return out["output_ids"], out["text"], meta["finish_reason"], meta["completion_tokens"]
 

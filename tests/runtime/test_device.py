@@ -40,6 +40,7 @@ SERVING_MODULES = [
     "cuda_graph.py",
     "forward_batch.py",
     "sampling.py",
+    "transfer.py",
     "request.py",
     "kvcache",
     "constrained",

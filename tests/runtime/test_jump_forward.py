@@ -73,16 +73,19 @@ def test_tokens_after_a_jump_see_the_kv_of_a_fresh_prefill_of_the_same_ids(
 
     _, off = engines
     rows = {}  # (rid, output length when sampled) -> log-softmax of the raw logits
-    real_sample = engine_mod.sample
+    real_sample_each = engine_mod.sample_each
+    live = {}  # the engine's requests by id (its loop thread samples them)
 
-    def spy(logits, reqs):
-        for row, req in zip(logits.float(), reqs):
+    def spy(logits, sample_rows):
+        for row, sample_row in zip(logits.float(), sample_rows):
+            req = live[sample_row.rid]
             rows[(req.rid, len(req.output_ids))] = row.log_softmax(-1)
-        return real_sample(logits, reqs)
+        return real_sample_each(logits, sample_rows)
 
-    monkeypatch.setattr(engine_mod, "sample", spy)
+    monkeypatch.setattr(engine_mod, "sample_each", spy)
     params = {"max_new_tokens": 160, "temperature": 0, "json_schema": json.dumps(SCHEMA)}
     with Engine(tiny_path, max_total_tokens=8192, disable_radix_cache=disable_radix_cache) as on:
+        live = on._live
         on.generate(PROMPTS[:1], params)  # leaves K/V of a jump-forward run in the cache
         outs, stats = _run(on, PROMPTS, params)
         assert stats["jump_forward_tokens"] > 40

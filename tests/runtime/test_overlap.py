@@ -1,4 +1,5 @@
-"""Overlap scheduling (issue 18): the loop checks step N's tokens while step N+1's forward
+"""Overlap scheduling (issue 18): step N+1's forward is queued before step N's tokens reach
+the host (its inputs take them on the device), and the loop checks them while that forward
 runs, with results token-identical to the synchronous loop (`overlap_engines.py`: the same
 engine built with `overlap_schedule=False`, both with a fake slow forward).
 
@@ -15,11 +16,13 @@ import threading
 
 import jsonschema
 import pytest
+import torch
 from helpers import PROMPTS
 from overlap_engines import POOL, SCHEMA, engine_pair, result_key, stop_inside
 
 from lmprog_runtime import Engine
 from lmprog_runtime.config import RuntimeConfig
+from lmprog_runtime.forward_batch import ForwardMode
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +208,39 @@ def test_checks_run_while_the_next_forward_runs(tiny_path, engines):
     forward_threads = {name for kind, name, _ in met if kind == "forward"}
     check_threads = {name for kind, name, _ in met if kind == "check"}
     assert forward_threads.isdisjoint(check_threads)
+
+
+def test_the_next_forward_takes_the_drawn_tokens_on_the_device(tiny_path, engines):
+    """Every decode forward is prepared before the tokens it consumes reach the host: its
+    inputs are placeholders `-(row + 1)`, filled on the device from what the draw stored,
+    and the outputs are the synchronous loop's. A request decodes no further once its
+    last token by max_new_tokens is being drawn: no forward more than the synchronous
+    loop runs."""
+    sync, _ = engines
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (1, 3, 6)]
+    with Engine(tiny_path, overlap_schedule=True, **POOL) as engine:
+        prepare = engine.runner.prepare
+        inputs = []
+
+        def recording_prepare(batch):
+            fb, rows = prepare(batch)
+            inputs.append((batch.mode, fb.input_ids.tolist()))
+            return fb, rows
+
+        engine.runner.prepare = recording_prepare
+        got = engine.generate(PROMPTS[:3], params)
+        passes = engine.stats()["forward_passes"]
+    sync.reset_stats()
+    want = sync.generate(PROMPTS[:3], params)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert passes == sync.stats()["forward_passes"] == 6
+    decodes = [ids for mode, ids in inputs if mode is ForwardMode.DECODE]
+    assert len(decodes) == 5 and all(all(i < 0 for i in ids) for ids in decodes)
+
+
+def test_placeholders_read_the_tokens_stored_for_their_rows(engines):
+    _, overlapped = engines
+    runner = overlapped.runner
+    runner.store_future_tokens([3, 0], torch.tensor([11, 22]))
+    resolved = runner.resolve_future_ids(torch.tensor([5, -4, -1, 7]))
+    assert resolved.tolist() == [5, 11, 22, 7]

@@ -107,6 +107,49 @@ def test_a_fault_fails_its_request_and_the_others_are_identical(engines, point, 
     assert overlapped.generate(PROMPTS[2], params)["output_ids"] == want[2]["output_ids"]
 
 
+@pytest.mark.parametrize("loop", ["synchronous", "overlapped"])
+def test_a_grammar_whose_mask_breaks_fails_its_request_alone(engines, monkeypatch, loop):
+    """What a draw reads of the requests is taken on the loop thread; a grammar that cannot
+    say which tokens may come next (from its third mask on) fails its own request there,
+    and the requests drawn beside it, constrained or not, come out as without it."""
+    from lmprog_runtime.constrained.outlines_backend import _OutlinesMatcher
+
+    engine = dict(zip(["synchronous", "overlapped"], engines))[loop]
+    broken_regex = r"[a-z]{3,9}"
+    regex = r"[0-9]{2,5}-[a-z]{2}"
+    params = [
+        {"max_new_tokens": 12, "temperature": 0, "regex": broken_regex},
+        {"max_new_tokens": 12, "temperature": 0.8, "seed": 3, "regex": regex},
+        {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+    ]
+    prompts = PROMPTS[:3]
+    want = engine.generate(prompts[1:], params[1:])
+    fill = _OutlinesMatcher.fill_mask_words
+
+    def breaking_fill(matcher, words):
+        calls = getattr(matcher, "calls", None)
+        if calls is not None:
+            matcher.calls = calls + 1
+            if calls + 1 >= 3:
+                raise RuntimeError("mask broke")
+        return fill(matcher, words)
+
+    grammar = engine.grammar("regex", broken_regex)
+    new_matcher = grammar.new_matcher
+
+    def marked_matcher():
+        matcher = new_matcher()
+        matcher.calls = 0
+        return matcher
+
+    monkeypatch.setattr(_OutlinesMatcher, "fill_mask_words", breaking_fill)
+    monkeypatch.setattr(grammar, "new_matcher", marked_matcher)
+    futures = engine.submit(prompts, params)
+    results = [f.exception(timeout=60) or f.result() for f in futures]
+    assert "mask broke" in str(results[0])
+    assert [result_key(r) for r in results[1:]] == [result_key(w) for w in want]
+
+
 @settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.lists(

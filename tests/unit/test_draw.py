@@ -14,11 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmprog_runtime.sampling import (
+    SampleRow,
     _exponential_race,
     _race_matches_multinomial,
     _top_k_top_p,
     draw,
+    sample_each,
+    sample_token_ids,
 )
+from lmprog_runtime.sampling_params import SamplingParams
 
 
 @settings(max_examples=40, deadline=None)
@@ -102,3 +106,24 @@ def test_windowed_top_k_top_p_keeps_what_a_full_sort_keeps(vocab, top_k, top_p, 
     ours = _top_k_top_p(probs, k, p)
     expected = _reference_top_k_top_p(probs, k, p)
     assert torch.equal(ours, expected)
+
+
+def test_a_row_that_cannot_be_drawn_fails_alone():
+    """`sample_each`: a row without finite mass fails by itself; every other row draws
+    what it draws alone, and its generator ends where that solo draw leaves it."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    logits[2] = float("nan")
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+
+    def rows() -> list[SampleRow]:
+        return [
+            SampleRow(i, params, torch.Generator().manual_seed(7 + i), None, [], None)
+            for i in range(4)
+        ]
+
+    batch, solo = rows(), rows()
+    token_ids, errors = sample_each(logits, batch)
+    assert list(errors) == [2] and "finite" in str(errors[2])
+    for i in (0, 1, 3):
+        assert int(token_ids[i]) == int(sample_token_ids(logits[i : i + 1], [solo[i]])[0])
+        assert torch.equal(batch[i].generator.get_state(), solo[i].generator.get_state())
