@@ -9,6 +9,8 @@ Sections, each recorded on its own (an error or a skip is written down, the rest
   tokens against transformers' `generate`;
 - `greedy_equality`: greedy tokens with the prefix cache on (cold and warm) and off, and
   with CUDA graphs on and off;
+- `overlap_equality`: the overlapped loop (next tokens on the device) against the
+  synchronous one: greedy, seeded, penalties, min_new_tokens, stops, logprobs, regexes;
 - `decode_bandwidth`: the Triton decode kernel's bytes moved per second, as a fraction of
   the HBM peak (nominal, and a measured device-to-device copy);
 - `throughput`: engine against transformers' `generate`, no-sharing and shared-prefix;
@@ -320,6 +322,79 @@ def greedy_equality(check: Check) -> dict[str, Any]:
     return out
 
 
+def overlap_equality(check: Check) -> dict[str, Any]:
+    """The overlapped loop (the next tokens kept on the device, drawn on the forward
+    worker's stream) against the synchronous one, on the same requests: greedy and seeded
+    draws, top-k / top-p, penalties, min_new_tokens, stop strings, logprobs and (with
+    outlines-core) regexes; float32, so that a batch's shape moves no token. Figures: the
+    outputs identical between the loops, the largest logprob difference on identical
+    tokens, and what any output breaks of its request (a placeholder id left, a length
+    out of bounds, a stop string in the text, a regex not matched)."""
+    kinds = [
+        {"temperature": 0, "ignore_eos": True},
+        {"temperature": 0.9, "seed": 11, "ignore_eos": True},
+        {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 12},
+        {"temperature": 0, "frequency_penalty": 0.5, "presence_penalty": 0.3},
+        {"temperature": 0.7, "seed": 13, "min_new_tokens": 12},
+        {"temperature": 0, "stop": ["e", "a"]},
+    ]
+    num = 6 if check.smoke else 18
+    params = [{"max_new_tokens": 6 + 3 * i, **kinds[i % len(kinds)]} for i in range(num)]
+    if importlib.util.find_spec("outlines_core") is not None:
+        regex = r"[a-z]{2,8}-[0-9]{2,4}( ok)?"
+        params[-1] = {"max_new_tokens": 32, "temperature": 0, "regex": regex}
+        params[-2] = {"max_new_tokens": 32, "temperature": 0.9, "seed": 14, "regex": regex}
+    logprobs = [i % 3 == 0 for i in range(num)]
+    prompts = corpus_prompts("tiny", num, 12)
+    outs: dict[str, list[dict[str, Any]]] = {}
+    out: dict[str, Any] = {"requests": num, "regex": "regex" in params[-1]}
+    for label, overlap in (("overlapped", True), ("synchronous", False)):
+        with check.engine("tiny", dtype="float32", overlap_schedule=overlap) as engine:
+            outs[label] = engine.generate(
+                input_ids=prompts, sampling_params=params, return_logprob=logprobs
+            )
+            out[f"{label}_loop_overlaps"] = engine._worker is not None
+    got, want = outs["overlapped"], outs["synchronous"]
+    out["identical_outputs"] = (
+        f"{sum(a['output_ids'] == b['output_ids'] for a, b in zip(got, want))}/{num}"
+    )
+    diffs = [
+        abs(x[0] - y[0])
+        for a, b in zip(got, want)
+        if a["output_ids"] == b["output_ids"] and "output_token_logprobs" in a["meta_info"]
+        for x, y in zip(
+            a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        )
+    ]
+    out["max_logprob_diff_on_identical"] = max(diffs, default=None)
+    out["problems"] = [
+        f"{label} {i}: {problem}"
+        for label, results in outs.items()
+        for i, (result, p) in enumerate(zip(results, params))
+        for problem in _request_problems(result, p)
+    ]
+    return out
+
+
+def _request_problems(result: dict[str, Any], params: dict[str, Any]) -> list[str]:
+    """What an output breaks of its request's parameters."""
+    import re
+
+    ids, text = result["output_ids"], result["text"]
+    problems = []
+    if any(token < 0 for token in ids):
+        problems.append("a placeholder id in the output")
+    if not params.get("min_new_tokens", 0) <= len(ids) <= params["max_new_tokens"]:
+        problems.append(f"{len(ids)} tokens")
+    problems += [
+        f"stop string {stop!r} in the text" for stop in params.get("stop", ()) if stop in text
+    ]
+    stopped = result["meta_info"]["finish_reason"]["type"] == "stop"
+    if "regex" in params and stopped and not re.fullmatch(params["regex"], text):
+        problems.append(f"{text!r} does not match the regex")
+    return problems
+
+
 def decode_bandwidth(check: Check) -> dict[str, Any]:
     if check.device != "cuda":
         raise SkipSection("needs CUDA")
@@ -507,6 +582,7 @@ SECTIONS = [
     ("fused_ops", fused_ops, 10),
     ("correctness", correctness, 30),
     ("greedy_equality", greedy_equality, 20),
+    ("overlap_equality", overlap_equality, 20),
     ("decode_bandwidth", decode_bandwidth, 15),
     ("throughput", throughput, 60),
     ("decode_overhead", decode_overhead, 20),
