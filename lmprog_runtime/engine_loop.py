@@ -28,6 +28,7 @@ from lmprog_runtime.kvcache.radix_view import snapshot
 from lmprog_runtime.overlap import OverlapLoop
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling import (
+    NO_MASS,
     SampleRow,
     record_prompt_logprobs,
     sample_each,
@@ -337,8 +338,11 @@ class EngineLoop(OverlapLoop):
         ids: list[int],
         errors: dict[int, Exception],
     ) -> list[tuple[Req, int, Any]]:
-        """Fail the requests whose row failed; (request, token, logprob) for the others
-        (`logits`: row i is reqs[i]'s)."""
+        """Fail the requests whose row failed or had no mass (token -1); (request, token,
+        logprob) for the others (`logits`: row i is reqs[i]'s)."""
+        for i, token in enumerate(ids):
+            if token < 0 and i not in errors:
+                errors[i] = ValueError(f"request {reqs[i].rid}: {NO_MASS}")
         for i, error in errors.items():
             self._finish(reqs[i], error)
         ok = [i for i in range(len(reqs)) if i not in errors]

@@ -168,9 +168,10 @@ class ModelRunner:
 
     def store_future_tokens(self, rows: list[int], token_ids: torch.Tensor) -> None:
         """`future_tokens[rows[i]] = token_ids[i]`: drawn tokens, for the placeholders of
-        the forwards queued after this (on the stream the draw ran on)."""
+        the forwards queued after this (on the stream the draw ran on). A row that drew no
+        token (-1) stores 0: its request fails, and what is computed for it is dropped."""
         if rows:
-            self.future_tokens[index_tensor(rows, self.device)] = token_ids
+            self.future_tokens[index_tensor(rows, self.device)] = token_ids.clamp(min=0)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[list[int]]]:
         """`forward`'s inputs, read from the requests now (on the thread that owns them),

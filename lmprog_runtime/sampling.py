@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 # Top-k / top-p sort only this many leading tokens of a row unless it needs more.
 FILTER_WINDOW = 256
+NO_MASS = (
+    "its sampling distribution has no finite, positive mass (non-finite logits, or every "
+    "token masked)"
+)
 
 
 class SampleOutput(NamedTuple):
@@ -94,7 +98,9 @@ def sample(logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
 
 def sample_token_ids(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """The tokens drawn for `rows` from `logits` [len(rows), vocab], as an int64 tensor on
-    the logits' device (read nothing back for greedy rows)."""
+    the logits' device; -1 for a row whose distribution has no mass (`NO_MASS`). Greedy
+    rows read nothing back from the device, nor do drawn rows unless top-p must look past
+    the leading FILTER_WINDOW tokens of a flat row."""
     logits = _apply_penalties_and_masks(logits, rows)
     token_ids = logits.argmax(dim=-1)  # [batch]
     sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -102,7 +108,8 @@ def sample_token_ids(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
         index = index_tensor(sampled_rows, logits.device)
         sampled = [rows[i] for i in sampled_rows]
         probs = _filtered_probs(logits.index_select(0, index), sampled)
-        token_ids[index] = draw(probs, [r.generator for r in sampled], [r.rid for r in sampled])
+        generators, rids = [r.generator for r in sampled], [r.rid for r in sampled]
+        token_ids[index] = draw(probs, generators, rids, mark=True)
     return token_ids
 
 
@@ -111,7 +118,7 @@ def sample_each(
 ) -> tuple[torch.Tensor, dict[int, Exception]]:
     """`sample_token_ids` for the batch; if it raises, each row is drawn alone (seeded
     generators rewound first, so the others draw what they would have). Returns the token
-    ids (0 where a row failed) and each failed row's error, by row index."""
+    ids (-1 where a row failed or had no mass) and each failed row's error, by row index."""
     seeded = [r.generator for r in rows if not r.params.is_greedy]
     states = [generator.get_state() for generator in seeded]
     try:
@@ -120,7 +127,7 @@ def sample_each(
         logger.exception("sampling failed; sampling each request alone")
     for generator, state in zip(seeded, states):
         generator.set_state(state)
-    token_ids = torch.zeros(len(rows), dtype=torch.int64, device=logits.device)
+    token_ids = torch.full((len(rows),), -1, dtype=torch.int64, device=logits.device)
     errors: dict[int, Exception] = {}
     for i, row in enumerate(rows):
         try:
@@ -130,7 +137,9 @@ def sample_each(
     return token_ids, errors
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator], rids: list[int]) -> torch.Tensor:
+def draw(
+    probs: torch.Tensor, generators: list[torch.Generator], rids: list[int], mark: bool = False
+) -> torch.Tensor:
     """One token per row of `probs` [n, vocab] (unnormalised), row i drawn with
     `generators[i]`: exactly what `torch.multinomial(probs[i], 1, generator=generators[i])`
     returns, leaving each generator in the same state, at a fraction of its cost.
@@ -144,22 +153,37 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator], rids: list[int]
     falls back to multinomial.
 
     On an accelerator the generators must live on `probs`' device: each row's race draws
-    its exponentials there (see the module docstring)."""
+    its exponentials there (see the module docstring).
+
+    A row without finite, positive mass raises a ValueError naming `rids[row]`; with
+    `mark`, it draws -1 instead (its generator untouched on a CPU) and nothing is read
+    back from the device, so the caller finds out when it reads the tokens."""
     finite = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1)
     valid = finite & (probs.sum(dim=-1) > 0)
-    if not bool(valid.all()):
-        rid = rids[int((~valid).nonzero()[0, 0])]
-        raise ValueError(
-            f"request {rid}: its sampling distribution has no finite, positive mass "
-            "(non-finite logits, or every token masked)"
-        )
     if probs.device.type != "cpu":
-        return _device_race(probs, generators)
+        if not mark:
+            _check_mass(valid, rids)
+        tokens = _device_race(probs, generators)
+        return torch.where(valid, tokens, -1) if mark else tokens
+    if not mark:
+        _check_mass(valid, rids)
+    elif not bool(valid.all()):  # (read on the host: free)
+        rows = valid.nonzero().flatten().tolist()
+        tokens = torch.full((probs.shape[0],), -1, dtype=torch.int64, device="cpu")
+        if rows:
+            tokens[rows] = draw(probs[rows], [generators[i] for i in rows], [rids[i] for i in rows])
+        return tokens
     if not _race_matches_multinomial():
         return torch.stack(
             [torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, generators)]
         )
     return _exponential_race(probs, generators)
+
+
+def _check_mass(valid: torch.Tensor, rids: list[int]) -> None:
+    if not bool(valid.all()):
+        rid = rids[int((~valid).nonzero()[0, 0])]
+        raise ValueError(f"request {rid}: {NO_MASS}")
 
 
 def _device_race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:

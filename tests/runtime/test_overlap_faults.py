@@ -150,6 +150,39 @@ def test_a_grammar_whose_mask_breaks_fails_its_request_alone(engines, monkeypatc
     assert [result_key(r) for r in results[1:]] == [result_key(w) for w in want]
 
 
+@pytest.mark.parametrize("loop", ["synchronous", "overlapped"])
+def test_a_distribution_without_mass_fails_its_request_alone(engines, monkeypatch, loop):
+    """A drawn row whose distribution has no mass draws -1 without a read-back from the
+    device; the loop fails that request when it reads the tokens (naming it), and the
+    other requests, drawn in the same batch, come out as without it."""
+    import lmprog_runtime.sampling as sampling
+
+    engine = dict(zip(["synchronous", "overlapped"], engines))[loop]
+    params = [
+        {"max_new_tokens": 10, "temperature": 0.8, "seed": i, "ignore_eos": True} for i in range(4)
+    ]
+    want = engine.generate(PROMPTS[1:4], params[1:])
+    filtered_probs = sampling._filtered_probs
+    victim = []  # the rid of the request whose third draw has no mass
+
+    def massless(logits, rows):
+        probs = filtered_probs(logits, rows)
+        for i, row in enumerate(rows):
+            if row.rid in victim and row.params.seed == 0:
+                victim.append(row.rid)
+                if len(victim) == 4:
+                    probs[i] = 0.0
+        return probs
+
+    monkeypatch.setattr(sampling, "_filtered_probs", massless)
+    futures = engine.submit(PROMPTS[:4], params)
+    victim.append(futures[0].request_id)
+    results = [f.exception(timeout=60) or f.result() for f in futures]
+    rid = futures[0].request_id
+    assert f"request {rid}: its sampling distribution has no finite" in str(results[0])
+    assert [result_key(r) for r in results[1:]] == [result_key(w) for w in want]
+
+
 @settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.lists(
