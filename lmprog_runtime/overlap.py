@@ -26,19 +26,22 @@ synchronous loop.
 
 Step N+1 is scheduled before step N's tokens are checked, so it carries the requests those
 checks finish: each leaves it as it finishes (`_leave_in_flight`: the pages the forward
-started for it are freed at once, and its placeholder is dropped), and what the forward
-computed for it is dropped when the forward is committed; a request that jumps forward
-leaves the same way. A forward that fails is seen when it is committed, before anything
+started for it are freed at once), and what the forward computed for it is dropped when
+the forward is committed; a request that jumps forward leaves the same way, and one that
+finishes while its token is being drawn (aborted, past its timeout) drops its placeholder
+(`EngineLoop._finish`). A forward that fails is seen when it is committed, before anything
 depends on it (launching is all a forward does before it is committed: on a GPU its
 kernels are queued, on a CPU it has run); its requests then run one by one, as in the
-synchronous loop. A draw that fails fails its own request only (`sampling.sample_each`).
+synchronous loop. A draw that fails, or a row without mass (drawn as -1, nothing read
+back), fails its own request only, when the tokens are read (`sampling.sample_each`).
 
 Everything a forward reads from the requests is read on the loop thread, in step 2
 (`ModelRunner.prepare`); the worker touches tensors only. The K/V pool is written by
 forwards alone, queued in order on the worker. The request table's device copy is
 written by `prepare` (on the loop's stream, so on a GPU while the forward before may run):
 only entries that forward does not read (new positions, rows of requests admitted since),
-or the rows of requests that left it, whose results it drops.
+rows of requests that left it (their results are dropped), or entries the prefix cache
+points at other slots holding the same K/V.
 
 The worker is one thread running its jobs in order. On CUDA it queues them on a stream of
 its own, behind the loop thread's copies of the inputs; on a CPU it computes them (overlap
