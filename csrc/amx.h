@@ -43,7 +43,10 @@ inline void configure_tiles() {
     config.colsb[t] = 64;
     config.rows[t] = 16;
   }
-  _tile_loadconfig(&config);
+  // Not `_tile_loadconfig`: GCC 12 declares its operand as 8 bytes, so the compiler may
+  // drop the stores of the shapes above and the CPU loads a half-written config (#GP).
+  // The whole 64-byte config is the operand here.
+  asm volatile("ldtilecfg %0" : : "m"(config));
 }
 
 }  // namespace lmprog

@@ -211,20 +211,32 @@ class EngineLoop(OverlapLoop):
         """After the forward: its K/V go to the requests and its counters to the stats, those
         requests whose prompt is done draw their next token and append it (checked by
         `_check`), and prefill-only requests finish. Returns the requests that got a token."""
+        ready, row_of = self._account(batch, rows, forward_seconds)
+        if batch.mode is ForwardMode.EXTEND:
+            self._record_prompt_logprobs(ready, logits, row_of)
+        to_sample = self._to_draw(ready)
+        return self._sample(to_sample, logits, row_of) if to_sample else []
+
+    def _account(
+        self, batch: ScheduledBatch, rows: list[list[int]], forward_seconds: float
+    ) -> tuple[list[Req], dict[int, list[int]]]:
+        """A forward's K/V to its requests and its counters to the stats. Returns the
+        requests whose prompt is now done, and each request's logits rows by id()."""
         ready = self.scheduler.on_forward_done(batch)
         batch.kv_committed = True
         num_running = len(self.scheduler.running)
         self._stats.record_step(batch, num_running=num_running, forward_seconds=forward_seconds)
-        row_of = {id(req): req_rows for req, req_rows in zip(batch.reqs, rows)}
-        if batch.mode is ForwardMode.EXTEND:
-            self._record_prompt_logprobs(ready, logits, row_of)
+        return ready, {id(req): req_rows for req, req_rows in zip(batch.reqs, rows)}
+
+    def _to_draw(self, ready: list[Req]) -> list[Req]:
+        """Of the requests whose prompt is done, finish the prefill-only ones; returns
+        those that draw a token now."""
         ready = [r for r in ready if not r.done.is_set()]
         for req in ready:
             if req.max_new_tokens == 0:
                 req.finish_prefill_only()
                 self._finish(req)
-        to_sample = [r for r in ready if r.max_new_tokens > len(r.output_ids)]
-        return self._sample(to_sample, logits, row_of) if to_sample else []
+        return [r for r in ready if r.max_new_tokens > len(r.output_ids)]
 
     def _check(self, reqs: list[Req]) -> None:
         """Check each request's new token: it finishes the request (slots freed, caller

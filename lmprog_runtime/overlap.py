@@ -313,11 +313,7 @@ class OverlapLoop:
         """`EngineLoop._commit` for a forward still on the device: the same bookkeeping, and
         the requests whose prompt is done get a placeholder token, drawn on the worker."""
         batch = flight.batch
-        ready = self.scheduler.on_forward_done(batch)
-        batch.kv_committed = True
-        num_running = len(self.scheduler.running)
-        self._stats.record_step(batch, num_running=num_running, forward_seconds=0.0)
-        row_of = {id(req): req_rows for req, req_rows in zip(batch.reqs, flight.rows)}
+        ready, row_of = self._account(batch, flight.rows, 0.0)
         # Requests told now (prefill-only ones), or prompt logprobs to read: the forward
         # must be over first, and its seconds counted before any caller wakes.
         waits = any(r.max_new_tokens == 0 for r in ready) or (
@@ -327,13 +323,7 @@ class OverlapLoop:
             logits, timer = self._worker.wait_forward(flight.future)
             self._stats.add("forward_seconds", timer.seconds())
             self._record_prompt_logprobs(ready, logits, row_of)
-        ready = [r for r in ready if not r.done.is_set()]
-        for req in ready:
-            if req.max_new_tokens == 0:
-                req.finish_prefill_only()
-                self._finish(req)
-        to_sample = [r for r in ready if r.max_new_tokens > len(r.output_ids)]
-        to_sample, rows = self._rows_to_draw(to_sample, logits.shape[-1])
+        to_sample, rows = self._rows_to_draw(self._to_draw(ready), logits.shape[-1])
         index = [row_of[id(req)][-1] for req in to_sample]
         table_rows = [req.req_pool_idx for req in to_sample]
         future = self._worker.sample(flight.future, index, rows, table_rows)
