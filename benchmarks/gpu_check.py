@@ -4,6 +4,8 @@ Sections, each recorded on its own (an error or a skip is written down, the rest
 
 - `environment`: versions, the GPU, optional modules missing (their sections are skipped);
 - `fused_ops`: the Triton RMSNorm, SiLU-and-mul and RoPE against the torch reference;
+- `keyed_race`: the sampler's Triton draw against its torch ops, and its time against a
+  generator per row;
 - `correctness`: per model and attention backend, prompt and output logprobs against
   transformers' forward on the same GPU (bfloat16 tolerance; float32 strictly), greedy
   tokens against transformers' `generate`;
@@ -243,6 +245,50 @@ def fused_ops(check: Check) -> dict[str, Any]:
         name: {"max_abs_diff": float((a.float() - b.float()).abs().max())}
         for name, (a, b) in pairs.items()
     }
+
+
+def keyed_race(check: Check) -> dict[str, Any]:
+    """The sampler's draw on the GPU (`keyed_race.py`): the Triton race against its torch
+    ops (the same tokens), and the time of a batch-64 draw over a SmolLM2-sized vocabulary,
+    host included: the kernel, the torch ops, and a generator per row (`exponential_` per
+    row, what the sampler did before). The smoke run checks it on a CPU (Triton only under
+    `TRITON_INTERPRET=1`), tiny sizes."""
+    from lmprog_runtime.keyed_race import key_words, keyed_exponentials, race_key
+
+    device = check.device
+    rows, vocab, iters = (4, 300, 2) if check.smoke else (64, 49152, 50)
+    gen = torch.Generator(device=device).manual_seed(0)
+    probs = torch.softmax(torch.randn(rows, vocab, generator=gen, device=device), dim=-1)
+    keys = [race_key(seed, 5) for seed in range(rows)]
+    words = key_words(keys, device)
+
+    def torch_ops() -> torch.Tensor:
+        return (probs / keyed_exponentials(words, vocab)).argmax(dim=-1)
+
+    generators = [torch.Generator(device=device).manual_seed(seed) for seed in range(rows)]
+
+    def per_row() -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        for row, generator in zip(noise, generators):
+            row.exponential_(generator=generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def wall(fn: Callable[[], Any]) -> float:
+        fn()
+        return 1e3 * _timed(lambda: [fn() for _ in range(iters)]) / iters
+
+    out: dict[str, Any] = {"rows": rows, "vocab": vocab}
+    out["ms_torch_ops"] = wall(torch_ops)
+    out["ms_generator_per_row"] = wall(per_row)
+    has_triton = importlib.util.find_spec("triton") is not None
+    if not has_triton or (device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"):
+        out["triton"] = "skipped: needs Triton (on a CPU, under TRITON_INTERPRET=1)"
+        return out
+    from lmprog_runtime.triton_race import race
+
+    out["rows_equal_to_torch_ops"] = f"{int((race(probs, words) == torch_ops()).sum())}/{rows}"
+    out["ms_triton"] = wall(lambda: race(probs, key_words(keys, device)))
+    return out
 
 
 def correctness(check: Check) -> dict[str, Any]:
@@ -580,6 +626,7 @@ def _device_us(event: Any) -> float:
 SECTIONS = [
     ("environment", environment, 0),
     ("fused_ops", fused_ops, 10),
+    ("keyed_race", keyed_race, 10),
     ("correctness", correctness, 30),
     ("greedy_equality", greedy_equality, 20),
     ("overlap_equality", overlap_equality, 20),

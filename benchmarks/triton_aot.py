@@ -12,7 +12,8 @@ For each compiled kernel it reports registers per thread, spilled bytes, shared 
 and the tensor-core instructions in its PTX. Cases: the attention layouts of the built-in
 models and common real ones (GQA groups 1-7, head_dim 16-256), bfloat16 / float16 /
 float32 pools, decode at the split counts the runtime uses (including a CUDA graph's
-fixed count), extend, the KV store, and the fused RMSNorm, SiLU-and-mul and RoPE.
+fixed count), extend, the KV store, the fused RMSNorm, SiLU-and-mul and RoPE, and the
+sampler's keyed race.
 
     .venv/bin/python benchmarks/triton_aot.py               # sm_90 (H100 / H200), a table
     .venv/bin/python benchmarks/triton_aot.py --arch 80 --json out.json
@@ -195,12 +196,22 @@ def elementwise_launches(dtype: torch.dtype) -> Iterator[str]:
         ops.rope(q, q[:, :2], _index(tokens), table, table)
 
 
+def race_launches() -> Iterator[str]:
+    """The sampler's keyed race (float32 probabilities; the vocabulary a launch argument)."""
+    from lmprog_runtime.triton_race import race
+
+    yield "race"
+    probs = torch.empty(64, 49152, dtype=torch.float32, device="meta")
+    race(probs, torch.empty(64, 2, dtype=torch.int64, device="meta"))
+
+
 def cases(dtypes: list[str]) -> Iterator[tuple[str, Iterator[str]]]:
     for name in dtypes:
         dtype = DTYPES[name]
         for layout, shape in LAYOUTS.items():
             yield f"{layout} {name}", attention_launches(*shape, dtype)
         yield name, elementwise_launches(dtype)
+    yield "sampler", race_launches()
 
 
 # ---- the report -----------------------------------------------------------------------

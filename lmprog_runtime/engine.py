@@ -252,7 +252,6 @@ class Engine(EngineLoop):
                 top_logprobs_num=item.top_logprobs_num,
                 stream=stream,
                 seed=seed,
-                device=self.runner.device,
                 matcher=item.grammar.new_matcher() if item.grammar is not None else None,
                 grammar_eos=self._grammar_eos,
                 grammar=item.grammar,

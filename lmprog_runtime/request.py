@@ -41,7 +41,6 @@ class Req:
         top_logprobs_num: int = 0,
         stream: bool = False,
         seed: int = 0,
-        device: torch.device | str = "cpu",
         matcher: Any = None,
         grammar_eos: int | None = None,
         grammar: Any = None,
@@ -60,10 +59,10 @@ class Req:
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len if return_logprob else -1
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
-        # On the model's device: the sampler draws this request's tokens there.
-        self.generator = torch.Generator(device=device).manual_seed(
-            params.seed if params.seed is not None else seed
-        )
+        # Its draws on a CPU come from its generator, on an accelerator from its seed
+        # (`sampling.draw`).
+        self.seed = params.seed if params.seed is not None else seed
+        self.generator = torch.Generator(device="cpu").manual_seed(self.seed)
         self.matcher = matcher  # constrained decoding: which tokens may come next
         self.grammar_eos = grammar_eos
         self.grammar = grammar  # the compiled constraint (a new matcher after a jump)

@@ -59,7 +59,7 @@ def reports(tmp_path_factory) -> dict[int, list[dict]]:
 
 def _launches() -> set[str]:
     """Every (case prefix, launch) label the script must have compiled."""
-    labels = set()
+    labels = {"sampler: race"}
     for dtype in triton_aot.DTYPES:
         for layout in triton_aot.LAYOUTS:
             labels |= {f"{layout} {dtype}: store_kv", f"{layout} {dtype}: extend"}

@@ -74,6 +74,40 @@ def test_outputs_are_token_identical_to_the_synchronous_loop(engines):
             assert lps == pytest.approx([lp for lp, _ in w["meta_info"][name]], abs=1e-5)
 
 
+def test_keyed_draws_are_identical_to_the_synchronous_loop(engines, monkeypatch):
+    """The accelerators' sampler (keyed races, run here on the CPU): each draw is keyed by
+    the tokens its request has so far, which the overlapped loop counts as the synchronous
+    one does (placeholders resolved, jump-forward tokens in); a seeded request draws the
+    same tokens alone and among others, and not multinomial's tokens."""
+    from lmprog_runtime import sampling
+
+    sync, overlapped = engines
+    mix = [
+        {"max_new_tokens": 20, "temperature": 0.9, "seed": 7, "ignore_eos": True},
+        {"max_new_tokens": 80, "temperature": 0.9, "seed": 2, "json_schema": json.dumps(SCHEMA)},
+        {"max_new_tokens": 12, "temperature": 0},
+        {"max_new_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 3, "ignore_eos": True},
+        {
+            "max_new_tokens": 9,
+            "temperature": 0.7,
+            "seed": 1,
+            "presence_penalty": 0.3,
+            "ignore_eos": True,
+        },
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(mix))]
+    multinomial = sync.generate(prompts, mix)
+    monkeypatch.setattr(sampling, "keyed", lambda device: True)
+    want = sync.generate(prompts, mix)
+    got = overlapped.generate(prompts, mix)
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
+    jsonschema.validate(json.loads(got[1]["text"]), SCHEMA)
+    assert want[0]["output_ids"] != multinomial[0]["output_ids"]
+    assert want[3]["output_ids"] != multinomial[3]["output_ids"]
+    alone = overlapped.generate(prompts[0], mix[0])
+    assert alone["output_ids"] == want[0]["output_ids"]
+
+
 def test_a_caller_wakes_to_free_slots_and_the_synchronous_counters(engines):
     """When `generate` returns, the slots of the forward launched for the requests that had
     just finished are already free, and the counters equal the synchronous loop's (the

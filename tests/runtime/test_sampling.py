@@ -100,12 +100,19 @@ def stable_reference(logits: torch.Tensor, setting: dict) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("draws", [DRAWS, pytest.param(8 * DRAWS, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sampler", ["multinomial", "keyed"])
 def test_sampled_first_tokens_follow_the_transformers_distribution(
-    engine, first_token_logits, draws
+    engine, first_token_logits, draws, sampler, monkeypatch
 ):
     """Every setting, in one batch (rows with different settings share forwards): draws
     stay inside the allowed set and each frequent token's count fits its probability. The
-    settings allow from 3 tokens to the whole vocabulary, cut in different places."""
+    settings allow from 3 tokens to the whole vocabulary, cut in different places. Both
+    samplers: the CPU's (multinomial's draws) and the accelerators' (keyed races, run here
+    on the CPU's logits)."""
+    from lmprog_runtime import sampling
+
+    if sampler == "keyed":
+        monkeypatch.setattr(sampling, "keyed", lambda device: True)
     ids = engine.encode(PROMPT)
     params = [
         {**SETTINGS[i % len(SETTINGS)], "max_new_tokens": 1, "seed": i}

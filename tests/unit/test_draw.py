@@ -18,6 +18,7 @@ from lmprog_runtime.sampling import (
     _exponential_race,
     _race_matches_multinomial,
     _top_k_top_p,
+    argmax_rows,
     draw,
     sample_each,
     sample_token_ids,
@@ -118,7 +119,7 @@ def test_a_row_that_cannot_be_drawn_fails_alone():
 
     def rows() -> list[SampleRow]:
         return [
-            SampleRow(i, params, torch.Generator().manual_seed(7 + i), None, [], None)
+            SampleRow(i, params, torch.Generator().manual_seed(7 + i), 0, None, [], None)
             for i in range(4)
         ]
 
@@ -128,3 +129,23 @@ def test_a_row_that_cannot_be_drawn_fails_alone():
     for i in (0, 1, 3):
         assert int(token_ids[i]) == int(sample_token_ids(logits[i : i + 1], [solo[i]])[0])
         assert torch.equal(batch[i].generator.get_state(), solo[i].generator.get_state())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.sampled_from([1, 3, 64, 1000]),
+    levels=st.integers(1, 4),
+    special=st.sampled_from([None, float("nan"), float("-inf"), float("inf")]),
+    seed=st.integers(0, 2**31),
+)
+def test_argmax_rows_is_argmax_ties_and_non_finite_values_included(
+    rows, vocab, levels, special, seed
+):
+    """The greedy pick (`max`'s indices on a CPU) is torch's argmax: the first index among
+    equal maxima (few distinct values: many ties), nan winning as in argmax."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, vocab), generator=gen).float()
+    if special is not None:
+        x.view(-1)[torch.randint(0, x.numel(), (3,), generator=gen)] = special
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
