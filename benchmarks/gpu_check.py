@@ -5,7 +5,7 @@ Sections, each recorded on its own (an error or a skip is written down, the rest
 - `environment`: versions, the GPU, optional modules missing (their sections are skipped);
 - `fused_ops`: the Triton RMSNorm, SiLU-and-mul and RoPE against the torch reference;
 - `keyed_race`: the sampler's Triton draw against its torch ops, and its time against a
-  generator per row;
+  generator per row; top-p's full sort against the windowed one that reads back;
 - `correctness`: per model and attention backend, prompt and output logprobs against
   transformers' forward on the same GPU (bfloat16 tolerance; float32 strictly), greedy
   tokens against transformers' `generate`;
@@ -280,6 +280,14 @@ def keyed_race(check: Check) -> dict[str, Any]:
     out: dict[str, Any] = {"rows": rows, "vocab": vocab}
     out["ms_torch_ops"] = wall(torch_ops)
     out["ms_generator_per_row"] = wall(per_row)
+    # Top-p (0.9) as the sampler runs it on a GPU (whole rows sorted, nothing read back)
+    # and as on a CPU (a 256-token window, then a read-back of the rows it missed).
+    from lmprog_runtime.sampling import _top_k_top_p
+
+    top_k = torch.full((rows,), vocab, device=device)
+    top_p = torch.full((rows,), 0.9, device=device)
+    for name, full in (("ms_top_p_full_sort", True), ("ms_top_p_window_and_read_back", False)):
+        out[name] = wall(lambda full=full: _top_k_top_p(probs, top_k, top_p, 0, full=full))
     has_triton = importlib.util.find_spec("triton") is not None
     if not has_triton or (device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"):
         out["triton"] = "skipped: needs Triton (on a CPU, under TRITON_INTERPRET=1)"

@@ -26,6 +26,7 @@ goes on changing the requests.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from typing import NamedTuple
 
@@ -102,9 +103,8 @@ def sample(logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
 
 def sample_token_ids(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """The tokens drawn for `rows` from `logits` [len(rows), vocab], as an int64 tensor on
-    the logits' device; -1 for a row whose distribution has no mass (`NO_MASS`). Greedy
-    rows read nothing back from the device, nor do drawn rows unless top-p must look past
-    the leading FILTER_WINDOW tokens of a flat row."""
+    the logits' device; -1 for a row whose distribution has no mass (`NO_MASS`). On an
+    accelerator nothing is read back from the device (`on_accelerator`)."""
     logits = _apply_penalties_and_masks(logits, rows)
     token_ids = argmax_rows(logits)  # [batch]
     sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -131,7 +131,11 @@ def sample_each(
     """`sample_token_ids` for the batch; if it raises, each row is drawn alone (seeded
     generators rewound first, so the others draw what they would have). Returns the token
     ids (-1 where a row failed or had no mass) and each failed row's error, by row index."""
-    seeded = [] if keyed(logits.device) else [r.generator for r in rows if not r.params.is_greedy]
+    seeded = (
+        []
+        if on_accelerator(logits.device)
+        else [r.generator for r in rows if not r.params.is_greedy]
+    )
     states = [generator.get_state() for generator in seeded]
     try:
         return sample_token_ids(logits, rows), {}
@@ -149,8 +153,10 @@ def sample_each(
     return token_ids, errors
 
 
-def keyed(device: torch.device) -> bool:
-    """Whether draws on `device` are keyed races (`keyed_race.py`): off the CPU."""
+def on_accelerator(device: torch.device) -> bool:
+    """Whether sampling on `device` takes the accelerator's path: draws are keyed races
+    (`keyed_race.py`), top-p sorts whole rows, and nothing is read back to the host (no
+    launch waits for the device). Off the CPU."""
     return device.type != "cpu"
 
 
@@ -173,7 +179,7 @@ def draw(
     torch build draws differently (checked once, against multinomial itself), each row
     falls back to multinomial.
 
-    On an accelerator (`keyed`) the rows race instead with noise keyed by `keys[i]`
+    On an accelerator (`on_accelerator`) the rows race instead with noise keyed by `keys[i]`
     (`keyed_race.race_key`), one kernel for the batch; the generators are not used.
 
     A row without finite, positive mass raises a ValueError naming `rids[row]`; with
@@ -181,7 +187,7 @@ def draw(
     back from the device, so the caller finds out when it reads the tokens."""
     finite = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1)
     valid = finite & (probs.sum(dim=-1) > 0)
-    if keyed(probs.device):
+    if on_accelerator(probs.device):
         if keys is None:
             raise ValueError("keys: draws on an accelerator are keyed races")
         if not mark:
@@ -272,20 +278,15 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
 def _apply_penalties_and_masks(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     vocab = logits.shape[-1]
     cloned = False
+    penalised = [i for i, row in enumerate(rows) if row.penalty_ids is not None]
+    if penalised:
+        logits, cloned = logits.clone(), True
+        _apply_penalties(logits, [rows[i] for i in penalised], penalised)
     # (row, token) pairs banned this step, set at once: one index copy and one launch for
     # the batch (a decode batch under min_new_tokens bans EOS in every row, every step).
     banned_rows: list[int] = []
     banned_ids: list[int] = []
     for i, row in enumerate(rows):
-        params = row.params
-        if row.penalty_ids is not None:
-            if not cloned:
-                logits, cloned = logits.clone(), True
-            output_ids = index_tensor(row.penalty_ids, logits.device)
-            counts = torch.bincount(output_ids, minlength=vocab)[:vocab]
-            counts = counts.to(logits.dtype)
-            logits[i] -= params.frequency_penalty * counts
-            logits[i] -= params.presence_penalty * (counts > 0).to(logits.dtype)
         banned_rows += [i] * len(row.banned)
         banned_ids += row.banned
     if banned_ids:
@@ -302,6 +303,35 @@ def _apply_penalties_and_masks(logits: torch.Tensor, rows: list[SampleRow]) -> t
         allowed = unpack_mask_words(words, vocab, logits.device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow], index: list[int]) -> None:
+    """Frequency and presence penalties of `rows` (each with `penalty_ids`) on
+    `logits[index]`, in place: every row's output counted in one accumulate (token ids
+    outside the vocabulary count for nothing), one index copy in, nothing read back."""
+    vocab, device = logits.shape[-1], logits.device
+    token_ids = list(itertools.chain.from_iterable(row.penalty_ids for row in rows))
+    row_ids = list(
+        itertools.chain.from_iterable([j] * len(row.penalty_ids) for j, row in enumerate(rows))
+    )
+    pairs = index_tensor(row_ids + token_ids + index, device)
+    n = len(token_ids)
+    at_rows, at_ids, where = pairs[:n], pairs[n : 2 * n], pairs[2 * n :]
+    inside = at_ids < vocab
+    counts = torch.zeros(len(rows), vocab, dtype=logits.dtype, device=device)
+    counts.index_put_(
+        (at_rows, torch.where(inside, at_ids, 0)), inside.to(logits.dtype), accumulate=True
+    )
+    host = [
+        [row.params.frequency_penalty for row in rows],
+        [row.params.presence_penalty for row in rows],
+    ]
+    weights = to_device(torch.tensor(host, dtype=torch.float64, device="cpu"), device)
+    weights = weights.to(logits.dtype)
+    penalised = logits[where]
+    penalised -= weights[0][:, None] * counts
+    penalised -= weights[1][:, None] * (counts > 0).to(logits.dtype)
+    logits[where] = penalised
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -330,7 +360,8 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         rows = index_tensor(filtered, logits.device)
         k = params[1].to(torch.int64)[rows]
         max_k = max((top_k[i] for i in filtered if top_k[i] < vocab), default=0)
-        probs[rows] = _top_k_top_p(probs[rows], k, top_p[rows], max_top_k=max_k)
+        full = on_accelerator(logits.device)  # (no read back of the rows a window misses)
+        probs[rows] = _top_k_top_p(probs[rows], k, top_p[rows], max_top_k=max_k, full=full)
     if bool((host[3] > 0).any()):
         # Relative to the most likely token, so unaffected by the renormalisation above.
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -339,19 +370,25 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 
 
 def _top_k_top_p(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int | None = None
+    probs: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    max_top_k: int | None = None,
+    full: bool = False,
 ) -> torch.Tensor:
     """Keep each row's `top_k` most likely tokens, then the smallest prefix of those whose
     share of their mass reaches `top_p` (the first is always kept). probs: [n, vocab].
 
     Only the leading FILTER_WINDOW tokens (or top_k, if larger) are sorted; a row whose
-    top-p cut lies beyond them (a very flat distribution) is sorted in full. `max_top_k`,
-    the largest top_k below the vocabulary (0 if none), saves reading it from `top_k`."""
+    top-p cut lies beyond them (a very flat distribution) is then sorted in full (found by
+    reading back which rows: free on a CPU). With `full`, every row is sorted in full and
+    nothing is read back. `max_top_k`, the largest top_k below the vocabulary (0 if none),
+    saves reading it from `top_k`."""
     vocab = probs.shape[-1]
     if max_top_k is None:
         limited = top_k[top_k < vocab]
         max_top_k = int(limited.max()) if len(limited) else 0
-    width = min(vocab, max(FILTER_WINDOW, max_top_k))
+    width = vocab if full else min(vocab, max(FILTER_WINDOW, max_top_k))
     values, index = probs.topk(width, dim=-1)  # [n, width], descending
     total = probs.sum(dim=-1)
     kept, is_cut = _cut_sorted(values, top_k, top_p, total, vocab)

@@ -185,12 +185,13 @@ def _install_guard_hooks() -> None:
 
 
 @contextlib.contextmanager
-def forbid_host_syncs():
+def forbid_host_syncs(python_data: bool = False):
     """Raise, on this thread, on what a CUDA graph cannot capture and a CPU can see: host
     reads of values (`.item()`, `int(t)`, `bool(t)`, `.tolist()`, `.numpy()`, `equal`,
     `allclose`), outputs whose shape depends on values (`nonzero`, `argwhere`, one-argument
     `where`, boolean indexing, `masked_select`, unique, `repeat_interleave` without
-    `output_size`) and tensors made from Python data. (A `.cpu()` copy cannot be told from
+    `output_size`) and, unless `python_data`, tensors made from Python data (outside a
+    graph a pinned copy of them waits for nothing). (A `.cpu()` copy cannot be told from
     a no-op on a CPU.) Triton kernels run by the interpreter are exempt: on a GPU each is
     one launch (the interpreter itself reads its arguments into numpy)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -199,7 +200,7 @@ def forbid_host_syncs():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             name = func._schema.name
-            if name in _UNCAPTURABLE_OPS:
+            if name in _UNCAPTURABLE_OPS and not (python_data and name == "aten::lift_fresh"):
                 raise AssertionError(f"{func} cannot be captured in a CUDA graph")
             if name == "aten::where" and len(args) == 1:
                 raise AssertionError("where(condition) cannot be captured in a CUDA graph")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from lmprog_runtime.transfer import to_device
+
 
 class ReqToTokenPool:
     """`num_reqs` rows of `context_len` KV-slot indices, with a free list of rows, plus one
@@ -85,5 +87,5 @@ class ReqToTokenPool:
             return
         flat = torch.unique(torch.cat(self._pending))  # unique: the scatter needs no order
         self._pending = []
-        both = torch.stack([flat, self.host_table.view(-1)[flat]]).to(self.device)  # [2, n]
+        both = to_device(torch.stack([flat, self.host_table.view(-1)[flat]]), self.device)
         self.table.view(-1)[both[0]] = both[1]

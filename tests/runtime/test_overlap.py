@@ -17,7 +17,7 @@ import threading
 import jsonschema
 import pytest
 import torch
-from helpers import PROMPTS
+from helpers import PROMPTS, forbid_host_syncs
 from overlap_engines import POOL, SCHEMA, engine_pair, result_key, stop_inside
 
 from lmprog_runtime import Engine
@@ -97,7 +97,7 @@ def test_keyed_draws_are_identical_to_the_synchronous_loop(engines, monkeypatch)
     ]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(mix))]
     multinomial = sync.generate(prompts, mix)
-    monkeypatch.setattr(sampling, "keyed", lambda device: True)
+    monkeypatch.setattr(sampling, "on_accelerator", lambda device: True)
     want = sync.generate(prompts, mix)
     got = overlapped.generate(prompts, mix)
     assert [result_key(o) for o in got] == [result_key(o) for o in want]
@@ -106,6 +106,45 @@ def test_keyed_draws_are_identical_to_the_synchronous_loop(engines, monkeypatch)
     assert want[3]["output_ids"] != multinomial[3]["output_ids"]
     alone = overlapped.generate(prompts[0], mix[0])
     assert alone["output_ids"] == want[0]["output_ids"]
+
+
+def test_a_forward_on_the_gpu_path_never_waits_for_the_device(tiny_path):
+    """The worker's forwards with the CUDA set (Triton attention and fused ops, under the
+    interpreter): prefills, prefix-cache hits and decodes with placeholder inputs read no
+    device value on the host (`forbid_host_syncs`; tensors from Python data are allowed
+    here: outside a graph their pinned copies wait for nothing), so on a GPU the forward
+    after them is queued at once."""
+    from lmprog_runtime.models.triton_ops import TritonOps
+
+    config = {"attention_backend": "triton", "overlap_schedule": True, **POOL}
+    with Engine(tiny_path, **config) as engine:
+        runner = engine.runner
+        runner.model.ops = TritonOps()  # as the runner sets them on CUDA
+        plain_run = runner.run
+        modes: list[ForwardMode] = []
+        placeholders = []
+        syncs: list[str] = []  # (the loop would recover by running each request alone)
+
+        def guarded_run(fb):
+            modes.append(fb.mode)
+            placeholders.append(fb.has_future_ids)
+            try:
+                with forbid_host_syncs(python_data=True):
+                    return plain_run(fb)
+            except AssertionError as error:
+                syncs.append(f"{fb.mode.name}: {error}")
+                raise
+
+        runner.run = guarded_run
+        try:
+            params = {"max_new_tokens": 4, "temperature": 0}
+            first = engine.generate(PROMPTS[:3], params)
+            again = engine.generate([PROMPTS[0], PROMPTS[1] + " and more"], params)
+        finally:
+            del runner.run
+        assert syncs == []
+        assert again[0]["output_ids"] == first[0]["output_ids"]
+        assert ForwardMode.EXTEND in modes and ForwardMode.DECODE in modes and any(placeholders)
 
 
 def test_a_caller_wakes_to_free_slots_and_the_synchronous_counters(engines):

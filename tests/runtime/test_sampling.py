@@ -112,7 +112,7 @@ def test_sampled_first_tokens_follow_the_transformers_distribution(
     from lmprog_runtime import sampling
 
     if sampler == "keyed":
-        monkeypatch.setattr(sampling, "keyed", lambda device: True)
+        monkeypatch.setattr(sampling, "on_accelerator", lambda device: True)
     ids = engine.encode(PROMPT)
     params = [
         {**SETTINGS[i % len(SETTINGS)], "max_new_tokens": 1, "seed": i}

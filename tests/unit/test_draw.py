@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from lmprog_runtime.sampling import (
     SampleRow,
+    _apply_penalties_and_masks,
     _exponential_race,
     _race_matches_multinomial,
     _top_k_top_p,
@@ -104,9 +105,9 @@ def test_windowed_top_k_top_p_keeps_what_a_full_sort_keeps(vocab, top_k, top_p, 
     p = torch.full((3,), top_p)
     if top_p == 1.0 and k[0] == vocab:
         return  # nothing to filter: the caller skips such rows
-    ours = _top_k_top_p(probs, k, p)
     expected = _reference_top_k_top_p(probs, k, p)
-    assert torch.equal(ours, expected)
+    assert torch.equal(_top_k_top_p(probs, k, p), expected)
+    assert torch.equal(_top_k_top_p(probs, k, p, full=True), expected)  # (the GPU's way)
 
 
 def test_a_row_that_cannot_be_drawn_fails_alone():
@@ -149,3 +150,55 @@ def test_argmax_rows_is_argmax_ties_and_non_finite_values_included(
     if special is not None:
         x.view(-1)[torch.randint(0, x.numel(), (3,), generator=gen)] = special
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_penalties_of_a_batch_equal_each_row_penalised_alone():
+    """Every penalised row counted in one accumulate: each row as the per-row reference
+    (bincount of its output, frequency then presence), bit for bit; rows without
+    penalties untouched; an output id past the vocabulary counts for nothing."""
+    vocab = 50
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(2))
+    outputs = [[3, 3, 7, 49, 3], None, [0, 12, 12, 60], [5]]
+    params = [
+        SamplingParams(frequency_penalty=0.7, presence_penalty=0.2),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=-0.4, presence_penalty=1.5),
+        SamplingParams(presence_penalty=0.9),
+    ]
+    rows = [
+        SampleRow(i, p, None, 0, ids, [], None) for i, (p, ids) in enumerate(zip(params, outputs))
+    ]
+    got = _apply_penalties_and_masks(logits, rows)
+    for i, (p, ids) in enumerate(zip(params, outputs)):
+        want = logits[i].clone()
+        if ids is not None:
+            counts = torch.bincount(torch.tensor(ids), minlength=vocab)[:vocab].float()
+            want -= p.frequency_penalty * counts
+            want -= p.presence_penalty * (counts > 0).float()
+        assert torch.equal(got[i], want), i
+
+
+def test_the_accelerator_path_reads_nothing_back():
+    """On an accelerator a draw must not wait for the device (with overlap scheduling the
+    next forward is queued behind it). The logits on the `meta` device stand for it: any
+    value read back (`item`, `nonzero`, `bincount`, `tolist`) raises there, while every
+    kind of row (greedy, temperature, top-k, top-p, min-p, penalties, banned tokens, a
+    grammar mask) is drawn."""
+    vocab = 300
+    words = torch.full(((vocab + 31) // 32,), -1, dtype=torch.int32)  # every token allowed
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=20),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.5, min_p=0.05),
+        SamplingParams(temperature=0.9, frequency_penalty=0.5, presence_penalty=0.3),
+        SamplingParams(temperature=1.2),
+    ]
+    rows = [
+        SampleRow(i, p, torch.Generator().manual_seed(i), 17 + i, [1, 2, 2] if i == 4 else None,
+                  [0] if i == 1 else [], words if i == 3 else None)
+        for i, p in enumerate(params)
+    ]  # fmt: skip
+    logits = torch.empty(len(rows), vocab, device="meta")
+    token_ids = sample_token_ids(logits, rows)
+    assert token_ids.device.type == "meta" and token_ids.shape == (len(rows),)

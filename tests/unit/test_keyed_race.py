@@ -124,7 +124,7 @@ def test_sampling_off_the_cpu_races_by_key(monkeypatch):
     touched."""
     from lmprog_runtime import sampling
 
-    monkeypatch.setattr(sampling, "keyed", lambda device: True)
+    monkeypatch.setattr(sampling, "on_accelerator", lambda device: True)
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
     sampled = SamplingParams(temperature=1.0, top_k=4)
     greedy = SamplingParams(temperature=0)
