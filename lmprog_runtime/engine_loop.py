@@ -25,17 +25,10 @@ import torch
 
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache.radix_view import snapshot
+from lmprog_runtime.logprobs import record_prompt_logprobs, token_logprobs
 from lmprog_runtime.overlap import OverlapLoop
 from lmprog_runtime.request import Req
-from lmprog_runtime.sampling import (
-    NO_MASS,
-    SampleRow,
-    record_prompt_logprobs,
-    sample_each,
-    sample_rows,
-    take_rows,
-    token_logprobs,
-)
+from lmprog_runtime.sampling import NO_MASS, SampleRow, sample_each, sample_rows, take_rows
 from lmprog_runtime.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
