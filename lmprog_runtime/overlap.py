@@ -21,8 +21,9 @@ loop, with forward N launched by the previous one,
 On a GPU the host's whole iteration runs during forward N+1: the device idles only if the
 host takes longer than a forward. The tokens a request's sampling depends on (penalties,
 min_new_tokens, its grammar's state) are all checked before its next draw is queued, and
-its seeded generator draws once per token: the outputs are token-identical to the
-synchronous loop.
+the draw's randomness depends on nothing the loops do differently (on a CPU its generator
+draws once per token; on an accelerator the draw is keyed by its seed and how many tokens
+it has): the outputs are token-identical to the synchronous loop.
 
 Step N+1 is scheduled before step N's tokens are checked, so it carries the requests those
 checks finish: each leaves it as it finishes (`_leave_in_flight`: the pages the forward
