@@ -14,41 +14,26 @@ import triton.language as tl
 
 from lmprog_runtime.keyed_race import HASH_LAST_SHIFT, HASH_ROUNDS, MASK32, TOKEN_STRIDE
 
-(_SHIFT_A, _MUL_A), (_SHIFT_B, _MUL_B) = HASH_ROUNDS
+# The hash's constants as Triton compile-time globals (the values of `keyed_race`).
+_STRIDE = tl.constexpr(TOKEN_STRIDE)
+_SHIFT_A = tl.constexpr(HASH_ROUNDS[0][0])
+_MUL_A = tl.constexpr(HASH_ROUNDS[0][1])
+_SHIFT_B = tl.constexpr(HASH_ROUNDS[1][0])
+_MUL_B = tl.constexpr(HASH_ROUNDS[1][1])
+_SHIFT_C = tl.constexpr(HASH_LAST_SHIFT)
+_MASK = tl.constexpr(MASK32)
 
 
 @triton.jit
-def _hash32(
-    x,
-    SHIFT_A: tl.constexpr,
-    MUL_A: tl.constexpr,
-    SHIFT_B: tl.constexpr,
-    MUL_B: tl.constexpr,
-    SHIFT_C: tl.constexpr,
-    MASK: tl.constexpr,
-):
+def _hash32(x):
     """`keyed_race._hash32` on int64 values below 2^32."""
-    x = ((x ^ (x >> SHIFT_A)) * MUL_A) & MASK
-    x = ((x ^ (x >> SHIFT_B)) * MUL_B) & MASK
-    return x ^ (x >> SHIFT_C)
+    x = ((x ^ (x >> _SHIFT_A)) * _MUL_A) & _MASK
+    x = ((x ^ (x >> _SHIFT_B)) * _MUL_B) & _MASK
+    return x ^ (x >> _SHIFT_C)
 
 
 @triton.jit
-def _race_kernel(
-    probs_ptr,
-    words_ptr,
-    out_ptr,
-    vocab,
-    probs_stride,
-    STRIDE: tl.constexpr,
-    SHIFT_A: tl.constexpr,
-    MUL_A: tl.constexpr,
-    SHIFT_B: tl.constexpr,
-    MUL_B: tl.constexpr,
-    SHIFT_C: tl.constexpr,
-    MASK: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _race_kernel(probs_ptr, words_ptr, out_ptr, vocab, probs_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     key_lo = tl.load(words_ptr + 2 * row)
     key_hi = tl.load(words_ptr + 2 * row + 1)
@@ -58,9 +43,8 @@ def _race_kernel(
         tokens = start + tl.arange(0, BLOCK)
         valid = tokens < vocab
         p = tl.load(probs_ptr + row * probs_stride + tokens, mask=valid, other=0.0)
-        x = (tokens.to(tl.int64) * STRIDE) & MASK
-        x = _hash32(x ^ key_lo, SHIFT_A, MUL_A, SHIFT_B, MUL_B, SHIFT_C, MASK)
-        x = _hash32(x ^ key_hi, SHIFT_A, MUL_A, SHIFT_B, MUL_B, SHIFT_C, MASK)
+        x = (tokens.to(tl.int64) * _STRIDE) & _MASK
+        x = _hash32(_hash32(x ^ key_lo) ^ key_hi)
         uniform = ((x >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2^-24
         scores = tl.where(valid, p.to(tl.float32) / -tl.log(uniform), -1.0)
         block_best = tl.max(scores, axis=0)
@@ -82,18 +66,6 @@ def race(probs: torch.Tensor, words: torch.Tensor, block: int = 1024) -> torch.T
     if probs.shape[0] == 0:
         return out
     _race_kernel[(probs.shape[0],)](
-        probs,
-        words.contiguous(),
-        out,
-        probs.shape[1],
-        probs.stride(0),
-        STRIDE=TOKEN_STRIDE,
-        SHIFT_A=_SHIFT_A,
-        MUL_A=_MUL_A,
-        SHIFT_B=_SHIFT_B,
-        MUL_B=_MUL_B,
-        SHIFT_C=HASH_LAST_SHIFT,
-        MASK=MASK32,
-        BLOCK=block,
+        probs, words.contiguous(), out, probs.shape[1], probs.stride(0), BLOCK=block
     )
     return out
