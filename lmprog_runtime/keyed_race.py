@@ -23,6 +23,8 @@ on the same values (`keyed_exponentials`), the reference the kernel is tested ag
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from lmprog_runtime.transfer import to_device
@@ -91,7 +93,9 @@ def keyed_race(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
     return (probs / keyed_exponentials(words, probs.shape[-1])).argmax(dim=-1)
 
 
+@functools.cache
 def _has_triton() -> bool:
+    """(Looked up once: `keyed_race` runs every sampling step.)"""
     import importlib.util
 
     return importlib.util.find_spec("triton") is not None
