@@ -14,7 +14,16 @@ be queued while the device is still busy.
 
 Per step, wall time minus the device time is the host's critical path: what a GPU would
 sit idle for. It is measured for the synchronous loop and the overlapped one, in one run,
-best of `--repeats`.
+best of `--repeats`. The overlapped loop runs both ways: with the forward worker a thread
+(as on a CPU) and on the loop thread (as on CUDA, where queuing a forward returns at once).
+
+Next to it, the CPU time each part of the host's work took per step (each thread's own CPU
+time, which other processes on the machine barely move): the loop's (scheduling,
+preparing inputs, stop checks; without the forward and the draw where the loop thread runs
+them), the forward's launch (emulated: the busy `--launch-ms` and the logits lookup) and
+the draw (sampling). Threads take turns holding the GIL, so an overlapped step is no
+shorter than the sum; two threads hand it over at every torch op, which costs CPU time of
+its own.
 
     .venv/bin/python benchmarks/bench_host_path.py [--batch 64] [--device-ms 1] [--tokens 128]
 
@@ -55,13 +64,25 @@ class EmulatedDevice:
 
 
 def host_path(
-    batch: int, device_s: float, launch_s: float, tokens: int, repeats: int, overlap: bool
+    batch: int,
+    device_s: float,
+    launch_s: float,
+    tokens: int,
+    repeats: int,
+    overlap: bool,
+    threaded: bool = True,
 ) -> dict:
+    """`threaded`: with overlap, the forward worker is a thread (as on a CPU), or it runs
+    its jobs on the loop thread (as on CUDA, where queuing them returns at once)."""
     from lmprog_runtime import Engine, default_model_path
+    from lmprog_runtime.overlap import ForwardWorker
 
     with Engine(
         default_model_path("tiny"), max_running_requests=batch, overlap_schedule=overlap
     ) as engine:
+        if overlap and not threaded:
+            engine._worker.close()
+            engine._worker = ForwardWorker(engine.runner, threaded=False)
         runner, worker = engine.runner, engine._worker
         vocab = runner.model_config.vocab_size
         table = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0))
@@ -80,6 +101,13 @@ def host_path(
             return table[ids[fb.logits_indices] % table.shape[0]]
 
         runner.run = emulated_forward
+        cpu = _CpuClock()
+        engine._run_once = cpu.timed("loop", engine._run_once)
+        runner.run = cpu.timed("forward", runner.run)
+        if worker is None:
+            engine._draw = cpu.timed("draw", engine._draw)
+        else:
+            worker._sample = cpu.timed("draw", worker._sample)
         if worker is not None:
             launch, sample, sampled = worker.launch, worker.sample, worker.sampled
             order = itertools.count()
@@ -109,16 +137,44 @@ def host_path(
         prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]
         params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
         engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
-        best = float("inf")
+        best, best_cpu = float("inf"), {}
         for _ in range(repeats):
             engine.flush_cache()
             engine.reset_stats()
+            cpu.reset()
             start = time.perf_counter()
             engine.generate(input_ids=prompts, sampling_params=params)
             wall = time.perf_counter() - start
-            best = min(best, wall / engine.stats()["forward_passes"])
-        del runner.run
-    return {"step_ms": 1e3 * best, "host_ms": 1e3 * (best - device_s)}
+            steps = engine.stats()["forward_passes"]
+            best = min(best, wall / steps)
+            per_step = {k: v / steps for k, v in cpu.seconds.items()}
+            if not (overlap and threaded):  # the loop thread ran the forward and the draw
+                per_step["loop"] -= per_step["forward"] + per_step["draw"]
+            best_cpu = min(best_cpu, per_step, key=lambda d: sum(d.values()) if d else 1e9)
+        del runner.run, engine._run_once
+    out = {"step_ms": 1e3 * best, "host_ms": 1e3 * (best - device_s)}
+    out.update({f"{k}_cpu_us": 1e6 * v for k, v in best_cpu.items()})
+    return out
+
+
+class _CpuClock:
+    """CPU time spent in wrapped callables, per name (each thread's own CPU time)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.seconds = {"loop": 0.0, "forward": 0.0, "draw": 0.0}
+
+    def timed(self, name: str, fn):
+        def timed_fn(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.thread_time() - start
+
+        return timed_fn
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,7 +189,12 @@ def main(argv: list[str] | None = None) -> None:
         f"batch {args.batch}, emulated device step {args.device_ms:g} ms after "
         f"{args.launch_ms:g} ms of launching, greedy"
     )
-    for overlap in (False, True):
+    loops = {
+        "synchronous": (False, True),
+        "overlapped, worker thread": (True, True),
+        "overlapped, one thread (CUDA)": (True, False),
+    }
+    for label, (overlap, threaded) in loops.items():
         r = host_path(
             args.batch,
             args.device_ms / 1e3,
@@ -141,10 +202,14 @@ def main(argv: list[str] | None = None) -> None:
             args.tokens,
             args.repeats,
             overlap,
+            threaded,
         )
         share = r["host_ms"] / r["step_ms"]
-        loop = "overlapped " if overlap else "synchronous"
-        print(f"{loop}: step {r['step_ms']:.3f} ms, host {r['host_ms']:.3f} ms ({share:.0%})")
+        print(
+            f"{label:29}: step {r['step_ms']:.3f} ms, host {r['host_ms']:.3f} ms ({share:.0%}); "
+            f"CPU per step: loop {r['loop_cpu_us']:.0f} us, launch {r['forward_cpu_us']:.0f} us,"
+            f" draw {r['draw_cpu_us']:.0f} us"
+        )
 
 
 if __name__ == "__main__":

@@ -567,11 +567,15 @@ def decode_overhead(check: Check) -> dict[str, Any]:
     # the host's share to be small at all: "small" runs a step in a few hundred microseconds).
     n, new = (4, 8) if check.smoke else (64, 64)
     runs = [("tiny", "default", {}, 0)] if check.smoke else [("small", "default", {}, 0)]
-    if not check.smoke:
+    if check.smoke:
+        runs.append(("tiny", "worker_thread", {"overlap_schedule": True, "worker_thread": True}, 0))
+    else:
         runs.append(("small", "cuda_graphs_off", {"disable_cuda_graph": True}, 15))
         # What overlap scheduling hides here (bench_host_path.py, a CPU-emulated device:
         # the device idled 4% of a 1 ms step overlapped, 36% synchronously).
         runs.append(("small", "overlap_off", {"overlap_schedule": False}, 15))
+        # The forward worker a thread of its own (on CUDA it runs on the loop thread).
+        runs.append(("small", "worker_thread", {"worker_thread": True}, 15))
         runs.append(("medium", "medium", {}, 45))
     params = {"max_new_tokens": new, "min_new_tokens": new, **GREEDY}
     out: dict[str, Any] = {}
@@ -591,8 +595,15 @@ def _overhead_run(
     check: Check, name: str, n: int, params: dict[str, Any], config: dict[str, Any]
 ) -> dict[str, Any]:
     """One engine's decode overhead (see `decode_overhead`)."""
+    from lmprog_runtime.overlap import ForwardWorker, InlineExecutor
+
     prompts = corpus_prompts(name, n, 8)
+    config = dict(config)
+    threaded = config.pop("worker_thread", None)
     with check.engine(name, max_running_requests=n, **config) as engine:
+        if threaded is not None:
+            engine._worker.close()
+            engine._worker = ForwardWorker(engine.runner, threaded=threaded)
         run = functools.partial(engine.generate, input_ids=prompts, sampling_params=params)
         run()  # warm-up
         engine.flush_cache()
@@ -602,6 +613,8 @@ def _overhead_run(
             "batch": n,
             "cuda_graphs": engine.runner.graphs is not None,
             "overlap": engine._worker is not None,
+            "worker_thread": engine._worker is not None
+            and not isinstance(engine._worker._executor, InlineExecutor),
         }
         if check.device == "cuda":
             from torch.profiler import ProfilerActivity, profile

@@ -44,9 +44,14 @@ only entries that forward does not read (new positions, rows of requests admitte
 rows of requests that left it (their results are dropped), or entries the prefix cache
 points at other slots holding the same K/V.
 
-The worker is one thread running its jobs in order. On CUDA it queues them on a stream of
-its own, behind the loop thread's copies of the inputs; on a CPU it computes them (overlap
-is off there by default: the forward and the loop share the cores).
+On CUDA the worker queues its jobs, in order, on a stream of its own, behind the loop
+thread's copies of the inputs, and it does so on the loop thread (`ForwardWorker`'s
+`threaded=False`): queuing a forward or a draw never waits for the device, so the loop
+goes on at once, and one thread leaves nothing to hand over. A second Python thread
+would only take turns with the loop at the GIL (torch drops it around each op), and each
+turn costs a hand-over; SGLang removed its overlap thread for the same reason. On a CPU
+the worker is a thread that computes its jobs (overlap is off there by default: the
+forward and the loop share the cores).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -101,8 +107,8 @@ class Sampled:
 
 
 class ForwardWorker:
-    """Runs forwards and draws one at a time, in the order they are queued, off the loop
-    thread.
+    """Runs forwards and draws one at a time, in the order they are queued: on a thread of
+    its own, or (on CUDA) queued on its stream from the caller's thread.
 
     Example (one request decoding, its logits in row 0, its table row `row`):
         >>> worker = ForwardWorker(engine.runner)  # doctest: +SKIP
@@ -112,10 +118,19 @@ class ForwardWorker:
         >>> ids, errors, logits_rows, seconds = worker.sampled(drawing)  # doctest: +SKIP
     """
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, threaded: bool | None = None) -> None:
+        """`threaded`: the jobs run on a thread of their own, or on the caller's thread as
+        they are queued (None: a thread on a CPU, where a forward computes; none on CUDA,
+        where queuing one returns at once; see the module docstring)."""
         self._runner = runner  # `runner.run` is looked up at each forward (tests wrap it)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="lmprog-forward")
         is_cuda = runner.device.type == "cuda"
+        if threaded is None:
+            threaded = not is_cuda
+        self._executor: ThreadPoolExecutor | InlineExecutor = (
+            ThreadPoolExecutor(1, thread_name_prefix="lmprog-forward")
+            if threaded
+            else InlineExecutor()
+        )
         self._stream = torch.cuda.Stream(runner.device) if is_cuda else None
 
     def launch(self, fb: ForwardBatch) -> Future:
@@ -197,6 +212,25 @@ class ForwardWorker:
                 ready = torch.cuda.Event()
                 ready.record()
         return Sampled(token_ids, ready, errors, logits, timer)
+
+
+class InlineExecutor:
+    """Runs each job as it is submitted, on the caller's thread: `submit` returns its
+    future done (with the job's result or exception), so jobs run in order."""
+
+    @staticmethod
+    def submit(fn: Callable[..., Any], /, *args: Any) -> Future:
+        future: Future = Future()
+        try:
+            result = fn(*args)
+        except Exception as error:  # noqa: BLE001 - the job's failure goes to its future
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Nothing runs behind the caller's back: nothing to stop."""
 
 
 @dataclass

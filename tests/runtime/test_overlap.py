@@ -18,17 +18,27 @@ import jsonschema
 import pytest
 import torch
 from helpers import PROMPTS, forbid_host_syncs
-from overlap_engines import POOL, SCHEMA, engine_pair, result_key, stop_inside
+from overlap_engines import (
+    POOL,
+    SCHEMA,
+    WORKERS,
+    engine_pair,
+    on_loop_thread,
+    result_key,
+    stop_inside,
+)
 
 from lmprog_runtime import Engine
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.forward_batch import ForwardMode
+from lmprog_runtime.overlap import InlineExecutor
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_path):
-    """(synchronous, overlapped) engines, both with a slow forward."""
-    with engine_pair(tiny_path) as pair:
+@pytest.fixture(scope="module", params=list(WORKERS))
+def engines(tiny_path, request):
+    """(synchronous, overlapped) engines, both with a slow forward; the overlapped one's
+    forward worker a thread, or on the loop thread (as on CUDA)."""
+    with engine_pair(tiny_path, request.param) as pair:
         yield pair
 
 
@@ -281,6 +291,43 @@ def test_checks_run_while_the_next_forward_runs(tiny_path, engines):
     forward_threads = {name for kind, name, _ in met if kind == "forward"}
     check_threads = {name for kind, name, _ in met if kind == "check"}
     assert forward_threads.isdisjoint(check_threads)
+
+
+def test_on_the_loop_thread_the_worker_starts_no_thread(tiny_path, engines):
+    """The forward worker as on CUDA: forwards and draws run on the loop thread as they are
+    queued, no worker thread is started, and the outputs are the synchronous loop's."""
+    sync, _ = engines
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    before = set(threading.enumerate())
+    with Engine(tiny_path, overlap_schedule=True, **POOL) as engine:
+        on_loop_thread(engine)
+        runner = engine.runner
+        ran_on: dict[str, set[str]] = {"forward": set(), "draw": set()}
+        run, store = runner.run, runner.store_future_tokens
+
+        def recording_run(fb):
+            ran_on["forward"].add(threading.current_thread().name)
+            return run(fb)
+
+        def recording_store(rows, token_ids):  # the draw's last step
+            ran_on["draw"].add(threading.current_thread().name)
+            return store(rows, token_ids)
+
+        runner.run, runner.store_future_tokens = recording_run, recording_store
+        out = engine.generate(PROMPTS[3], params)
+        started = set(threading.enumerate()) - before
+        loop_thread = engine._thread
+    assert started == {loop_thread}
+    assert ran_on == {"forward": {loop_thread.name}, "draw": {loop_thread.name}}
+    assert out["output_ids"] == sync.generate(PROMPTS[3], params)["output_ids"]
+
+
+def test_the_inline_executor_runs_each_job_as_it_is_submitted():
+    executor, order = InlineExecutor(), []
+    done = executor.submit(lambda x: order.append(x) or 2 * x, 21)
+    assert order == [21] and done.done() and done.result() == 42
+    failed = executor.submit(lambda: 1 / 0)
+    assert failed.done() and isinstance(failed.exception(), ZeroDivisionError)
 
 
 def test_the_next_forward_takes_the_drawn_tokens_on_the_device(tiny_path, engines):

@@ -18,16 +18,17 @@ from conftest import engine_leak
 from helpers import PROMPTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from overlap_engines import SCHEMA, engine_pair, result_key
+from overlap_engines import SCHEMA, WORKERS, engine_pair, result_key
 
 from lmprog_runtime import Engine
 from lmprog_runtime.engine import RequestAborted
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_path):
-    """(synchronous, overlapped) engines, both with a slow forward."""
-    with engine_pair(tiny_path) as pair:
+@pytest.fixture(scope="module", params=list(WORKERS))
+def engines(tiny_path, request):
+    """(synchronous, overlapped) engines, both with a slow forward; the overlapped one's
+    forward worker a thread, or on the loop thread (as on CUDA)."""
+    with engine_pair(tiny_path, request.param) as pair:
         yield pair
 
 
