@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from lmprog_runtime.transfer import to_device
+from lmprog_runtime.transfer import host_ints, to_device
 
 MASK32 = 0xFFFFFFFF
 MASK64 = (1 << 64) - 1
@@ -58,8 +58,8 @@ def race_key(seed: int, draws: int) -> int:
 
 def key_words(keys: list[int], device: torch.device | str) -> torch.Tensor:
     """Keys as int64 [n, 2] (low and high 32 bits), on `device`."""
-    words = [[key & MASK32, key >> 32] for key in keys]
-    return to_device(torch.tensor(words, dtype=torch.int64, device="cpu").view(-1, 2), device)
+    words = [word for key in keys for word in (key & MASK32, key >> 32)]
+    return to_device(host_ints(words).view(-1, 2), device)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from lmprog_runtime.models.loader import read_torch_dtype
 from lmprog_runtime.models.quantization import quantize_linears
 from lmprog_runtime.request import Req
 from lmprog_runtime.scheduler import ScheduledBatch
-from lmprog_runtime.transfer import index_tensor, to_device
+from lmprog_runtime.transfer import host_ints, index_tensor, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class ModelRunner:
         # [ids; positions; table rows; seq_lens; logits rows; KV slots]: one int64 tensor,
         # one copy to the device, split into views there.
         fields = (ids, positions, req_rows, seq_lens, logits_rows)
-        flat = torch.tensor([v for field in fields for v in field], dtype=torch.int64, device="cpu")
+        flat = host_ints([v for field in fields for v in field])
         sizes = [len(field) for field in fields] + [batch.out_cache_loc.numel()]
         on_device = to_device(torch.cat([flat, batch.out_cache_loc]), self.device).split(sizes)
         self.req_to_token.sync()

@@ -26,6 +26,7 @@ from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.request import Req
 from lmprog_runtime.schedule_policy import SHARED_PREFIX_BLOCK, PrefixBlocks, SchedulePolicy
 from lmprog_runtime.stats import EngineStats
+from lmprog_runtime.transfer import host_ints
 
 # Share of a request's remaining max_new_tokens reserved at admission; it decays towards
 # the minimum while decoding goes well and jumps back up after a retraction.
@@ -358,8 +359,8 @@ class Scheduler:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per `decoding` request: its table row, its next position, and the KV slot of the
         position before (running requests always hold K/V, so there is one)."""
-        rows = torch.tensor([r.req_pool_idx for r in decoding], dtype=torch.int64, device="cpu")
-        kv_lens = torch.tensor([r.kv_len for r in decoding], dtype=torch.int64, device="cpu")
+        rows = host_ints([r.req_pool_idx for r in decoding])
+        kv_lens = host_ints([r.kv_len for r in decoding])
         last = self.req_to_token.host_table[rows, kv_lens - 1]
         return rows, kv_lens, last
 
