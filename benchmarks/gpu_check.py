@@ -571,8 +571,9 @@ def decode_overhead(check: Check) -> dict[str, Any]:
         runs.append(("tiny", "worker_thread", {"overlap_schedule": True, "worker_thread": True}, 0))
     else:
         runs.append(("small", "cuda_graphs_off", {"disable_cuda_graph": True}, 15))
-        # What overlap scheduling hides here (bench_host_path.py, a CPU-emulated device:
-        # the device idled 4% of a 1 ms step overlapped, 36% synchronously).
+        # What overlap scheduling hides here (bench_host_path.py, a CPU-emulated device on
+        # a 2-vCPU Xeon: the device idled 12-15% of a 1 ms step overlapped on the loop
+        # thread, 20-26% with a worker thread, 46-52% synchronously).
         runs.append(("small", "overlap_off", {"overlap_schedule": False}, 15))
         # The forward worker a thread of its own (on CUDA it runs on the loop thread).
         runs.append(("small", "worker_thread", {"worker_thread": True}, 15))
