@@ -280,14 +280,20 @@ def keyed_race(check: Check) -> dict[str, Any]:
     out: dict[str, Any] = {"rows": rows, "vocab": vocab}
     out["ms_torch_ops"] = wall(torch_ops)
     out["ms_generator_per_row"] = wall(per_row)
-    # Top-p (0.9) as the sampler runs it on a GPU (whole rows sorted, nothing read back)
-    # and as on a CPU (a 256-token window, then a read-back of the rows it missed).
-    from lmprog_runtime.sampling import _top_k_top_p
+    # Top-p (0.9) as the sampler runs it on a GPU (the floor search: no sort, nothing read
+    # back), with whole rows sorted instead, and as on a CPU (a 256-token window, then a
+    # read-back of the rows it missed); and whether the search keeps the sorted tokens.
+    from lmprog_runtime.sampling import _top_k_top_p, _top_k_top_p_unsorted
 
     top_k = torch.full((rows,), vocab, device=device)
     top_p = torch.full((rows,), 0.9, device=device)
+    out["ms_top_p_floor_search"] = wall(lambda: _top_k_top_p_unsorted(probs, top_k, top_p, 0))
     for name, full in (("ms_top_p_full_sort", True), ("ms_top_p_window_and_read_back", False)):
         out[name] = wall(lambda full=full: _top_k_top_p(probs, top_k, top_p, 0, full=full))
+    searched = _top_k_top_p_unsorted(probs, top_k, top_p, 0) > 0
+    sorted_kept = _top_k_top_p(probs, top_k, top_p, 0, full=True) > 0
+    same = int((searched == sorted_kept).all(dim=-1).sum())
+    out["top_p_rows_keeping_the_sorted_tokens"] = f"{same}/{rows}"
     has_triton = importlib.util.find_spec("triton") is not None
     if not has_triton or (device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"):
         out["triton"] = "skipped: needs Triton (on a CPU, under TRITON_INTERPRET=1)"

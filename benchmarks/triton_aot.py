@@ -13,7 +13,7 @@ and the tensor-core instructions in its PTX. Cases: the attention layouts of the
 models and common real ones (GQA groups 1-7, head_dim 16-256), bfloat16 / float16 /
 float32 pools, decode at the split counts the runtime uses (including a CUDA graph's
 fixed count), extend, the KV store, the fused RMSNorm, SiLU-and-mul and RoPE, and the
-sampler's keyed race.
+sampler's keyed race and top-p floor search.
 
     .venv/bin/python benchmarks/triton_aot.py               # sm_90 (H100 / H200), a table
     .venv/bin/python benchmarks/triton_aot.py --arch 80 --json out.json
@@ -197,12 +197,15 @@ def elementwise_launches(dtype: torch.dtype) -> Iterator[str]:
 
 
 def race_launches() -> Iterator[str]:
-    """The sampler's keyed race (float32 probabilities; the vocabulary a launch argument)."""
-    from lmprog_runtime.triton_race import race
+    """The sampler's keyed race and top-p's floor search (float32 probabilities; the
+    vocabulary a launch argument)."""
+    from lmprog_runtime.triton_race import nucleus_floors, race
 
-    yield "race"
     probs = torch.empty(64, 49152, dtype=torch.float32, device="meta")
+    yield "race"
     race(probs, torch.empty(64, 2, dtype=torch.int64, device="meta"))
+    yield "nucleus floors"
+    nucleus_floors(probs, torch.empty(64, dtype=torch.float32, device="meta"))
 
 
 def cases(dtypes: list[str]) -> Iterator[tuple[str, Iterator[str]]]:

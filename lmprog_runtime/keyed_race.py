@@ -19,6 +19,13 @@ nothing is drawn on the host or read back. The tokens are not the CPU's (its dra
 
 On CUDA with Triton the race is one kernel (`triton_race.py`); elsewhere it is torch ops
 on the same values (`keyed_exponentials`), the reference the kernel is tested against.
+
+Top-p on an accelerator needs no sort either (`nucleus_floors`): a token is in a row's
+nucleus when the tokens more likely than it hold less than top_p of the row's mass, so the
+nucleus is every token above some floor, and the floor is searched for over the float32
+bit patterns of the probabilities (ordered as the values are, for non-negative floats):
+four bits per pass over the row, each pass summing the mass above 16 candidate floors at
+once, eight passes in all. Tokens tied at the cut are all kept (a sort keeps some of them).
 """
 
 from __future__ import annotations
@@ -99,3 +106,41 @@ def _has_triton() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("triton") is not None
+
+
+# The bit positions each pass of the floor search decides (four bits from there up; the
+# first pass three, as the sign bit stays 0).
+NUCLEUS_SHIFTS = (28, 24, 20, 16, 12, 8, 4, 0)
+
+
+def nucleus_floors(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The floor of each row's top-p nucleus: the tokens with a probability above it are
+    those whose more likely tokens hold less than `top_p` of the row's mass. probs [n,
+    vocab] float32 (unnormalised, non-negative), top_p [n] float32, on one device; returns
+    float32 [n] there (0 for a row with top_p >= 1: every token with mass is kept; nan for
+    a row without mass). Nothing is sorted or read back; on CUDA with Triton one kernel,
+    elsewhere torch ops on the same sums.
+
+    Example:
+        >>> probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]])
+        >>> (probs > nucleus_floors(probs, torch.tensor([0.6]))[:, None]).tolist()
+        [[True, True, False, False]]
+    """
+    if probs.dim() != 2 or top_p.shape != probs.shape[:1]:
+        raise ValueError("probs must be [n, vocab] and top_p [n]")
+    if probs.device.type == "cuda" and _has_triton():
+        from lmprog_runtime.triton_race import nucleus_floors as triton_floors
+
+        return triton_floors(probs, top_p)
+    probs = probs.float()
+    target = top_p.float() * probs.sum(dim=-1)  # [n]
+    m = torch.arange(16, dtype=torch.int32, device=probs.device)
+    prefix = torch.zeros(probs.shape[0], dtype=torch.int32, device=probs.device)
+    for i, shift in enumerate(NUCLEUS_SHIFTS):
+        candidates = (prefix[:, None] | (m[None, :] << shift)).view(torch.float32)  # [n, 16]
+        mass = torch.stack(  # [n, 16]; a candidate at a time: [n, vocab] in memory
+            [torch.where(probs > c[:, None], probs, 0.0).sum(dim=-1) for c in candidates.T], 1
+        )
+        short = (mass >= target[:, None]) & (m < (8 if i == 0 else 16))
+        prefix |= torch.where(short, m, 0).amax(dim=-1) << shift
+    return torch.where(top_p < 1.0, prefix.view(torch.float32), 0.0)

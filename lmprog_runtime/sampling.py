@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from lmprog_runtime.constrained.base import mask_words, unpack_mask_words
-from lmprog_runtime.keyed_race import keyed_race, race_key
+from lmprog_runtime.keyed_race import keyed_race, nucleus_floors, race_key
 from lmprog_runtime.logprobs import token_logprobs
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling_params import SamplingParams
@@ -337,8 +337,10 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         rows = index_tensor(filtered, logits.device)
         k = params[1].to(torch.int64)[rows]
         max_k = max((top_k[i] for i in filtered if top_k[i] < vocab), default=0)
-        full = on_accelerator(logits.device)  # (no read back of the rows a window misses)
-        probs[rows] = _top_k_top_p(probs[rows], k, top_p[rows], max_top_k=max_k, full=full)
+        if on_accelerator(logits.device):  # (no sort, nothing read back)
+            probs[rows] = _top_k_top_p_unsorted(probs[rows], k, top_p[rows], max_k)
+        else:
+            probs[rows] = _top_k_top_p(probs[rows], k, top_p[rows], max_top_k=max_k)
     if bool((host[3] > 0).any()):
         # Relative to the most likely token, so unaffected by the renormalisation above.
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -359,7 +361,8 @@ def _top_k_top_p(
     Only the leading FILTER_WINDOW tokens (or top_k, if larger) are sorted; a row whose
     top-p cut lies beyond them (a very flat distribution) is then sorted in full (found by
     reading back which rows: free on a CPU). With `full`, every row is sorted in full and
-    nothing is read back. `max_top_k`, the largest top_k below the vocabulary (0 if none),
+    nothing is read back (what `gpu_check.py` times the accelerators' way against:
+    `_top_k_top_p_unsorted`). `max_top_k`, the largest top_k below the vocabulary (0 if none),
     saves reading it from `top_k`."""
     vocab = probs.shape[-1]
     if max_top_k is None:
@@ -376,6 +379,23 @@ def _top_k_top_p(
         kept, _ = _cut_sorted(values, top_k[flat], top_p[flat], total[flat], vocab)
         out[flat] = torch.zeros_like(values).scatter_(1, index, kept)
     return out
+
+
+def _top_k_top_p_unsorted(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int
+) -> torch.Tensor:
+    """`_top_k_top_p` as an accelerator runs it: no sort and nothing read back. Top-k keeps
+    the tokens at least as likely as the k-th (from a top-k of the largest k asked for, as
+    transformers' warper does), then top-p keeps those above the nucleus floor
+    (`keyed_race.nucleus_floors`). Tokens tied at either cut are all kept; otherwise the
+    same tokens as `_top_k_top_p`'s."""
+    vocab = probs.shape[-1]
+    if max_top_k:
+        values = probs.topk(max_top_k, dim=-1).values  # [n, max_top_k], descending
+        kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])
+        probs = probs.masked_fill((probs < kth) & (top_k[:, None] < vocab), 0.0)
+    floors = nucleus_floors(probs, top_p.to(torch.float32))
+    return probs.masked_fill(probs <= floors[:, None], 0.0)  # (compared in float32)
 
 
 def _cut_sorted(

@@ -1,6 +1,8 @@
 """The keyed exponential race (`keyed_race.py`) as one Triton kernel: each program reads
 its row of probabilities once, block by block, hashes each token's noise in registers and
-keeps the running winner (the first index among equal scores, as `argmax`).
+keeps the running winner (the first index among equal scores, as `argmax`). And top-p's
+floor search (`keyed_race.nucleus_floors`): a program per row, nine passes over it (its
+mass, then the mass above 16 candidate floors per pass).
 
 Imported only on CUDA with Triton (`keyed_race`); on CPU tensors it runs only under
 `TRITON_INTERPRET=1` (tests).
@@ -12,7 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from lmprog_runtime.keyed_race import HASH_LAST_SHIFT, HASH_ROUNDS, MASK32, TOKEN_STRIDE
+from lmprog_runtime.keyed_race import (
+    HASH_LAST_SHIFT,
+    HASH_ROUNDS,
+    MASK32,
+    NUCLEUS_SHIFTS,
+    TOKEN_STRIDE,
+)
 
 # The hash's constants as Triton compile-time globals (the values of `keyed_race`).
 _STRIDE = tl.constexpr(TOKEN_STRIDE)
@@ -22,6 +30,8 @@ _SHIFT_B = tl.constexpr(HASH_ROUNDS[1][0])
 _MUL_B = tl.constexpr(HASH_ROUNDS[1][1])
 _SHIFT_C = tl.constexpr(HASH_LAST_SHIFT)
 _MASK = tl.constexpr(MASK32)
+_FIRST_SHIFT = tl.constexpr(NUCLEUS_SHIFTS[0])
+_NUM_PASSES = tl.constexpr(len(NUCLEUS_SHIFTS))
 
 
 @triton.jit
@@ -67,5 +77,48 @@ def race(probs: torch.Tensor, words: torch.Tensor, block: int = 1024) -> torch.T
         return out
     _race_kernel[(probs.shape[0],)](
         probs, words.contiguous(), out, probs.shape[1], probs.stride(0), BLOCK=block
+    )
+    return out
+
+
+@triton.jit
+def _nucleus_kernel(probs_ptr, top_p_ptr, out_ptr, vocab, probs_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = probs_ptr + row * probs_stride
+    top_p = tl.load(top_p_ptr + row)
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        tokens = start + tl.arange(0, BLOCK)
+        total += tl.load(base + tokens, mask=tokens < vocab, other=0.0).to(tl.float32)
+    target = top_p * tl.sum(total, axis=0)
+    m = tl.arange(0, 16)
+    prefix = tl.zeros([16], tl.int32)  # (the same in every lane)
+    for i in tl.static_range(_NUM_PASSES):
+        shift = _FIRST_SHIFT - 4 * i
+        candidates = (prefix | (m << shift)).to(tl.float32, bitcast=True)  # [16]
+        mass = tl.zeros([16, BLOCK], tl.float32)
+        for start in range(0, vocab, BLOCK):
+            tokens = start + tl.arange(0, BLOCK)
+            p = tl.load(base + tokens, mask=tokens < vocab, other=0.0).to(tl.float32)
+            mass += tl.where(p[None, :] > candidates[:, None], p[None, :], 0.0)
+        limit = 8 if i == 0 else 16
+        short = (tl.sum(mass, axis=1) >= target) & (m < limit)
+        prefix = prefix | (tl.max(tl.where(short, m, 0), axis=0) << shift)
+    floor = tl.max(prefix, axis=0).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + row, tl.where(top_p < 1.0, floor, 0.0))
+
+
+def nucleus_floors(probs: torch.Tensor, top_p: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """`keyed_race.nucleus_floors` of `probs` [n, vocab] (float32, last dim contiguous)
+    and `top_p` [n] (float32, same device). Returns float32 [n]."""
+    if probs.dim() != 2 or probs.stride(-1) != 1:
+        raise ValueError("probs must be [n, vocab] with a contiguous last dim")
+    if top_p.shape != probs.shape[:1]:
+        raise ValueError("top_p must be [n]")
+    out = torch.empty(probs.shape[0], dtype=torch.float32, device=probs.device)
+    if probs.shape[0] == 0:
+        return out
+    _nucleus_kernel[(probs.shape[0],)](
+        probs, top_p.float().contiguous(), out, probs.shape[1], probs.stride(0), BLOCK=block
     )
     return out

@@ -32,6 +32,7 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
     correctness = report["correctness"]["tiny/torch/float32"]
     assert correctness["within_tolerance"] and correctness["greedy_identical_prompts"] == "4/4"
     assert report["keyed_race"]["rows_equal_to_torch_ops"] == "4/4"  # (Triton interpreted)
+    assert report["keyed_race"]["top_p_rows_keeping_the_sorted_tokens"] == "4/4"
     equality = report["greedy_equality"]
     assert equality["identical_cache_off_vs_cache_on"] == "8/8"
     assert equality["identical_cache_on_warm_vs_cache_on"] == "8/8"

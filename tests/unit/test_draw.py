@@ -19,6 +19,7 @@ from lmprog_runtime.sampling import (
     _exponential_race,
     _race_matches_multinomial,
     _top_k_top_p,
+    _top_k_top_p_unsorted,
     argmax_rows,
     draw,
     sample_each,
@@ -108,6 +109,70 @@ def test_windowed_top_k_top_p_keeps_what_a_full_sort_keeps(vocab, top_k, top_p, 
     expected = _reference_top_k_top_p(probs, k, p)
     assert torch.equal(_top_k_top_p(probs, k, p), expected)
     assert torch.equal(_top_k_top_p(probs, k, p, full=True), expected)  # (the GPU's way)
+
+
+def _reference_kept_with_ties(counts: list[int], top_k: int, top_p: float) -> list[bool]:
+    """Which tokens of a row of probabilities `counts[i] / 4096` (exact) top-k and top-p
+    keep, ties at a cut all kept: top-k keeps those at least as likely as the k-th, top-p
+    those whose strictly more likely kept tokens hold less than top_p of the kept mass
+    (that product rounded to float32, as the sampler computes it)."""
+    vocab = len(counts)
+    kth = sorted(counts, reverse=True)[top_k - 1] if top_k < vocab else 0
+    kept = [c >= kth for c in counts]
+    if top_p >= 1.0:
+        return kept
+    mass = sum(c for c, k in zip(counts, kept) if k) / 4096
+    target = float(torch.tensor(top_p, dtype=torch.float32) * torch.tensor(mass))
+    above = [sum(d for d, k in zip(counts, kept) if k and d > c) / 4096 for c in counts]
+    return [k and a < target for k, a in zip(kept, above)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    vocab=st.sampled_from([1, 6, 300]),
+    top_k=st.sampled_from([1, 2, 5, 40, 0]),
+    top_p=st.sampled_from([0.05, 0.5, 0.9, 0.999, 1.0]),
+    most=st.sampled_from([1, 3, 60]),
+    seed=st.integers(0, 2**31),
+)
+def test_the_accelerators_top_k_top_p_keeps_every_token_tied_at_a_cut(
+    vocab, top_k, top_p, most, seed
+):
+    """Without a sort (`keyed_race.nucleus_floors`): on probabilities with many ties
+    (multiples of 1/4096, so every sum is exact), exactly the tokens of the tie-aware
+    definition, computed by brute force."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, most + 1, (3, vocab), generator=gen)
+    counts[:, 0] += 1  # every row has mass
+    k = top_k if 0 < top_k <= vocab else vocab
+    got = _top_k_top_p_unsorted(
+        counts.float() / 4096, torch.full((3,), k), torch.full((3,), top_p), k * (k < vocab)
+    )
+    for row, kept in zip(counts.tolist(), got):
+        want = _reference_kept_with_ties(row, k, top_p)
+        assert (kept > 0).tolist() == [w and c > 0 for w, c in zip(want, row)]
+
+
+def test_the_accelerators_top_p_cuts_at_exactly_top_p_and_keeps_ties():
+    """More likely tokens holding exactly top_p of the mass cut a token; a token tied with
+    a kept one is kept (the sorted filter keeps one of 0.25 and 0.25 at top_p 0.75)."""
+    probs = torch.tensor([[0.5, 0.25, 0.25, 0.0]] * 2)
+    kept = _top_k_top_p_unsorted(probs, torch.tensor([4, 4]), torch.tensor([0.5, 0.75]), 0)
+    assert (kept > 0).tolist() == [[True, False, False, False], [True, True, True, False]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.9), (40, 0.5), (5, 1.0), (400, 0.999)])
+def test_the_accelerators_top_k_top_p_keeps_what_a_full_sort_keeps(seed, top_k, top_p):
+    """Where no probabilities tie, the same tokens (and values) as the sorted filter."""
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.stack([torch.randperm(3000, generator=gen) for _ in range(4)])
+    probs = torch.softmax(ranks / 3000 * 8, dim=-1)  # logits 0.0027 apart
+    assert all(len(set(row.tolist())) == 3000 for row in probs)
+    k = torch.full((4,), top_k or 3000)
+    p = torch.full((4,), top_p)
+    got = _top_k_top_p_unsorted(probs, k, p, top_k)
+    assert torch.equal(got, _reference_top_k_top_p(probs, k, p))
 
 
 def test_a_row_that_cannot_be_drawn_fails_alone():
