@@ -75,7 +75,7 @@ def host_path(
     """`threaded`: with overlap, the forward worker is a thread (as on a CPU), or it runs
     its jobs on the loop thread (as on CUDA, where queuing them returns at once)."""
     from lmprog_runtime import Engine, default_model_path
-    from lmprog_runtime.overlap import ForwardWorker
+    from lmprog_runtime.forward_worker import ForwardWorker
 
     with Engine(
         default_model_path("tiny"), max_running_requests=batch, overlap_schedule=overlap

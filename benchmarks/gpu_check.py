@@ -283,15 +283,15 @@ def keyed_race(check: Check) -> dict[str, Any]:
     # Top-p (0.9) as the sampler runs it on a GPU (the floor search: no sort, nothing read
     # back), with whole rows sorted instead, and as on a CPU (a 256-token window, then a
     # read-back of the rows it missed); and whether the search keeps the sorted tokens.
-    from lmprog_runtime.sampling import _top_k_top_p, _top_k_top_p_unsorted
+    from lmprog_runtime.sampling_filters import top_k_top_p, top_k_top_p_unsorted
 
     top_k = torch.full((rows,), vocab, device=device)
     top_p = torch.full((rows,), 0.9, device=device)
-    out["ms_top_p_floor_search"] = wall(lambda: _top_k_top_p_unsorted(probs, top_k, top_p, 0))
+    out["ms_top_p_floor_search"] = wall(lambda: top_k_top_p_unsorted(probs, top_k, top_p, 0))
     for name, full in (("ms_top_p_full_sort", True), ("ms_top_p_window_and_read_back", False)):
-        out[name] = wall(lambda full=full: _top_k_top_p(probs, top_k, top_p, 0, full=full))
-    searched = _top_k_top_p_unsorted(probs, top_k, top_p, 0) > 0
-    sorted_kept = _top_k_top_p(probs, top_k, top_p, 0, full=True) > 0
+        out[name] = wall(lambda full=full: top_k_top_p(probs, top_k, top_p, 0, full=full))
+    searched = top_k_top_p_unsorted(probs, top_k, top_p, 0) > 0
+    sorted_kept = top_k_top_p(probs, top_k, top_p, 0, full=True) > 0
     same = int((searched == sorted_kept).all(dim=-1).sum())
     out["top_p_rows_keeping_the_sorted_tokens"] = f"{same}/{rows}"
     has_triton = importlib.util.find_spec("triton") is not None
@@ -602,7 +602,7 @@ def _overhead_run(
     check: Check, name: str, n: int, params: dict[str, Any], config: dict[str, Any]
 ) -> dict[str, Any]:
     """One engine's decode overhead (see `decode_overhead`)."""
-    from lmprog_runtime.overlap import ForwardWorker, InlineExecutor
+    from lmprog_runtime.forward_worker import ForwardWorker, InlineExecutor
 
     prompts = corpus_prompts(name, n, 8)
     config = dict(config)

@@ -27,12 +27,13 @@ from lmprog_runtime.constrained.jump_forward import jump_forward
 from lmprog_runtime.engine_inputs import normalize_generate_inputs
 from lmprog_runtime.engine_loop import EngineLoop, serve, wake
 from lmprog_runtime.engine_view import engine_html, engine_repr
+from lmprog_runtime.forward_worker import ForwardWorker
 from lmprog_runtime.kvcache.radix_cache import RadixCache
 from lmprog_runtime.kvcache.radix_view import RadixTreeView
 from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.model_runner import ModelRunner
 from lmprog_runtime.models.registry import local_model_dir, resolve_model_path
-from lmprog_runtime.overlap import ForwardWorker, InFlight
+from lmprog_runtime.overlap import InFlight
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, Scheduler

@@ -44,14 +44,8 @@ only entries that forward does not read (new positions, rows of requests admitte
 rows of requests that left it (their results are dropped), or entries the prefix cache
 points at other slots holding the same K/V.
 
-On CUDA the worker queues its jobs, in order, on a stream of its own, behind the loop
-thread's copies of the inputs, and it does so on the loop thread (`ForwardWorker`'s
-`threaded=False`): queuing a forward or a draw never waits for the device, so the loop
-goes on at once, and one thread leaves nothing to hand over. A second Python thread
-would only take turns with the loop at the GIL (torch drops it around each op), and each
-turn costs a hand-over; SGLang removed its overlap thread for the same reason. On a CPU
-the worker is a thread that computes its jobs (overlap is off there by default: the
-forward and the loop share the cores).
+The forwards and draws are queued on `forward_worker.ForwardWorker`: on CUDA from the loop
+thread, on a stream of its own; on a CPU on a thread of its own.
 """
 
 from __future__ import annotations
@@ -59,178 +53,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmprog_runtime.forward_batch import ForwardMode
-from lmprog_runtime.sampling import SampleRow, sample_each, take_rows
+from lmprog_runtime.sampling import take_rows
 
 if TYPE_CHECKING:
-    from lmprog_runtime.forward_batch import ForwardBatch
-    from lmprog_runtime.model_runner import ModelRunner
     from lmprog_runtime.request import Req
     from lmprog_runtime.scheduler import ScheduledBatch
 
 logger = logging.getLogger("lmprog_runtime.engine")
-
-
-class ForwardTimer:
-    """How long a forward took on its device: CUDA events around it (read once they have
-    passed), or the seconds a CPU forward ran."""
-
-    def __init__(self, seconds: float = 0.0) -> None:
-        self._seconds = seconds
-        self.start: torch.cuda.Event | None = None
-        self.end: torch.cuda.Event | None = None
-
-    def seconds(self) -> float:
-        if self.end is None:
-            return self._seconds
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end) / 1000
-
-
-@dataclass
-class Sampled:
-    """A queued draw's outcome: the tokens (a host tensor, valid once `ready` has passed),
-    the rows that failed, the logits rows they were drawn from, the forward's timer."""
-
-    token_ids: torch.Tensor
-    ready: torch.cuda.Event | None
-    errors: dict[int, Exception]
-    logits: torch.Tensor
-    timer: ForwardTimer
-
-
-class ForwardWorker:
-    """Runs forwards and draws one at a time, in the order they are queued: on a thread of
-    its own, or (on CUDA) queued on its stream from the caller's thread.
-
-    Example (one request decoding, its logits in row 0, its table row `row`):
-        >>> worker = ForwardWorker(engine.runner)  # doctest: +SKIP
-        >>> fb, rows = engine.runner.prepare(batch)  # doctest: +SKIP
-        >>> launched = worker.launch(fb)  # doctest: +SKIP
-        >>> drawing = worker.sample(launched, [0], sample_rows([req], vocab), [row])  # doctest: +SKIP
-        >>> ids, errors, logits_rows, seconds = worker.sampled(drawing)  # doctest: +SKIP
-    """
-
-    def __init__(self, runner: ModelRunner, threaded: bool | None = None) -> None:
-        """`threaded`: the jobs run on a thread of their own, or on the caller's thread as
-        they are queued (None: a thread on a CPU, where a forward computes; none on CUDA,
-        where queuing one returns at once; see the module docstring)."""
-        self._runner = runner  # `runner.run` is looked up at each forward (tests wrap it)
-        is_cuda = runner.device.type == "cuda"
-        if threaded is None:
-            threaded = not is_cuda
-        self._executor: ThreadPoolExecutor | InlineExecutor = (
-            ThreadPoolExecutor(1, thread_name_prefix="lmprog-forward")
-            if threaded
-            else InlineExecutor()
-        )
-        self._stream = torch.cuda.Stream(runner.device) if is_cuda else None
-
-    def launch(self, fb: ForwardBatch) -> Future:
-        """Queue `fb`'s forward; returns a future of (logits, its `ForwardTimer`), set once
-        the forward is queued on the device (on a CPU, once it has run)."""
-        inputs_ready = None
-        if self._stream is not None:
-            inputs_ready = torch.cuda.Event()
-            inputs_ready.record()  # after the inputs' copies, queued on the loop's stream
-        return self._executor.submit(self._forward, fb, inputs_ready)
-
-    def sample(
-        self, launched: Future, index: list[int], rows: list[SampleRow], table_rows: list[int]
-    ) -> Future:
-        """Queue the draw of `rows` from rows `index` of a launched forward's logits, behind
-        it; the tokens also go to `future_tokens[table_rows]`, where the next forward's
-        placeholders find them. Returns a future of `Sampled`."""
-        return self._executor.submit(self._sample, launched, index, rows, table_rows)
-
-    def sampled(self, future: Future) -> tuple[list[int], dict[int, Exception], Any, float]:
-        """Wait for a queued draw: (token ids, failed rows' errors, the logits rows drawn
-        from, the forward's seconds). The logits may be read on the loop thread's stream
-        (their kernels are done); hold them until that reading is done."""
-        drawn: Sampled = future.result()
-        if drawn.ready is not None:
-            drawn.ready.synchronize()
-        return drawn.token_ids.tolist(), drawn.errors, drawn.logits, drawn.timer.seconds()
-
-    @staticmethod
-    def wait_forward(launched: Future) -> tuple[torch.Tensor, ForwardTimer]:
-        """A launched forward's (logits, timer), once its kernels are done (to read the
-        logits on the loop thread's stream, as prompt logprobs do)."""
-        logits, timer = launched.result()
-        if timer.end is not None:
-            timer.end.synchronize()
-        return logits, timer
-
-    def synchronize(self) -> None:
-        """Wait until nothing queued on the worker runs any more (on the device too)."""
-        self._executor.submit(lambda: None).result()
-        if self._stream is not None:
-            self._stream.synchronize()
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False)
-
-    def _forward(
-        self, fb: ForwardBatch, inputs_ready: torch.cuda.Event | None
-    ) -> tuple[torch.Tensor, ForwardTimer]:
-        if self._stream is None:
-            start = time.perf_counter()
-            logits = self._runner.run(fb)
-            return logits, ForwardTimer(time.perf_counter() - start)
-        timer = ForwardTimer()
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(inputs_ready)
-            # The inputs are one block, made on the loop's stream and dropped once this is
-            # queued: not to be handed out again before this stream has read it.
-            fb.positions.record_stream(self._stream)
-            timer.start = torch.cuda.Event(enable_timing=True)
-            timer.end = torch.cuda.Event(enable_timing=True)
-            timer.start.record()
-            logits = self._runner.run(fb)
-            timer.end.record()
-        return logits, timer
-
-    def _sample(
-        self, launched: Future, index: list[int], rows: list[SampleRow], table_rows: list[int]
-    ) -> Sampled:
-        logits, timer = launched.result()  # done: jobs run in order
-        on_stream = self._stream is not None
-        with torch.cuda.stream(self._stream) if on_stream else contextlib.nullcontext():
-            logits = take_rows(logits, index)
-            token_ids, errors = sample_each(logits, rows)
-            self._runner.store_future_tokens(table_rows, token_ids)
-            ready = None
-            if self._stream is not None:
-                token_ids = token_ids.to("cpu", non_blocking=True)  # into pinned memory
-                ready = torch.cuda.Event()
-                ready.record()
-        return Sampled(token_ids, ready, errors, logits, timer)
-
-
-class InlineExecutor:
-    """Runs each job as it is submitted, on the caller's thread: `submit` returns its
-    future done (with the job's result or exception), so jobs run in order."""
-
-    @staticmethod
-    def submit(fn: Callable[..., Any], /, *args: Any) -> Future:
-        future: Future = Future()
-        try:
-            result = fn(*args)
-        except Exception as error:  # noqa: BLE001 - the job's failure goes to its future
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-        return future
-
-    def shutdown(self, wait: bool = True) -> None:
-        """Nothing runs behind the caller's back: nothing to stop."""
 
 
 @dataclass

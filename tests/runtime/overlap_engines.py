@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from lmprog_runtime import Engine
-from lmprog_runtime.overlap import ForwardWorker
+from lmprog_runtime.forward_worker import ForwardWorker
 
 SLOW_FORWARD_S = 0.003
 POOL = {"max_total_tokens": 4096, "max_running_requests": 16}

@@ -31,7 +31,7 @@ from overlap_engines import (
 from lmprog_runtime import Engine
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.forward_batch import ForwardMode
-from lmprog_runtime.overlap import InlineExecutor
+from lmprog_runtime.forward_worker import InlineExecutor
 
 
 @pytest.fixture(scope="module", params=list(WORKERS))

@@ -18,13 +18,12 @@ from lmprog_runtime.sampling import (
     _apply_penalties_and_masks,
     _exponential_race,
     _race_matches_multinomial,
-    _top_k_top_p,
-    _top_k_top_p_unsorted,
     argmax_rows,
     draw,
     sample_each,
     sample_token_ids,
 )
+from lmprog_runtime.sampling_filters import top_k_top_p, top_k_top_p_unsorted
 from lmprog_runtime.sampling_params import SamplingParams
 
 
@@ -107,8 +106,8 @@ def test_windowed_top_k_top_p_keeps_what_a_full_sort_keeps(vocab, top_k, top_p, 
     if top_p == 1.0 and k[0] == vocab:
         return  # nothing to filter: the caller skips such rows
     expected = _reference_top_k_top_p(probs, k, p)
-    assert torch.equal(_top_k_top_p(probs, k, p), expected)
-    assert torch.equal(_top_k_top_p(probs, k, p, full=True), expected)  # (the GPU's way)
+    assert torch.equal(top_k_top_p(probs, k, p), expected)
+    assert torch.equal(top_k_top_p(probs, k, p, full=True), expected)  # (the GPU's way)
 
 
 def _reference_kept_with_ties(counts: list[int], top_k: int, top_p: float) -> list[bool]:
@@ -145,7 +144,7 @@ def test_the_accelerators_top_k_top_p_keeps_every_token_tied_at_a_cut(
     counts = torch.randint(0, most + 1, (3, vocab), generator=gen)
     counts[:, 0] += 1  # every row has mass
     k = top_k if 0 < top_k <= vocab else vocab
-    got = _top_k_top_p_unsorted(
+    got = top_k_top_p_unsorted(
         counts.float() / 4096, torch.full((3,), k), torch.full((3,), top_p), k * (k < vocab)
     )
     for row, kept in zip(counts.tolist(), got):
@@ -157,7 +156,7 @@ def test_the_accelerators_top_p_cuts_at_exactly_top_p_and_keeps_ties():
     """More likely tokens holding exactly top_p of the mass cut a token; a token tied with
     a kept one is kept (the sorted filter keeps one of 0.25 and 0.25 at top_p 0.75)."""
     probs = torch.tensor([[0.5, 0.25, 0.25, 0.0]] * 2)
-    kept = _top_k_top_p_unsorted(probs, torch.tensor([4, 4]), torch.tensor([0.5, 0.75]), 0)
+    kept = top_k_top_p_unsorted(probs, torch.tensor([4, 4]), torch.tensor([0.5, 0.75]), 0)
     assert (kept > 0).tolist() == [[True, False, False, False], [True, True, True, False]]
 
 
@@ -171,7 +170,7 @@ def test_the_accelerators_top_k_top_p_keeps_what_a_full_sort_keeps(seed, top_k, 
     assert all(len(set(row.tolist())) == 3000 for row in probs)
     k = torch.full((4,), top_k or 3000)
     p = torch.full((4,), top_p)
-    got = _top_k_top_p_unsorted(probs, k, p, top_k)
+    got = top_k_top_p_unsorted(probs, k, p, top_k)
     assert torch.equal(got, _reference_top_k_top_p(probs, k, p))
 
 
