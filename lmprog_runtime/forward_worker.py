@@ -6,9 +6,9 @@ thread's copies of the inputs, and it does so on the loop thread (`threaded=Fals
 `InlineExecutor`): queuing a forward or a draw never waits for the device, so the loop
 goes on at once, and one thread leaves nothing to hand over. A second Python thread would
 only take turns with the loop at the GIL (torch drops it around each op), and each turn
-costs a hand-over; SGLang removed its overlap thread for the same reason. On a CPU the
-worker is a thread that computes its jobs (overlap is off there by default: the forward
-and the loop share the cores).
+costs a hand-over (SGLang's scheduler, too, now overlaps with a CUDA stream and no
+thread: sgl-project/sglang#11210). On a CPU the worker is a thread that computes its
+jobs (overlap is off there by default: the forward and the loop share the cores).
 
 The worker touches tensors only; what a forward or a draw reads of the requests is read
 on the loop thread before it is queued.
