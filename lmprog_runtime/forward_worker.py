@@ -111,6 +111,7 @@ class ForwardWorker:
         drawn: Sampled = future.result()
         if drawn.ready is not None:
             drawn.ready.synchronize()
+            _read_on_current_stream(drawn.logits)
         return drawn.token_ids.tolist(), drawn.errors, drawn.logits, drawn.timer.seconds()
 
     @staticmethod
@@ -120,6 +121,7 @@ class ForwardWorker:
         logits, timer = launched.result()
         if timer.end is not None:
             timer.end.synchronize()
+            _read_on_current_stream(logits)
         return logits, timer
 
     def synchronize(self) -> None:
@@ -177,7 +179,7 @@ class InlineExecutor:
         future: Future = Future()
         try:
             result = fn(*args)
-        except Exception as error:  # noqa: BLE001 - the job's failure goes to its future
+        except BaseException as error:  # noqa: BLE001 - to its future, as a thread's would
             future.set_exception(error)
         else:
             future.set_result(result)
@@ -185,3 +187,9 @@ class InlineExecutor:
 
     def shutdown(self, wait: bool = True) -> None:
         """Nothing runs behind the caller's back: nothing to stop."""
+
+
+def _read_on_current_stream(tensor: torch.Tensor) -> None:
+    """`tensor`, made on the worker's stream, is read on the caller's: its block must not
+    be handed to the worker's stream again before that reading has run."""
+    tensor.record_stream(torch.cuda.current_stream(tensor.device))

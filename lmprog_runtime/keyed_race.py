@@ -111,14 +111,15 @@ def _has_triton() -> bool:
 # The bit positions each pass of the floor search decides (four bits from there up; the
 # first pass three, as the sign bit stays 0).
 NUCLEUS_SHIFTS = (28, 24, 20, 16, 12, 8, 4, 0)
+TINY32 = torch.finfo(torch.float32).tiny  # the smallest normal float32
 
 
 def nucleus_floors(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The floor of each row's top-p nucleus: the tokens with a probability above it are
     those whose more likely tokens hold less than `top_p` of the row's mass. probs [n,
     vocab] float32 (unnormalised, non-negative), top_p [n] float32, on one device; returns
-    float32 [n] there (0 for a row with top_p >= 1: every token with mass is kept; nan for
-    a row without mass). Nothing is sorted or read back; on CUDA with Triton one kernel,
+    float32 [n] there (0 for a row with top_p >= 1, or without mass: every token with mass
+    is kept; the most likely tokens always are). Nothing is sorted or read back; on CUDA with Triton one kernel,
     elsewhere torch ops on the same sums.
 
     Example:
@@ -133,7 +134,9 @@ def nucleus_floors(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
         return triton_floors(probs, top_p)
     probs = probs.float()
-    target = top_p.float() * probs.sum(dim=-1)  # [n]
+    # At least the smallest normal float: a top_p that rounds to 0 (or a product that
+    # underflows) still keeps the most likely tokens.
+    target = (top_p.float() * probs.sum(dim=-1)).clamp(min=TINY32)  # [n]
     m = torch.arange(16, dtype=torch.int32, device=probs.device)
     prefix = torch.zeros(probs.shape[0], dtype=torch.int32, device=probs.device)
     for i, shift in enumerate(NUCLEUS_SHIFTS):

@@ -315,7 +315,7 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     one kept, renormalised (transformers' and vLLM's order). Returns unnormalised probs
     [n, vocab]."""
     vocab = logits.shape[-1]
-    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
+    top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
     # [4, n] on the host: temperature, top-k, top-p and min-p; decisions are taken here, on
     # the float32 values the device gets (one copy), so the device is never read back.
     host = torch.tensor(

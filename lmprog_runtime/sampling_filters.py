@@ -78,5 +78,6 @@ def cut_sorted(
     # The mass top-p shares out: the top-k tokens' (inside `values`), or the whole row's.
     kept_mass = torch.where(top_k < vocab, values.sum(dim=-1), total)
     share_before = (values.cumsum(dim=-1) - values) / kept_mass[:, None]
-    drop = (share_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    # (The first token stays, even for a top_p that rounds to 0 in float32.)
+    drop = (share_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (ranks > 0)
     return values.masked_fill(drop, 0.0), drop.any(dim=-1)

@@ -36,7 +36,7 @@ def host_ints(values: Sequence[int]) -> torch.Tensor:
         >>> host_ints([3, -1, 2]).tolist()
         [3, -1, 2]
     """
-    if not values:
+    if len(values) == 0:
         return torch.empty(0, dtype=torch.int64, device="cpu")
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 

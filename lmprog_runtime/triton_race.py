@@ -19,6 +19,7 @@ from lmprog_runtime.keyed_race import (
     HASH_ROUNDS,
     MASK32,
     NUCLEUS_SHIFTS,
+    TINY32,
     TOKEN_STRIDE,
 )
 
@@ -32,6 +33,7 @@ _SHIFT_C = tl.constexpr(HASH_LAST_SHIFT)
 _MASK = tl.constexpr(MASK32)
 _FIRST_SHIFT = tl.constexpr(NUCLEUS_SHIFTS[0])
 _NUM_PASSES = tl.constexpr(len(NUCLEUS_SHIFTS))
+_TINY = tl.constexpr(TINY32)
 
 
 @triton.jit
@@ -90,7 +92,7 @@ def _nucleus_kernel(probs_ptr, top_p_ptr, out_ptr, vocab, probs_stride, BLOCK: t
     for start in range(0, vocab, BLOCK):
         tokens = start + tl.arange(0, BLOCK)
         total += tl.load(base + tokens, mask=tokens < vocab, other=0.0).to(tl.float32)
-    target = top_p * tl.sum(total, axis=0)
+    target = tl.maximum(top_p * tl.sum(total, axis=0), _TINY)  # (`keyed_race`'s clamp)
     m = tl.arange(0, 16)
     prefix = tl.zeros([16], tl.int32)  # (the same in every lane)
     for i in tl.static_range(_NUM_PASSES):
