@@ -5,7 +5,8 @@ Sections, each recorded on its own (an error or a skip is written down, the rest
 - `environment`: versions, the GPU, optional modules missing (their sections are skipped);
 - `fused_ops`: the Triton RMSNorm, SiLU-and-mul and RoPE against the torch reference;
 - `keyed_race`: the sampler's Triton draw against its torch ops, and its time against a
-  generator per row; top-p's full sort against the windowed one that reads back;
+  generator per row; top-p's floor search (the sampler's) against a full sort and the
+  CPU's window that reads back, and whether the search keeps the sorted tokens;
 - `correctness`: per model and attention backend, prompt and output logprobs against
   transformers' forward on the same GPU (bfloat16 tolerance; float32 strictly), greedy
   tokens against transformers' `generate`;

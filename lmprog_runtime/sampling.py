@@ -155,8 +155,8 @@ def sample_each(
 
 def on_accelerator(device: torch.device) -> bool:
     """Whether sampling on `device` takes the accelerator's path: draws are keyed races
-    (`keyed_race.py`), top-p sorts whole rows, and nothing is read back to the host (no
-    launch waits for the device). Off the CPU."""
+    (`keyed_race.py`), top-k and top-p sort nothing (`sampling_filters.py`), and nothing is
+    read back to the host (no launch waits for the device). Off the CPU."""
     return device.type != "cpu"
 
 
