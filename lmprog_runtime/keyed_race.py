@@ -119,8 +119,8 @@ def nucleus_floors(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     those whose more likely tokens hold less than `top_p` of the row's mass. probs [n,
     vocab] float32 (unnormalised, non-negative), top_p [n] float32, on one device; returns
     float32 [n] there (0 for a row with top_p >= 1, or without mass: every token with mass
-    is kept; the most likely tokens always are). Nothing is sorted or read back; on CUDA with Triton one kernel,
-    elsewhere torch ops on the same sums.
+    is kept; the most likely tokens always are). Nothing is sorted or read back; on CUDA
+    with Triton one kernel, elsewhere torch ops on the same sums.
 
     Example:
         >>> probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]])

@@ -31,8 +31,8 @@ def top_k_top_p(
     top-p cut lies beyond them (a very flat distribution) is then sorted in full (found by
     reading back which rows: free on a CPU). With `full`, every row is sorted in full and
     nothing is read back (what `gpu_check.py` times the accelerators' way against:
-    `top_k_top_p_unsorted`). `max_top_k`, the largest top_k below the vocabulary (0 if none),
-    saves reading it from `top_k`."""
+    `top_k_top_p_unsorted`). `max_top_k`, the largest top_k below the vocabulary (0 if
+    none), saves reading it from `top_k`."""
     vocab = probs.shape[-1]
     if max_top_k is None:
         limited = top_k[top_k < vocab]
@@ -40,12 +40,12 @@ def top_k_top_p(
     width = vocab if full else min(vocab, max(FILTER_WINDOW, max_top_k))
     values, index = probs.topk(width, dim=-1)  # [n, width], descending
     total = probs.sum(dim=-1)
-    kept, is_cut = cut_sorted(values, top_k, top_p, total, vocab)
+    kept, is_cut = _cut_sorted(values, top_k, top_p, total, vocab)
     out = torch.zeros_like(probs).scatter_(1, index, kept)
     flat = (~is_cut & (top_p < 1.0)).nonzero().flatten() if width < vocab else []
     if len(flat):
         values, index = probs[flat].sort(dim=-1, descending=True)
-        kept, _ = cut_sorted(values, top_k[flat], top_p[flat], total[flat], vocab)
+        kept, _ = _cut_sorted(values, top_k[flat], top_p[flat], total[flat], vocab)
         out[flat] = torch.zeros_like(values).scatter_(1, index, kept)
     return out
 
@@ -67,7 +67,7 @@ def top_k_top_p_unsorted(
     return probs.masked_fill(probs <= floors[:, None], 0.0)  # (compared in float32)
 
 
-def cut_sorted(
+def _cut_sorted(
     values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, total: torch.Tensor, vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k, then top-p, on rows sorted in descending order (the leading part of each row

@@ -160,6 +160,16 @@ def test_the_accelerators_top_p_cuts_at_exactly_top_p_and_keeps_ties():
     assert (kept > 0).tolist() == [[True, False, False, False], [True, True, True, False]]
 
 
+def _unseeded_rows(settings: list[dict]) -> list[SampleRow]:
+    """One `SampleRow` per settings dict (temperature 1 unless set), nothing else to it."""
+    return [
+        SampleRow(
+            i, SamplingParams(**{"temperature": 1.0, **kw}), torch.Generator(), 0, None, [], None
+        )
+        for i, kw in enumerate(settings)
+    ]
+
+
 @pytest.mark.parametrize("accelerator", [False, True])
 def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(monkeypatch, accelerator):
     """top_p 1e-46 is valid (> 0) but 0 in float32: both ways keep the first token, as a
@@ -168,10 +178,7 @@ def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(monkeypatch, a
 
     monkeypatch.setattr(sampling, "on_accelerator", lambda device: accelerator)
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
-    rows = [
-        SampleRow(i, SamplingParams(temperature=1.0, top_p=p), torch.Generator(), 0, None, [], None)
-        for i, p in enumerate([1e-46, 1e-3, 1.0])
-    ]
+    rows = _unseeded_rows([{"top_p": p} for p in (1e-46, 1e-3, 1.0)])
     kept = sampling._filtered_probs(logits, rows) > 0
     for i in (0, 1):
         assert kept[i].nonzero().flatten().tolist() == [int(logits[i].argmax())]
@@ -187,11 +194,7 @@ def test_a_top_k_beyond_the_vocabulary_cuts_nothing(monkeypatch, accelerator):
     monkeypatch.setattr(sampling, "on_accelerator", lambda device: accelerator)
     logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(2)).repeat(3, 1)
     settings = [{"top_k": 2**70, "top_p": 0.9}, {"top_p": 0.9}, {"top_k": 5}]
-    rows = [
-        SampleRow(i, SamplingParams(temperature=1.0, **kw), torch.Generator(), 0, None, [], None)
-        for i, kw in enumerate(settings)
-    ]
-    kept = sampling._filtered_probs(logits, rows) > 0
+    kept = sampling._filtered_probs(logits, _unseeded_rows(settings)) > 0
     assert torch.equal(kept[0], kept[1]) and 1 < int(kept[0].sum()) < 40
     assert sorted(kept[2].nonzero().flatten().tolist()) == sorted(
         logits[2].topk(5).indices.tolist()
