@@ -12,6 +12,10 @@ device clock has passed the forward); the overlapped loop reads only the drawn t
 when it collects them (`ForwardWorker.sampled` sleeps until then), so its next forward may
 be queued while the device is still busy.
 
+Decode runs (`decode_steps`, synchronous loop) queue their forwards without waiting and
+read each step's tokens when the device clock has passed its forward (`_read_step`), as on
+a GPU.
+
 Per step, wall time minus the device time is the host's critical path: what a GPU would
 sit idle for. It is measured for the synchronous loop and the overlapped one, in one run,
 best of `--repeats`. The overlapped loop runs both ways: with the forward worker a thread
@@ -71,14 +75,19 @@ def host_path(
     repeats: int,
     overlap: bool,
     threaded: bool = True,
+    decode_steps: int = 1,
 ) -> dict:
     """`threaded`: with overlap, the forward worker is a thread (as on a CPU), or it runs
-    its jobs on the loop thread (as on CUDA, where queuing them returns at once)."""
-    from lmprog_runtime import Engine, default_model_path
+    its jobs on the loop thread (as on CUDA, where queuing them returns at once).
+    `decode_steps`: decode runs of that many steps (synchronous loop only)."""
+    from lmprog_runtime import Engine, decode_run, default_model_path
     from lmprog_runtime.forward_worker import ForwardWorker
 
     with Engine(
-        default_model_path("tiny"), max_running_requests=batch, overlap_schedule=overlap
+        default_model_path("tiny"),
+        max_running_requests=batch,
+        overlap_schedule=overlap,
+        decode_steps=decode_steps,
     ) as engine:
         if overlap and not threaded:
             engine._worker.close()
@@ -88,13 +97,14 @@ def host_path(
         table = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0))
         device = EmulatedDevice()
         ends: list[float] = []  # each forward's end, in launch order
+        in_run = [False]  # a decode run's forwards are read back together, at its end
 
         def emulated_forward(fb):
             end = time.perf_counter() + launch_s
             while time.perf_counter() < end:  # launching: Python holding the GIL
                 pass
             ends.append(device.queue(device_s))
-            if worker is None:
+            if worker is None and not in_run[0]:
                 device.wait(ends[-1])  # the synchronous loop reads the logits now
             ids = runner.resolve_future_ids(fb.input_ids)
             # [logits rows, vocab], one row per `logits_indices` as the real forward
@@ -106,6 +116,24 @@ def host_path(
         runner.run = cpu.timed("forward", runner.run)
         if worker is None:
             engine._draw = cpu.timed("draw", engine._draw)
+            run_sample_each = decode_run.sample_each
+            decode_run.sample_each = cpu.timed("draw", run_sample_each)
+            launch_run, read_step = engine._launch_run, engine._read_step
+            run_ends: list[float] = []  # the ends of the run's forwards, read in order
+
+            def launching_run(*args):
+                in_run[0], first = True, len(ends)
+                try:
+                    return launch_run(*args)
+                finally:
+                    in_run[0] = False
+                    run_ends[:] = ends[first:]
+
+            def waiting_read(tokens):
+                device.wait(run_ends.pop(0))  # this step's tokens reach the host
+                return read_step(tokens)
+
+            engine._launch_run, engine._read_step = launching_run, waiting_read
         else:
             worker._sample = cpu.timed("draw", worker._sample)
         if worker is not None:
@@ -152,6 +180,8 @@ def host_path(
                 per_step["loop"] -= per_step["forward"] + per_step["draw"]
             best_cpu = min(best_cpu, per_step, key=lambda d: sum(d.values()) if d else 1e9)
         del runner.run, engine._run_once
+        if worker is None:
+            decode_run.sample_each = run_sample_each
     out = {"step_ms": 1e3 * best, "host_ms": 1e3 * (best - device_s)}
     out.update({f"{k}_cpu_us": 1e6 * v for k, v in best_cpu.items()})
     return out
@@ -184,17 +214,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--launch-ms", type=float, default=0.1, help="Python work to launch")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-steps", type=int, default=8, help="steps per decode run")
     args = parser.parse_args(argv)
     print(
         f"batch {args.batch}, emulated device step {args.device_ms:g} ms after "
         f"{args.launch_ms:g} ms of launching, greedy"
     )
     loops = {
-        "synchronous": (False, True),
-        "overlapped, worker thread": (True, True),
-        "overlapped, one thread (CUDA)": (True, False),
+        "synchronous": (False, True, 1),
+        "overlapped, worker thread": (True, True, 1),
+        "overlapped, one thread (CUDA)": (True, False, 1),
+        f"decode runs of {args.decode_steps}": (False, True, args.decode_steps),
     }
-    for label, (overlap, threaded) in loops.items():
+    for label, (overlap, threaded, steps) in loops.items():
         r = host_path(
             args.batch,
             args.device_ms / 1e3,
@@ -203,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
             args.repeats,
             overlap,
             threaded,
+            steps,
         )
         share = r["host_ms"] / r["step_ms"]
         print(

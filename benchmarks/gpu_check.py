@@ -14,11 +14,13 @@ Sections, each recorded on its own (an error or a skip is written down, the rest
   with CUDA graphs on and off;
 - `overlap_equality`: the overlapped loop (next tokens on the device) against the
   synchronous one: greedy, seeded, penalties, min_new_tokens, stops, logprobs, regexes;
+  and decode runs (`decode_steps=4`) against it on the requests that run ahead;
 - `decode_bandwidth`: the Triton decode kernel's bytes moved per second, as a fraction of
   the HBM peak (nominal, and a measured device-to-device copy);
 - `throughput`: engine against transformers' `generate`, no-sharing and shared-prefix;
 - `decode_overhead`: the fraction of decode time the GPU sits idle (kernel time from the
-  profiler against wall time), with CUDA graphs on and off.
+  profiler against wall time), with CUDA graphs on and off, overlap off, decode runs of
+  8 steps, a worker thread, and a larger model.
 
 The figures go to one JSON file, rewritten after each section: `$OUT/gpu_check.json` when
 `OUT` is set, else `benchmarks/results/gpu_check.json` (or `--out`). Record them in
@@ -390,7 +392,8 @@ def overlap_equality(check: Check) -> dict[str, Any]:
     outlines-core) regexes; float32, so that a batch's shape moves no token. Figures: the
     outputs identical between the loops, the largest logprob difference on identical
     tokens, and what any output breaks of its request (a placeholder id left, a length
-    out of bounds, a stop string in the text, a regex not matched)."""
+    out of bounds, a stop string in the text, a regex not matched). Then decode runs
+    against the synchronous loop, on the requests that run ahead."""
     kinds = [
         {"temperature": 0, "ignore_eos": True},
         {"temperature": 0.9, "seed": 11, "ignore_eos": True},
@@ -432,6 +435,21 @@ def overlap_equality(check: Check) -> dict[str, Any]:
         f"{label} {i}: {problem}"
         for label, results in outs.items()
         for i, (result, p) in enumerate(zip(results, params))
+        for problem in _request_problems(result, p)
+    ]
+    # Decode runs (decode_steps=4) against the synchronous loop, on requests that run
+    # ahead (greedy, seeded, top-k / top-p, stop strings: no penalties or logprobs).
+    ahead = [p for p in params if "regex" not in p and "frequency_penalty" not in p]
+    ahead = [{k: v for k, v in p.items() if k != "min_new_tokens"} for p in ahead]
+    with check.engine("tiny", dtype="float32", decode_steps=4) as engine:
+        runs = engine.generate(input_ids=prompts[: len(ahead)], sampling_params=ahead)
+    with check.engine("tiny", dtype="float32", overlap_schedule=False) as engine:
+        single = engine.generate(input_ids=prompts[: len(ahead)], sampling_params=ahead)
+    same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(runs, single))
+    out["decode_runs_identical_outputs"] = f"{same}/{len(ahead)}"
+    out["problems"] += [
+        f"decode_runs {i}: {problem}"
+        for i, (result, p) in enumerate(zip(runs, ahead))
         for problem in _request_problems(result, p)
     ]
     return out
@@ -576,12 +594,16 @@ def decode_overhead(check: Check) -> dict[str, Any]:
     runs = [("tiny", "default", {}, 0)] if check.smoke else [("small", "default", {}, 0)]
     if check.smoke:
         runs.append(("tiny", "worker_thread", {"overlap_schedule": True, "worker_thread": True}, 0))
+        runs.append(("tiny", "decode_runs", {"decode_steps": 4}, 0))
     else:
         runs.append(("small", "cuda_graphs_off", {"disable_cuda_graph": True}, 15))
         # What overlap scheduling hides here (bench_host_path.py, a CPU-emulated device on
         # a 2-vCPU Xeon: the device idled 12-15% of a 1 ms step overlapped on the loop
         # thread, 20-26% with a worker thread, 46-52% synchronously).
         runs.append(("small", "overlap_off", {"overlap_schedule": False}, 15))
+        # Decode runs of 8 steps (synchronous loop; emulated 0.3 ms device there: 0.89 ms
+        # a step, against 1.19 overlapped and 1.45 synchronously).
+        runs.append(("small", "decode_runs", {"decode_steps": 8}, 15))
         runs.append(("medium", "medium", {}, 45))
         # The forward worker a thread of its own (on CUDA it runs on the loop thread); last,
         # so that a tight budget drops it before "medium".
@@ -622,6 +644,7 @@ def _overhead_run(
             "batch": n,
             "cuda_graphs": engine.runner.graphs is not None,
             "overlap": engine._worker is not None,
+            "decode_steps": engine.config.decode_steps,
             "worker_thread": engine._worker is not None
             and not isinstance(engine._worker._executor, InlineExecutor),
         }

@@ -84,6 +84,13 @@ class RuntimeConfig:
     # streaming, finishing) while the next step's forward runs. None: on CUDA only (on a
     # CPU the forward and the loop share the cores, so overlapping gains nothing).
     overlap_schedule: bool | None = None
+    # Decode runs (SGLang's num_continuous_decode_steps): when every request of a decode
+    # step can run ahead (no grammar, penalties, logprobs or pending min_new_tokens), up to
+    # this many decode steps run back to back from one scheduling, each step's tokens fed
+    # to the next on the device, and are read and checked together (`decode_run.py`).
+    # Fewer host round trips per token; callers and new requests wait up to a run. 1: off.
+    # Runs take the synchronous loop: with overlap_schedule=None, > 1 turns overlap off.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -140,13 +147,22 @@ class RuntimeConfig:
             raise TypeError(
                 f"overlap_schedule must be True, False or None, got {self.overlap_schedule!r}"
             )
+        if isinstance(self.decode_steps, bool) or not isinstance(self.decode_steps, int):
+            raise TypeError(f"decode_steps must be an int, got {self.decode_steps!r}")
+        if self.decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        if self.decode_steps > 1 and self.overlap_schedule:
+            raise ValueError(
+                "decode_steps > 1 runs on the synchronous loop: set overlap_schedule to "
+                "False or None with it"
+            )
 
     @property
     def is_overlapped(self) -> bool:
         """Whether the engine loop overlaps its work with the forwards (`overlap_schedule`;
-        None: on CUDA)."""
+        None: on CUDA, unless decode runs are on)."""
         if self.overlap_schedule is None:
-            return self.device.startswith("cuda")
+            return self.device.startswith("cuda") and self.decode_steps == 1
         return self.overlap_schedule
 
     @classmethod

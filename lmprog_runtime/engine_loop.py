@@ -1,6 +1,7 @@
 """The engine's loop thread: each step it takes what callers handed in, schedules, runs one
 forward, samples, and finishes requests the moment they stop (with overlap scheduling, the
-checks of one step run while the next step's forward does: see `overlap.py`).
+checks of one step run while the next step's forward does: see `overlap.py`; with decode
+runs, several decode steps run from one scheduling: see `decode_run.py`).
 
 `EngineLoop` holds the loop-side methods of `Engine` (the caller side, validation and the
 public API live in `engine.py`). Only the loop thread runs them: it alone owns the
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmprog_runtime.decode_run import DecodeRunLoop
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache.radix_view import snapshot
 from lmprog_runtime.logprobs import record_prompt_logprobs, token_logprobs
@@ -39,7 +41,7 @@ logger = logging.getLogger("lmprog_runtime.engine")
 MAX_SCHEDULE_FAILURES = 3
 
 
-class EngineLoop(OverlapLoop):
+class EngineLoop(OverlapLoop, DecodeRunLoop):
     """The loop-side half of `Engine` (a mixin: `Engine` sets every attribute used here)."""
 
     def _is_idle(self) -> bool:
@@ -57,7 +59,11 @@ class EngineLoop(OverlapLoop):
         if batch is None:
             return
         try:
-            self._step(batch)
+            steps = self._run_length(batch)
+            if steps > 1:
+                self._step_run(batch, steps)
+            else:
+                self._step(batch)
         except Exception as error:  # one bad step must not take the loop down
             logger.exception("engine step failed")
             self._fail_step(batch, error)

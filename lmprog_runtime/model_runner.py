@@ -196,13 +196,24 @@ class ModelRunner:
             rows_per_req.append(mine)
         return self._send(batch, ids, positions, seq_lens, logits_rows), rows_per_req
 
-    def _prepare_decode(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[list[int]]]:
-        """`prepare` for a decode batch: one token per request, its logits row its own."""
-        ids = [req.output_ids[-1] for req in batch.reqs]
+    def _prepare_decode(
+        self, batch: ScheduledBatch, ids: list[int] | None = None
+    ) -> tuple[ForwardBatch, list[list[int]]]:
+        """`prepare` for a decode batch: one token per request, its logits row its own; the
+        tokens are the requests' last ones, or `ids` (placeholders of a decode run's
+        steps: `decode_run.py`)."""
+        if ids is None:
+            ids = [req.output_ids[-1] for req in batch.reqs]
         positions = batch.prefix_lens
         logits_rows = list(range(len(ids)))
         fb = self._send(batch, ids, positions, [p + 1 for p in positions], logits_rows)
         return fb, [[i] for i in logits_rows]
+
+    def prepare_ahead(self, batch: ScheduledBatch) -> ForwardBatch:
+        """The inputs of a decode step whose tokens are still on the device, each request's
+        the one just drawn for its table row (`store_future_tokens`)."""
+        ids = [-(req.req_pool_idx + 1) for req in batch.reqs]
+        return self._prepare_decode(batch, ids)[0]
 
     def _send(
         self,

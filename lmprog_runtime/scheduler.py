@@ -369,6 +369,34 @@ class Scheduler:
     ) -> None:
         self.req_to_token.write_tokens(rows, kv_lens, slots)
 
+    def extend_decode_run(self, batch: ScheduledBatch, steps: int) -> list[torch.Tensor]:
+        """Slots for up to `steps - 1` more decode steps of `batch` (a decode batch just
+        scheduled), in the request table: a decode run (`decode_run.py`). Step k's slot of
+        request i follows its slot of step k - 1. Stops short where pages run out after
+        evicting (nothing is retracted for a run). Returns each further step's slots ([n])."""
+        rows = host_ints([req.req_pool_idx for req in batch.reqs])
+        positions = host_ints(batch.prefix_lens)
+        last, extra = batch.out_cache_loc, []
+        try:
+            for k in range(1, steps):
+                slots = self.allocator.alloc_decode(last)
+                if slots is None:
+                    ps = self.allocator.page_size
+                    short = int(((last + 1) % ps == 0).sum()) * ps - self.allocator.num_free
+                    if self._evict(short) < short:
+                        break
+                    slots = self.allocator.alloc_decode(last)
+                    if slots is None:
+                        break
+                extra.append(slots)
+                self.req_to_token.write_tokens(rows, positions + k, slots)
+                last = slots
+        except BaseException:
+            for slots in extra:
+                self.free_started_pages(slots)
+            raise
+        return extra
+
     def _pick_victim(self, decoding: list[Req]) -> Req | None:
         if self.chunked_req is not None:
             return self.chunked_req
@@ -429,8 +457,9 @@ class Scheduler:
         return done + batch.reqs[num_extends:]
 
     def free_started_pages(self, slots: torch.Tensor) -> None:
-        """Overlap scheduling: a request left a launched forward (it finished or jumped
-        forward meanwhile), so that forward's `slots` for it are nobody's. Frees the pages
+        """A request left a launched forward (overlap scheduling: it finished or jumped
+        forward meanwhile; a decode run: it finished at an earlier step of the run), so
+        that forward's `slots` for it are nobody's. Frees the pages
         they start; a page they continue is the request's own (freed with it, or reused when
         it extends)."""
         self.allocator.free(slots[slots % self.allocator.page_size == 0])

@@ -44,3 +44,20 @@ def host_ints(values: Sequence[int]) -> torch.Tensor:
 def index_tensor(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
     """`values` as an int64 tensor on `device` (see `to_device`)."""
     return to_device(host_ints(values), device)
+
+
+def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`tensor` copied to the host without waiting: on CUDA the copy (into pinned memory)
+    is queued on the current stream and an event recorded after it; read the copy once
+    the event has passed. Elsewhere the tensor itself, and no event.
+
+    Example:
+        >>> to_host_async(torch.tensor([1, 2]))
+        (tensor([1, 2]), None)
+    """
+    if tensor.device.type != "cuda":
+        return tensor, None
+    host = tensor.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited for
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready

@@ -36,6 +36,7 @@ SERVING_MODULES = [
     "engine_inputs.py",
     "overlap.py",
     "forward_worker.py",
+    "decode_run.py",
     "scheduler.py",
     "model_runner.py",
     "cuda_graph.py",
@@ -164,6 +165,7 @@ ENGINES = {
     "default": {},
     "pages_and_pressure": dict(page_size=4, max_total_tokens=160, attention_backend="torch"),
     "overlapped": dict(overlap_schedule=True, attention_backend="torch"),
+    "decode_runs": dict(decode_steps=4, page_size=4, attention_backend="torch"),
 }
 
 

@@ -37,8 +37,13 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
     assert equality["identical_cache_off_vs_cache_on"] == "8/8"
     assert equality["identical_cache_on_warm_vs_cache_on"] == "8/8"
     assert equality["cached_tokens_warm"] > 0
+    overlap = report["overlap_equality"]
+    same, total = overlap["decode_runs_identical_outputs"].split("/")
+    assert overlap["problems"] == [] and same == total != "0"
     for workload in ("tiny/no_sharing", "tiny/shared_prefix"):
         assert report["throughput"][workload]["engine_tokens_per_s"] > 0
     assert report["decode_overhead"]["default"]["forward_passes"] > 0
     threaded = report["decode_overhead"]["worker_thread"]
     assert threaded["worker_thread"] and threaded["forward_passes"] > 0
+    runs = report["decode_overhead"]["decode_runs"]
+    assert runs["decode_steps"] == 4 and not runs["overlap"] and runs["forward_passes"] > 0

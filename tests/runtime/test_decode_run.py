@@ -1,0 +1,378 @@
+"""Decode runs (`decode_steps` > 1, issue 18: the host's share of a decode step): several
+decode steps from one scheduling, their tokens fed forward on the device and checked
+together. The reference is the same engine with `decode_steps=1`: outputs, texts, finish
+reasons and streamed chunks must be identical, whatever stops a request inside a run.
+Every test ends with the engines clean (the autouse check in conftest): the pages a run's
+later steps started for a request that finished earlier are freed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from conftest import engine_leak
+from helpers import PROMPTS
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from overlap_engines import SCHEMA, result_key, stop_inside
+
+from lmprog_runtime import Engine
+from lmprog_runtime.config import RuntimeConfig
+from lmprog_runtime.engine import RequestAborted
+
+POOL = {"max_total_tokens": 4096, "max_running_requests": 16}
+STEPS = 4
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["page1", "page4"])
+def engines(tiny_path, request):
+    """(one step at a time, runs of `STEPS`) engines on pages of 1 and 4 slots."""
+    with (
+        Engine(tiny_path, page_size=request.param, **POOL) as single,
+        Engine(tiny_path, page_size=request.param, decode_steps=STEPS, **POOL) as runs,
+    ):
+        yield single, runs
+
+
+def count_runs(engine: Engine) -> list[int]:
+    """A list that counts (by length) each run `engine` takes, by its number of steps."""
+    taken: list[int] = []
+    step_run = engine._step_run
+
+    def counted(batch, steps):
+        taken.append(steps)
+        return step_run(batch, steps)
+
+    engine._step_run = counted
+    return taken
+
+
+def test_decode_steps_is_validated_and_turns_automatic_overlap_off():
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="decode_steps"):
+            RuntimeConfig(decode_steps=bad)
+    for bad in (2.0, True, "4"):
+        with pytest.raises(TypeError, match="decode_steps"):
+            RuntimeConfig(decode_steps=bad)
+    with pytest.raises(ValueError, match="decode_steps"):
+        RuntimeConfig(decode_steps=4, overlap_schedule=True)
+    assert not RuntimeConfig(device="cuda", decode_steps=4).is_overlapped
+    assert RuntimeConfig(device="cuda").is_overlapped
+    assert not RuntimeConfig(decode_steps=4, overlap_schedule=False).is_overlapped
+
+
+def test_outputs_are_token_identical_to_single_steps(engines):
+    """Requests stopping at every point of a run (lengths, EOS, stop strings and regexes),
+    greedy and seeded with filters, in one batch; the runs really ran."""
+    single, runs = engines
+    unstopped = {"max_new_tokens": 23, "temperature": 0, "ignore_eos": True}
+    mix = [
+        {"max_new_tokens": 1, "temperature": 0},
+        {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 0},
+        {"max_new_tokens": 17, "temperature": 0.8, "seed": 7},
+        {**unstopped, "stop": [stop_inside(single, PROMPTS[4], unstopped)]},
+        {**unstopped, "stop_regex": [re.escape(stop_inside(single, PROMPTS[5], unstopped))]},
+        {"max_new_tokens": 30, "temperature": 1.0, "top_p": 0.9, "seed": 3},
+        {"max_new_tokens": 19, "temperature": 0.9, "top_k": 5, "min_p": 0.05, "seed": 11},
+        {"max_new_tokens": 40, "temperature": 0},
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(mix))]
+    want = single.generate(prompts, mix)
+    taken = count_runs(runs)
+    try:
+        got = runs.generate(prompts, mix)
+    finally:
+        del runs._step_run
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
+    assert {o["meta_info"]["finish_reason"]["type"] for o in want} == {"length", "stop"}
+    assert taken and max(taken) == STEPS
+
+
+def test_keyed_draws_count_the_tokens_drawn_ahead(engines, monkeypatch):
+    """The accelerators' sampler (keyed races, run here on the CPU): step k of a run is
+    keyed by the tokens its request will have by then, so a seed draws what it draws one
+    step at a time, and not multinomial's tokens."""
+    from lmprog_runtime import sampling
+
+    single, runs = engines
+    mix = [
+        {"max_new_tokens": 20, "temperature": 0.9, "seed": 7, "ignore_eos": True},
+        {"max_new_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 3, "ignore_eos": True},
+        {"max_new_tokens": 12, "temperature": 0},
+    ]
+    prompts = PROMPTS[: len(mix)]
+    multinomial = single.generate(prompts, mix)
+    monkeypatch.setattr(sampling, "on_accelerator", lambda device: True)
+    want = single.generate(prompts, mix)
+    got = runs.generate(prompts, mix)
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
+    assert want[0]["output_ids"] != multinomial[0]["output_ids"]
+
+
+def test_requests_that_cannot_run_ahead_keep_single_steps(engines):
+    """Penalties, logprobs, a pending min_new_tokens and a grammar each keep their batch
+    to single steps (each needs the host between tokens); min_new_tokens reached, the
+    batch runs again. The outputs are identical either way."""
+    single, runs = engines
+    base = {"max_new_tokens": 14, "temperature": 0, "ignore_eos": True}
+    blockers = [
+        ({"frequency_penalty": 0.5}, {}),
+        ({"temperature": 0.7, "seed": 2, "presence_penalty": 0.4}, {}),
+        ({}, {"return_logprob": True, "top_logprobs_num": 2}),
+        ({"max_new_tokens": 80, "json_schema": json.dumps(SCHEMA), "ignore_eos": False}, {}),
+    ]
+    for params, kwargs in blockers:
+        # (the other request ends first: alone, it would run)
+        mix = [{**base, "max_new_tokens": 3}, {**base, **params}]
+        want = single.generate(PROMPTS[:2], mix, **kwargs)
+        taken = count_runs(runs)
+        try:
+            got = runs.generate(PROMPTS[:2], mix, **kwargs)
+        finally:
+            del runs._step_run
+        assert [result_key(o) for o in got] == [result_key(o) for o in want], params
+        assert taken == [], params
+    mix = [base, {**base, "min_new_tokens": 6, "ignore_eos": False}]
+    taken = count_runs(runs)
+    try:
+        got = runs.generate(PROMPTS[:2], mix)
+    finally:
+        del runs._step_run
+    assert [result_key(o) for o in got] == [
+        result_key(o) for o in single.generate(PROMPTS[:2], mix)
+    ]
+    assert taken  # once min_new_tokens is reached
+
+
+def test_streamed_chunks_are_identical_in_order_and_content(engines):
+    single, runs = engines
+    unstopped = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    mix = [
+        {**unstopped, "stop": [stop_inside(single, PROMPTS[2], unstopped)]},
+        {"max_new_tokens": 12, "temperature": 0.9, "seed": 5},
+        unstopped,
+    ]
+    prompts = [PROMPTS[2], PROMPTS[3], PROMPTS[7]]
+
+    def chunks(engine: Engine) -> list:
+        seen: list[list] = [[] for _ in mix]
+
+        def on_chunk(i: int, chunk: dict) -> None:
+            meta = {k: v for k, v in chunk["meta_info"].items() if k != "id"}
+            seen[i].append((chunk["text"], chunk["output_ids"], meta))
+
+        futures = engine.submit(prompts, mix, on_chunk=on_chunk)
+        for future in futures:
+            future.result(timeout=60)
+        return seen
+
+    assert chunks(runs) == chunks(single)
+
+
+def test_a_run_that_fails_runs_its_first_step_again(engines):
+    """A forward fails in the middle of a run: the run is dropped (its further slots
+    freed, the seeded generators rewound) and its first step runs alone; the outputs are
+    those of single steps."""
+    single, runs = engines
+    mix = [
+        {"max_new_tokens": 15, "temperature": 0.9, "seed": 21, "ignore_eos": True},
+        {"max_new_tokens": 15, "temperature": 0, "ignore_eos": True},
+    ]
+    want = single.generate(PROMPTS[:2], mix)
+    run = runs.runner.run
+    placeholders = [0]
+
+    def failing_run(fb):
+        if bool((fb.input_ids < 0).any()):  # a step ahead in a run
+            placeholders[0] += 1
+            if placeholders[0] == 5:
+                raise RuntimeError("injected in a run")
+        return run(fb)
+
+    runs.runner.run = failing_run
+    try:
+        got = runs.generate(PROMPTS[:2], mix)
+    finally:
+        del runs.runner.run
+    assert placeholders[0] > 5
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
+
+
+@pytest.mark.parametrize("point", ["forward", "sample"])
+def test_a_fault_in_one_request_fails_it_alone(engines, point):
+    single, runs = engines
+    mix = [{"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}] * 3
+    want = single.generate(PROMPTS[:3], mix)
+    bad = runs.encode(PROMPTS[1])
+
+    def hook(at: str, req) -> None:
+        if at == point and req.input_ids == bad and len(req.output_ids) >= 5:
+            raise RuntimeError(f"injected at {point}")
+
+    runs.fault_hook = hook
+    try:
+        futures = runs.submit(PROMPTS[:3], mix)
+        got = [f.exception(timeout=60) or f.result() for f in futures]
+    finally:
+        runs.fault_hook = None
+    assert isinstance(got[1], RuntimeError) and "injected" in str(got[1])
+    assert [result_key(got[i]) for i in (0, 2)] == [result_key(want[i]) for i in (0, 2)]
+
+
+def test_a_row_without_mass_fails_its_request_at_its_step(engines, monkeypatch):
+    """A step ahead draws -1 for one request (its distribution has no mass): that request
+    fails, naming it, and the others, drawn in the same steps, come out as without it."""
+    import lmprog_runtime.sampling as sampling
+
+    _, runs = engines
+    params = [
+        {"max_new_tokens": 12, "temperature": 0.8, "seed": i, "ignore_eos": True} for i in range(3)
+    ]
+    want = runs.generate(PROMPTS[1:3], params[1:])
+    filtered_probs = sampling._filtered_probs
+    victim = []  # the rid of the request whose seventh draw (a step ahead) has no mass
+
+    def massless(logits, rows):
+        probs = filtered_probs(logits, rows)
+        for i, row in enumerate(rows):
+            if row.rid in victim and row.params.seed == 0:
+                victim.append(row.rid)
+                if len(victim) == 8:
+                    probs[i] = 0.0
+        return probs
+
+    monkeypatch.setattr(sampling, "_filtered_probs", massless)
+    taken = count_runs(runs)
+    try:
+        futures = runs.submit(PROMPTS[:3], params)
+        victim.append(futures[0].request_id)
+        results = [f.exception(timeout=60) or f.result() for f in futures]
+    finally:
+        del runs._step_run
+    assert taken
+    rid = futures[0].request_id
+    assert f"request {rid}: its sampling distribution has no finite" in str(results[0])
+    assert [result_key(r) for r in results[1:]] == [result_key(w) for w in want]
+
+
+def test_pool_pressure_shortens_runs_and_the_outputs_match(tiny_path, engines):
+    """A pool far smaller than the demand: runs stop short where pages run out, requests
+    are retracted and resume exactly."""
+    single, _ = engines
+    pressed = {"max_total_tokens": 160, "max_running_requests": 8, "chunked_prefill_size": 8}
+    prompts = list(PROMPTS)
+    mix = [{"max_new_tokens": 30 + i, "temperature": 0, "ignore_eos": True} for i in range(8)]
+    page = single.config.page_size
+    with Engine(tiny_path, page_size=page, decode_steps=8, **pressed) as engine:
+        taken = count_runs(engine)
+        got = engine.generate(prompts, mix)
+        stats = engine.stats()
+    assert stats["retracted_requests"] > 0 and taken
+    assert [result_key(o) for o in got] == [result_key(o) for o in single.generate(prompts, mix)]
+
+
+@settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, len(PROMPTS) - 1),
+            st.integers(1, 40),  # max_new_tokens
+            st.sampled_from([None, 0, 11]),  # greedy or a seed
+            st.sampled_from([None, 1, 6]),  # aborted after this many chunks
+        ),
+        min_size=1,
+        max_size=10,
+    ),
+    st.sampled_from([2, 5, 8]),  # decode_steps
+)
+def test_random_mixes_under_pool_pressure_match_single_steps(tiny_path, engines, plan, steps):
+    """Retractions and evictions (a 160-token pool) while decoding in runs, aborts from
+    the streams; a request not aborted produces exactly what single steps produce."""
+    single, _ = engines
+    prompts = [PROMPTS[p] for p, _, _, _ in plan]
+    mix = [
+        {"max_new_tokens": n, "temperature": 0 if seed is None else 0.9, "seed": seed}
+        for _, n, seed, _ in plan
+    ]
+    mix = [{**params, "ignore_eos": True} for params in mix]
+    page = single.config.page_size
+    pressed = {"max_total_tokens": 160, "max_running_requests": 8, "chunked_prefill_size": 8}
+    with Engine(tiny_path, page_size=page, decode_steps=steps, **pressed) as engine:
+
+        def on_chunk(i: int, chunk: dict) -> None:
+            if chunk["meta_info"]["completion_tokens"] == plan[i][3]:
+                engine.abort(chunk["meta_info"]["id"])
+
+        futures = engine.submit(prompts, mix, on_chunk=on_chunk)
+        results = [f.exception(timeout=120) or f.result() for f in futures]
+        assert engine_leak(engine) is None
+    want = single.generate(prompts, mix)
+    for (_, max_new, _, abort_after), got, out in zip(plan, results, want):
+        if isinstance(got, RequestAborted):
+            assert abort_after is not None and abort_after < max_new
+        else:
+            assert result_key(got) == result_key(out)
+
+
+def test_runs_stop_at_the_context_length(tiny_path):
+    """A run never writes a position past the context: a request that ends at it, beside
+    one with more tokens to go, finishes as single steps finish it."""
+    prompts = [list(range(5, 46)), list(range(5, 15))]
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (23, 40)]
+    outs = []
+    for steps in (1, 8):
+        with Engine(tiny_path, context_len=64, decode_steps=steps, max_total_tokens=512) as engine:
+            outs.append(engine.generate(input_ids=prompts, sampling_params=params))
+    assert [result_key(o) for o in outs[1]] == [result_key(o) for o in outs[0]]
+    assert [len(o["output_ids"]) for o in outs[0]] == [23, 40]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from([1, 2, 4, 8]),  # page size
+    st.lists(st.integers(1, 30), min_size=1, max_size=4),  # each request's tokens so far
+    st.integers(2, 12),  # steps
+    st.integers(0, 40),  # slots taken by others first (to run short)
+)
+def test_extend_decode_run_continues_each_requests_pages(page, lengths, steps, taken):
+    """Each step's slot follows the step before's within a page and starts a fresh page
+    at a page boundary; the table holds each slot at its position; a run stops short
+    (never fails) when pages run out; freeing the pages the steps started gives back
+    every page they took."""
+    from types import SimpleNamespace
+
+    from lmprog_runtime.forward_batch import ForwardMode
+    from lmprog_runtime.kvcache import ReqToTokenPool, TokenSlotAllocator
+    from lmprog_runtime.kvcache.req_cache import ReqCache
+    from lmprog_runtime.scheduler import ScheduledBatch, Scheduler
+    from lmprog_runtime.stats import EngineStats
+
+    allocator = TokenSlotAllocator(128, page)
+    table = ReqToTokenPool(len(lengths), 64, torch.device("cpu"))
+    config = RuntimeConfig(page_size=page, max_total_tokens=128, decode_steps=steps)
+    sched = Scheduler(config, allocator, table, ReqCache(None, allocator, table), EngineStats())
+    owned = [allocator.alloc(n) for n in lengths]  # positions 0..n-1; n is decoded next
+    step0 = allocator.alloc_decode(torch.stack([slots[-1] for slots in owned]))
+    others = allocator.alloc(min(taken, allocator.num_free))
+    free_before = allocator.num_free
+    reqs = [SimpleNamespace(req_pool_idx=i) for i in range(len(lengths))]
+    batch = ScheduledBatch(ForwardMode.DECODE, reqs, step0, list(lengths), [1] * len(lengths))
+    ahead = sched.extend_decode_run(batch, steps)
+    assert len(ahead) <= steps - 1
+    if len(ahead) < steps - 1:  # it ran short: the next step's pages were not there
+        assert allocator.num_free < page * len(lengths)
+    for i, n in enumerate(lengths):
+        slots = [int(owned[i][-1]), *(int(s[i]) for s in (step0, *ahead))]
+        for k, (a, b) in enumerate(zip(slots, slots[1:])):
+            assert b == a + 1 if b % page else (a + 1) % page == 0
+            if k:  # (step 0's entry is the decode step's own)
+                assert int(table.host_table[i, n + k]) == b
+    every = torch.cat([others, *owned, step0, *ahead]).tolist()
+    assert len(set(every)) == len(every)
+    for slots in ahead:
+        sched.free_started_pages(slots)
+    assert allocator.num_free == free_before
