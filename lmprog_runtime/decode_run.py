@@ -11,7 +11,10 @@ of step k > 0 is a placeholder the device fills with the token step k - 1 drew
 once, at the end. They are then committed and checked step by step, exactly as K
 synchronous steps would: a request that finishes at step k (EOS, a stop string, its
 `max_new_tokens`) keeps the K/V of its steps up to k, and the pages its later steps
-started are freed; what those steps computed for it is dropped.
+started are freed as it finishes, before its caller wakes (`RunSlots`); what those steps
+computed for it is dropped, and the counters do not count it (they equal single steps').
+Each step's tokens are copied to the host as soon as they are drawn, so on a GPU a step
+is checked while the later ones compute.
 
 A run needs every request's next K draws to depend on nothing the host would learn from
 its earlier tokens: no grammar (its mask follows each token), no penalties (they count
@@ -20,7 +23,9 @@ logprobs (read per step). When any request of the step needs one of them, the st
 alone. Seeded draws stay identical: a CPU generator draws once per token, in order, and
 an accelerator's race is keyed by the request's seed and how many tokens it has, counted
 here for each step ahead. Greedy and seeded outputs are token-identical to `decode_steps=1`
-(`tests/runtime/test_decode_run.py`).
+(`tests/runtime/test_decode_run.py`, float32 on a CPU; in bfloat16 the batch's shape,
+which keeps a finished request to the end of its run, can move a token, as any batching
+can).
 
 What runs wait for: callers' new requests, aborts and deadlines are taken between runs,
 so they wait up to K steps (as SGLang's option documents: more throughput, later first
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,7 +47,7 @@ from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.keyed_race import race_key
 from lmprog_runtime.sampling import NO_MASS, SampleRow, on_accelerator, sample_each, sample_rows
 from lmprog_runtime.scheduler import ScheduledBatch
-from lmprog_runtime.transfer import to_host_async
+from lmprog_runtime.transfer import host_ints, to_host_async
 
 if TYPE_CHECKING:
     from lmprog_runtime.request import Req
@@ -101,15 +107,19 @@ class DecodeRunLoop:
             self._step(batch)
             return
         seconds = (time.perf_counter() - start) / (len(ahead) + 1)
-        used = [0] * len(batch.reqs)  # steps whose K/V each request kept
+        self._decode_run = RunSlots(batch, ahead, self.scheduler.free_started_pages)
         try:
-            self._commit_run(batch, ahead, drawn, errors, seconds, used)
+            self._commit_run(batch, ahead, drawn, errors, seconds)
         finally:  # (also when committing raised: the loop then fails the batch)
-            slots = [batch.out_cache_loc, *ahead]
-            for i, n in enumerate(used):
-                for later in slots[n:]:
-                    self.scheduler.free_started_pages(later[i : i + 1])
+            run, self._decode_run = self._decode_run, None
+            run.free_unused()
         self._stats.add("step_seconds", time.perf_counter() - start)
+
+    def _leave_run(self, req: Req) -> None:
+        """`req` finishes while its run is committed: the pages its later steps started
+        are freed now (before its caller wakes)."""
+        if self._decode_run is not None:
+            self._decode_run.leave(req)
 
     def _launch_run(
         self, batch: ScheduledBatch, ahead: list[torch.Tensor], vocab: int
@@ -155,11 +165,11 @@ class DecodeRunLoop:
         drawn: list[HostTokens],
         errors: list[dict[int, Exception]],
         forward_seconds: float,
-        used: list[int],
     ) -> None:
         """Each step in turn, as a synchronous step commits and checks it, as soon as its
-        tokens reach the host; `used[i]` counts the steps whose K/V request i keeps."""
-        reqs = batch.reqs
+        tokens reach the host. The counters count what single steps would: the tokens of
+        the requests still running at each step, the steps up to the last one's finish."""
+        reqs, run = batch.reqs, self._decode_run
         batch.kv_committed = True  # (kv_len grows step by step below)
         for k, tokens in enumerate(drawn):
             live = [i for i, req in enumerate(reqs) if not req.done.is_set()]
@@ -168,8 +178,16 @@ class DecodeRunLoop:
             step_ids = self._read_step(tokens)
             for i in live:
                 reqs[i].kv_len += 1
-                used[i] += 1
+                run.used[i] += 1
             step = batch if k == 0 else _step_ahead(batch, ahead[k - 1], k)
+            if len(live) < len(reqs):
+                step = ScheduledBatch(
+                    ForwardMode.DECODE,
+                    [reqs[i] for i in live],
+                    step.out_cache_loc[host_ints(live)],
+                    [step.prefix_lens[i] for i in live],
+                    [1] * len(live),
+                )
             self._stats.record_step(
                 step, num_running=len(self.scheduler.running), forward_seconds=forward_seconds
             )
@@ -185,6 +203,41 @@ class DecodeRunLoop:
                 req.output_ids.append(token)
                 appended.append(req)
             self._check(appended)
+
+
+class RunSlots:
+    """A decode run's slots while it is committed: each step's ([n] each), how many steps
+    each request has kept the K/V of, and `free` (`Scheduler.free_started_pages`)."""
+
+    def __init__(
+        self,
+        batch: ScheduledBatch,
+        ahead: list[torch.Tensor],
+        free: Callable[[torch.Tensor], None],
+    ) -> None:
+        self.slots = [batch.out_cache_loc, *ahead]
+        self.index = {id(req): i for i, req in enumerate(batch.reqs)}
+        self.used = [0] * len(batch.reqs)
+        self._free = free
+        self._left = [False] * len(batch.reqs)
+
+    def leave(self, req: Req) -> None:
+        """`req` finished: free the pages its steps past the last one it kept started."""
+        i = self.index.get(id(req))
+        if i is not None:
+            self._leave(i)
+
+    def free_unused(self) -> None:
+        """After the run: the same for every request still in it (one that goes on has
+        kept every step; one the loop fails after a commit that raised has not)."""
+        for i in range(len(self.used)):
+            self._leave(i)
+
+    def _leave(self, i: int) -> None:
+        if not self._left[i]:
+            self._left[i] = True
+            for later in self.slots[self.used[i] :]:
+                self._free(later[i : i + 1])
 
 
 def _generators(reqs: list[Req]) -> list[torch.Generator]:

@@ -24,6 +24,7 @@ import torch
 
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.constrained.jump_forward import jump_forward
+from lmprog_runtime.decode_run import RunSlots
 from lmprog_runtime.engine_inputs import normalize_generate_inputs
 from lmprog_runtime.engine_loop import EngineLoop, serve, wake
 from lmprog_runtime.engine_view import engine_html, engine_repr
@@ -96,6 +97,7 @@ class Engine(EngineLoop):
         # loop checks the previous step; the launched forward waits in `_in_flight`.
         self._worker = ForwardWorker(runner) if self.config.is_overlapped else None
         self._in_flight: InFlight | None = None
+        self._decode_run: RunSlots | None = None  # the decode run being committed, if any
         self._commands: list[tuple[str, tuple, threading.Event, list[Any]]] = []
         self._grammars: Any = None  # GrammarCache, built on the first constrained request
         self._grammar_lock = threading.Lock()

@@ -387,6 +387,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         try:
             self.scheduler.release(req, insert=error is None or keep_prefix)
             self._leave_in_flight(req)  # (overlap) its slots are free before its caller wakes
+            self._leave_run(req)  # (a decode run) likewise
             req.finalize_text()
         except Exception as release_error:  # noqa: BLE001
             logger.exception("finishing request %d failed", req.rid)

@@ -390,6 +390,7 @@ class Scheduler:
                         break
                 extra.append(slots)
                 self.req_to_token.write_tokens(rows, positions + k, slots)
+                self._decay_new_token_ratio()  # once per decode step, as single steps do
                 last = slots
         except BaseException:
             for slots in extra:

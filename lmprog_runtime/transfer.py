@@ -59,5 +59,5 @@ def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
         return tensor, None
     host = tensor.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited for
     ready = torch.cuda.Event()
-    ready.record()
+    ready.record(torch.cuda.current_stream(tensor.device))  # the stream the copy is on
     return host, ready

@@ -137,15 +137,22 @@ def test_requests_that_cannot_run_ahead_keep_single_steps(engines):
         assert [result_key(o) for o in got] == [result_key(o) for o in want], params
         assert taken == [], params
     mix = [base, {**base, "min_new_tokens": 6, "ignore_eos": False}]
+    pending = []  # a run taken while a request's min_new_tokens was not reached
     taken = count_runs(runs)
+    step_run = runs._step_run
+
+    def checked(batch, steps):
+        pending.extend(r for r in batch.reqs if len(r.output_ids) < r.params.min_new_tokens)
+        return step_run(batch, steps)
+
+    runs._step_run = checked
     try:
         got = runs.generate(PROMPTS[:2], mix)
     finally:
         del runs._step_run
-    assert [result_key(o) for o in got] == [
-        result_key(o) for o in single.generate(PROMPTS[:2], mix)
-    ]
-    assert taken  # once min_new_tokens is reached
+    want = single.generate(PROMPTS[:2], mix)
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
+    assert taken and pending == []  # runs once min_new_tokens is reached, not before
 
 
 def test_streamed_chunks_are_identical_in_order_and_content(engines):
@@ -202,6 +209,54 @@ def test_a_run_that_fails_runs_its_first_step_again(engines):
     assert [result_key(o) for o in got] == [result_key(o) for o in want]
 
 
+def test_a_commit_that_fails_fails_its_batch_and_frees_every_slot(engines):
+    """Reading a step's tokens raises in the middle of a run: the requests of the run fail
+    (the loop fails a step that raised), the pages of the steps they did not keep are
+    freed (the autouse check), and the engine serves the next requests."""
+    single, runs = engines
+    mix = [{"max_new_tokens": 14, "temperature": 0, "ignore_eos": True}] * 3
+    read_step = runs._read_step
+    reads = [0]
+
+    def failing_read(tokens):
+        reads[0] += 1
+        if reads[0] == 6:  # the second step of the second run
+            raise RuntimeError("injected while committing a run")
+        return read_step(tokens)
+
+    runs._read_step = failing_read
+    try:
+        futures = runs.submit(PROMPTS[:3], mix)
+        got = [f.exception(timeout=60) or f.result() for f in futures]
+    finally:
+        del runs._read_step
+    assert all(isinstance(g, RuntimeError) and "injected" in str(g) for g in got)
+    want = [result_key(o) for o in single.generate(PROMPTS[:3], mix)]
+    assert [result_key(o) for o in runs.generate(PROMPTS[:3], mix)] == want
+
+
+def test_a_caller_wakes_to_free_slots_and_the_single_steps_counters(engines):
+    """When `generate` returns, the pages a run's later steps started for requests that
+    finished inside it are free, and the counters equal single steps' (what a run computes
+    for a request after it finished is not counted)."""
+    single, runs = engines
+    unstopped = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    mix = [{**unstopped, "max_new_tokens": n} for n in (1, 3, 7, 11)]
+    mix.append({**unstopped, "stop": [stop_inside(single, PROMPTS[4], unstopped)]})
+    outs, stats = [], []
+    for engine in (single, runs):
+        assert engine.flush_cache()
+        engine.reset_stats()
+        outs.append([result_key(o) for o in engine.generate(PROMPTS[:5], mix)])
+        state, counters = engine.memory_state(), engine.stats()  # no waiting: at once
+        assert state["kv_slots_free"] + state["kv_slots_cached"] == state["kv_slots_total"]
+        assert state["kv_slots_locked"] == 0 and state["num_running"] == 0
+        assert state["req_slots_free"] == state["req_slots_total"]
+        stats.append({k: v for k, v in counters.items() if not k.endswith("_seconds")})
+    assert outs[1] == outs[0]
+    assert stats[1] == stats[0]
+
+
 @pytest.mark.parametrize("point", ["forward", "sample"])
 def test_a_fault_in_one_request_fails_it_alone(engines, point):
     single, runs = engines
@@ -224,8 +279,9 @@ def test_a_fault_in_one_request_fails_it_alone(engines, point):
 
 
 def test_a_row_without_mass_fails_its_request_at_its_step(engines, monkeypatch):
-    """A step ahead draws -1 for one request (its distribution has no mass): that request
-    fails, naming it, and the others, drawn in the same steps, come out as without it."""
+    """A step ahead draws -1 for one request (its distribution has no mass: runs of 4 from
+    its second token, so its eighth draw is the third step of a run): that request fails,
+    naming it, and the others, drawn in the same steps, come out as without it."""
     import lmprog_runtime.sampling as sampling
 
     _, runs = engines
@@ -234,14 +290,14 @@ def test_a_row_without_mass_fails_its_request_at_its_step(engines, monkeypatch):
     ]
     want = runs.generate(PROMPTS[1:3], params[1:])
     filtered_probs = sampling._filtered_probs
-    victim = []  # the rid of the request whose seventh draw (a step ahead) has no mass
+    draws = []  # the draws of the request seeded 0 (the only one): its 8th is a step ahead
 
     def massless(logits, rows):
         probs = filtered_probs(logits, rows)
         for i, row in enumerate(rows):
-            if row.rid in victim and row.params.seed == 0:
-                victim.append(row.rid)
-                if len(victim) == 8:
+            if row.params.seed == 0:
+                draws.append(row.rid)
+                if len(draws) == 8:
                     probs[i] = 0.0
         return probs
 
@@ -249,7 +305,6 @@ def test_a_row_without_mass_fails_its_request_at_its_step(engines, monkeypatch):
     taken = count_runs(runs)
     try:
         futures = runs.submit(PROMPTS[:3], params)
-        victim.append(futures[0].request_id)
         results = [f.exception(timeout=60) or f.result() for f in futures]
     finally:
         del runs._step_run
