@@ -6,10 +6,9 @@ forward, draw, read the tokens back, check them. Past the forward and the draw, 
 is per-request Python, so a small model on a GPU waits for the host most of each step
 (issue 18). A run of K steps schedules once and allocates each request's next K slots
 (`Scheduler.extend_decode_run`), then queues K forwards and draws back to back: the input
-of step k > 0 is a placeholder the device fills with the token step k - 1 drew
-(`ModelRunner.prepare_ahead`, as overlap scheduling does), and the tokens are read back
-once, at the end. They are then committed and checked step by step, exactly as K
-synchronous steps would: a request that finishes at step k (EOS, a stop string, its
+of step k > 0 is the tokens step k - 1 drew, on the device (`ModelRunner.prepare_run`
+sends the whole run's inputs at once). The tokens are then committed and checked step by
+step, exactly as K synchronous steps would: a request that finishes at step k (EOS, a stop string, its
 `max_new_tokens`) keeps the K/V of its steps up to k, and the pages its later steps
 started are freed as it finishes, before its caller wakes (`RunSlots`); what those steps
 computed for it is dropped, and the counters do not count it (they equal single steps').
@@ -124,8 +123,8 @@ class DecodeRunLoop:
     def _launch_run(
         self, batch: ScheduledBatch, ahead: list[torch.Tensor], vocab: int
     ) -> tuple[list[HostTokens], list[dict[int, Exception]]]:
-        """Queue the run's forwards and draws, each draw's tokens stored for the next
-        step's placeholders and copied to the host as soon as they are drawn. Returns each
+        """Queue the run's forwards and draws, each draw's tokens the next step's inputs
+        (on the device) and copied to the host as soon as they are drawn. Returns each
         step's tokens on their way to the host (-1 where a row drew none) and its failed
         rows. (The fault hook, a test hook, runs once per run, at its start.)"""
         reqs = batch.reqs
@@ -134,17 +133,13 @@ class DecodeRunLoop:
                 self.fault_hook("forward", req)
                 self.fault_hook("sample", req)
         rows = sample_rows(reqs, vocab)
-        table_rows = [req.req_pool_idx for req in reqs]
         drawn, errors = [], []
-        for k in range(len(ahead) + 1):
-            if k == 0:
-                fb, _ = self.runner.prepare(batch)
-            else:
-                fb = self.runner.prepare_ahead(_step_ahead(batch, ahead[k - 1], k))
+        token_ids = None
+        for k, fb in enumerate(self.runner.prepare_run(batch, ahead)):
+            if token_ids is not None:
+                fb.input_ids = token_ids.clamp(min=0)  # (a row that drew none: its request fails)
             logits = self.runner.run(fb)
             token_ids, failed = sample_each(logits, _rows_ahead(rows, reqs, k))
-            if k < len(ahead):
-                self.runner.store_future_tokens(table_rows, token_ids)
             drawn.append(to_host_async(token_ids))
             errors.append(failed)
         return drawn, errors

@@ -196,24 +196,41 @@ class ModelRunner:
             rows_per_req.append(mine)
         return self._send(batch, ids, positions, seq_lens, logits_rows), rows_per_req
 
-    def _prepare_decode(
-        self, batch: ScheduledBatch, ids: list[int] | None = None
-    ) -> tuple[ForwardBatch, list[list[int]]]:
-        """`prepare` for a decode batch: one token per request, its logits row its own; the
-        tokens are the requests' last ones, or `ids` (placeholders of a decode run's
-        steps: `decode_run.py`)."""
-        if ids is None:
-            ids = [req.output_ids[-1] for req in batch.reqs]
+    def _prepare_decode(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[list[int]]]:
+        """`prepare` for a decode batch: one token per request, its logits row its own."""
+        ids = [req.output_ids[-1] for req in batch.reqs]
         positions = batch.prefix_lens
         logits_rows = list(range(len(ids)))
         fb = self._send(batch, ids, positions, [p + 1 for p in positions], logits_rows)
         return fb, [[i] for i in logits_rows]
 
-    def prepare_ahead(self, batch: ScheduledBatch) -> ForwardBatch:
-        """The inputs of a decode step whose tokens are still on the device, each request's
-        the one just drawn for its table row (`store_future_tokens`)."""
-        ids = [-(req.req_pool_idx + 1) for req in batch.reqs]
-        return self._prepare_decode(batch, ids)[0]
+    def prepare_run(self, batch: ScheduledBatch, ahead: list[torch.Tensor]) -> list[ForwardBatch]:
+        """The inputs of a decode run (`decode_run.py`): `batch`'s step, then one step per
+        `ahead` (each request's slots of that step, [n] host tensors), one position further
+        each. The slots of the steps ahead go to the device in one copy; their positions
+        and lengths are computed there from the first step's. A step ahead's `input_ids`
+        are the tokens the step before drew: the caller sets them before running it."""
+        first, _ = self.prepare(batch)
+        slots = to_device(torch.stack(ahead), self.device)
+        offsets = torch.arange(1, len(ahead) + 1, dtype=torch.int64, device=self.device)[:, None]
+        positions = first.positions + offsets
+        seq_lens = first.seq_lens_device + offsets
+        steps = [first]
+        for k in range(1, len(ahead) + 1):
+            steps.append(
+                ForwardBatch(
+                    mode=ForwardMode.DECODE,
+                    input_ids=first.input_ids,  # (replaced by the tokens drawn before it)
+                    positions=positions[k - 1],
+                    out_cache_loc=slots[k - 1],
+                    req_pool_indices=first.req_pool_indices,
+                    seq_lens=[n + k for n in first.seq_lens],
+                    prefix_lens=[n + k for n in first.prefix_lens],
+                    logits_indices=first.logits_indices,
+                    seq_lens_device=seq_lens[k - 1],
+                )
+            )
+        return steps
 
     def _send(
         self,

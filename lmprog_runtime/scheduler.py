@@ -376,6 +376,8 @@ class Scheduler:
         evicting (nothing is retracted for a run). Returns each further step's slots ([n])."""
         rows = host_ints([req.req_pool_idx for req in batch.reqs])
         positions = host_ints(batch.prefix_lens)
+        if self.allocator.page_size == 1:
+            return self._extend_run_by_slots(rows, positions, steps - 1)
         last, extra = batch.out_cache_loc, []
         try:
             for k in range(1, steps):
@@ -397,6 +399,27 @@ class Scheduler:
                 self.free_started_pages(slots)
             raise
         return extra
+
+    def _extend_run_by_slots(
+        self, rows: torch.Tensor, positions: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
+        """`extend_decode_run` on pages of one slot: every step's slots in one allocation
+        and one table write."""
+        n = int(rows.numel())
+        short = n * steps - self.allocator.num_free
+        if short > 0:
+            self._evict(short)
+        steps = min(steps, self.allocator.num_free // n)
+        if steps == 0:
+            return []
+        slots = self.allocator.alloc(n * steps).view(steps, n)
+        ahead = torch.arange(1, steps + 1, dtype=torch.int64, device="cpu")[:, None]
+        self.req_to_token.write_tokens(
+            rows.repeat(steps), (positions + ahead).flatten(), slots.flatten()
+        )
+        for _ in range(steps):
+            self._decay_new_token_ratio()  # once per decode step, as single steps do
+        return list(slots.unbind(0))
 
     def _pick_victim(self, decoding: list[Req]) -> Req | None:
         if self.chunked_req is not None:

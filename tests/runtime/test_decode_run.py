@@ -190,22 +190,28 @@ def test_a_run_that_fails_runs_its_first_step_again(engines):
         {"max_new_tokens": 15, "temperature": 0, "ignore_eos": True},
     ]
     want = single.generate(PROMPTS[:2], mix)
-    run = runs.runner.run
-    placeholders = [0]
+    run, prepare_run = runs.runner.run, runs.runner.prepare_run
+    ahead: set[int] = set()  # id() of the runs' steps ahead
+    num_ahead = [0]
+
+    def marking_prepare_run(batch, slots):
+        steps = prepare_run(batch, slots)
+        ahead.update(id(fb) for fb in steps[1:])
+        return steps
 
     def failing_run(fb):
-        if bool((fb.input_ids < 0).any()):  # a step ahead in a run
-            placeholders[0] += 1
-            if placeholders[0] == 5:
+        if id(fb) in ahead:
+            num_ahead[0] += 1
+            if num_ahead[0] == 5:  # the second step ahead of the second run
                 raise RuntimeError("injected in a run")
         return run(fb)
 
-    runs.runner.run = failing_run
+    runs.runner.run, runs.runner.prepare_run = failing_run, marking_prepare_run
     try:
         got = runs.generate(PROMPTS[:2], mix)
     finally:
-        del runs.runner.run
-    assert placeholders[0] > 5
+        del runs.runner.run, runs.runner.prepare_run
+    assert num_ahead[0] > 5
     assert [result_key(o) for o in got] == [result_key(o) for o in want]
 
 
