@@ -22,9 +22,9 @@ best of `--repeats`. The overlapped loop runs both ways: with the forward worker
 (as on a CPU) and on the loop thread (as on CUDA, where queuing a forward returns at once).
 
 Next to it, the CPU time each part of the host's work took per step (each thread's own CPU
-time, which other processes on the machine barely move): the loop's (scheduling,
-preparing inputs, stop checks; without the forward and the draw where the loop thread runs
-them), the forward's launch (emulated: the busy `--launch-ms` and the logits lookup) and
+time, which other processes on the machine barely move): the loop's (the loop thread's
+whole CPU time over the generate: scheduling, preparing inputs, stop checks, finishing;
+without the forward and the draw where the loop thread runs them), the forward's launch (emulated: the busy `--launch-ms` and the logits lookup) and
 the draw (sampling). Threads take turns holding the GIL, so an overlapped step is no
 shorter than the sum; two threads hand it over at every torch op, which costs CPU time of
 its own.
@@ -112,7 +112,6 @@ def host_path(
 
         runner.run = emulated_forward
         cpu = _CpuClock()
-        engine._run_once = cpu.timed("loop", engine._run_once)
         runner.run = cpu.timed("forward", runner.run)
         if worker is None:
             engine._draw = cpu.timed("draw", engine._draw)
@@ -121,13 +120,13 @@ def host_path(
             launch_run, read_step = engine._launch_run, engine._read_step
             run_ends: list[float] = []  # the ends of the run's forwards, read in order
 
-            def launching_run(*args):
+            def launching_run(*args, **kwargs):
                 in_run[0], first = True, len(ends)
                 try:
-                    return launch_run(*args)
+                    return launch_run(*args, **kwargs)
                 finally:
                     in_run[0] = False
-                    run_ends[:] = ends[first:]
+                    run_ends.extend(ends[first:])  # (read after the runs launched before)
 
             def waiting_read(tokens):
                 device.wait(run_ends.pop(0))  # this step's tokens reach the host
@@ -166,20 +165,24 @@ def host_path(
         params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
         engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
         best, best_cpu = float("inf"), {}
+        loop_clock = time.pthread_getcpuclockid(engine._thread.ident)  # the loop thread's
         for _ in range(repeats):
-            engine.flush_cache()
+            engine.flush_cache()  # (a command: the loop is between iterations when it returns)
             engine.reset_stats()
             cpu.reset()
+            loop_start = time.clock_gettime(loop_clock)
             start = time.perf_counter()
             engine.generate(input_ids=prompts, sampling_params=params)
             wall = time.perf_counter() - start
+            engine.flush_cache()  # the loop has finished the generate's last iteration
+            cpu.seconds["loop"] = time.clock_gettime(loop_clock) - loop_start
             steps = engine.stats()["forward_passes"]
             best = min(best, wall / steps)
             per_step = {k: v / steps for k, v in cpu.seconds.items()}
             if not (overlap and threaded):  # the loop thread ran the forward and the draw
                 per_step["loop"] -= per_step["forward"] + per_step["draw"]
             best_cpu = min(best_cpu, per_step, key=lambda d: sum(d.values()) if d else 1e9)
-        del runner.run, engine._run_once
+        del runner.run
         if worker is None:
             decode_run.sample_each = run_sample_each
     out = {"step_ms": 1e3 * best, "host_ms": 1e3 * (best - device_s)}

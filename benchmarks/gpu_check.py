@@ -601,8 +601,9 @@ def decode_overhead(check: Check) -> dict[str, Any]:
         # a 2-vCPU Xeon: the device idled 12-15% of a 1 ms step overlapped on the loop
         # thread, 20-26% with a worker thread, 46-52% synchronously).
         runs.append(("small", "overlap_off", {"overlap_schedule": False}, 15))
-        # Decode runs of 8 steps (synchronous loop; emulated 0.3 ms device there: 0.89 ms
-        # a step, against 1.19 overlapped and 1.45 synchronously).
+        # Decode runs of 8 steps, each launched before the one before is checked
+        # (bench_host_path.py, an emulated 0.3 ms device: 0.77-0.82 ms a step, against
+        # 1.12-1.16 overlapped on the loop thread and 1.41-1.53 synchronously).
         runs.append(("small", "decode_runs", {"decode_steps": 8}, 15))
         runs.append(("medium", "medium", {}, 45))
         # The forward worker a thread of its own (on CUDA it runs on the loop thread); last,

@@ -1,19 +1,31 @@
 """Decode runs (`decode_steps` > 1; SGLang's num_continuous_decode_steps): several decode
-steps from one scheduling, each step's tokens fed to the next on the device.
+steps from one scheduling, each step's tokens fed to the next on the device, and while
+nothing waits, each run launched before the one before it is checked.
 
 A synchronous decode step is a round trip through the host: schedule, prepare the inputs,
 forward, draw, read the tokens back, check them. Past the forward and the draw, all of it
 is per-request Python, so a small model on a GPU waits for the host most of each step
-(issue 18). A run of K steps schedules once and allocates each request's next K slots
+(issue 18), however it overlaps: the host's work per step is longer than the forward.
+
+A run of K steps schedules once and allocates each request's next K slots
 (`Scheduler.extend_decode_run`), then queues K forwards and draws back to back: the input
 of step k > 0 is the tokens step k - 1 drew, on the device (`ModelRunner.prepare_run`
-sends the whole run's inputs at once). The tokens are then committed and checked step by
-step, exactly as K synchronous steps would: a request that finishes at step k (EOS, a stop string, its
-`max_new_tokens`) keeps the K/V of its steps up to k, and the pages its later steps
-started are freed as it finishes, before its caller wakes (`RunSlots`); what those steps
-computed for it is dropped, and the counters do not count it (they equal single steps').
-Each step's tokens are copied to the host as soon as they are drawn, so on a GPU a step
-is checked while the later ones compute.
+sends the whole run's inputs at once). Each step's tokens are copied to the host as soon
+as they are drawn, and committed and checked step by step, exactly as K synchronous steps
+would, while the later steps compute: a request that finishes at step k (EOS, a stop
+string, its `max_new_tokens`) keeps the K/V of its steps up to k, and the pages its later
+steps started are freed as it finishes, before its caller wakes (`RunSlots`); what those
+steps computed for it is dropped, and the counters do not count it (they equal single
+steps').
+
+Runs ahead: before a run is committed, the run after it is launched (`_continue_run`),
+its first step's inputs the last tokens the run drew, still on the device, for the
+requests whose `max_new_tokens` lets them go on; a request that stops inside the run
+leaves the one launched after it as it finishes (its slots there freed at once). So the
+host checks a run while the device computes the next, and the device waits only for the
+host's work per run. The loop stops launching ahead, and schedules as usual after the
+commit, as soon as anything waits: a caller's new request, an abort, a command, a
+request the scheduler could not admit, or a request with a deadline in the run.
 
 A run needs every request's next K draws to depend on nothing the host would learn from
 its earlier tokens: no grammar (its mask follows each token), no penalties (they count
@@ -21,16 +33,18 @@ the tokens), no pending `min_new_tokens` (EOS is banned until it is reached), an
 logprobs (read per step). When any request of the step needs one of them, the step runs
 alone. Seeded draws stay identical: a CPU generator draws once per token, in order, and
 an accelerator's race is keyed by the request's seed and how many tokens it has, counted
-here for each step ahead. Greedy and seeded outputs are token-identical to `decode_steps=1`
-(`tests/runtime/test_decode_run.py`, float32 on a CPU; in bfloat16 the batch's shape,
-which keeps a finished request to the end of its run, can move a token, as any batching
-can).
+here for each step ahead (`_rows_ahead`). Greedy and seeded outputs are token-identical
+to `decode_steps=1` (`tests/runtime/test_decode_run.py`, float32 on a CPU; in bfloat16
+the batch's shape, which keeps a finished request to the end of its run, can move a
+token, as any batching can).
 
-What runs wait for: callers' new requests, aborts and deadlines are taken between runs,
-so they wait up to K steps (as SGLang's option documents: more throughput, later first
-tokens for requests that arrive during a run). A run fails as a whole if anything in it
-raises before its tokens are read: its further slots are freed, generators rewound, and
-its first step runs again as a synchronous step (which finds the failing request).
+What runs cost: a caller's new request, an abort or a deadline waits for the run being
+checked and the one launched after it (up to 2K steps; SGLang's option documents the
+same trade: more throughput, later first tokens for requests that arrive meanwhile), and
+a request that stops inside a run computes the rest of it for nothing. A run whose
+launch raises is dropped (its further slots freed, CPU generators rewound); the first
+run's first step then runs alone (which finds the failing request), and a run launched
+ahead is simply not there (the loop schedules after the commit).
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,7 +61,7 @@ from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.keyed_race import race_key
 from lmprog_runtime.sampling import NO_MASS, SampleRow, on_accelerator, sample_each, sample_rows
 from lmprog_runtime.scheduler import ScheduledBatch
-from lmprog_runtime.transfer import host_ints, to_host_async
+from lmprog_runtime.transfer import host_ints, index_tensor, to_host_async
 
 if TYPE_CHECKING:
     from lmprog_runtime.request import Req
@@ -67,6 +82,25 @@ def runs_ahead(req: Req) -> bool:
     )
 
 
+@dataclass
+class Run:
+    """A launched decode run: its first step's batch and the slots of its steps ahead,
+    each step's tokens on their way to the host and failed rows, the last step's tokens
+    on the device, its `RunSlots`, and the seconds its launch took per step."""
+
+    batch: ScheduledBatch
+    ahead: list[torch.Tensor]
+    drawn: list[HostTokens]
+    errors: list[dict[int, Exception]]
+    last_tokens: torch.Tensor
+    slots: RunSlots
+    seconds: float
+
+    @property
+    def steps(self) -> int:
+        return len(self.ahead) + 1
+
+
 class DecodeRunLoop:
     """Decode runs of the synchronous `EngineLoop` (a mixin: `Engine` sets every attribute
     used here)."""
@@ -80,69 +114,137 @@ class DecodeRunLoop:
             return 1
         if not all(runs_ahead(req) for req in batch.reqs):
             return 1
-        remaining = max(req.max_new_tokens - len(req.output_ids) for req in batch.reqs)
-        room = self.runner.context_len - max(batch.prefix_lens)
-        return max(1, min(steps, remaining, room))
+        return _length(steps, batch.reqs, batch.prefix_lens, 0, self.runner.context_len)
 
     def _step_run(self, batch: ScheduledBatch, steps: int) -> None:
-        """Run `batch` and `steps - 1` decode steps after it, then commit and check them
-        one by one (see the module docstring)."""
-        start = time.perf_counter()
+        """Run `batch` and `steps - 1` decode steps after it, and while nothing waits, the
+        runs that continue it, each launched before the one before is committed (see the
+        module docstring)."""
+        run = self._launch_or_step(batch, steps)
+        try:
+            while run is not None:
+                start = time.perf_counter()
+                after = self._continue_run(run) if self._may_continue(run) else None
+                self._commit_run(run)
+                run.slots.free_unused()
+                self._runs.remove(run.slots)
+                self._stats.add("step_seconds", time.perf_counter() - start)
+                run = after
+        finally:  # (a commit raised: the loop then fails the batch)
+            for slots in self._runs:
+                slots.free_unused()
+            self._runs = []
+
+    def _launch_or_step(self, batch: ScheduledBatch, steps: int) -> Run | None:
+        """Launch `batch` as a run of `steps`; if that fails, or no slots are left for a
+        step ahead, run its first step alone (which finds the failing request)."""
         ahead = self.scheduler.extend_decode_run(batch, steps)
         if not ahead:
             self._step(batch)
-            return
-        reqs, vocab = batch.reqs, self.runner.model_config.vocab_size
+            return None
+        try:
+            return self._launch_run(batch, ahead)
+        except Exception:  # noqa: BLE001 - the first step alone finds the culprit
+            logger.exception("decode run failed; running its first step alone")
+            self._step(batch)
+            return None
+
+    def _may_continue(self, run: Run) -> bool:
+        """Whether the next run may be launched before `run` is committed: nothing waits
+        (callers' requests, aborts, commands, admission, a deadline)."""
+        if self._inbox or self._aborts or self._commands:  # (read without the lock: a hint)
+            return False
+        sched = self.scheduler
+        if sched.waiting or sched.chunked_req is not None:
+            return False
+        return all(req.deadline is None for req in run.batch.reqs)
+
+    def _continue_run(self, run: Run) -> Run | None:
+        """Launch the run after `run`, before `run` is committed: its requests that its
+        `max_new_tokens` lets go on, from the tokens `run`'s last step drew (on the
+        device). A request that stops inside `run` leaves it when it finishes. None if
+        there is nothing to continue, no room, or launching failed (the loop then
+        schedules as usual once `run` is committed)."""
+        reqs, n = run.batch.reqs, run.steps
+        keep = [
+            i
+            for i, req in enumerate(reqs)
+            if not req.done.is_set() and req.max_new_tokens - len(req.output_ids) > n
+        ]
+        if not keep:
+            return None
+        sub = [reqs[i] for i in keep]
+        positions = [run.batch.prefix_lens[i] + n for i in keep]
+        steps = _length(self.config.decode_steps, sub, positions, n, self.runner.context_len)
+        if steps < 2:
+            return None
+        first = None
+        try:
+            last = run.slots.slots[-1][host_ints(keep)]
+            first = self.scheduler.continue_decode_run(sub, last, positions)
+            if first is None:
+                return None
+            batch = ScheduledBatch(ForwardMode.DECODE, sub, first, positions, [1] * len(sub))
+            ahead = self.scheduler.extend_decode_run(batch, steps)
+            if not ahead:
+                self.scheduler.free_started_pages(first)
+                return None
+            index = index_tensor(keep, run.last_tokens.device)
+            return self._launch_run(batch, ahead, run.last_tokens[index], offset=n)
+        except Exception:  # noqa: BLE001 - `run` goes on; the loop schedules after it
+            logger.exception("launching a decode run ahead failed")
+            if first is not None:
+                self.scheduler.free_started_pages(first)  # (the steps ahead's are freed)
+            return None
+
+    def _leave_run(self, req: Req) -> None:
+        """`req` finishes while a run that carries it is committed or launched: the pages
+        of its steps it did not keep are freed now (before its caller wakes)."""
+        for slots in self._runs:
+            slots.leave(req)
+
+    def _launch_run(
+        self,
+        batch: ScheduledBatch,
+        ahead: list[torch.Tensor],
+        first_ids: torch.Tensor | None = None,
+        offset: int = 0,
+    ) -> Run:
+        """Queue the run's forwards and draws, each draw's tokens the next step's inputs
+        (on the device) and copied to the host as soon as they are drawn. `first_ids`: the
+        first step's inputs when they are still on the device (a run that continues one
+        not yet committed, whose requests have `offset` tokens more than they hold). A
+        failure frees the steps ahead's slots and rewinds the CPU generators. (The fault
+        hook, a test hook, runs once per run, at its start.)"""
+        start = time.perf_counter()
+        reqs = batch.reqs
         seeded = [] if on_accelerator(self.runner.device) else _generators(reqs)
         states = [generator.get_state() for generator in seeded]
         try:
-            drawn, errors = self._launch_run(batch, ahead, vocab)
-        except Exception:  # noqa: BLE001 - the first step alone finds the culprit
-            logger.exception("decode run failed; running its first step alone")
+            if self.fault_hook is not None:
+                for req in reqs:
+                    self.fault_hook("forward", req)
+                    self.fault_hook("sample", req)
+            rows = sample_rows(reqs, self.runner.model_config.vocab_size)
+            drawn, errors = [], []
+            token_ids = first_ids
+            for k, fb in enumerate(self.runner.prepare_run(batch, ahead)):
+                if token_ids is not None:  # (a row that drew none: its request fails)
+                    fb.input_ids = token_ids.clamp(min=0)
+                logits = self.runner.run(fb)
+                token_ids, failed = sample_each(logits, _rows_ahead(rows, reqs, offset + k))
+                drawn.append(to_host_async(token_ids))
+                errors.append(failed)
+        except BaseException:
             for generator, state in zip(seeded, states):
                 generator.set_state(state)
             for slots in ahead:
                 self.scheduler.free_started_pages(slots)
-            self._step(batch)
-            return
+            raise
         seconds = (time.perf_counter() - start) / (len(ahead) + 1)
-        self._decode_run = RunSlots(batch, ahead, self.scheduler.free_started_pages)
-        try:
-            self._commit_run(batch, ahead, drawn, errors, seconds)
-        finally:  # (also when committing raised: the loop then fails the batch)
-            run, self._decode_run = self._decode_run, None
-            run.free_unused()
-        self._stats.add("step_seconds", time.perf_counter() - start)
-
-    def _leave_run(self, req: Req) -> None:
-        """`req` finishes while its run is committed: the pages its later steps started
-        are freed now (before its caller wakes)."""
-        if self._decode_run is not None:
-            self._decode_run.leave(req)
-
-    def _launch_run(
-        self, batch: ScheduledBatch, ahead: list[torch.Tensor], vocab: int
-    ) -> tuple[list[HostTokens], list[dict[int, Exception]]]:
-        """Queue the run's forwards and draws, each draw's tokens the next step's inputs
-        (on the device) and copied to the host as soon as they are drawn. Returns each
-        step's tokens on their way to the host (-1 where a row drew none) and its failed
-        rows. (The fault hook, a test hook, runs once per run, at its start.)"""
-        reqs = batch.reqs
-        if self.fault_hook is not None:
-            for req in reqs:
-                self.fault_hook("forward", req)
-                self.fault_hook("sample", req)
-        rows = sample_rows(reqs, vocab)
-        drawn, errors = [], []
-        token_ids = None
-        for k, fb in enumerate(self.runner.prepare_run(batch, ahead)):
-            if token_ids is not None:
-                fb.input_ids = token_ids.clamp(min=0)  # (a row that drew none: its request fails)
-            logits = self.runner.run(fb)
-            token_ids, failed = sample_each(logits, _rows_ahead(rows, reqs, k))
-            drawn.append(to_host_async(token_ids))
-            errors.append(failed)
-        return drawn, errors
+        slots = RunSlots(batch, ahead, self.scheduler.free_started_pages)
+        self._runs.append(slots)
+        return Run(batch, ahead, drawn, errors, token_ids, slots, seconds)
 
     @staticmethod
     def _read_step(tokens: HostTokens) -> list[int]:
@@ -153,28 +255,21 @@ class DecodeRunLoop:
             ready.synchronize()
         return host.tolist()
 
-    def _commit_run(
-        self,
-        batch: ScheduledBatch,
-        ahead: list[torch.Tensor],
-        drawn: list[HostTokens],
-        errors: list[dict[int, Exception]],
-        forward_seconds: float,
-    ) -> None:
+    def _commit_run(self, run: Run) -> None:
         """Each step in turn, as a synchronous step commits and checks it, as soon as its
         tokens reach the host. The counters count what single steps would: the tokens of
         the requests still running at each step, the steps up to the last one's finish."""
-        reqs, run = batch.reqs, self._decode_run
+        batch, reqs = run.batch, run.batch.reqs
         batch.kv_committed = True  # (kv_len grows step by step below)
-        for k, tokens in enumerate(drawn):
+        for k, tokens in enumerate(run.drawn):
             live = [i for i, req in enumerate(reqs) if not req.done.is_set()]
             if not live:
                 break
             step_ids = self._read_step(tokens)
             for i in live:
                 reqs[i].kv_len += 1
-                run.used[i] += 1
-            step = batch if k == 0 else _step_ahead(batch, ahead[k - 1], k)
+                run.slots.used[i] += 1
+            step = batch if k == 0 else _step_ahead(batch, run.ahead[k - 1], k)
             if len(live) < len(reqs):
                 step = ScheduledBatch(
                     ForwardMode.DECODE,
@@ -184,12 +279,12 @@ class DecodeRunLoop:
                     [1] * len(live),
                 )
             self._stats.record_step(
-                step, num_running=len(self.scheduler.running), forward_seconds=forward_seconds
+                step, num_running=len(self.scheduler.running), forward_seconds=run.seconds
             )
             appended = []
             for i in live:
                 req, token = reqs[i], step_ids[i]
-                error = errors[k].get(i)
+                error = run.errors[k].get(i)
                 if error is None and token < 0:
                     error = ValueError(f"request {req.rid}: {NO_MASS}")
                 if error is not None:
@@ -247,8 +342,8 @@ def _step_ahead(batch: ScheduledBatch, slots: torch.Tensor, k: int) -> Scheduled
 
 
 def _rows_ahead(rows: list[SampleRow], reqs: list[Req], k: int) -> list[SampleRow]:
-    """The sample rows of step k of a run: a keyed draw counts the k tokens drawn before
-    it in the run (nothing else of a row that runs ahead changes)."""
+    """The sample rows of a draw k tokens past what `reqs` hold: a keyed draw counts
+    them (nothing else of a row that runs ahead changes)."""
     if k == 0:
         return rows
     return [
@@ -257,3 +352,13 @@ def _rows_ahead(rows: list[SampleRow], reqs: list[Req], k: int) -> list[SampleRo
         else row._replace(key=race_key(req.seed, len(req.output_ids) + k))
         for row, req in zip(rows, reqs)
     ]
+
+
+def _length(
+    steps: int, reqs: list[Req], positions: list[int], offset: int, context_len: int
+) -> int:
+    """A run's steps: at most `steps`, no more than its requests' longest remaining output
+    needs (they hold `offset` tokens more than `output_ids` says) and their shortest
+    remaining context allows (`positions`: each one's first step's)."""
+    remaining = max(req.max_new_tokens - len(req.output_ids) - offset for req in reqs)
+    return max(1, min(steps, remaining, context_len - max(positions)))

@@ -97,7 +97,7 @@ class Engine(EngineLoop):
         # loop checks the previous step; the launched forward waits in `_in_flight`.
         self._worker = ForwardWorker(runner) if self.config.is_overlapped else None
         self._in_flight: InFlight | None = None
-        self._decode_run: RunSlots | None = None  # the decode run being committed, if any
+        self._runs: list[RunSlots] = []  # the decode runs launched and not yet committed
         self._commands: list[tuple[str, tuple, threading.Event, list[Any]]] = []
         self._grammars: Any = None  # GrammarCache, built on the first constrained request
         self._grammar_lock = threading.Lock()

@@ -400,6 +400,25 @@ class Scheduler:
             raise
         return extra
 
+    def continue_decode_run(
+        self, reqs: list[Req], last: torch.Tensor, positions: list[int]
+    ) -> torch.Tensor | None:
+        """The first step's slots of a decode run that continues one not yet committed:
+        one after each of `last` (the slots of `reqs`' last step there), written to the
+        table at `positions`. None if pages run out after evicting."""
+        slots = self.allocator.alloc_decode(last)
+        if slots is None:
+            ps = self.allocator.page_size
+            short = int(((last + 1) % ps == 0).sum()) * ps - self.allocator.num_free
+            self._evict(short)
+            slots = self.allocator.alloc_decode(last)
+            if slots is None:
+                return None
+        rows = host_ints([req.req_pool_idx for req in reqs])
+        self.req_to_token.write_tokens(rows, host_ints(positions), slots)
+        self._decay_new_token_ratio()
+        return slots
+
     def _extend_run_by_slots(
         self, rows: torch.Tensor, positions: torch.Tensor, steps: int
     ) -> list[torch.Tensor]:

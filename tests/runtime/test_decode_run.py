@@ -180,10 +180,12 @@ def test_streamed_chunks_are_identical_in_order_and_content(engines):
     assert chunks(runs) == chunks(single)
 
 
-def test_a_run_that_fails_runs_its_first_step_again(engines):
+@pytest.mark.parametrize("failing", [2, 5], ids=["first_run", "run_ahead"])
+def test_a_run_that_fails_runs_its_first_step_again(engines, failing):
     """A forward fails in the middle of a run: the run is dropped (its further slots
-    freed, the seeded generators rewound) and its first step runs alone; the outputs are
-    those of single steps."""
+    freed, the seeded generators rewound) and, for the first run, its first step runs
+    alone; a run launched ahead of the one before's commit is dropped and the loop
+    schedules after that commit. The outputs are those of single steps."""
     single, runs = engines
     mix = [
         {"max_new_tokens": 15, "temperature": 0.9, "seed": 21, "ignore_eos": True},
@@ -202,7 +204,7 @@ def test_a_run_that_fails_runs_its_first_step_again(engines):
     def failing_run(fb):
         if id(fb) in ahead:
             num_ahead[0] += 1
-            if num_ahead[0] == 5:  # the second step ahead of the second run
+            if num_ahead[0] == failing:  # (runs of 4: three steps ahead each)
                 raise RuntimeError("injected in a run")
         return run(fb)
 
@@ -211,8 +213,71 @@ def test_a_run_that_fails_runs_its_first_step_again(engines):
         got = runs.generate(PROMPTS[:2], mix)
     finally:
         del runs.runner.run, runs.runner.prepare_run
-    assert num_ahead[0] > 5
+    assert num_ahead[0] > failing
     assert [result_key(o) for o in got] == [result_key(o) for o in want]
+
+
+def count_runs_ahead(engine: Engine) -> list[int]:
+    """A list that counts (by length) the runs `engine` launches ahead of the commit of
+    the run before, by the tokens their requests are ahead."""
+    launched: list[int] = []
+    launch_run = engine._launch_run
+
+    def counted(batch, ahead, first_ids=None, offset=0):
+        if offset:
+            launched.append(offset)
+        return launch_run(batch, ahead, first_ids, offset)
+
+    engine._launch_run = counted
+    return launched
+
+
+def test_runs_are_launched_ahead_of_the_commit_before(engines):
+    """While nothing waits, each run after the first is launched before the one before
+    it is committed, from its last tokens on the device; requests that stop inside a run
+    leave the one launched after it."""
+    single, runs = engines
+    mix = [
+        {"max_new_tokens": n, "temperature": t, "seed": 5, "ignore_eos": True}
+        for n, t in ((30, 0), (9, 0.9), (22, 0.7), (17, 0))
+    ]
+    want = single.generate(PROMPTS[:4], mix)
+    launched = count_runs_ahead(runs)
+    try:
+        got = runs.generate(PROMPTS[:4], mix)
+    finally:
+        del runs._launch_run
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
+    assert len(launched) >= 5 and set(launched) == {STEPS}
+
+
+def test_a_request_submitted_meanwhile_stops_runs_ahead(engines):
+    """A request submitted while runs continue one another is admitted after the run
+    being committed (and the one launched ahead of it), not when the others finish."""
+    _, runs = engines
+    long = {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+    events: list[tuple[str, int]] = []
+    late: list = []
+
+    def on_chunk(i: int, chunk: dict) -> None:
+        tokens = chunk["meta_info"]["completion_tokens"]
+        events.append(("long", tokens))
+        if i == 0 and tokens == 5 and not late:
+            late.extend(
+                runs.submit(
+                    [PROMPTS[5]],
+                    [{"max_new_tokens": 2, "temperature": 0}],
+                    on_chunk=lambda _, c: events.append(("late", 0)),
+                )
+            )
+
+    futures = runs.submit(PROMPTS[:2], [long, long], on_chunk=on_chunk)
+    for future in futures:
+        future.result(timeout=60)
+    late[0].result(timeout=60)
+    first_late = events.index(("late", 0))
+    longest_before = max(n for kind, n in events[:first_late] if kind == "long")
+    assert longest_before <= 5 + 3 * STEPS  # not at the end (60)
 
 
 def test_a_commit_that_fails_fails_its_batch_and_frees_every_slot(engines):
