@@ -117,19 +117,21 @@ def host_path(
             engine._draw = cpu.timed("draw", engine._draw)
             run_sample_each = decode_run.sample_each
             decode_run.sample_each = cpu.timed("draw", run_sample_each)
+            engine._launches_ahead = True  # (as on a GPU: launching only queues)
             launch_run, read_step = engine._launch_run, engine._read_step
-            run_ends: list[float] = []  # the ends of the run's forwards, read in order
+            due: dict[int, float] = {}  # id(a step's tokens) -> when its forward ends
 
             def launching_run(*args, **kwargs):
                 in_run[0], first = True, len(ends)
                 try:
-                    return launch_run(*args, **kwargs)
+                    run = launch_run(*args, **kwargs)
                 finally:
                     in_run[0] = False
-                    run_ends.extend(ends[first:])  # (read after the runs launched before)
+                due.update((id(t), end) for t, end in zip(run.drawn, ends[first:]))
+                return run
 
             def waiting_read(tokens):
-                device.wait(run_ends.pop(0))  # this step's tokens reach the host
+                device.wait(due.pop(id(tokens)))  # this step's tokens reach the host
                 return read_step(tokens)
 
             engine._launch_run, engine._read_step = launching_run, waiting_read

@@ -24,8 +24,11 @@ requests whose `max_new_tokens` lets them go on; a request that stops inside the
 leaves the one launched after it as it finishes (its slots there freed at once). So the
 host checks a run while the device computes the next, and the device waits only for the
 host's work per run. The loop stops launching ahead, and schedules as usual after the
-commit, as soon as anything waits: a caller's new request, an abort, a command, a
-request the scheduler could not admit, or a request with a deadline in the run.
+commit, as soon as anything waits: shutdown, a caller's new request, an abort, a
+command, a request the scheduler could not admit, or a request with a deadline in the
+run. Off a CPU only (`Engine._launches_ahead`): on a CPU a run computes as it is
+launched, so launching ahead would only delay the checks and waste the steps of
+requests that stop.
 
 A run needs every request's next K draws to depend on nothing the host would learn from
 its earlier tokens: no grammar (its mask follows each token), no penalties (they count
@@ -150,8 +153,12 @@ class DecodeRunLoop:
             return None
 
     def _may_continue(self, run: Run) -> bool:
-        """Whether the next run may be launched before `run` is committed: nothing waits
-        (callers' requests, aborts, commands, admission, a deadline)."""
+        """Whether the next run may be launched before `run` is committed: off a CPU
+        (`_launches_ahead`: on a CPU a run computes as it is launched, so nothing would
+        overlap), and nothing waits (shutdown, callers' requests, aborts, commands,
+        admission, a deadline)."""
+        if not self._launches_ahead or self._stopping:
+            return False
         if self._inbox or self._aborts or self._commands:  # (read without the lock: a hint)
             return False
         sched = self.scheduler
@@ -180,6 +187,7 @@ class DecodeRunLoop:
             return None
         first = None
         try:
+            first_ids = run.last_tokens[index_tensor(keep, run.last_tokens.device)]
             last = run.slots.slots[-1][host_ints(keep)]
             first = self.scheduler.continue_decode_run(sub, last, positions)
             if first is None:
@@ -189,8 +197,7 @@ class DecodeRunLoop:
             if not ahead:
                 self.scheduler.free_started_pages(first)
                 return None
-            index = index_tensor(keep, run.last_tokens.device)
-            return self._launch_run(batch, ahead, run.last_tokens[index], offset=n)
+            return self._launch_run(batch, ahead, first_ids, offset=n)
         except Exception:  # noqa: BLE001 - `run` goes on; the loop schedules after it
             logger.exception("launching a decode run ahead failed")
             if first is not None:

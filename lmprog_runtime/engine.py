@@ -98,6 +98,9 @@ class Engine(EngineLoop):
         self._worker = ForwardWorker(runner) if self.config.is_overlapped else None
         self._in_flight: InFlight | None = None
         self._runs: list[RunSlots] = []  # the decode runs launched and not yet committed
+        # Decode runs are launched ahead of the commit before them where launching queues
+        # work and returns (off a CPU; the tests and bench_host_path.py turn it on there).
+        self._launches_ahead = runner.device.type != "cpu"
         self._commands: list[tuple[str, tuple, threading.Event, list[Any]]] = []
         self._grammars: Any = None  # GrammarCache, built on the first constrained request
         self._grammar_lock = threading.Lock()

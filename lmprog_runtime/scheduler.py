@@ -414,8 +414,12 @@ class Scheduler:
             slots = self.allocator.alloc_decode(last)
             if slots is None:
                 return None
-        rows = host_ints([req.req_pool_idx for req in reqs])
-        self.req_to_token.write_tokens(rows, host_ints(positions), slots)
+        try:
+            rows = host_ints([req.req_pool_idx for req in reqs])
+            self.req_to_token.write_tokens(rows, host_ints(positions), slots)
+        except BaseException:
+            self.free_started_pages(slots)
+            raise
         self._decay_new_token_ratio()
         return slots
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ def engines(tiny_path, request):
         Engine(tiny_path, page_size=request.param, **POOL) as single,
         Engine(tiny_path, page_size=request.param, decode_steps=STEPS, **POOL) as runs,
     ):
+        runs._launches_ahead = True  # as on a GPU (on a CPU a run computes as it launches)
         yield single, runs
 
 
@@ -48,6 +50,21 @@ def count_runs(engine: Engine) -> list[int]:
 
     engine._step_run = counted
     return taken
+
+
+def count_runs_ahead(engine: Engine) -> list[int]:
+    """A list that counts (by length) the runs `engine` launches ahead of the commit of
+    the run before, by the tokens their requests are ahead."""
+    launched: list[int] = []
+    launch_run = engine._launch_run
+
+    def counted(batch, ahead, first_ids=None, offset=0):
+        if offset:
+            launched.append(offset)
+        return launch_run(batch, ahead, first_ids, offset)
+
+    engine._launch_run = counted
+    return launched
 
 
 def test_decode_steps_is_validated_and_turns_automatic_overlap_off():
@@ -82,14 +99,14 @@ def test_outputs_are_token_identical_to_single_steps(engines):
     ]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(mix))]
     want = single.generate(prompts, mix)
-    taken = count_runs(runs)
+    taken, launched = count_runs(runs), count_runs_ahead(runs)
     try:
         got = runs.generate(prompts, mix)
     finally:
-        del runs._step_run
+        del runs._step_run, runs._launch_run
     assert [result_key(o) for o in got] == [result_key(o) for o in want]
     assert {o["meta_info"]["finish_reason"]["type"] for o in want} == {"length", "stop"}
-    assert taken and max(taken) == STEPS
+    assert taken and max(taken) == STEPS and launched
 
 
 def test_keyed_draws_count_the_tokens_drawn_ahead(engines, monkeypatch):
@@ -217,21 +234,6 @@ def test_a_run_that_fails_runs_its_first_step_again(engines, failing):
     assert [result_key(o) for o in got] == [result_key(o) for o in want]
 
 
-def count_runs_ahead(engine: Engine) -> list[int]:
-    """A list that counts (by length) the runs `engine` launches ahead of the commit of
-    the run before, by the tokens their requests are ahead."""
-    launched: list[int] = []
-    launch_run = engine._launch_run
-
-    def counted(batch, ahead, first_ids=None, offset=0):
-        if offset:
-            launched.append(offset)
-        return launch_run(batch, ahead, first_ids, offset)
-
-    engine._launch_run = counted
-    return launched
-
-
 def test_runs_are_launched_ahead_of_the_commit_before(engines):
     """While nothing waits, each run after the first is launched before the one before
     it is committed, from its last tokens on the device; requests that stop inside a run
@@ -278,6 +280,40 @@ def test_a_request_submitted_meanwhile_stops_runs_ahead(engines):
     first_late = events.index(("late", 0))
     longest_before = max(n for kind, n in events[:first_late] if kind == "long")
     assert longest_before <= 5 + 3 * STEPS  # not at the end (60)
+
+
+def test_on_a_cpu_runs_are_not_launched_ahead(tiny_path):
+    """On a CPU a run computes as it is launched: launching the next one before the
+    checks would only delay them (and waste the steps of requests that stop)."""
+    mix = [{"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}] * 2
+    with Engine(tiny_path, decode_steps=STEPS, max_total_tokens=1024) as engine:
+        assert not engine._launches_ahead
+        taken, launched = count_runs(engine), count_runs_ahead(engine)
+        engine.generate(PROMPTS[:2], mix)
+    assert taken and launched == []
+
+
+def test_shutdown_stops_runs_ahead(tiny_path, _engine_registry):
+    """Shut down while runs continue one another: the loop stops launching ahead, so the
+    requests fail with the shutdown, long before their last tokens."""
+    engine = Engine(tiny_path, decode_steps=STEPS, max_total_tokens=2048)
+    _engine_registry.reported.add(engine)  # not clean at its shutdown, by design
+    engine._launches_ahead = True
+    long = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    stopper: list[threading.Thread] = []
+
+    def on_chunk(i: int, chunk: dict) -> None:
+        if i == 0 and chunk["meta_info"]["completion_tokens"] == 6 and not stopper:
+            stopper.append(threading.Thread(target=engine.shutdown))
+            stopper[0].start()
+
+    futures = engine.submit(PROMPTS[:2], [long, long], on_chunk=on_chunk)
+    results = [f.exception(timeout=120) or f.result() for f in futures]
+    stopper[0].join(timeout=120)
+    assert all("shut down" in str(r) for r in results), results
+    state = engine.memory_state()
+    assert state["kv_slots_free"] + state["kv_slots_cached"] == state["kv_slots_total"]
+    assert state["kv_slots_locked"] == 0 and state["req_slots_free"] == state["req_slots_total"]
 
 
 def test_a_commit_that_fails_fails_its_batch_and_frees_every_slot(engines):
@@ -394,6 +430,7 @@ def test_pool_pressure_shortens_runs_and_the_outputs_match(tiny_path, engines):
     mix = [{"max_new_tokens": 30 + i, "temperature": 0, "ignore_eos": True} for i in range(8)]
     page = single.config.page_size
     with Engine(tiny_path, page_size=page, decode_steps=8, **pressed) as engine:
+        engine._launches_ahead = True
         taken = count_runs(engine)
         got = engine.generate(prompts, mix)
         stats = engine.stats()
@@ -428,6 +465,7 @@ def test_random_mixes_under_pool_pressure_match_single_steps(tiny_path, engines,
     page = single.config.page_size
     pressed = {"max_total_tokens": 160, "max_running_requests": 8, "chunked_prefill_size": 8}
     with Engine(tiny_path, page_size=page, decode_steps=steps, **pressed) as engine:
+        engine._launches_ahead = True
 
         def on_chunk(i: int, chunk: dict) -> None:
             if chunk["meta_info"]["completion_tokens"] == plan[i][3]:
