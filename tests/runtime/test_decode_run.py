@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 from conftest import engine_leak
-from helpers import PROMPTS
+from helpers import PROMPTS, forbid_host_syncs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from overlap_engines import SCHEMA, result_key, stop_inside
@@ -280,6 +280,44 @@ def test_a_request_submitted_meanwhile_stops_runs_ahead(engines):
     first_late = events.index(("late", 0))
     longest_before = max(n for kind, n in events[:first_late] if kind == "long")
     assert longest_before <= 5 + 3 * STEPS  # not at the end (60)
+
+
+def test_a_run_on_the_gpu_path_never_waits_for_the_device(tiny_path):
+    """A run's inputs and forwards with the CUDA set (Triton attention and fused ops, under
+    the interpreter) read no device value on the host (`forbid_host_syncs`; tensors from
+    Python data are allowed: their pinned copies wait for nothing), for a run and for one
+    launched ahead, whose first inputs are the tokens drawn last: on a GPU every step of a
+    run is queued at once. (The draws read nothing back either: `tests/unit/test_draw.py`
+    draws on the `meta` device.)"""
+    from lmprog_runtime.models.triton_ops import TritonOps
+
+    config = {"attention_backend": "triton", "decode_steps": 3, **POOL}
+    mix = [{"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}] * 2
+    with Engine(tiny_path, **config) as engine:
+        runner = engine.runner
+        runner.model.ops = TritonOps()  # as the runner sets them on CUDA
+        engine._launches_ahead = True
+        syncs: list[str] = []  # (the loop would recover by running the step alone)
+        offsets = count_runs_ahead(engine)
+
+        def guarded(fn):
+            def call(*args):
+                try:
+                    with forbid_host_syncs(python_data=True):
+                        return fn(*args)
+                except AssertionError as error:
+                    syncs.append(f"{fn.__name__}: {error}")
+                    raise
+
+            return call
+
+        runner.run, runner.prepare_run = guarded(runner.run), guarded(runner.prepare_run)
+        try:
+            engine.generate(PROMPTS[:2], mix)
+        finally:
+            del runner.run, runner.prepare_run, engine._launch_run
+    assert syncs == []
+    assert offsets  # a run launched ahead
 
 
 def test_on_a_cpu_runs_are_not_launched_ahead(tiny_path):
