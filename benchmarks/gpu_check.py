@@ -438,9 +438,9 @@ def overlap_equality(check: Check) -> dict[str, Any]:
         for problem in _request_problems(result, p)
     ]
     # Decode runs (decode_steps=4) against the synchronous loop, on requests that run
-    # ahead (greedy, seeded, top-k / top-p, stop strings: no penalties or logprobs).
+    # ahead (greedy, seeded, top-k / top-p, min_new_tokens, stop strings: no penalties,
+    # grammars or logprobs).
     ahead = [p for p in params if "regex" not in p and "frequency_penalty" not in p]
-    ahead = [{k: v for k, v in p.items() if k != "min_new_tokens"} for p in ahead]
     with check.engine("tiny", dtype="float32", decode_steps=4) as engine:
         runs = engine.generate(input_ids=prompts[: len(ahead)], sampling_params=ahead)
     with check.engine("tiny", dtype="float32", overlap_schedule=False) as engine:

@@ -85,11 +85,12 @@ class RuntimeConfig:
     # CPU the forward and the loop share the cores, so overlapping gains nothing).
     overlap_schedule: bool | None = None
     # Decode runs (SGLang's num_continuous_decode_steps): when every request of a decode
-    # step can run ahead (no grammar, penalties, logprobs or pending min_new_tokens), up to
-    # this many decode steps run back to back from one scheduling, each step's tokens fed
-    # to the next on the device, and are read and checked together (`decode_run.py`).
-    # Fewer host round trips per token; callers and new requests wait up to a run. 1: off.
-    # Runs take the synchronous loop: with overlap_schedule=None, > 1 turns overlap off.
+    # step can run ahead (no grammar, penalties or logprobs), up to this many decode steps
+    # run back to back from one scheduling, each step's tokens fed to the next on the
+    # device, each step checked as its tokens arrive; off a CPU the next run is launched
+    # before a run is checked (`decode_run.py`). Less host work per token; new requests,
+    # aborts and deadlines wait up to two runs. 1: off. Runs take the synchronous loop:
+    # with overlap_schedule=None, > 1 turns overlap off.
     decode_steps: int = 1
 
     def __post_init__(self) -> None:

@@ -32,11 +32,12 @@ requests that stop.
 
 A run needs every request's next K draws to depend on nothing the host would learn from
 its earlier tokens: no grammar (its mask follows each token), no penalties (they count
-the tokens), no pending `min_new_tokens` (EOS is banned until it is reached), and no
-logprobs (read per step). When any request of the step needs one of them, the step runs
-alone. Seeded draws stay identical: a CPU generator draws once per token, in order, and
-an accelerator's race is keyed by the request's seed and how many tokens it has, counted
-here for each step ahead (`_rows_ahead`). Greedy and seeded outputs are token-identical
+the tokens), and no logprobs (read per step). When any request of the step needs one of
+them, the step runs alone. What a draw ahead depends on is counted for its step
+(`_rows_ahead`): EOS and stop tokens stay banned while `min_new_tokens` is not reached
+by that step, and seeded draws stay identical: a CPU generator draws once per token, in
+order, and an accelerator's race is keyed by the request's seed and how many tokens it
+has. Greedy and seeded outputs are token-identical
 to `decode_steps=1` (`tests/runtime/test_decode_run.py`, float32 on a CPU; in bfloat16
 the batch's shape, which keeps a finished request to the end of its run, can move a
 token, as any batching can).
@@ -81,7 +82,6 @@ def runs_ahead(req: Req) -> bool:
         and req.char_fsm is None
         and not req.params.has_penalties
         and not req.return_logprob
-        and req.can_stop
     )
 
 
@@ -350,15 +350,19 @@ def _step_ahead(batch: ScheduledBatch, slots: torch.Tensor, k: int) -> Scheduled
 
 def _rows_ahead(rows: list[SampleRow], reqs: list[Req], k: int) -> list[SampleRow]:
     """The sample rows of a draw k tokens past what `reqs` hold: a keyed draw counts
-    them (nothing else of a row that runs ahead changes)."""
+    them, and EOS and stop tokens are banned while they leave `min_new_tokens` unreached
+    (nothing else of a row that runs ahead changes)."""
     if k == 0:
         return rows
-    return [
-        row
-        if row.params.is_greedy
-        else row._replace(key=race_key(req.seed, len(req.output_ids) + k))
-        for row, req in zip(rows, reqs)
-    ]
+    ahead = []
+    for row, req in zip(rows, reqs):
+        held = len(req.output_ids) + k
+        if not row.params.is_greedy:
+            row = row._replace(key=race_key(req.seed, held))
+        if row.banned and held >= req.params.min_new_tokens:
+            row = row._replace(banned=[])
+        ahead.append(row)
+    return ahead
 
 
 def _length(

@@ -131,9 +131,8 @@ def test_keyed_draws_count_the_tokens_drawn_ahead(engines, monkeypatch):
 
 
 def test_requests_that_cannot_run_ahead_keep_single_steps(engines):
-    """Penalties, logprobs, a pending min_new_tokens and a grammar each keep their batch
-    to single steps (each needs the host between tokens); min_new_tokens reached, the
-    batch runs again. The outputs are identical either way."""
+    """Penalties, logprobs and a grammar each keep their batch to single steps (each
+    needs the host between tokens). The outputs are identical either way."""
     single, runs = engines
     base = {"max_new_tokens": 14, "temperature": 0, "ignore_eos": True}
     blockers = [
@@ -153,23 +152,41 @@ def test_requests_that_cannot_run_ahead_keep_single_steps(engines):
             del runs._step_run
         assert [result_key(o) for o in got] == [result_key(o) for o in want], params
         assert taken == [], params
-    mix = [base, {**base, "min_new_tokens": 6, "ignore_eos": False}]
-    pending = []  # a run taken while a request's min_new_tokens was not reached
+
+
+@pytest.mark.parametrize("seed", [None, 4], ids=["greedy", "seeded"])
+def test_min_new_tokens_bans_stop_tokens_in_the_steps_ahead_that_need_it(engines, seed):
+    """A pending min_new_tokens does not stop a run: its steps that leave it unreached ban
+    EOS and the stop tokens, the later ones do not. The stop token here is the token the
+    request draws unbanned inside its first run, and again after min_new_tokens."""
+    single, runs = engines
+    free = {"max_new_tokens": 16, "temperature": 0 if seed is None else 0.9, "seed": seed}
+    drawn = single.generate(PROMPTS[3], {**free, "ignore_eos": True})["output_ids"]
+    stop = drawn[2]  # the third token: a step ahead of the first run (runs start at the 2nd)
+    params = {**free, "min_new_tokens": 7, "stop_token_ids": [stop]}
+    want = single.generate(PROMPTS[3], params)
     taken = count_runs(runs)
-    step_run = runs._step_run
-
-    def checked(batch, steps):
-        pending.extend(r for r in batch.reqs if len(r.output_ids) < r.params.min_new_tokens)
-        return step_run(batch, steps)
-
-    runs._step_run = checked
     try:
-        got = runs.generate(PROMPTS[:2], mix)
+        got = runs.generate(PROMPTS[3], params)
     finally:
         del runs._step_run
-    want = single.generate(PROMPTS[:2], mix)
-    assert [result_key(o) for o in got] == [result_key(o) for o in want]
-    assert taken and pending == []  # runs once min_new_tokens is reached, not before
+    assert result_key(got) == result_key(want)
+    assert stop not in want["output_ids"][:6] and taken
+
+
+def test_a_stop_token_stops_a_step_ahead_once_min_new_tokens_is_reached(engines):
+    """The ban lifts in the step ahead where min_new_tokens is reached: a stop token first
+    drawn past it, at a step ahead, stops the request there, as one step at a time."""
+    single, runs = engines
+    free = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    drawn = single.generate(PROMPTS[3], free)["output_ids"]
+    # Runs of 4 from the 2nd token: the 6th, 10th, ... are first steps, not steps ahead.
+    at = next(j for j in (7, 8, 10, 11) if drawn[j] not in drawn[:j])
+    params = {**free, "min_new_tokens": 7, "stop_token_ids": [drawn[at]]}
+    want = single.generate(PROMPTS[3], params)
+    got = runs.generate(PROMPTS[3], params)
+    assert result_key(got) == result_key(want)
+    assert len(want["output_ids"]) == at + 1  # stopped by it
 
 
 def test_streamed_chunks_are_identical_in_order_and_content(engines):
