@@ -662,6 +662,7 @@ def _overhead_run(
             entry["wall_s"] = _timed(run)
         stats = engine.stats()
         entry["forward_passes"] = stats["forward_passes"]
+        entry["decode_runs"] = stats["decode_runs"]
         entry["ms_per_step"] = 1e3 * stats["step_seconds"] / max(1, stats["forward_passes"])
         entry["fraction_of_step_outside_forward_call"] = 1 - stats["forward_seconds"] / max(
             stats["step_seconds"], 1e-9

@@ -249,6 +249,7 @@ class DecodeRunLoop:
                 self.scheduler.free_started_pages(slots)
             raise
         seconds = (time.perf_counter() - start) / (len(ahead) + 1)
+        self._stats.add("decode_runs")
         slots = RunSlots(batch, ahead, self.scheduler.free_started_pages)
         self._runs.append(slots)
         return Run(batch, ahead, drawn, errors, token_ids, slots, seconds)

@@ -18,6 +18,7 @@ COUNTERS = (
     "jump_forward_tokens",
     "evicted_tokens",
     "retracted_requests",
+    "decode_runs",  # decode runs launched (`decode_steps`), ahead of a commit or not
     "max_running_requests_seen",
     "finished_requests",  # requests that completed (counted before their callers are told)
     "forward_seconds",  # wall time inside the model forward

@@ -416,7 +416,8 @@ def test_a_caller_wakes_to_free_slots_and_the_single_steps_counters(engines):
         assert state["req_slots_free"] == state["req_slots_total"]
         stats.append({k: v for k, v in counters.items() if not k.endswith("_seconds")})
     assert outs[1] == outs[0]
-    assert stats[1] == stats[0]
+    assert stats[0]["decode_runs"] == 0 and stats[1].pop("decode_runs") > 0
+    assert stats[1] == {k: v for k, v in stats[0].items() if k != "decode_runs"}
 
 
 @pytest.mark.parametrize("point", ["forward", "sample"])
