@@ -7,8 +7,9 @@ forward, draw, read the tokens back, check them. Past the forward and the draw, 
 is per-request Python, so a small model on a GPU waits for the host most of each step
 (issue 18), however it overlaps: the host's work per step is longer than the forward.
 
-A run of K steps schedules once and allocates each request's next K slots
-(`Scheduler.extend_decode_run`), then queues K forwards and draws back to back: the input
+A run of K steps schedules once and allocates each request's next K slots, or as many
+as it has tokens left (past them it writes the padding slot, which no one reads;
+`Scheduler.extend_decode_run`), then queues K forwards and draws back to back: the input
 of step k > 0 is the tokens step k - 1 drew, on the device (`ModelRunner.prepare_run`
 sends the whole run's inputs at once). Each step's tokens are copied to the host as soon
 as they are drawn, and committed and checked step by step, exactly as K synchronous steps
@@ -141,7 +142,8 @@ class DecodeRunLoop:
     def _launch_or_step(self, batch: ScheduledBatch, steps: int) -> Run | None:
         """Launch `batch` as a run of `steps`; if that fails, or no slots are left for a
         step ahead, run its first step alone (which finds the failing request)."""
-        ahead = self.scheduler.extend_decode_run(batch, steps)
+        needs = [req.max_new_tokens - len(req.output_ids) for req in batch.reqs]
+        ahead = self.scheduler.extend_decode_run(batch, steps, needs)
         if not ahead:
             self._step(batch)
             return None
@@ -193,7 +195,8 @@ class DecodeRunLoop:
             if first is None:
                 return None
             batch = ScheduledBatch(ForwardMode.DECODE, sub, first, positions, [1] * len(sub))
-            ahead = self.scheduler.extend_decode_run(batch, steps)
+            needs = [req.max_new_tokens - len(req.output_ids) - n for req in sub]
+            ahead = self.scheduler.extend_decode_run(batch, steps, needs)
             if not ahead:
                 self.scheduler.free_started_pages(first)
                 return None

@@ -369,36 +369,48 @@ class Scheduler:
     ) -> None:
         self.req_to_token.write_tokens(rows, kv_lens, slots)
 
-    def extend_decode_run(self, batch: ScheduledBatch, steps: int) -> list[torch.Tensor]:
+    def extend_decode_run(
+        self, batch: ScheduledBatch, steps: int, needs: list[int] | None = None
+    ) -> list[torch.Tensor]:
         """Slots for up to `steps - 1` more decode steps of `batch` (a decode batch just
         scheduled), in the request table: a decode run (`decode_run.py`). Step k's slot of
-        request i follows its slot of step k - 1. Stops short where pages run out after
+        request i follows its slot of step k - 1; a request that needs fewer steps
+        (`needs[i]`, its tokens left; None: all) gets the padding slot 0 past them, which
+        no one reads (it has finished by then). Stops short where pages run out after
         evicting (nothing is retracted for a run). Returns each further step's slots ([n])."""
         rows = host_ints([req.req_pool_idx for req in batch.reqs])
         positions = host_ints(batch.prefix_lens)
+        need = host_ints(needs if needs is not None else [steps] * len(batch.reqs))
         if self.allocator.page_size == 1:
-            return self._extend_run_by_slots(rows, positions, steps - 1)
+            return self._extend_run_by_slots(rows, positions, need, steps - 1)
         last, extra = batch.out_cache_loc, []
         try:
             for k in range(1, steps):
-                slots = self.allocator.alloc_decode(last)
+                mine = need > k
+                slots = self._alloc_next(last[mine])
                 if slots is None:
-                    ps = self.allocator.page_size
-                    short = int(((last + 1) % ps == 0).sum()) * ps - self.allocator.num_free
-                    if self._evict(short) < short:
-                        break
-                    slots = self.allocator.alloc_decode(last)
-                    if slots is None:
-                        break
-                extra.append(slots)
-                self.req_to_token.write_tokens(rows, positions + k, slots)
+                    break
+                step = torch.zeros_like(last)  # (slot 0: the padding slot)
+                step[mine] = slots
+                extra.append(step)
+                self.req_to_token.write_tokens(rows[mine], positions[mine] + k, slots)
                 self._decay_new_token_ratio()  # once per decode step, as single steps do
-                last = slots
+                last = step
         except BaseException:
             for slots in extra:
                 self.free_started_pages(slots)
             raise
         return extra
+
+    def _alloc_next(self, last: torch.Tensor) -> torch.Tensor | None:
+        """One slot after each of `last` (evicting when short); None if pages run out."""
+        slots = self.allocator.alloc_decode(last)
+        if slots is None:
+            ps = self.allocator.page_size
+            short = int(((last + 1) % ps == 0).sum()) * ps - self.allocator.num_free
+            self._evict(short)
+            slots = self.allocator.alloc_decode(last)
+        return slots
 
     def continue_decode_run(
         self, reqs: list[Req], last: torch.Tensor, positions: list[int]
@@ -406,14 +418,9 @@ class Scheduler:
         """The first step's slots of a decode run that continues one not yet committed:
         one after each of `last` (the slots of `reqs`' last step there), written to the
         table at `positions`. None if pages run out after evicting."""
-        slots = self.allocator.alloc_decode(last)
+        slots = self._alloc_next(last)
         if slots is None:
-            ps = self.allocator.page_size
-            short = int(((last + 1) % ps == 0).sum()) * ps - self.allocator.num_free
-            self._evict(short)
-            slots = self.allocator.alloc_decode(last)
-            if slots is None:
-                return None
+            return None
         try:
             rows = host_ints([req.req_pool_idx for req in reqs])
             self.req_to_token.write_tokens(rows, host_ints(positions), slots)
@@ -424,25 +431,29 @@ class Scheduler:
         return slots
 
     def _extend_run_by_slots(
-        self, rows: torch.Tensor, positions: torch.Tensor, steps: int
+        self, rows: torch.Tensor, positions: torch.Tensor, need: torch.Tensor, steps: int
     ) -> list[torch.Tensor]:
         """`extend_decode_run` on pages of one slot: every step's slots in one allocation
         and one table write."""
-        n = int(rows.numel())
-        short = n * steps - self.allocator.num_free
+        if steps < 1:
+            return []
+        ahead = torch.arange(1, steps + 1, dtype=torch.int64, device="cpu")[:, None]
+        mine = need[None, :] > ahead  # [steps, n]: the slots to allocate
+        wanted = mine.sum(dim=1).cumsum(dim=0)  # slots for the first 1, 2, ... steps
+        short = int(wanted[-1]) - self.allocator.num_free
         if short > 0:
             self._evict(short)
-        steps = min(steps, self.allocator.num_free // n)
+        steps = int((wanted <= self.allocator.num_free).sum())
         if steps == 0:
             return []
-        slots = self.allocator.alloc(n * steps).view(steps, n)
-        ahead = torch.arange(1, steps + 1, dtype=torch.int64, device="cpu")[:, None]
-        self.req_to_token.write_tokens(
-            rows.repeat(steps), (positions + ahead).flatten(), slots.flatten()
-        )
+        mine = mine[:steps]
+        grid = torch.zeros(mine.shape, dtype=torch.int64, device="cpu")  # (0: padding)
+        grid[mine] = self.allocator.alloc(int(wanted[steps - 1]))
+        table_rows = rows[None, :].expand(mine.shape)[mine]
+        self.req_to_token.write_tokens(table_rows, (positions + ahead[:steps])[mine], grid[mine])
         for _ in range(steps):
             self._decay_new_token_ratio()  # once per decode step, as single steps do
-        return list(slots.unbind(0))
+        return list(grid.unbind(0))
 
     def _pick_victim(self, decoding: list[Req]) -> Req | None:
         if self.chunked_req is not None:
@@ -506,10 +517,10 @@ class Scheduler:
     def free_started_pages(self, slots: torch.Tensor) -> None:
         """A request left a launched forward (overlap scheduling: it finished or jumped
         forward meanwhile; a decode run: it finished at an earlier step of the run), so
-        that forward's `slots` for it are nobody's. Frees the pages
-        they start; a page they continue is the request's own (freed with it, or reused when
-        it extends)."""
-        self.allocator.free(slots[slots % self.allocator.page_size == 0])
+        that forward's `slots` for it are nobody's. Frees the pages they start; a page they
+        continue is the request's own (freed with it, or reused when it extends); the
+        padding slot 0 (a run's steps past a request's end) is no one's."""
+        self.allocator.free(slots[(slots % self.allocator.page_size == 0) & (slots != 0)])
 
     def release(self, req: Req, insert: bool = True) -> None:
         """A finished (or failed) request leaves: its KV goes to the cache, the rest is freed."""

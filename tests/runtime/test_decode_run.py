@@ -557,12 +557,14 @@ def test_runs_stop_at_the_context_length(tiny_path):
     st.lists(st.integers(1, 30), min_size=1, max_size=4),  # each request's tokens so far
     st.integers(2, 12),  # steps
     st.integers(0, 40),  # slots taken by others first (to run short)
+    st.lists(st.integers(1, 14), min_size=4, max_size=4),  # each one's tokens left
 )
-def test_extend_decode_run_continues_each_requests_pages(page, lengths, steps, taken):
+def test_extend_decode_run_continues_each_requests_pages(page, lengths, steps, taken, left):
     """Each step's slot follows the step before's within a page and starts a fresh page
-    at a page boundary; the table holds each slot at its position; a run stops short
-    (never fails) when pages run out; freeing the pages the steps started gives back
-    every page they took."""
+    at a page boundary, for the steps a request needs (its tokens left), and is the
+    padding slot 0 past them; the table holds each slot at its position; a run stops
+    short (never fails) when pages run out; freeing the pages the steps started gives
+    back every page they took."""
     from types import SimpleNamespace
 
     from lmprog_runtime.forward_batch import ForwardMode
@@ -581,17 +583,21 @@ def test_extend_decode_run_continues_each_requests_pages(page, lengths, steps, t
     free_before = allocator.num_free
     reqs = [SimpleNamespace(req_pool_idx=i) for i in range(len(lengths))]
     batch = ScheduledBatch(ForwardMode.DECODE, reqs, step0, list(lengths), [1] * len(lengths))
-    ahead = sched.extend_decode_run(batch, steps)
+    needs = left[: len(lengths)]
+    steps = min(steps, max(needs))  # (as a run's length is: no step no one needs)
+    ahead = sched.extend_decode_run(batch, steps, needs)
     assert len(ahead) <= steps - 1
     if len(ahead) < steps - 1:  # it ran short: the next step's pages were not there
         assert allocator.num_free < page * len(lengths)
     for i, n in enumerate(lengths):
         slots = [int(owned[i][-1]), *(int(s[i]) for s in (step0, *ahead))]
-        for k, (a, b) in enumerate(zip(slots, slots[1:])):
+        used = slots[: needs[i] + 1]
+        assert slots[needs[i] + 1 :] == [0] * len(slots[needs[i] + 1 :])  # padding past them
+        for k, (a, b) in enumerate(zip(used, used[1:])):
             assert b == a + 1 if b % page else (a + 1) % page == 0
             if k:  # (step 0's entry is the decode step's own)
                 assert int(table.host_table[i, n + k]) == b
-    every = torch.cat([others, *owned, step0, *ahead]).tolist()
+    every = [s for s in torch.cat([others, *owned, step0, *ahead]).tolist() if s]
     assert len(set(every)) == len(every)
     for slots in ahead:
         sched.free_started_pages(slots)
