@@ -24,8 +24,8 @@ best of `--repeats`. The overlapped loop runs both ways: with the forward worker
 Next to it, the CPU time each part of the host's work took per step (each thread's own CPU
 time, which other processes on the machine barely move): the loop's (the loop thread's
 whole CPU time over the generate: scheduling, preparing inputs, stop checks, finishing;
-without the forward and the draw where the loop thread runs them), the forward's launch (emulated: the busy `--launch-ms` and the logits lookup) and
-the draw (sampling). Threads take turns holding the GIL, so an overlapped step is no
+without the forward and the draw where the loop thread runs them), the forward's launch
+(emulated: the busy `--launch-ms` and the logits lookup) and the draw (sampling). Threads take turns holding the GIL, so an overlapped step is no
 shorter than the sum; two threads hand it over at every torch op, which costs CPU time of
 its own.
 
@@ -97,7 +97,7 @@ def host_path(
         table = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0))
         device = EmulatedDevice()
         ends: list[float] = []  # each forward's end, in launch order
-        in_run = [False]  # a decode run's forwards are read back together, at its end
+        in_run = [False]  # a decode run's forwards are not waited for: its step reads are
 
         def emulated_forward(fb):
             end = time.perf_counter() + launch_s

@@ -280,15 +280,9 @@ class DecodeRunLoop:
             for i in live:
                 reqs[i].kv_len += 1
                 run.slots.used[i] += 1
-            step = batch if k == 0 else _step_ahead(batch, run.ahead[k - 1], k)
+            step = _step_ahead(batch, run.slots.slots[k], k)
             if len(live) < len(reqs):
-                step = ScheduledBatch(
-                    ForwardMode.DECODE,
-                    [reqs[i] for i in live],
-                    step.out_cache_loc[host_ints(live)],
-                    [step.prefix_lens[i] for i in live],
-                    [1] * len(live),
-                )
+                step.narrow(live)
             self._stats.record_step(
                 step, num_running=len(self.scheduler.running), forward_seconds=run.seconds
             )
@@ -346,8 +340,8 @@ def _generators(reqs: list[Req]) -> list[torch.Generator]:
 
 
 def _step_ahead(batch: ScheduledBatch, slots: torch.Tensor, k: int) -> ScheduledBatch:
-    """Step k of a run that starts with `batch`: its requests, one position further each
-    step, on `slots`."""
+    """Step k of a run that starts with `batch` (a batch of its own): its requests, one
+    position further each step, on `slots`."""
     prefix_lens = [p + k for p in batch.prefix_lens]
     return ScheduledBatch(ForwardMode.DECODE, batch.reqs, slots, prefix_lens, batch.extend_lens)
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmprog_runtime.sampling import SampleRow, sample_each, take_rows
+from lmprog_runtime.transfer import to_host_async
 
 if TYPE_CHECKING:
     from lmprog_runtime.forward_batch import ForwardBatch
@@ -162,11 +163,7 @@ class ForwardWorker:
             logits = take_rows(logits, index)
             token_ids, errors = sample_each(logits, rows)
             self._runner.store_future_tokens(table_rows, token_ids)
-            ready = None
-            if self._stream is not None:
-                token_ids = token_ids.to("cpu", non_blocking=True)  # into pinned memory
-                ready = torch.cuda.Event()
-                ready.record()
+            token_ids, ready = to_host_async(token_ids)  # (on CUDA: into pinned memory)
         return Sampled(token_ids, ready, errors, logits, timer)
 
 

@@ -370,17 +370,17 @@ class Scheduler:
         self.req_to_token.write_tokens(rows, kv_lens, slots)
 
     def extend_decode_run(
-        self, batch: ScheduledBatch, steps: int, needs: list[int] | None = None
+        self, batch: ScheduledBatch, steps: int, needs: list[int]
     ) -> list[torch.Tensor]:
         """Slots for up to `steps - 1` more decode steps of `batch` (a decode batch just
         scheduled), in the request table: a decode run (`decode_run.py`). Step k's slot of
         request i follows its slot of step k - 1; a request that needs fewer steps
-        (`needs[i]`, its tokens left; None: all) gets the padding slot 0 past them, which
-        no one reads (it has finished by then). Stops short where pages run out after
-        evicting (nothing is retracted for a run). Returns each further step's slots ([n])."""
+        (`needs[i]`, its tokens left) gets the padding slot 0 past them, which no one reads
+        (it has finished by then). Stops short where pages run out after evicting (nothing
+        is retracted for a run). Returns each further step's slots ([n])."""
         rows = host_ints([req.req_pool_idx for req in batch.reqs])
         positions = host_ints(batch.prefix_lens)
-        need = host_ints(needs if needs is not None else [steps] * len(batch.reqs))
+        need = host_ints(needs)
         if self.allocator.page_size == 1:
             return self._extend_run_by_slots(rows, positions, need, steps - 1)
         last, extra = batch.out_cache_loc, []

@@ -1,5 +1,6 @@
-"""Shared by the overlap test modules: a synchronous and an overlapped engine on the tiny
-model, both with a fake slow forward, and how their results are compared.
+"""Shared by the overlap and decode-run test modules: a synchronous and an overlapped engine
+on the tiny model, both with a fake slow forward, how their results are compared, and the
+random request mixes (hypothesis) both loops are checked on.
 
 The slow forward is a sleep before the real one (a device still busy, not a
 synchronisation): in the overlapped engine whose forward worker is a thread, the checks of
@@ -14,7 +15,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from conftest import engine_leak
+from helpers import PROMPTS
+from hypothesis import strategies as st
+
 from lmprog_runtime import Engine
+from lmprog_runtime.engine import RequestAborted
 from lmprog_runtime.forward_worker import ForwardWorker
 
 SLOW_FORWARD_S = 0.003
@@ -78,3 +84,53 @@ def stop_inside(engine: Engine, prompt: str, params: dict) -> str:
     text = engine.generate(prompt, params)["text"]
     assert len(text) > 8
     return text[len(text) // 2 : len(text) // 2 + 2]
+
+
+def assert_slots_free(engine: Engine) -> dict:
+    """At once (no waiting): every KV slot free or cached, none locked, every request slot
+    free. Returns the memory state."""
+    state = engine.memory_state()
+    assert state["kv_slots_free"] + state["kv_slots_cached"] == state["kv_slots_total"]
+    assert state["kv_slots_locked"] == 0 and state["req_slots_free"] == state["req_slots_total"]
+    return state
+
+
+def plans(aborted_after: list[int | None]) -> st.SearchStrategy:
+    """Random mixes of requests: (prompt index, max_new_tokens, seed or None for greedy,
+    the chunks after which it is aborted or None) each."""
+    return st.lists(
+        st.tuples(
+            st.integers(0, len(PROMPTS) - 1),
+            st.integers(1, 40),  # max_new_tokens
+            st.sampled_from([None, 0, 11]),  # greedy or a seed
+            st.sampled_from(aborted_after),  # aborted after this many chunks
+        ),
+        min_size=1,
+        max_size=10,
+    )
+
+
+def check_plan(engine: Engine, reference: Engine, plan: list[tuple]) -> None:
+    """Run `plan` (`plans`) on `engine`, each request aborted from its stream after its
+    chunks; a request not aborted produces exactly what `reference` produces, and
+    `engine` ends clean."""
+    prompts = [PROMPTS[p] for p, _, _, _ in plan]
+    mix = [
+        {"max_new_tokens": n, "temperature": 0 if seed is None else 0.9, "seed": seed}
+        for _, n, seed, _ in plan
+    ]
+    mix = [{**params, "ignore_eos": True} for params in mix]
+
+    def on_chunk(i: int, chunk: dict) -> None:
+        if chunk["meta_info"]["completion_tokens"] == plan[i][3]:
+            engine.abort(chunk["meta_info"]["id"])
+
+    futures = engine.submit(prompts, mix, on_chunk=on_chunk)
+    results = [f.exception(timeout=120) or f.result() for f in futures]
+    assert engine_leak(engine) is None
+    want = reference.generate(prompts, mix)
+    for (_, max_new, _, abort_after), got, out in zip(plan, results, want):
+        if isinstance(got, RequestAborted):
+            assert abort_after is not None and abort_after < max_new
+        else:
+            assert result_key(got) == result_key(out)

@@ -14,17 +14,24 @@ import threading
 
 import pytest
 import torch
-from conftest import engine_leak
 from helpers import PROMPTS, forbid_host_syncs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from overlap_engines import SCHEMA, result_key, stop_inside
+from overlap_engines import (
+    SCHEMA,
+    assert_slots_free,
+    check_plan,
+    plans,
+    result_key,
+    stop_inside,
+)
 
 from lmprog_runtime import Engine
 from lmprog_runtime.config import RuntimeConfig
-from lmprog_runtime.engine import RequestAborted
 
 POOL = {"max_total_tokens": 4096, "max_running_requests": 16}
+# A KV pool far smaller than the demand put on it, with short prefill chunks.
+PRESSED = {"max_total_tokens": 160, "max_running_requests": 8, "chunked_prefill_size": 8}
 STEPS = 4
 
 
@@ -366,9 +373,7 @@ def test_shutdown_stops_runs_ahead(tiny_path, _engine_registry):
     results = [f.exception(timeout=120) or f.result() for f in futures]
     stopper[0].join(timeout=120)
     assert all("shut down" in str(r) for r in results), results
-    state = engine.memory_state()
-    assert state["kv_slots_free"] + state["kv_slots_cached"] == state["kv_slots_total"]
-    assert state["kv_slots_locked"] == 0 and state["req_slots_free"] == state["req_slots_total"]
+    assert_slots_free(engine)
 
 
 def test_a_commit_that_fails_fails_its_batch_and_frees_every_slot(engines):
@@ -410,10 +415,8 @@ def test_a_caller_wakes_to_free_slots_and_the_single_steps_counters(engines):
         assert engine.flush_cache()
         engine.reset_stats()
         outs.append([result_key(o) for o in engine.generate(PROMPTS[:5], mix)])
-        state, counters = engine.memory_state(), engine.stats()  # no waiting: at once
-        assert state["kv_slots_free"] + state["kv_slots_cached"] == state["kv_slots_total"]
-        assert state["kv_slots_locked"] == 0 and state["num_running"] == 0
-        assert state["req_slots_free"] == state["req_slots_total"]
+        state, counters = assert_slots_free(engine), engine.stats()  # no waiting: at once
+        assert state["num_running"] == 0
         stats.append({k: v for k, v in counters.items() if not k.endswith("_seconds")})
     assert outs[1] == outs[0]
     assert stats[0]["decode_runs"] == 0 and stats[1].pop("decode_runs") > 0
@@ -481,11 +484,10 @@ def test_pool_pressure_shortens_runs_and_the_outputs_match(tiny_path, engines):
     """A pool far smaller than the demand: runs stop short where pages run out, requests
     are retracted and resume exactly."""
     single, _ = engines
-    pressed = {"max_total_tokens": 160, "max_running_requests": 8, "chunked_prefill_size": 8}
     prompts = list(PROMPTS)
     mix = [{"max_new_tokens": 30 + i, "temperature": 0, "ignore_eos": True} for i in range(8)]
     page = single.config.page_size
-    with Engine(tiny_path, page_size=page, decode_steps=8, **pressed) as engine:
+    with Engine(tiny_path, page_size=page, decode_steps=8, **PRESSED) as engine:
         engine._launches_ahead = True
         taken = count_runs(engine)
         got = engine.generate(prompts, mix)
@@ -495,47 +497,15 @@ def test_pool_pressure_shortens_runs_and_the_outputs_match(tiny_path, engines):
 
 
 @settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    st.lists(
-        st.tuples(
-            st.integers(0, len(PROMPTS) - 1),
-            st.integers(1, 40),  # max_new_tokens
-            st.sampled_from([None, 0, 11]),  # greedy or a seed
-            st.sampled_from([None, 1, 6]),  # aborted after this many chunks
-        ),
-        min_size=1,
-        max_size=10,
-    ),
-    st.sampled_from([2, 5, 8]),  # decode_steps
-)
+@given(plans([None, 1, 6]), st.sampled_from([2, 5, 8]))  # (the second: decode_steps)
 def test_random_mixes_under_pool_pressure_match_single_steps(tiny_path, engines, plan, steps):
     """Retractions and evictions (a 160-token pool) while decoding in runs, aborts from
     the streams; a request not aborted produces exactly what single steps produce."""
     single, _ = engines
-    prompts = [PROMPTS[p] for p, _, _, _ in plan]
-    mix = [
-        {"max_new_tokens": n, "temperature": 0 if seed is None else 0.9, "seed": seed}
-        for _, n, seed, _ in plan
-    ]
-    mix = [{**params, "ignore_eos": True} for params in mix]
     page = single.config.page_size
-    pressed = {"max_total_tokens": 160, "max_running_requests": 8, "chunked_prefill_size": 8}
-    with Engine(tiny_path, page_size=page, decode_steps=steps, **pressed) as engine:
+    with Engine(tiny_path, page_size=page, decode_steps=steps, **PRESSED) as engine:
         engine._launches_ahead = True
-
-        def on_chunk(i: int, chunk: dict) -> None:
-            if chunk["meta_info"]["completion_tokens"] == plan[i][3]:
-                engine.abort(chunk["meta_info"]["id"])
-
-        futures = engine.submit(prompts, mix, on_chunk=on_chunk)
-        results = [f.exception(timeout=120) or f.result() for f in futures]
-        assert engine_leak(engine) is None
-    want = single.generate(prompts, mix)
-    for (_, max_new, _, abort_after), got, out in zip(plan, results, want):
-        if isinstance(got, RequestAborted):
-            assert abort_after is not None and abort_after < max_new
-        else:
-            assert result_key(got) == result_key(out)
+        check_plan(engine, single, plan)
 
 
 def test_runs_stop_at_the_context_length(tiny_path):

@@ -14,11 +14,17 @@ import time
 import weakref
 
 import pytest
-from conftest import engine_leak
 from helpers import PROMPTS
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from overlap_engines import SCHEMA, WORKERS, engine_pair, result_key
+from overlap_engines import (
+    SCHEMA,
+    WORKERS,
+    assert_slots_free,
+    check_plan,
+    engine_pair,
+    plans,
+    result_key,
+)
 
 from lmprog_runtime import Engine
 from lmprog_runtime.engine import RequestAborted
@@ -187,43 +193,12 @@ def test_a_distribution_without_mass_fails_its_request_alone(engines, monkeypatc
 
 
 @settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    st.lists(
-        st.tuples(
-            st.integers(0, len(PROMPTS) - 1),
-            st.integers(1, 40),  # max_new_tokens
-            st.sampled_from([None, 0, 11]),  # greedy or a seed
-            st.sampled_from([None, 1, 5]),  # aborted after this many chunks
-        ),
-        min_size=1,
-        max_size=10,
-    )
-)
+@given(plans([None, 1, 5]))
 def test_random_mixes_under_pool_pressure_match_the_synchronous_loop(engines, pressed, plan):
     """Retractions and evictions (a 160-token pool) while steps overlap; a request not
     aborted produces exactly what the synchronous loop produces."""
     sync, _ = engines
-
-    def params(max_new: int, seed: int | None) -> dict:
-        temperature = 0 if seed is None else 0.9
-        return {"max_new_tokens": max_new, "temperature": temperature, "seed": seed}
-
-    prompts = [PROMPTS[p] for p, _, _, _ in plan]
-    mix = [{**params(max_new, seed), "ignore_eos": True} for _, max_new, seed, _ in plan]
-
-    def on_chunk(i: int, chunk: dict) -> None:
-        if chunk["meta_info"]["completion_tokens"] == plan[i][3]:
-            pressed.abort(chunk["meta_info"]["id"])
-
-    futures = pressed.submit(prompts, mix, on_chunk=on_chunk)
-    results = [f.exception(timeout=120) or f.result() for f in futures]
-    want = sync.generate(prompts, mix)
-    for (_, max_new, _, abort_after), got, out in zip(plan, results, want):
-        if isinstance(got, RequestAborted):
-            assert abort_after is not None and abort_after < max_new
-        else:
-            assert result_key(got) == result_key(out)
-    assert engine_leak(pressed) is None
+    check_plan(pressed, sync, plan)
 
 
 def test_pool_pressure_retracts_and_the_outputs_match_the_synchronous_loop(
@@ -279,9 +254,7 @@ def test_shutdown_fails_the_requests_of_the_forward_in_flight(tiny_path, _engine
     assert abandoned == [True]  # shutdown found a forward in flight
     for future in futures:
         assert "shut down" in str(future.exception(timeout=30))
-    state = engine.memory_state()
-    assert state["kv_slots_free"] + state["kv_slots_cached"] == state["kv_slots_total"]
-    assert state["kv_slots_locked"] == 0 and state["req_slots_free"] == state["req_slots_total"]
+    assert_slots_free(engine)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
