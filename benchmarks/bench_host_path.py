@@ -12,9 +12,13 @@ device clock has passed the forward); the overlapped loop reads only the drawn t
 when it collects them (`ForwardWorker.sampled` sleeps until then), so its next forward may
 be queued while the device is still busy.
 
-Decode runs (`decode_steps`, synchronous loop) queue their forwards without waiting and
-read each step's tokens when the device clock has passed its forward (`_read_step`), as on
-a GPU.
+Decode runs (`decode_steps`) queue their forwards without waiting and read each step's
+tokens when the device clock has passed its forward (`_read_step`), as on a GPU; with
+overlap on, the batches that cannot run ahead take the overlapped loop meanwhile.
+
+Two workloads: every request can run ahead ("plain"), or a quarter of them cannot (a
+frequency penalty) and they stop halfway ("penalties half the time"), so half the steps
+cannot run as decode runs.
 
 Per step, wall time minus the device time is the host's critical path: what a GPU would
 sit idle for. It is measured for the synchronous loop and the overlapped one, in one run,
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,10 +81,12 @@ def host_path(
     overlap: bool,
     threaded: bool = True,
     decode_steps: int = 1,
+    penalties: bool = False,
 ) -> dict:
     """`threaded`: with overlap, the forward worker is a thread (as on a CPU), or it runs
     its jobs on the loop thread (as on CUDA, where queuing them returns at once).
-    `decode_steps`: decode runs of that many steps (synchronous loop only)."""
+    `decode_steps`: decode runs of that many steps. `penalties`: every fourth request has
+    a frequency penalty and half the tokens."""
     from lmprog_runtime import Engine, decode_run, default_model_path
     from lmprog_runtime.forward_worker import ForwardWorker
 
@@ -97,47 +104,57 @@ def host_path(
         table = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0))
         device = EmulatedDevice()
         ends: list[float] = []  # each forward's end, in launch order
-        in_run = [False]  # a decode run's forwards are not waited for: its step reads are
+        # Forwards not waited for: a decode run's (its step reads are), the worker's.
+        queued = threading.local()
 
         def emulated_forward(fb):
             end = time.perf_counter() + launch_s
             while time.perf_counter() < end:  # launching: Python holding the GIL
                 pass
             ends.append(device.queue(device_s))
-            if worker is None and not in_run[0]:
-                device.wait(ends[-1])  # the synchronous loop reads the logits now
+            if not getattr(queued, "on", False):
+                device.wait(ends[-1])  # a synchronous step reads the logits now
             ids = runner.resolve_future_ids(fb.input_ids)
             # [logits rows, vocab], one row per `logits_indices` as the real forward
             return table[ids[fb.logits_indices] % table.shape[0]]
 
         runner.run = emulated_forward
         cpu = _CpuClock()
+        cpu.loop_thread = engine._thread.ident
         runner.run = cpu.timed("forward", runner.run)
-        if worker is None:
-            engine._draw = cpu.timed("draw", engine._draw)
-            run_sample_each = decode_run.sample_each
-            decode_run.sample_each = cpu.timed("draw", run_sample_each)
-            engine._launches_ahead = True  # (as on a GPU: launching only queues)
-            launch_run, read_step = engine._launch_run, engine._read_step
-            due: dict[int, float] = {}  # id(a step's tokens) -> when its forward ends
+        engine._draw = cpu.timed("draw", engine._draw)
+        run_sample_each = decode_run.sample_each
+        decode_run.sample_each = cpu.timed("draw", run_sample_each)
+        engine._launches_ahead = True  # (as on a GPU: launching only queues)
+        launch_run, read_step = engine._launch_run, engine._read_step
+        ready_at: dict[int, float] = {}  # id(a step's tokens) -> when its forward ends
 
-            def launching_run(*args, **kwargs):
-                in_run[0], first = True, len(ends)
-                try:
-                    run = launch_run(*args, **kwargs)
-                finally:
-                    in_run[0] = False
-                due.update((id(t), end) for t, end in zip(run.drawn, ends[first:]))
-                return run
+        def launching_run(*args, **kwargs):
+            queued.on, first = True, len(ends)
+            try:
+                run = launch_run(*args, **kwargs)
+            finally:
+                queued.on = False
+            ready_at.update((id(t), end) for t, end in zip(run.drawn, ends[first:]))
+            return run
 
-            def waiting_read(tokens):
-                device.wait(due.pop(id(tokens)))  # this step's tokens reach the host
-                return read_step(tokens)
+        def waiting_read(tokens):
+            device.wait(ready_at.pop(id(tokens)))  # this step's tokens reach the host
+            return read_step(tokens)
 
-            engine._launch_run, engine._read_step = launching_run, waiting_read
-        else:
-            worker._sample = cpu.timed("draw", worker._sample)
+        engine._launch_run, engine._read_step = launching_run, waiting_read
         if worker is not None:
+            worker._sample = cpu.timed("draw", worker._sample)
+            worker_forward = worker._forward
+
+            def queued_forward(*args):
+                queued.on = True
+                try:
+                    return worker_forward(*args)
+                finally:
+                    queued.on = False
+
+            worker._forward = queued_forward
             launch, sample, sampled = worker.launch, worker.sample, worker.sampled
             order = itertools.count()
             launched_as: dict[int, int] = {}  # id(launch future) -> its forward's index
@@ -164,7 +181,9 @@ def host_path(
                 waiting_sampled,
             )
         prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]
-        params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+        plain = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+        penalized = {**plain, "max_new_tokens": tokens // 2, "frequency_penalty": 0.5}
+        params = [penalized if penalties and i % 4 == 0 else plain for i in range(batch)]
         engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
         best, best_cpu = float("inf"), {}
         loop_clock = time.pthread_getcpuclockid(engine._thread.ident)  # the loop thread's
@@ -181,25 +200,25 @@ def host_path(
             steps = engine.stats()["forward_passes"]
             best = min(best, wall / steps)
             per_step = {k: v / steps for k, v in cpu.seconds.items()}
-            if not (overlap and threaded):  # the loop thread ran the forward and the draw
-                per_step["loop"] -= per_step["forward"] + per_step["draw"]
+            per_step["loop"] -= per_step.pop("on_loop")  # the forwards and draws it ran
             best_cpu = min(best_cpu, per_step, key=lambda d: sum(d.values()) if d else 1e9)
         del runner.run
-        if worker is None:
-            decode_run.sample_each = run_sample_each
+        decode_run.sample_each = run_sample_each
     out = {"step_ms": 1e3 * best, "host_ms": 1e3 * (best - device_s)}
     out.update({f"{k}_cpu_us": 1e6 * v for k, v in best_cpu.items()})
     return out
 
 
 class _CpuClock:
-    """CPU time spent in wrapped callables, per name (each thread's own CPU time)."""
+    """CPU time spent in wrapped callables, per name (each thread's own CPU time), and
+    their sum on the loop thread ("on_loop")."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.loop_thread: int | None = None
 
     def reset(self) -> None:
-        self.seconds = {"loop": 0.0, "forward": 0.0, "draw": 0.0}
+        self.seconds = {"loop": 0.0, "forward": 0.0, "draw": 0.0, "on_loop": 0.0}
 
     def timed(self, name: str, fn):
         def timed_fn(*args, **kwargs):
@@ -207,7 +226,10 @@ class _CpuClock:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.thread_time() - start
+                spent = time.thread_time() - start
+                self.seconds[name] = self.seconds.get(name, 0.0) + spent
+                if threading.get_ident() == self.loop_thread:
+                    self.seconds["on_loop"] = self.seconds.get("on_loop", 0.0) + spent
 
         return timed_fn
 
@@ -225,29 +247,34 @@ def main(argv: list[str] | None = None) -> None:
         f"batch {args.batch}, emulated device step {args.device_ms:g} ms after "
         f"{args.launch_ms:g} ms of launching, greedy"
     )
+    n = args.decode_steps
     loops = {
         "synchronous": (False, True, 1),
         "overlapped, worker thread": (True, True, 1),
         "overlapped, one thread (CUDA)": (True, False, 1),
-        f"decode runs of {args.decode_steps}": (False, True, args.decode_steps),
+        f"decode runs of {n}": (False, True, n),
+        f"decode runs of {n}, overlapped (CUDA)": (True, False, n),
     }
-    for label, (overlap, threaded, steps) in loops.items():
-        r = host_path(
-            args.batch,
-            args.device_ms / 1e3,
-            args.launch_ms / 1e3,
-            args.tokens,
-            args.repeats,
-            overlap,
-            threaded,
-            steps,
-        )
-        share = r["host_ms"] / r["step_ms"]
-        print(
-            f"{label:29}: step {r['step_ms']:.3f} ms, host {r['host_ms']:.3f} ms ({share:.0%}); "
-            f"CPU per step: loop {r['loop_cpu_us']:.0f} us, launch {r['forward_cpu_us']:.0f} us,"
-            f" draw {r['draw_cpu_us']:.0f} us"
-        )
+    for workload, penalties in (("plain", False), ("penalties half the time", True)):
+        print(f"{workload}:")
+        for label, (overlap, threaded, steps) in loops.items():
+            r = host_path(
+                args.batch,
+                args.device_ms / 1e3,
+                args.launch_ms / 1e3,
+                args.tokens,
+                args.repeats,
+                overlap,
+                threaded,
+                steps,
+                penalties,
+            )
+            share = r["host_ms"] / r["step_ms"]
+            print(
+                f"  {label:36}: step {r['step_ms']:.3f} ms, host {r['host_ms']:.3f} ms "
+                f"({share:.0%}); CPU per step: loop {r['loop_cpu_us']:.0f} us, launch "
+                f"{r['forward_cpu_us']:.0f} us, draw {r['draw_cpu_us']:.0f} us"
+            )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ Sections, each recorded on its own (an error or a skip is written down, the rest
   with CUDA graphs on and off;
 - `overlap_equality`: the overlapped loop (next tokens on the device) against the
   synchronous one: greedy, seeded, penalties, min_new_tokens, stops, logprobs, regexes;
-  and decode runs (`decode_steps=4`) against it on the requests that run ahead;
+  and overlapped decode runs (`decode_steps=4`) against it on requests of the same kinds;
 - `decode_bandwidth`: the Triton decode kernel's bytes moved per second, as a fraction of
   the HBM peak (nominal, and a measured device-to-device copy);
 - `throughput`: engine against transformers' `generate`, no-sharing and shared-prefix (and
@@ -393,8 +393,8 @@ def overlap_equality(check: Check) -> dict[str, Any]:
     outlines-core) regexes; float32, so that a batch's shape moves no token. Figures: the
     outputs identical between the loops, the largest logprob difference on identical
     tokens, and what any output breaks of its request (a placeholder id left, a length
-    out of bounds, a stop string in the text, a regex not matched). Then decode runs
-    against the synchronous loop, on the requests that run ahead."""
+    out of bounds, a stop string in the text, a regex not matched). Then overlapped
+    decode runs against the synchronous loop, on requests of the same kinds."""
     kinds = [
         {"temperature": 0, "ignore_eos": True},
         {"temperature": 0.9, "seed": 11, "ignore_eos": True},
@@ -438,19 +438,37 @@ def overlap_equality(check: Check) -> dict[str, Any]:
         for i, (result, p) in enumerate(zip(results, params))
         for problem in _request_problems(result, p)
     ]
-    # Decode runs (decode_steps=4) against the synchronous loop, on requests that run
-    # ahead (greedy, seeded, top-k / top-p, min_new_tokens, stop strings: no penalties,
-    # grammars or logprobs).
-    ahead = [p for p in params if "regex" not in p and "frequency_penalty" not in p]
-    with check.engine("tiny", dtype="float32", decode_steps=4) as engine:
-        runs = engine.generate(input_ids=prompts[: len(ahead)], sampling_params=ahead)
-    with check.engine("tiny", dtype="float32", overlap_schedule=False) as engine:
-        single = engine.generate(input_ids=prompts[: len(ahead)], sampling_params=ahead)
+
+    # Decode runs of 4, overlapped (as on CUDA by default), against the synchronous loop:
+    # the same kinds of requests, those that cannot run ahead (penalties, regexes,
+    # logprobs) fewer or shorter, and one long greedy request, so that the loop goes
+    # from overlapped steps to runs.
+    def blocks(p: dict[str, Any]) -> bool:
+        return "frequency_penalty" in p or "regex" in p
+
+    mixed = [
+        {**p, "max_new_tokens": min(p["max_new_tokens"], 12)} if blocks(p) else p for p in params
+    ]
+    mixed.append({"max_new_tokens": 64, "temperature": 0, "ignore_eos": True})
+    mixed_logprobs = [want and i < num // 2 for i, want in enumerate(logprobs)] + [False]
+    mixed_prompts = prompts + corpus_prompts("tiny", 1, 12, offset=1000)
+    mixed_outs = {}
+    for label, config in (
+        ("runs", {"decode_steps": 4, "overlap_schedule": True}),
+        ("single", {"overlap_schedule": False}),
+    ):
+        with check.engine("tiny", dtype="float32", **config) as engine:
+            mixed_outs[label] = engine.generate(
+                input_ids=mixed_prompts, sampling_params=mixed, return_logprob=mixed_logprobs
+            )
+            if label == "runs":
+                out["decode_runs"] = engine.stats()["decode_runs"]
+    runs, single = mixed_outs["runs"], mixed_outs["single"]
     same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(runs, single))
-    out["decode_runs_identical_outputs"] = f"{same}/{len(ahead)}"
+    out["decode_runs_identical_outputs"] = f"{same}/{len(mixed)}"
     out["problems"] += [
         f"decode_runs {i}: {problem}"
-        for i, (result, p) in enumerate(zip(runs, ahead))
+        for i, (result, p) in enumerate(zip(runs, mixed))
         for problem in _request_problems(result, p)
     ]
     return out

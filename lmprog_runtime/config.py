@@ -89,8 +89,8 @@ class RuntimeConfig:
     # run back to back from one scheduling, each step's tokens fed to the next on the
     # device, each step checked as its tokens arrive; off a CPU the next run is launched
     # before a run is checked (`decode_run.py`). Less host work per token; new requests,
-    # aborts and deadlines wait up to two runs. 1: off. Runs take the synchronous loop:
-    # with overlap_schedule=None, > 1 turns overlap off.
+    # aborts and deadlines wait up to two runs. 1: off. With overlap scheduling on, the
+    # batches that cannot run ahead (and prompts) are overlapped as usual.
     decode_steps: int = 1
 
     def __post_init__(self) -> None:
@@ -152,18 +152,13 @@ class RuntimeConfig:
             raise TypeError(f"decode_steps must be an int, got {self.decode_steps!r}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
-        if self.decode_steps > 1 and self.overlap_schedule:
-            raise ValueError(
-                "decode_steps > 1 runs on the synchronous loop: set overlap_schedule to "
-                "False or None with it"
-            )
 
     @property
     def is_overlapped(self) -> bool:
         """Whether the engine loop overlaps its work with the forwards (`overlap_schedule`;
-        None: on CUDA, unless decode runs are on)."""
+        None: on CUDA)."""
         if self.overlap_schedule is None:
-            return self.device.startswith("cuda") and self.decode_steps == 1
+            return self.device.startswith("cuda")
         return self.overlap_schedule
 
     @classmethod

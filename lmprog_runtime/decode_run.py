@@ -43,6 +43,11 @@ to `decode_steps=1` (`tests/runtime/test_decode_run.py`, float32 on a CPU; in bf
 the batch's shape, which keeps a finished request to the end of its run, can move a
 token, as any batching can).
 
+With overlap scheduling, the batches that cannot run ahead (prompts, a grammar's,
+penalties', logprobs') are overlapped (`overlap.py`), and a decode batch that can is
+held until the step before it is checked, then runs as a run on the loop thread
+(`OverlapLoop._hold`, `_run_held`).
+
 What runs cost: a caller's new request, an abort or a deadline waits for the run being
 checked and the one launched after it (up to 2K steps; SGLang's option documents the
 same trade: more throughput, later first tokens for requests that arrive meanwhile), and
@@ -106,8 +111,8 @@ class Run:
 
 
 class DecodeRunLoop:
-    """Decode runs of the synchronous `EngineLoop` (a mixin: `Engine` sets every attribute
-    used here)."""
+    """Decode runs of `EngineLoop` (a mixin: `Engine` sets every attribute used here).
+    With overlap scheduling a run starts from the overlapped loop (`OverlapLoop._hold`)."""
 
     def _run_length(self, batch: ScheduledBatch) -> int:
         """How many decode steps `batch` runs: 1, or up to `decode_steps` when every request

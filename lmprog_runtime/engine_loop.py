@@ -56,8 +56,11 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
             return
         self._take_inputs()
         batch = self._schedule()
-        if batch is None:
-            return
+        if batch is not None:
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: ScheduledBatch) -> None:
+        """Run `batch` synchronously: one step, or a decode run when it can run ahead."""
         try:
             steps = self._run_length(batch)
             if steps > 1:

@@ -131,6 +131,16 @@ class ForwardWorker:
         if self._stream is not None:
             self._stream.synchronize()
 
+    def hand_over(self) -> None:
+        """The loop thread runs forwards itself from now on (a decode run takes over from
+        the overlapped loop): the worker's thread has run all it was given, and what the
+        loop queues on its own stream runs after all the worker queued on the device (no
+        wait on the host there). The worker's jobs, the other way round, already wait for
+        the loop's stream (`launch`)."""
+        self._executor.submit(lambda: None).result()
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+
     def close(self) -> None:
         self._executor.shutdown(wait=False)
 

@@ -46,6 +46,13 @@ points at other slots holding the same K/V.
 
 The forwards and draws are queued on `forward_worker.ForwardWorker`: on CUDA from the loop
 thread, on a stream of its own; on a CPU on a thread of its own.
+
+With decode runs (`decode_steps` > 1, `decode_run.py`), a decode batch whose requests can
+all run ahead is not launched in step 2: it is held (in flight, computing nothing, so the
+requests step 3 finishes leave it as they leave a forward) and, after step 3, runs as
+decode runs on the loop thread, queued on the loop's stream behind all the worker queued
+(`ForwardWorker.hand_over`). The iteration after it starts with nothing in flight, and a
+forward the worker queues then waits for the loop's stream, as each does.
 """
 
 from __future__ import annotations
@@ -117,12 +124,34 @@ class OverlapLoop:
         drawing = self._advance() if self._in_flight is not None else None
         self._take_inputs()
         batch = self._schedule()
-        if batch is not None:
+        runs = batch is not None and self._run_length(batch) > 1
+        if runs:
+            self._hold(batch)
+        elif batch is not None:
             self._launch(batch)
         if drawing is not None:
             appended = self._collect(drawing) if isinstance(drawing, Pending) else drawing
             self._check(appended)
             self._stats.add("step_seconds", time.perf_counter() - start)
+        if runs:
+            self._run_held()
+
+    def _hold(self, batch: ScheduledBatch) -> None:
+        """`batch` runs as a decode run, after step N's check (its first step reads step
+        N's tokens on the host): until then it stands in flight, launched but computing
+        nothing, so the requests the check finishes leave it as they would a forward."""
+        done: Future = Future()
+        done.set_result(None)
+        self._in_flight = InFlight(batch, [], done)
+
+    def _run_held(self) -> None:
+        """Run the held batch, less the requests that left it, as a decode run on the
+        loop's stream, after all the worker queued (`EngineLoop._run_batch`)."""
+        flight, self._in_flight = self._in_flight, None
+        flight.drop_left()
+        if flight.batch.reqs:
+            self._worker.hand_over()
+            self._run_batch(flight.batch)
 
     def _launch(self, batch: ScheduledBatch) -> None:
         """Read `batch`'s inputs from the requests now, then queue its forward on the

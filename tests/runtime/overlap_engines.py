@@ -134,3 +134,31 @@ def check_plan(engine: Engine, reference: Engine, plan: list[tuple]) -> None:
             assert abort_after is not None and abort_after < max_new
         else:
             assert result_key(got) == result_key(out)
+
+
+def count_runs(engine: Engine) -> list[int]:
+    """A list that counts (by length) each run `engine` takes, by its number of steps."""
+    taken: list[int] = []
+    step_run = engine._step_run
+
+    def counted(batch, steps):
+        taken.append(steps)
+        return step_run(batch, steps)
+
+    engine._step_run = counted
+    return taken
+
+
+def count_runs_ahead(engine: Engine) -> list[int]:
+    """A list that counts (by length) the runs `engine` launches ahead of the commit of
+    the run before, by the tokens their requests are ahead."""
+    launched: list[int] = []
+    launch_run = engine._launch_run
+
+    def counted(batch, ahead, first_ids=None, offset=0):
+        if offset:
+            launched.append(offset)
+        return launch_run(batch, ahead, first_ids, offset)
+
+    engine._launch_run = counted
+    return launched

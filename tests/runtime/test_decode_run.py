@@ -21,6 +21,8 @@ from overlap_engines import (
     SCHEMA,
     assert_slots_free,
     check_plan,
+    count_runs,
+    count_runs_ahead,
     plans,
     result_key,
     stop_inside,
@@ -46,46 +48,17 @@ def engines(tiny_path, request):
         yield single, runs
 
 
-def count_runs(engine: Engine) -> list[int]:
-    """A list that counts (by length) each run `engine` takes, by its number of steps."""
-    taken: list[int] = []
-    step_run = engine._step_run
-
-    def counted(batch, steps):
-        taken.append(steps)
-        return step_run(batch, steps)
-
-    engine._step_run = counted
-    return taken
-
-
-def count_runs_ahead(engine: Engine) -> list[int]:
-    """A list that counts (by length) the runs `engine` launches ahead of the commit of
-    the run before, by the tokens their requests are ahead."""
-    launched: list[int] = []
-    launch_run = engine._launch_run
-
-    def counted(batch, ahead, first_ids=None, offset=0):
-        if offset:
-            launched.append(offset)
-        return launch_run(batch, ahead, first_ids, offset)
-
-    engine._launch_run = counted
-    return launched
-
-
-def test_decode_steps_is_validated_and_turns_automatic_overlap_off():
+def test_decode_steps_is_validated_and_leaves_overlap_as_it_is():
     for bad in (0, -3):
         with pytest.raises(ValueError, match="decode_steps"):
             RuntimeConfig(decode_steps=bad)
     for bad in (2.0, True, "4"):
         with pytest.raises(TypeError, match="decode_steps"):
             RuntimeConfig(decode_steps=bad)
-    with pytest.raises(ValueError, match="decode_steps"):
-        RuntimeConfig(decode_steps=4, overlap_schedule=True)
-    assert not RuntimeConfig(device="cuda", decode_steps=4).is_overlapped
-    assert RuntimeConfig(device="cuda").is_overlapped
-    assert not RuntimeConfig(decode_steps=4, overlap_schedule=False).is_overlapped
+    assert RuntimeConfig(device="cuda", decode_steps=4).is_overlapped
+    assert RuntimeConfig(decode_steps=4, overlap_schedule=True).is_overlapped
+    assert not RuntimeConfig(decode_steps=4).is_overlapped  # (a CPU)
+    assert not RuntimeConfig(device="cuda", decode_steps=4, overlap_schedule=False).is_overlapped
 
 
 def test_outputs_are_token_identical_to_single_steps(engines):

@@ -1,0 +1,280 @@
+"""Decode runs in the overlapped loop (`decode_steps` > 1 with overlap scheduling, as on
+CUDA by default): a decode batch whose requests can all run ahead runs as decode runs,
+any other batch (prompts, a grammar's, penalties', logprobs') is overlapped, and the loop
+goes from one to the other as requests come and go. The reference is the synchronous
+engine with single steps: outputs, texts and finish reasons must be identical. Every test
+ends with the engines clean (the autouse check in conftest).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import engine_leak
+from helpers import PROMPTS
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from overlap_engines import (
+    POOL,
+    WORKERS,
+    count_runs,
+    on_loop_thread,
+    result_key,
+    slow_forward,
+)
+
+from lmprog_runtime import Engine
+from lmprog_runtime.engine import RequestAborted
+from lmprog_runtime.forward_batch import ForwardMode
+from lmprog_runtime.forward_worker import ForwardWorker
+
+STEPS = 4
+REGEX = r"[a-z]{2,8}-[0-9]{2,4}( ok)?"
+# A KV pool far smaller than the demand put on it, with short prefill chunks.
+PRESSED = {"max_total_tokens": 160, "max_running_requests": 8, "chunked_prefill_size": 8}
+# What keeps a request's batch to single steps, with `generate`'s return_logprob for it.
+KINDS = {
+    "plain": ({}, False),
+    "penalties": ({"frequency_penalty": 0.5, "presence_penalty": 0.3}, False),
+    "logprobs": ({}, True),
+    "regex": ({"regex": REGEX, "ignore_eos": False}, False),
+    "stops": ({"stop": ["e", "a"]}, False),  # (runs ahead: it may stop at any step)
+}
+
+
+@pytest.fixture(scope="module", params=list(WORKERS))
+def engines(tiny_path, request):
+    """(synchronous single steps, overlapped with runs of `STEPS`) on the tiny model; the
+    overlapped engine's forward worker a thread or on the loop thread, its forward slow
+    (so a thread's checks really run during the next forward), its runs launched ahead
+    as on a GPU."""
+    with (
+        Engine(tiny_path, overlap_schedule=False, **POOL) as single,
+        Engine(tiny_path, overlap_schedule=True, decode_steps=STEPS, **POOL) as both,
+    ):
+        if not WORKERS[request.param]:
+            on_loop_thread(both)
+        slow_forward(both)
+        both._launches_ahead = True
+        yield single, both
+
+
+def record_turns(engine: Engine) -> list[str]:
+    """A list of what `engine`'s loop does, in order: "run" for a decode run, "decode" for
+    an overlapped decode step, "extend" for an overlapped prompt step."""
+    turns: list[str] = []
+    step_run, launch = engine._step_run, engine._launch
+
+    def run(batch, steps):
+        turns.append("run")
+        return step_run(batch, steps)
+
+    def launched(batch):
+        turns.append("decode" if batch.mode is ForwardMode.DECODE else "extend")
+        return launch(batch)
+
+    engine._step_run, engine._launch = run, launched
+    return turns
+
+
+def test_runs_and_overlapped_steps_take_turns_and_match_single_steps(engines):
+    """Requests that cannot run ahead keep their batches overlapped while they run; the
+    others decode in runs before and after them, and after one submitted late; requests
+    finish at every point (so some leave a batch held for a run while the step before is
+    checked)."""
+    single, both = engines
+    base = {"temperature": 0, "ignore_eos": True}
+    mix = [
+        {**base, "max_new_tokens": 70},
+        {"max_new_tokens": 45, "temperature": 0.8, "seed": 3, "ignore_eos": True},
+        {**base, "max_new_tokens": 12, **KINDS["penalties"][0]},
+        {**base, "max_new_tokens": 9},
+        {**base, "max_new_tokens": 32, **KINDS["regex"][0]},
+        *({**base, "max_new_tokens": 30, "stop": [stop]} for stop in ("e", "a", "o", "i")),
+        {"max_new_tokens": 23, "temperature": 0.9, "top_k": 5, "seed": 8},
+        *({**base, "max_new_tokens": n} for n in (2, 5, 6, 7, 15)),
+    ]
+    logprobs = [False] * len(mix)
+    logprobs[3] = True
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(mix))]
+    late_params = {**base, "max_new_tokens": 10, **KINDS["penalties"][0]}
+    want = single.generate(prompts, mix, return_logprob=logprobs)
+    late_want = single.generate(PROMPTS[6], late_params)
+    late: list = []
+
+    def on_chunk(i: int, chunk: dict) -> None:
+        if i == 0 and chunk["meta_info"]["completion_tokens"] >= 40 and not late:
+            late.extend(both.submit([PROMPTS[6]], [late_params]))
+
+    turns = record_turns(both)
+    try:
+        futures = both.submit(prompts, mix, return_logprob=logprobs, on_chunk=on_chunk)
+        got = [f.result(timeout=120) for f in futures]
+        late_got = late[0].result(timeout=120)
+    finally:
+        del both._step_run, both._launch
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
+    assert result_key(late_got) == result_key(late_want)
+    logprob_pairs = want[3]["meta_info"]["output_token_logprobs"]
+    assert len(got[3]["meta_info"]["output_token_logprobs"]) == len(logprob_pairs)
+    # Overlapped decode steps, then runs; again after the late request, then runs.
+    text = " ".join(turns)
+    first_run = text.index("run")
+    assert "decode" in text[:first_run]
+    assert "run" in text[text.index("decode", text.index("extend", first_run)) :]
+
+
+def test_a_request_that_stops_at_the_check_before_a_run_leaves_it(engines):
+    """A run is held while the step before it is checked; a request that the check stops
+    (a stop string) leaves it, its page freed, and the run goes on without it."""
+    single, both = engines
+    base = {"temperature": 0, "ignore_eos": True}
+    stops = ("e", "a", "o", "i", "t", "n")
+    mix = [{**base, "max_new_tokens": 30, "stop": [stop]} for stop in stops]
+    mix.append({**base, "max_new_tokens": 40})
+    prompts = PROMPTS[: len(mix)]
+    want = single.generate(prompts, mix)
+    run_held, left = both._run_held, []
+
+    def counted():
+        left.append(len(both._in_flight.left))
+        return run_held()
+
+    both._run_held = counted
+    try:
+        got = both.generate(prompts, mix)
+    finally:
+        del both._run_held
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
+    assert any(left)
+
+
+def test_a_fault_in_a_run_and_in_an_overlapped_step_fails_one_request_each(engines):
+    """A request fails in a run, another in an overlapped step: each fails alone."""
+    single, both = engines
+    base = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    mix = [base, base, {**base, **KINDS["penalties"][0]}, base]
+    want = single.generate(PROMPTS[:4], mix)
+    bad = {tuple(both.encode(PROMPTS[i])): i for i in (1, 2)}
+
+    def hook(at: str, req) -> None:
+        if at == "forward" and tuple(req.input_ids) in bad and len(req.output_ids) >= 6:
+            raise RuntimeError("injected")
+
+    both.fault_hook = hook
+    turns = record_turns(both)
+    try:
+        futures = both.submit(PROMPTS[:4], mix)
+        got = [f.exception(timeout=60) or f.result() for f in futures]
+    finally:
+        both.fault_hook = None
+        del both._step_run, both._launch
+    assert all(isinstance(got[i], RuntimeError) for i in (1, 2))
+    assert [result_key(got[i]) for i in (0, 3)] == [result_key(want[i]) for i in (0, 3)]
+    assert "run" in turns and "decode" in turns
+
+
+def test_pool_pressure_retracts_and_the_outputs_match(tiny_path, engines):
+    """A pool far smaller than the demand, requests that can and cannot run ahead: runs
+    stop short, requests are retracted and resume exactly."""
+    single, _ = engines
+    prompts = list(PROMPTS)
+    mix = [{"max_new_tokens": 30 + i, "temperature": 0, "ignore_eos": True} for i in range(8)]
+    mix[1] = {**mix[1], "max_new_tokens": 12, **KINDS["penalties"][0]}
+    mix[5] = {**mix[5], "max_new_tokens": 16, **KINDS["regex"][0]}
+    config = {"overlap_schedule": True, "decode_steps": 8, **PRESSED}
+    with Engine(tiny_path, **config) as engine:
+        engine._launches_ahead = True
+        turns = record_turns(engine)
+        got = engine.generate(prompts, mix)
+        stats = engine.stats()
+    assert stats["retracted_requests"] > 0 and "run" in turns and "decode" in turns
+    assert [result_key(o) for o in got] == [result_key(o) for o in single.generate(prompts, mix)]
+
+
+@settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, len(PROMPTS) - 1),
+            st.integers(1, 40),  # max_new_tokens
+            st.sampled_from([None, 0, 11]),  # greedy or a seed
+            st.sampled_from(["plain", "plain", *KINDS]),
+            st.sampled_from([None, None, 1, 6]),  # aborted after this many chunks
+        ),
+        min_size=2,
+        max_size=8,
+    ),
+    st.booleans(),  # a pressed pool
+    st.sampled_from([1, 4]),  # page size
+)
+def test_random_mixes_match_single_steps(tiny_path, engines, plan, pressed, page):
+    """Random mixes of requests that can and cannot run ahead (these shorter, so that the
+    loop goes from overlapped steps to runs), aborted from their streams,
+    in the engines' pool or one far smaller than the demand (retractions and evictions),
+    on pages of 1 or 4 slots: a request not aborted produces exactly what single steps
+    produce."""
+    single, _ = engines
+    prompts = [PROMPTS[p] for p, *_ in plan]
+    mix = [
+        {
+            "max_new_tokens": n if kind in ("plain", "stops") else min(n, 10),
+            "temperature": 0 if seed is None else 0.9,
+            "seed": seed,
+            "ignore_eos": True,
+            **KINDS[kind][0],
+        }
+        for _, n, seed, kind, _ in plan
+    ]
+    logprobs = [KINDS[kind][1] for _, _, _, kind, _ in plan]
+    pool = PRESSED if pressed else POOL
+    config = {"overlap_schedule": True, "decode_steps": STEPS, "page_size": page, **pool}
+    with Engine(tiny_path, **config) as engine:
+        engine._launches_ahead = True
+
+        def on_chunk(i: int, chunk: dict) -> None:
+            if chunk["meta_info"]["completion_tokens"] == plan[i][4]:
+                engine.abort(chunk["meta_info"]["id"])
+
+        futures = engine.submit(prompts, mix, return_logprob=logprobs, on_chunk=on_chunk)
+        results = [f.exception(timeout=120) or f.result() for f in futures]
+        assert engine_leak(engine) is None
+    want = single.generate(prompts, mix, return_logprob=logprobs)
+    for (*_, abort_after), params, got, out in zip(plan, mix, results, want):
+        if isinstance(got, RequestAborted):
+            assert abort_after is not None and abort_after < params["max_new_tokens"]
+        else:
+            assert result_key(got) == result_key(out)
+
+
+def test_runs_without_overlap_are_untouched(tiny_path):
+    """On a CPU, decode_steps alone leaves the loop synchronous: the runs take it."""
+    with Engine(tiny_path, decode_steps=STEPS, max_total_tokens=1024) as engine:
+        assert engine._worker is None
+        taken = count_runs(engine)
+        engine.generate(PROMPTS[:2], [{"max_new_tokens": 12, "temperature": 0}] * 2)
+    assert taken
+
+
+def test_hand_over_waits_for_the_worker_threads_jobs():
+    """A decode run takes over from the overlapped loop only once the worker's thread has
+    run all it was given (the run then uses the model on the loop thread)."""
+    done = threading.Event()
+
+    def slow_run(fb):
+        time.sleep(0.2)
+        done.set()
+        return torch.zeros(1)
+
+    runner = SimpleNamespace(device=torch.device("cpu"), run=slow_run)
+    worker = ForwardWorker(runner, threaded=True)
+    try:
+        worker.launch(SimpleNamespace())
+        worker.hand_over()
+        assert done.is_set()
+    finally:
+        worker.close()
