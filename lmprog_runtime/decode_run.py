@@ -129,16 +129,18 @@ class DecodeRunLoop:
         """Run `batch` and `steps - 1` decode steps after it, and while nothing waits, the
         runs that continue it, each launched before the one before is committed (see the
         module docstring)."""
+        # The loop's seconds, counted at each commit: the first run's launch included.
+        start = time.perf_counter()
         run = self._launch_or_step(batch, steps)
         try:
             while run is not None:
-                start = time.perf_counter()
                 after = self._continue_run(run) if self._may_continue(run) else None
                 self._commit_run(run)
                 run.slots.free_unused()
                 self._runs.remove(run.slots)
-                self._stats.add("step_seconds", time.perf_counter() - start)
-                run = after
+                now = time.perf_counter()
+                self._stats.add("step_seconds", now - start)
+                start, run = now, after
         finally:  # (a commit raised: the loop then fails the batch)
             for slots in self._runs:
                 slots.free_unused()

@@ -101,6 +101,7 @@ class Req:
         self._prefix_offset = 0
         self._read_offset = 0
         self._scanned = 0  # characters of the decoded text searched for stop strings
+        self._stops_from = 0  # no stop string begins before this character (min_new_tokens)
         self._stop_regex = StopRegexScanner(params.stop_regex) if params.stop_regex else None
         # Jump-forward: characters of the decoded text the char FSM has read, and its state.
         self.fsm_position: tuple[int, Any] = (0, None if char_fsm is None else char_fsm.initial)
@@ -176,6 +177,8 @@ class Req:
                     self.finished_reason = {"type": "stop", "matched": matched}
                     self._mark_incomplete_constraint()
                     return
+        elif self.params.stop or self.params.stop_regex:
+            self._skip_stops()
         if len(self.output_ids) >= self.max_new_tokens:
             self.finished_reason = {"type": "length", "length": len(self.output_ids)}
             self._mark_incomplete_constraint()
@@ -196,16 +199,19 @@ class Req:
     def decoded_text(self) -> str:
         """The output decoded so far, incrementally: only the new tokens are decoded, after
         the previous window as context (so merged pieces and leading spaces come out as in
-        a full decode); an incomplete UTF-8 sequence waits for the token that completes it."""
+        a full decode); an incomplete UTF-8 sequence waits for the token that completes it.
+        The new tokens are taken one at a time, so the text is the same however many
+        tokens came since the last call (a trailing incomplete sequence holds back only
+        itself, not the complete tokens before it)."""
         ids = self.output_ids
-        if len(ids) > self._read_offset:
-            skip = self.params.skip_special_tokens
+        skip = self.params.skip_special_tokens
+        for end in range(self._read_offset + 1, len(ids) + 1):
             start, read = self._prefix_offset, self._read_offset
             before = self.tokenizer.decode(ids[start:read], skip_special_tokens=skip)
-            after = self.tokenizer.decode(ids[start:], skip_special_tokens=skip)
+            after = self.tokenizer.decode(ids[start:end], skip_special_tokens=skip)
             if len(after) > len(before) and not after.endswith("\ufffd"):
                 self._decoded_text += after[len(before) :]
-                self._prefix_offset, self._read_offset = read, len(ids)
+                self._prefix_offset, self._read_offset = read, end
         return self._decoded_text
 
     def has_undecoded_tokens(self) -> bool:
@@ -219,27 +225,40 @@ class Req:
         self._decoded_text = text
         self._prefix_offset, self._read_offset = kept, len(self.output_ids)
 
+    def _skip_stops(self) -> None:
+        """min_new_tokens is not reached: no stop matches in the text so far. A stop string
+        may still end in the text of the tokens to come (as vLLM's min_tokens has it), a
+        stop regex match only begin there."""
+        text = self.decoded_text()
+        longest = max((len(stop) for stop in self.params.stop), default=1)
+        self._scanned = len(text)
+        self._stops_from = max(0, len(text) - longest + 1)
+        if self._stop_regex is not None:
+            self._stop_regex.restart(len(text))
+
     def _scan_stops(self) -> str | None:
         """The stop string or stop regex match the output now contains, if any, in
         O(new text): stop strings are searched only where a new match can be, stop regexes
         by their incremental scanner (the whole text only once one has matched)."""
         text = self.decoded_text()
         longest = max((len(stop) for stop in self.params.stop), default=1)
-        start = max(0, self._scanned - longest + 1)
+        start = max(self._stops_from, self._scanned - longest + 1)
         self._scanned = len(text)
         regex = self._stop_regex is not None and self._stop_regex.feed(text)
         return self._first_stop(text, start, regex)[1]
 
-    def _first_stop(self, text: str, start: int = 0, regex: bool = True) -> tuple[int, str | None]:
-        """Where the first stop string (found from `start`) or stop regex match (if `regex`)
-        begins in `text`, and what it matched; (len(text), None) if none."""
+    def _first_stop(self, text: str, start: int, regex: bool = True) -> tuple[int, str | None]:
+        """Where the first stop string (found from `start`) or stop regex match (if `regex`;
+        one that begins where the scanner counts them) begins in `text`, and what it
+        matched; (len(text), None) if none."""
         cut, matched = len(text), None
         for stop in self.params.stop:
             index = text.find(stop, start)
             if index != -1 and index < cut:
                 cut, matched = index, stop
+        origin = self._stop_regex.origin if self._stop_regex is not None else 0
         for pattern in self.params.stop_regex if regex else ():
-            found = re.search(pattern, text)
+            found = re.compile(pattern).search(text, origin)
             if found is not None and found.start() < cut:
                 cut, matched = found.start(), found.group()
         return cut, matched
@@ -253,7 +272,7 @@ class Req:
         text = self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
         if not self.can_stop:
             return text, None
-        cut, matched = self._first_stop(text)
+        cut, matched = self._first_stop(text, self._stops_from)
         return text[:cut], matched
 
     # ---- results -----------------------------------------------------------------------

@@ -54,6 +54,14 @@ class StopRegexScanner:
         self._dfas: list[SearchDFA | None] = [search_dfa(p) for p in patterns]
         self._active: list[dict[Any, int]] = [{} for _ in patterns]  # state -> earliest start
         self._read = 0  # characters of the text read so far
+        self.origin = 0  # no match begins before this character (`restart`)
+        self.matched = False
+
+    def restart(self, origin: int) -> None:
+        """Forget what was read: from now on only matches that begin at `origin` or later
+        count (the text's first `origin` characters are read already)."""
+        self._read = self.origin = origin
+        self._active = [{} for _ in self._patterns]
         self.matched = False
 
     def feed(self, text: str) -> bool:
@@ -67,7 +75,7 @@ class StopRegexScanner:
             if dfa is not None and dfa.ascii_only and not new.isascii():
                 self._dfas[i] = dfa = None  # `re` from now on
             if dfa is None:
-                found = re.search(self._patterns[i], text) is not None
+                found = re.compile(self._patterns[i]).search(text, self.origin) is not None
             else:
                 found = _advance(dfa, self._active[i], new, start)
             if found:

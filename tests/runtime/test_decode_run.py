@@ -319,13 +319,16 @@ def test_a_run_on_the_gpu_path_never_waits_for_the_device(tiny_path):
 
 def test_on_a_cpu_runs_are_not_launched_ahead(tiny_path):
     """On a CPU a run computes as it is launched: launching the next one before the
-    checks would only delay them (and waste the steps of requests that stop)."""
+    checks would only delay them (and waste the steps of requests that stop). The steps'
+    seconds hold their forwards' (each run's launch is counted)."""
     mix = [{"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}] * 2
     with Engine(tiny_path, decode_steps=STEPS, max_total_tokens=1024) as engine:
         assert not engine._launches_ahead
         taken, launched = count_runs(engine), count_runs_ahead(engine)
         engine.generate(PROMPTS[:2], mix)
+        stats = engine.stats()
     assert taken and launched == []
+    assert stats["step_seconds"] >= stats["forward_seconds"] > 0
 
 
 def test_shutdown_stops_runs_ahead(tiny_path, _engine_registry):

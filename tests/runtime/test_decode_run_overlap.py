@@ -30,7 +30,7 @@ from overlap_engines import (
 from lmprog_runtime import Engine
 from lmprog_runtime.engine import RequestAborted
 from lmprog_runtime.forward_batch import ForwardMode
-from lmprog_runtime.forward_worker import ForwardWorker
+from lmprog_runtime.forward_worker import ForwardWorker, InlineExecutor
 
 STEPS = 4
 REGEX = r"[a-z]{2,8}-[0-9]{2,4}( ok)?"
@@ -43,6 +43,7 @@ KINDS = {
     "logprobs": ({}, True),
     "regex": ({"regex": REGEX, "ignore_eos": False}, False),
     "stops": ({"stop": ["e", "a"]}, False),  # (runs ahead: it may stop at any step)
+    "min_new": ({"min_new_tokens": 6, "stop": ["e"], "ignore_eos": False}, False),  # (too)
 }
 
 
@@ -61,6 +62,13 @@ def engines(tiny_path, request):
         slow_forward(both)
         both._launches_ahead = True
         yield single, both
+
+
+def like(engine: Engine, other: Engine) -> None:
+    """`engine`'s forward worker runs its jobs as `other`'s does (on a thread of its own
+    or on the loop thread; call it before `engine`'s first request)."""
+    if isinstance(other._worker._executor, InlineExecutor):
+        on_loop_thread(engine)
 
 
 def record_turns(engine: Engine) -> list[str]:
@@ -154,40 +162,56 @@ def test_a_request_that_stops_at_the_check_before_a_run_leaves_it(engines):
 
 
 def test_a_fault_in_a_run_and_in_an_overlapped_step_fails_one_request_each(engines):
-    """A request fails in a run, another in an overlapped step: each fails alone."""
+    """A request fails in an overlapped step (one with penalties), another in a run: each
+    fails alone, the others come out as without them."""
     single, both = engines
     base = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-    mix = [base, base, {**base, **KINDS["penalties"][0]}, base]
+    mix = [base, base, {**base, "max_new_tokens": 5, **KINDS["penalties"][0]}, base]
     want = single.generate(PROMPTS[:4], mix)
-    bad = {tuple(both.encode(PROMPTS[i])): i for i in (1, 2)}
+    # Request 1 breaks in the first run that carries it (and stays broken: the run's first
+    # step alone then finds it), request 2 in an overlapped step.
+    fails_in_run = {tuple(both.encode(PROMPTS[1])): True, tuple(both.encode(PROMPTS[2])): False}
+    in_run, failed = [False], []  # (where the hook failed a request: in a run or not)
 
     def hook(at: str, req) -> None:
-        if at == "forward" and tuple(req.input_ids) in bad and len(req.output_ids) >= 6:
+        in_a_run = fails_in_run.get(tuple(req.input_ids))
+        broken = in_a_run is in_run[0] or (in_a_run and True in failed)
+        if at == "forward" and broken and len(req.output_ids) >= 2:
+            failed.append(in_run[0])
             raise RuntimeError("injected")
 
-    both.fault_hook = hook
-    turns = record_turns(both)
+    launch_run = both._launch_run
+
+    def marked(*args, **kwargs):
+        in_run[0] = True
+        try:
+            return launch_run(*args, **kwargs)
+        finally:
+            in_run[0] = False
+
+    both.fault_hook, both._launch_run = hook, marked
     try:
         futures = both.submit(PROMPTS[:4], mix)
         got = [f.exception(timeout=60) or f.result() for f in futures]
     finally:
         both.fault_hook = None
-        del both._step_run, both._launch
+        del both._launch_run
     assert all(isinstance(got[i], RuntimeError) for i in (1, 2))
     assert [result_key(got[i]) for i in (0, 3)] == [result_key(want[i]) for i in (0, 3)]
-    assert "run" in turns and "decode" in turns
+    assert set(failed) == {True, False}
 
 
 def test_pool_pressure_retracts_and_the_outputs_match(tiny_path, engines):
     """A pool far smaller than the demand, requests that can and cannot run ahead: runs
     stop short, requests are retracted and resume exactly."""
-    single, _ = engines
+    single, both = engines
     prompts = list(PROMPTS)
     mix = [{"max_new_tokens": 30 + i, "temperature": 0, "ignore_eos": True} for i in range(8)]
     mix[1] = {**mix[1], "max_new_tokens": 12, **KINDS["penalties"][0]}
     mix[5] = {**mix[5], "max_new_tokens": 16, **KINDS["regex"][0]}
     config = {"overlap_schedule": True, "decode_steps": 8, **PRESSED}
     with Engine(tiny_path, **config) as engine:
+        like(engine, both)
         engine._launches_ahead = True
         turns = record_turns(engine)
         got = engine.generate(prompts, mix)
@@ -218,11 +242,11 @@ def test_random_mixes_match_single_steps(tiny_path, engines, plan, pressed, page
     in the engines' pool or one far smaller than the demand (retractions and evictions),
     on pages of 1 or 4 slots: a request not aborted produces exactly what single steps
     produce."""
-    single, _ = engines
+    single, both = engines
     prompts = [PROMPTS[p] for p, *_ in plan]
     mix = [
         {
-            "max_new_tokens": n if kind in ("plain", "stops") else min(n, 10),
+            "max_new_tokens": n if kind in ("plain", "stops", "min_new") else min(n, 10),
             "temperature": 0 if seed is None else 0.9,
             "seed": seed,
             "ignore_eos": True,
@@ -230,10 +254,14 @@ def test_random_mixes_match_single_steps(tiny_path, engines, plan, pressed, page
         }
         for _, n, seed, kind, _ in plan
     ]
+    for params in mix:
+        if "min_new_tokens" in params:
+            params["min_new_tokens"] = min(params["min_new_tokens"], params["max_new_tokens"])
     logprobs = [KINDS[kind][1] for _, _, _, kind, _ in plan]
     pool = PRESSED if pressed else POOL
     config = {"overlap_schedule": True, "decode_steps": STEPS, "page_size": page, **pool}
     with Engine(tiny_path, **config) as engine:
+        like(engine, both)
         engine._launches_ahead = True
 
         def on_chunk(i: int, chunk: dict) -> None:
@@ -258,6 +286,30 @@ def test_runs_without_overlap_are_untouched(tiny_path):
         taken = count_runs(engine)
         engine.generate(PROMPTS[:2], [{"max_new_tokens": 12, "temperature": 0}] * 2)
     assert taken
+
+
+def test_a_run_starts_only_after_the_worker_hands_over(engines):
+    """Each run that takes over from the overlapped loop comes after the worker's hand-over
+    (on CUDA: the loop's stream waits for the worker's)."""
+    _, both = engines
+    order: list[str] = []
+    hand_over, run_batch = both._worker.hand_over, both._run_batch
+
+    def handing_over():
+        order.append("hand_over")
+        return hand_over()
+
+    def running(batch):
+        order.append("run")
+        return run_batch(batch)
+
+    both._worker.hand_over, both._run_batch = handing_over, running
+    try:
+        both.generate(PROMPTS[:3], [{"max_new_tokens": 20, "temperature": 0}] * 3)
+    finally:
+        del both._worker.hand_over, both._run_batch
+    assert order and order[::2] == ["hand_over"] * (len(order) // 2)
+    assert order[1::2] == ["run"] * (len(order) // 2) and len(order) % 2 == 0
 
 
 def test_hand_over_waits_for_the_worker_threads_jobs():

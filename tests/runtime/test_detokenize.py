@@ -59,6 +59,23 @@ def test_the_incremental_text_is_the_full_decode(tokenizer, data):
     assert req.decoded_text() == full or full.endswith("\ufffd")
 
 
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_the_incremental_text_does_not_depend_on_when_it_is_read(tokenizer, data):
+    """Read after some tokens only, the text is what reading after every token gives: a
+    trailing incomplete character holds back itself, not the tokens before it."""
+    ids = data.draw(_texts(tokenizer))
+    reads = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
+    every, some = _req(tokenizer), _req(tokenizer)
+    for token, read in zip(ids, reads):
+        every.output_ids.append(token)
+        some.output_ids.append(token)
+        every.decoded_text()
+        if read:
+            assert some.decoded_text() == every.decoded_text()
+    assert some.decoded_text() == every.decoded_text()
+
+
 def test_decoding_costs_a_window_per_token_not_the_whole_output(tokenizer):
     ids = tokenizer.encode("word " * 1500, add_special_tokens=False)
     codec = CountingCodec(tokenizer)
@@ -81,3 +98,50 @@ def test_a_stop_string_across_tokens_is_found_once_it_is_complete(tokenizer):
     assert req.finished_reason == {"type": "stop", "matched": "STOP"}
     req.finalize_text()
     assert req.text == "alpha beta "
+
+
+def _run(req: Req, ids: list[int], streamed: bool) -> list[str]:
+    """Feed `ids` to `req` one token at a time, as the engine loop does (a streamed request
+    takes its delta after each check), until it finishes or `ids` run out (then it ends
+    by length); returns the streamed deltas (with the final one)."""
+    deltas = []
+    for token in ids:
+        req.append_token(token)
+        if req.is_finished:
+            break
+        if streamed:
+            chunk = req.stream_delta()
+            deltas.append(chunk["text"] if chunk else "")
+    if not req.is_finished:
+        req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+    req.finalize_text()
+    if streamed:
+        deltas.append(req.stream_delta()["text"])
+    return deltas
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_streamed_text_adds_up_to_the_final_text_and_stops_as_unstreamed(tokenizer, data):
+    """Stop strings and a min_new_tokens, on text with multi-byte characters: a streamed
+    request stops where an unstreamed one does, with the same text, and its deltas add up
+    to that text (nothing streamed is taken back). A stop string counts only from the
+    text of the min_new_tokens-th token on (one that ends in it included)."""
+    ids = data.draw(_texts(tokenizer))
+    stops = data.draw(
+        st.lists(st.sampled_from(["a", "é", "b c", "日本", "ing", "\n."]), max_size=2)
+    )
+    min_new = data.draw(st.integers(0, len(ids)))
+    params = {"stop": stops, "min_new_tokens": min_new}
+    quiet, streamed = _req(tokenizer, **params), _req(tokenizer, **params)
+    _run(quiet, ids, streamed=False)
+    deltas = _run(streamed, ids, streamed=True)
+    assert streamed.finished_reason == quiet.finished_reason
+    assert streamed.text == quiet.text == "".join(deltas)
+    assert len(quiet.output_ids) >= min(min_new, len(ids))
+    # The text before the min_new_tokens-th token's is kept, but for where a stop string
+    # ending in that token's text may begin (and a character it does not complete).
+    before = tokenizer.decode(ids[: max(min_new - 1, 0)], skip_special_tokens=True)
+    before = before.split("\ufffd")[0]
+    longest = max(map(len, stops), default=1)
+    assert quiet.text.startswith(before[: max(0, len(before) - longest + 1)])
