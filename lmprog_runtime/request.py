@@ -100,8 +100,9 @@ class Req:
         self._decoded_text = ""
         self._prefix_offset = 0
         self._read_offset = 0
+        self._tried = 0  # tokens tried as the end of a decode with the current window
         self._scanned = 0  # characters of the decoded text searched for stop strings
-        self._stops_from = 0  # no stop string begins before this character (min_new_tokens)
+        self._min_text = 0  # characters of it before the min_new_tokens-th token's
         self._stop_regex = StopRegexScanner(params.stop_regex) if params.stop_regex else None
         # Jump-forward: characters of the decoded text the char FSM has read, and its state.
         self.fsm_position: tuple[int, Any] = (0, None if char_fsm is None else char_fsm.initial)
@@ -205,13 +206,17 @@ class Req:
         itself, not the complete tokens before it)."""
         ids = self.output_ids
         skip = self.params.skip_special_tokens
-        for end in range(self._read_offset + 1, len(ids) + 1):
-            start, read = self._prefix_offset, self._read_offset
-            before = self.tokenizer.decode(ids[start:read], skip_special_tokens=skip)
+        start, read, before = self._prefix_offset, self._read_offset, None
+        # (an end tried with this window gives what it gave: tried once only)
+        for end in range(max(read, self._tried) + 1, len(ids) + 1):
+            if before is None:
+                before = self.tokenizer.decode(ids[start:read], skip_special_tokens=skip)
             after = self.tokenizer.decode(ids[start:end], skip_special_tokens=skip)
+            self._tried = end
             if len(after) > len(before) and not after.endswith("\ufffd"):
                 self._decoded_text += after[len(before) :]
-                self._prefix_offset, self._read_offset = read, end
+                start, read, before = read, end, None
+                self._prefix_offset, self._read_offset = start, read
         return self._decoded_text
 
     def has_undecoded_tokens(self) -> bool:
@@ -224,17 +229,15 @@ class Req:
         self.output_ids = self.output_ids[:kept] + tail
         self._decoded_text = text
         self._prefix_offset, self._read_offset = kept, len(self.output_ids)
+        self._tried = len(self.output_ids)
 
     def _skip_stops(self) -> None:
         """min_new_tokens is not reached: no stop matches in the text so far. A stop string
         may still end in the text of the tokens to come (as vLLM's min_tokens has it), a
         stop regex match only begin there."""
-        text = self.decoded_text()
-        longest = max((len(stop) for stop in self.params.stop), default=1)
-        self._scanned = len(text)
-        self._stops_from = max(0, len(text) - longest + 1)
+        self._scanned = self._min_text = len(self.decoded_text())
         if self._stop_regex is not None:
-            self._stop_regex.restart(len(text))
+            self._stop_regex.restart(self._min_text)
 
     def _scan_stops(self) -> str | None:
         """The stop string or stop regex match the output now contains, if any, in
@@ -242,23 +245,22 @@ class Req:
         by their incremental scanner (the whole text only once one has matched)."""
         text = self.decoded_text()
         longest = max((len(stop) for stop in self.params.stop), default=1)
-        start = max(self._stops_from, self._scanned - longest + 1)
+        start = max(0, self._scanned - longest + 1)
         self._scanned = len(text)
         regex = self._stop_regex is not None and self._stop_regex.feed(text)
         return self._first_stop(text, start, regex)[1]
 
     def _first_stop(self, text: str, start: int, regex: bool = True) -> tuple[int, str | None]:
-        """Where the first stop string (found from `start`) or stop regex match (if `regex`;
-        one that begins where the scanner counts them) begins in `text`, and what it
-        matched; (len(text), None) if none."""
+        """Where the first stop string (found from `start`, ending past the text before
+        min_new_tokens) or stop regex match (if `regex`; beginning past that text) begins in
+        `text`, and what it matched; (len(text), None) if none."""
         cut, matched = len(text), None
         for stop in self.params.stop:
-            index = text.find(stop, start)
+            index = text.find(stop, max(start, self._min_text - len(stop) + 1))
             if index != -1 and index < cut:
                 cut, matched = index, stop
-        origin = self._stop_regex.origin if self._stop_regex is not None else 0
         for pattern in self.params.stop_regex if regex else ():
-            found = re.compile(pattern).search(text, origin)
+            found = re.compile(pattern).search(text, self._min_text)
             if found is not None and found.start() < cut:
                 cut, matched = found.start(), found.group()
         return cut, matched
@@ -272,7 +274,7 @@ class Req:
         text = self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
         if not self.can_stop:
             return text, None
-        cut, matched = self._first_stop(text, self._stops_from)
+        cut, matched = self._first_stop(text, 0)
         return text[:cut], matched
 
     # ---- results -----------------------------------------------------------------------

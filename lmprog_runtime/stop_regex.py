@@ -86,7 +86,7 @@ class StopRegexScanner:
     def stable_len(self) -> int:
         """How many leading characters of the text read so far no match can begin in."""
         if any(dfa is None for dfa in self._dfas):
-            return 0
+            return self.origin
         return min((min(a.values(), default=self._read) for a in self._active), default=0)
 
 

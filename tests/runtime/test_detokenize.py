@@ -88,6 +88,30 @@ def test_decoding_costs_a_window_per_token_not_the_whole_output(tokenizer):
     assert codec.decoded_ids <= 4 * len(ids)
 
 
+def test_a_stop_string_in_the_text_before_min_new_tokens_does_not_count(tokenizer):
+    """Whatever other stops are given: each may only end in the text of the
+    min_new_tokens-th token or later."""
+    ids = tokenizer.encode("xa yz", add_special_tokens=False)
+    assert len(ids) >= 3 and tokenizer.decode(ids[:2]) == "xa"
+    for stops in (["a"], ["a", "zzzz"]):
+        req = _req(tokenizer, stop=stops, min_new_tokens=3)
+        _run(req, ids, streamed=False)
+        assert req.finished_reason["type"] == "length" and req.text == "xa yz", stops
+
+
+def test_tokens_without_text_cost_a_window_each(tokenizer):
+    """Special tokens (skipped) add no text, so the window grows over them: each new one
+    is tried once, not every one of them again on each read."""
+    ids = [0] * 400 + tokenizer.encode(" done", add_special_tokens=False)
+    codec = CountingCodec(tokenizer)
+    req = _req(codec, stop=["zz"])
+    for token in ids:
+        req.append_token(token)
+        req.stream_delta()
+    assert req.decoded_text() == " done"
+    assert codec.decoded_ids <= len(ids) ** 2  # (cubic: tens of millions)
+
+
 def test_a_stop_string_across_tokens_is_found_once_it_is_complete(tokenizer):
     ids = tokenizer.encode("alpha beta STOP gamma", add_special_tokens=False)
     req = _req(tokenizer, stop=["STOP"])
@@ -128,9 +152,8 @@ def test_streamed_text_adds_up_to_the_final_text_and_stops_as_unstreamed(tokeniz
     to that text (nothing streamed is taken back). A stop string counts only from the
     text of the min_new_tokens-th token on (one that ends in it included)."""
     ids = data.draw(_texts(tokenizer))
-    stops = data.draw(
-        st.lists(st.sampled_from(["a", "é", "b c", "日本", "ing", "\n."]), max_size=2)
-    )
+    stop_strings = ["a", "é", "b c", "日本", "ing", "\n.", "zzzz"]  # (the last: never there)
+    stops = data.draw(st.lists(st.sampled_from(stop_strings), max_size=3))
     min_new = data.draw(st.integers(0, len(ids)))
     params = {"stop": stops, "min_new_tokens": min_new}
     quiet, streamed = _req(tokenizer, **params), _req(tokenizer, **params)
@@ -139,9 +162,11 @@ def test_streamed_text_adds_up_to_the_final_text_and_stops_as_unstreamed(tokeniz
     assert streamed.finished_reason == quiet.finished_reason
     assert streamed.text == quiet.text == "".join(deltas)
     assert len(quiet.output_ids) >= min(min_new, len(ids))
-    # The text before the min_new_tokens-th token's is kept, but for where a stop string
-    # ending in that token's text may begin (and a character it does not complete).
+    # The text before the min_new_tokens-th token's is kept, but for where the stop string
+    # that ended it may begin, ending in that token's text (and a character it does not
+    # complete).
     before = tokenizer.decode(ids[: max(min_new - 1, 0)], skip_special_tokens=True)
     before = before.split("\ufffd")[0]
-    longest = max(map(len, stops), default=1)
-    assert quiet.text.startswith(before[: max(0, len(before) - longest + 1)])
+    matched = quiet.finished_reason.get("matched")
+    overlap = len(matched) - 1 if isinstance(matched, str) else 0
+    assert quiet.text.startswith(before[: max(0, len(before) - overlap)])
