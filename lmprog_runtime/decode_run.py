@@ -44,9 +44,11 @@ the batch's shape, which keeps a finished request to the end of its run, can mov
 token, as any batching can).
 
 With overlap scheduling, the batches that cannot run ahead (prompts, a grammar's,
-penalties', logprobs') are overlapped (`overlap.py`), and a decode batch that can is
-held until the step before it is checked, then runs as a run on the loop thread
-(`OverlapLoop._hold`, `_run_held`).
+penalties', logprobs') are overlapped (`overlap.py`), and a decode batch that can runs
+as a run on the loop thread: off a CPU launched before the step before it is checked,
+from the tokens that step draws, still on the device (`_launch_before_check`: the
+placeholders its requests hold); otherwise held until that check (`OverlapLoop._hold`,
+`_run_held`).
 
 What runs cost: a caller's new request, an abort or a deadline waits for the run being
 checked and the one launched after it (up to 2K steps; SGLang's option documents the
@@ -112,7 +114,8 @@ class Run:
 
 class DecodeRunLoop:
     """Decode runs of `EngineLoop` (a mixin: `Engine` sets every attribute used here).
-    With overlap scheduling a run starts from the overlapped loop (`OverlapLoop._hold`)."""
+    With overlap scheduling a run starts from the overlapped loop
+    (`OverlapLoop._run_once_overlapped`)."""
 
     def _run_length(self, batch: ScheduledBatch) -> int:
         """How many decode steps `batch` runs: 1, or up to `decode_steps` when every request
@@ -129,9 +132,13 @@ class DecodeRunLoop:
         """Run `batch` and `steps - 1` decode steps after it, and while nothing waits, the
         runs that continue it, each launched before the one before is committed (see the
         module docstring)."""
-        # The loop's seconds, counted at each commit: the first run's launch included.
-        start = time.perf_counter()
-        run = self._launch_or_step(batch, steps)
+        start = time.perf_counter()  # (the first run's launch counts as its step's time)
+        self._commit_runs(self._launch_or_step(batch, steps), start)
+
+    def _commit_runs(self, run: Run | None, start: float) -> None:
+        """Commit `run` and, while nothing waits, launch each run that continues it before
+        committing the one before; the loop's seconds from `start` on count at each
+        commit."""
         try:
             while run is not None:
                 after = self._continue_run(run) if self._may_continue(run) else None
@@ -159,6 +166,24 @@ class DecodeRunLoop:
         except Exception:  # noqa: BLE001 - the first step alone finds the culprit
             logger.exception("decode run failed; running its first step alone")
             self._step(batch)
+            return None
+
+    def _launch_before_check(self, batch: ScheduledBatch) -> Run | None:
+        """Launch `batch` as a run before the step before it is checked (the overlapped
+        loop, off a CPU): its first inputs are its requests' last tokens, still being
+        drawn (the placeholders they hold, read on the device), and a request that the
+        check finishes leaves it. None if there is no room for a step ahead or launching
+        failed (the caller then runs `batch` after the check)."""
+        if not self._launches_ahead:
+            return None
+        needs = [req.max_new_tokens - len(req.output_ids) for req in batch.reqs]
+        ahead = self.scheduler.extend_decode_run(batch, self._run_length(batch), needs)
+        if not ahead:
+            return None
+        try:
+            return self._launch_run(batch, ahead)
+        except Exception:  # noqa: BLE001 - the batch runs after the check instead
+            logger.exception("launching a decode run before the check failed")
             return None
 
     def _may_continue(self, run: Run) -> bool:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmprog_runtime.decode_run import DecodeRunLoop
+from lmprog_runtime.decode_run import DecodeRunLoop, Run
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache.radix_view import snapshot
 from lmprog_runtime.logprobs import record_prompt_logprobs, token_logprobs
@@ -59,11 +59,14 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         if batch is not None:
             self._run_batch(batch)
 
-    def _run_batch(self, batch: ScheduledBatch) -> None:
-        """Run `batch` synchronously: one step, or a decode run when it can run ahead."""
+    def _run_batch(self, batch: ScheduledBatch, run: Run | None = None) -> None:
+        """Run `batch` synchronously: one step, or a decode run when it can run ahead
+        (`run`: `batch` launched as one already, to commit)."""
         try:
             steps = self._run_length(batch)
-            if steps > 1:
+            if run is not None:
+                self._commit_runs(run, time.perf_counter())
+            elif steps > 1:
                 self._step_run(batch, steps)
             else:
                 self._step(batch)

@@ -48,11 +48,15 @@ The forwards and draws are queued on `forward_worker.ForwardWorker`: on CUDA fro
 thread, on a stream of its own; on a CPU on a thread of its own.
 
 With decode runs (`decode_steps` > 1, `decode_run.py`), a decode batch whose requests can
-all run ahead is not launched in step 2: it is held (in flight, computing nothing, so the
-requests step 3 finishes leave it as they leave a forward) and, after step 3, runs as
-decode runs on the loop thread, queued on the loop's stream behind all the worker queued
-(`ForwardWorker.hand_over`). The iteration after it starts with nothing in flight, and a
-forward the worker queues then waits for the loop's stream, as each does.
+all run ahead is not launched on the worker in step 2: it runs as decode runs on the loop
+thread, queued on the loop's stream behind all the worker queued
+(`ForwardWorker.hand_over`). Off a CPU the run is launched in step 2, its first inputs
+the placeholders (`DecodeRunLoop._launch_before_check`), and the requests step 3
+finishes leave it; it is committed after step 3. On a CPU, or when it cannot be
+launched, the batch is held (in flight, computing nothing, so the requests step 3
+finishes leave it as they leave a forward) and runs after step 3. The iteration after a
+run starts with nothing in flight, and a forward the worker queues then waits for the
+loop's stream, as each does.
 """
 
 from __future__ import annotations
@@ -125,32 +129,36 @@ class OverlapLoop:
         self._take_inputs()
         batch = self._schedule()
         runs = batch is not None and self._run_length(batch) > 1
-        if runs:
-            self._hold(batch)
+        run = None
+        if runs:  # (a decode run, on the loop's stream, after all the worker queued)
+            self._worker.hand_over()
+            run = self._launch_before_check(batch)
+            if run is None:
+                self._hold(batch)
         elif batch is not None:
             self._launch(batch)
         if drawing is not None:
             appended = self._collect(drawing) if isinstance(drawing, Pending) else drawing
             self._check(appended)
             self._stats.add("step_seconds", time.perf_counter() - start)
-        if runs:
+        if run is not None:
+            self._run_batch(batch, run)
+        elif runs:
             self._run_held()
 
     def _hold(self, batch: ScheduledBatch) -> None:
-        """`batch` runs as a decode run, after step N's check (its first step reads step
-        N's tokens on the host): until then it stands in flight, launched but computing
-        nothing, so the requests the check finishes leave it as they would a forward."""
+        """`batch` runs as a decode run after step N's check: until then it stands in
+        flight, launched but computing nothing, so the requests the check finishes leave
+        it as they would a forward."""
         done: Future = Future()
         done.set_result(None)
         self._in_flight = InFlight(batch, [], done)
 
     def _run_held(self) -> None:
-        """Run the held batch, less the requests that left it, as a decode run on the
-        loop's stream, after all the worker queued (`EngineLoop._run_batch`)."""
+        """Run the held batch, less the requests that left it (`EngineLoop._run_batch`)."""
         flight, self._in_flight = self._in_flight, None
         flight.drop_left()
         if flight.batch.reqs:
-            self._worker.hand_over()
             self._run_batch(flight.batch)
 
     def _launch(self, batch: ScheduledBatch) -> None:

@@ -23,6 +23,7 @@ from overlap_engines import (
     check_plan,
     count_runs,
     count_runs_ahead,
+    on_loop_thread,
     plans,
     result_key,
     stop_inside,
@@ -279,18 +280,23 @@ def test_a_request_submitted_meanwhile_stops_runs_ahead(engines):
     assert longest_before <= 5 + 3 * STEPS  # not at the end (60)
 
 
-def test_a_run_on_the_gpu_path_never_waits_for_the_device(tiny_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
+def test_a_run_on_the_gpu_path_never_waits_for_the_device(tiny_path, overlap):
     """A run's inputs and forwards with the CUDA set (Triton attention and fused ops, under
     the interpreter) read no device value on the host (`forbid_host_syncs`; tensors from
     Python data are allowed: their pinned copies wait for nothing), for a run and for one
-    launched ahead, whose first inputs are the tokens drawn last: on a GPU every step of a
-    run is queued at once. (The draws read nothing back either: `tests/unit/test_draw.py`
-    draws on the `meta` device.)"""
+    launched ahead, whose first inputs are the tokens drawn last, and (overlapped, the
+    worker on the loop thread as on CUDA) for one launched before the check of the step
+    before it, whose first inputs are placeholders: on a GPU every step of a run is
+    queued at once. (The draws read nothing back either: `tests/unit/test_draw.py` draws
+    on the `meta` device.)"""
     from lmprog_runtime.models.triton_ops import TritonOps
 
-    config = {"attention_backend": "triton", "decode_steps": 3, **POOL}
+    config = {"attention_backend": "triton", "decode_steps": 3, "overlap_schedule": overlap}
     mix = [{"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}] * 2
-    with Engine(tiny_path, **config) as engine:
+    with Engine(tiny_path, **config, **POOL) as engine:
+        if overlap:
+            on_loop_thread(engine)
         runner = engine.runner
         runner.model.ops = TritonOps()  # as the runner sets them on CUDA
         engine._launches_ahead = True
@@ -309,12 +315,21 @@ def test_a_run_on_the_gpu_path_never_waits_for_the_device(tiny_path):
             return call
 
         runner.run, runner.prepare_run = guarded(runner.run), guarded(runner.prepare_run)
+        launch_before_check, early = engine._launch_before_check, []
+
+        def counted(batch):
+            run = launch_before_check(batch)
+            early.append(run is not None)
+            return run
+
+        engine._launch_before_check = counted
         try:
             engine.generate(PROMPTS[:2], mix)
         finally:
-            del runner.run, runner.prepare_run, engine._launch_run
+            del runner.run, runner.prepare_run, engine._launch_run, engine._launch_before_check
     assert syncs == []
     assert offsets  # a run launched ahead
+    assert any(early) == overlap  # (and one before the check of the step before it)
 
 
 def test_on_a_cpu_runs_are_not_launched_ahead(tiny_path):

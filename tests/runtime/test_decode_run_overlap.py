@@ -75,18 +75,23 @@ def record_turns(engine: Engine) -> list[str]:
     """A list of what `engine`'s loop does, in order: "run" for a decode run, "decode" for
     an overlapped decode step, "extend" for an overlapped prompt step."""
     turns: list[str] = []
-    step_run, launch = engine._step_run, engine._launch
+    commit_runs, launch = engine._commit_runs, engine._launch
 
-    def run(batch, steps):
-        turns.append("run")
-        return step_run(batch, steps)
+    def runs(run, start):
+        if run is not None:
+            turns.append("run")
+        return commit_runs(run, start)
 
     def launched(batch):
         turns.append("decode" if batch.mode is ForwardMode.DECODE else "extend")
         return launch(batch)
 
-    engine._step_run, engine._launch = run, launched
+    engine._commit_runs, engine._launch = runs, launched
     return turns
+
+
+def stop_recording(engine: Engine) -> None:
+    del engine._commit_runs, engine._launch
 
 
 def test_runs_and_overlapped_steps_take_turns_and_match_single_steps(engines):
@@ -119,26 +124,38 @@ def test_runs_and_overlapped_steps_take_turns_and_match_single_steps(engines):
             late.extend(both.submit([PROMPTS[6]], [late_params]))
 
     turns = record_turns(both)
+    launch_before_check, early = both._launch_before_check, []
+
+    def counted(batch):
+        run = launch_before_check(batch)
+        early.append(run is not None)
+        return run
+
+    both._launch_before_check = counted
     try:
         futures = both.submit(prompts, mix, return_logprob=logprobs, on_chunk=on_chunk)
         got = [f.result(timeout=120) for f in futures]
         late_got = late[0].result(timeout=120)
     finally:
-        del both._step_run, both._launch
+        stop_recording(both)
+        del both._launch_before_check
     assert [result_key(o) for o in got] == [result_key(o) for o in want]
     assert result_key(late_got) == result_key(late_want)
     logprob_pairs = want[3]["meta_info"]["output_token_logprobs"]
     assert len(got[3]["meta_info"]["output_token_logprobs"]) == len(logprob_pairs)
     # Overlapped decode steps, then runs; again after the late request, then runs.
+    assert any(early)  # (runs launched before the check of the step before them)
     text = " ".join(turns)
     first_run = text.index("run")
     assert "decode" in text[:first_run]
     assert "run" in text[text.index("decode", text.index("extend", first_run)) :]
 
 
-def test_a_request_that_stops_at_the_check_before_a_run_leaves_it(engines):
-    """A run is held while the step before it is checked; a request that the check stops
-    (a stop string) leaves it, its page freed, and the run goes on without it."""
+@pytest.mark.parametrize("before_check", [True, False], ids=["launched", "held"])
+def test_a_request_that_stops_at_the_check_before_a_run_leaves_it(engines, before_check):
+    """A run is launched before the step before it is checked (as on a GPU), or held
+    until then (as on a CPU); a request that the check stops (a stop string) leaves it,
+    its pages freed, and the run goes on without it."""
     single, both = engines
     base = {"temperature": 0, "ignore_eos": True}
     stops = ("e", "a", "o", "i", "t", "n")
@@ -146,19 +163,27 @@ def test_a_request_that_stops_at_the_check_before_a_run_leaves_it(engines):
     mix.append({**base, "max_new_tokens": 40})
     prompts = PROMPTS[: len(mix)]
     want = single.generate(prompts, mix)
-    run_held, left = both._run_held, []
+    run_held, run_batch, left = both._run_held, both._run_batch, []
 
-    def counted():
-        left.append(len(both._in_flight.left))
+    def held():
+        left.append(("held", len(both._in_flight.left)))
         return run_held()
 
-    both._run_held = counted
+    def launched(batch, run=None):
+        if run is not None:
+            left.append(("launched", sum(req.done.is_set() for req in batch.reqs)))
+        return run_batch(batch, run)
+
+    both._run_held, both._run_batch = held, launched
+    both._launches_ahead = before_check
     try:
         got = both.generate(prompts, mix)
     finally:
-        del both._run_held
+        del both._run_held, both._run_batch
+        both._launches_ahead = True
     assert [result_key(o) for o in got] == [result_key(o) for o in want]
-    assert any(left)
+    way = "launched" if before_check else "held"
+    assert any(n for kind, n in left if kind == way)
 
 
 def test_a_fault_in_a_run_and_in_an_overlapped_step_fails_one_request_each(engines):
@@ -262,7 +287,7 @@ def test_random_mixes_match_single_steps(tiny_path, engines, plan, pressed, page
     config = {"overlap_schedule": True, "decode_steps": STEPS, "page_size": page, **pool}
     with Engine(tiny_path, **config) as engine:
         like(engine, both)
-        engine._launches_ahead = True
+        engine._launches_ahead = page == 1  # (else each run waits for the check before it)
 
         def on_chunk(i: int, chunk: dict) -> None:
             if chunk["meta_info"]["completion_tokens"] == plan[i][4]:
@@ -299,9 +324,9 @@ def test_a_run_starts_only_after_the_worker_hands_over(engines):
         order.append("hand_over")
         return hand_over()
 
-    def running(batch):
+    def running(batch, run=None):
         order.append("run")
-        return run_batch(batch)
+        return run_batch(batch, run)
 
     both._worker.hand_over, both._run_batch = handing_over, running
     try:
