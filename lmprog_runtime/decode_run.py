@@ -176,12 +176,10 @@ class DecodeRunLoop:
         failed (the caller then runs `batch` after the check)."""
         if not self._launches_ahead:
             return None
-        needs = [req.max_new_tokens - len(req.output_ids) for req in batch.reqs]
-        ahead = self.scheduler.extend_decode_run(batch, self._run_length(batch), needs)
-        if not ahead:
-            return None
         try:
-            return self._launch_run(batch, ahead)
+            needs = [req.max_new_tokens - len(req.output_ids) for req in batch.reqs]
+            ahead = self.scheduler.extend_decode_run(batch, self._run_length(batch), needs)
+            return self._launch_run(batch, ahead) if ahead else None
         except Exception:  # noqa: BLE001 - the batch runs after the check instead
             logger.exception("launching a decode run before the check failed")
             return None

@@ -59,13 +59,16 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         if batch is not None:
             self._run_batch(batch)
 
-    def _run_batch(self, batch: ScheduledBatch, run: Run | None = None) -> None:
+    def _run_batch(
+        self, batch: ScheduledBatch, run: Run | None = None, since: float | None = None
+    ) -> None:
         """Run `batch` synchronously: one step, or a decode run when it can run ahead
-        (`run`: `batch` launched as one already, to commit)."""
+        (`run`: `batch` launched as one already, to commit; the loop's seconds from
+        `since` on count as its step's)."""
         try:
             steps = self._run_length(batch)
             if run is not None:
-                self._commit_runs(run, time.perf_counter())
+                self._commit_runs(run, time.perf_counter() if since is None else since)
             elif steps > 1:
                 self._step_run(batch, steps)
             else:

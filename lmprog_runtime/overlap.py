@@ -140,9 +140,11 @@ class OverlapLoop:
         if drawing is not None:
             appended = self._collect(drawing) if isinstance(drawing, Pending) else drawing
             self._check(appended)
-            self._stats.add("step_seconds", time.perf_counter() - start)
+            now = time.perf_counter()
+            self._stats.add("step_seconds", now - start)
+            start = now
         if run is not None:
-            self._run_batch(batch, run)
+            self._run_batch(batch, run, since=start)  # (its launch counted once)
         elif runs:
             self._run_held()
 

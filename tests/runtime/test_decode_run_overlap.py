@@ -169,10 +169,10 @@ def test_a_request_that_stops_at_the_check_before_a_run_leaves_it(engines, befor
         left.append(("held", len(both._in_flight.left)))
         return run_held()
 
-    def launched(batch, run=None):
+    def launched(batch, run=None, since=None):
         if run is not None:
             left.append(("launched", sum(req.done.is_set() for req in batch.reqs)))
-        return run_batch(batch, run)
+        return run_batch(batch, run, since)
 
     both._run_held, both._run_batch = held, launched
     both._launches_ahead = before_check
@@ -245,7 +245,7 @@ def test_pool_pressure_retracts_and_the_outputs_match(tiny_path, engines):
     assert [result_key(o) for o in got] == [result_key(o) for o in single.generate(prompts, mix)]
 
 
-@settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=16, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.lists(
         st.tuples(
@@ -260,8 +260,9 @@ def test_pool_pressure_retracts_and_the_outputs_match(tiny_path, engines):
     ),
     st.booleans(),  # a pressed pool
     st.sampled_from([1, 4]),  # page size
+    st.booleans(),  # runs launched ahead (as off a CPU) or not
 )
-def test_random_mixes_match_single_steps(tiny_path, engines, plan, pressed, page):
+def test_random_mixes_match_single_steps(tiny_path, engines, plan, pressed, page, ahead):
     """Random mixes of requests that can and cannot run ahead (these shorter, so that the
     loop goes from overlapped steps to runs), aborted from their streams,
     in the engines' pool or one far smaller than the demand (retractions and evictions),
@@ -287,7 +288,7 @@ def test_random_mixes_match_single_steps(tiny_path, engines, plan, pressed, page
     config = {"overlap_schedule": True, "decode_steps": STEPS, "page_size": page, **pool}
     with Engine(tiny_path, **config) as engine:
         like(engine, both)
-        engine._launches_ahead = page == 1  # (else each run waits for the check before it)
+        engine._launches_ahead = ahead
 
         def on_chunk(i: int, chunk: dict) -> None:
             if chunk["meta_info"]["completion_tokens"] == plan[i][4]:
@@ -314,27 +315,90 @@ def test_runs_without_overlap_are_untouched(tiny_path):
 
 
 def test_a_run_starts_only_after_the_worker_hands_over(engines):
-    """Each run that takes over from the overlapped loop comes after the worker's hand-over
-    (on CUDA: the loop's stream waits for the worker's)."""
+    """Each run that takes over from the overlapped loop is launched (before the check of
+    the step before it) or run (held until then) only after the worker's hand-over (on
+    CUDA: the loop's stream waits for the worker's)."""
     _, both = engines
-    order: list[str] = []
-    hand_over, run_batch = both._worker.hand_over, both._run_batch
+    events: list[str] = []
+    hand_over, launch, run_batch = (
+        both._worker.hand_over,
+        both._launch_before_check,
+        both._run_batch,
+    )
 
     def handing_over():
-        order.append("hand_over")
+        events.append("hand_over")
         return hand_over()
 
-    def running(batch, run=None):
-        order.append("run")
-        return run_batch(batch, run)
+    def launching(batch):
+        events.append("launch")
+        return launch(batch)
 
-    both._worker.hand_over, both._run_batch = handing_over, running
+    def running(batch, run=None, since=None):
+        events.append("run")
+        return run_batch(batch, run, since)
+
+    both._worker.hand_over, both._launch_before_check = handing_over, launching
+    both._run_batch = running
     try:
         both.generate(PROMPTS[:3], [{"max_new_tokens": 20, "temperature": 0}] * 3)
     finally:
-        del both._worker.hand_over, both._run_batch
-    assert order and order[::2] == ["hand_over"] * (len(order) // 2)
-    assert order[1::2] == ["run"] * (len(order) // 2) and len(order) % 2 == 0
+        del both._worker.hand_over, both._launch_before_check, both._run_batch
+    assert "launch" in events and "run" in events
+    handed = False
+    for before, event in zip(["start", *events], events):
+        if event == "launch":
+            assert before == "hand_over"
+        elif event == "run":
+            assert handed
+        handed = event == "hand_over" or (handed and event == "launch")
+
+
+def test_a_failure_preparing_a_run_before_the_check_holds_the_batch(engines):
+    """Allocating a run's steps raises before the check: the batch is held and runs after
+    it; nothing fails, nothing leaks (the autouse check)."""
+    single, both = engines
+    mix = [{"max_new_tokens": 14, "temperature": 0, "ignore_eos": True}] * 3
+    want = single.generate(PROMPTS[:3], mix)
+    extend, calls = both.scheduler.extend_decode_run, []
+
+    def failing_once(batch, steps, needs):
+        calls.append(steps)
+        if len(calls) == 1:
+            raise RuntimeError("injected before the check")
+        return extend(batch, steps, needs)
+
+    both.scheduler.extend_decode_run = failing_once
+    try:
+        got = both.generate(PROMPTS[:3], mix)
+    finally:
+        del both.scheduler.extend_decode_run
+    assert len(calls) > 1
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
+
+
+def test_a_runs_launch_counts_in_the_steps_seconds(engines):
+    """With a deadline in the batch each run waits for the commit of the one before (none
+    is launched ahead of it), so it is launched in an iteration that checks nothing: the
+    seconds of its launch still count as its step's."""
+    _, both = engines
+    prepare_run, launches = both.runner.prepare_run, []
+
+    def slow_prepare_run(batch, ahead):
+        launches.append(len(ahead))
+        time.sleep(0.02)
+        return prepare_run(batch, ahead)
+
+    both.runner.prepare_run = slow_prepare_run
+    both.reset_stats()
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "timeout_s": 120}
+    try:
+        both.generate(PROMPTS[:2], [params] * 2)
+    finally:
+        del both.runner.prepare_run
+    stats = both.stats()
+    assert len(launches) >= 3 and stats["decode_runs"] == len(launches)
+    assert stats["step_seconds"] >= 0.02 * len(launches)
 
 
 def test_hand_over_waits_for_the_worker_threads_jobs():
