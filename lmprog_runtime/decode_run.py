@@ -156,8 +156,7 @@ class DecodeRunLoop:
     def _launch_or_step(self, batch: ScheduledBatch, steps: int) -> Run | None:
         """Launch `batch` as a run of `steps`; if that fails, or no slots are left for a
         step ahead, run its first step alone (which finds the failing request)."""
-        needs = [req.max_new_tokens - len(req.output_ids) for req in batch.reqs]
-        ahead = self.scheduler.extend_decode_run(batch, steps, needs)
+        ahead = self.scheduler.extend_decode_run(batch, steps, _tokens_left(batch.reqs))
         if not ahead:
             self._step(batch)
             return None
@@ -168,17 +167,16 @@ class DecodeRunLoop:
             self._step(batch)
             return None
 
-    def _launch_before_check(self, batch: ScheduledBatch) -> Run | None:
-        """Launch `batch` as a run before the step before it is checked (the overlapped
-        loop, off a CPU): its first inputs are its requests' last tokens, still being
-        drawn (the placeholders they hold, read on the device), and a request that the
-        check finishes leaves it. None if there is no room for a step ahead or launching
-        failed (the caller then runs `batch` after the check)."""
+    def _launch_before_check(self, batch: ScheduledBatch, steps: int) -> Run | None:
+        """Launch `batch` as a run of `steps` before the step before it is checked (the
+        overlapped loop, off a CPU): its first inputs are its requests' last tokens, still
+        being drawn (the placeholders they hold, read on the device), and a request that
+        the check finishes leaves it. None if there is no room for a step ahead or
+        launching failed (the caller then runs `batch` after the check)."""
         if not self._launches_ahead:
             return None
         try:
-            needs = [req.max_new_tokens - len(req.output_ids) for req in batch.reqs]
-            ahead = self.scheduler.extend_decode_run(batch, self._run_length(batch), needs)
+            ahead = self.scheduler.extend_decode_run(batch, steps, _tokens_left(batch.reqs))
             return self._launch_run(batch, ahead) if ahead else None
         except Exception:  # noqa: BLE001 - the batch runs after the check instead
             logger.exception("launching a decode run before the check failed")
@@ -205,11 +203,8 @@ class DecodeRunLoop:
         there is nothing to continue, no room, or launching failed (the loop then
         schedules as usual once `run` is committed)."""
         reqs, n = run.batch.reqs, run.steps
-        keep = [
-            i
-            for i, req in enumerate(reqs)
-            if not req.done.is_set() and req.max_new_tokens - len(req.output_ids) > n
-        ]
+        left = _tokens_left(reqs)
+        keep = [i for i, req in enumerate(reqs) if not req.done.is_set() and left[i] > n]
         if not keep:
             return None
         sub = [reqs[i] for i in keep]
@@ -225,8 +220,7 @@ class DecodeRunLoop:
             if first is None:
                 return None
             batch = ScheduledBatch(ForwardMode.DECODE, sub, first, positions, [1] * len(sub))
-            needs = [req.max_new_tokens - len(req.output_ids) - n for req in sub]
-            ahead = self.scheduler.extend_decode_run(batch, steps, needs)
+            ahead = self.scheduler.extend_decode_run(batch, steps, _tokens_left(sub, n))
             if not ahead:
                 self.scheduler.free_started_pages(first)
                 return None
@@ -399,5 +393,11 @@ def _length(
     """A run's steps: at most `steps`, no more than its requests' longest remaining output
     needs (they hold `offset` tokens more than `output_ids` says) and their shortest
     remaining context allows (`positions`: each one's first step's)."""
-    remaining = max(req.max_new_tokens - len(req.output_ids) - offset for req in reqs)
+    remaining = max(_tokens_left(reqs, offset))
     return max(1, min(steps, remaining, context_len - max(positions)))
+
+
+def _tokens_left(reqs: list[Req], offset: int = 0) -> list[int]:
+    """The tokens each of `reqs` may still draw, when it holds `offset` more than
+    `output_ids` says."""
+    return [req.max_new_tokens - len(req.output_ids) - offset for req in reqs]

@@ -66,10 +66,9 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         (`run`: `batch` launched as one already, to commit; the loop's seconds from
         `since` on count as its step's)."""
         try:
-            steps = self._run_length(batch)
             if run is not None:
                 self._commit_runs(run, time.perf_counter() if since is None else since)
-            elif steps > 1:
+            elif (steps := self._run_length(batch)) > 1:
                 self._step_run(batch, steps)
             else:
                 self._step(batch)

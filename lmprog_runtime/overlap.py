@@ -128,11 +128,11 @@ class OverlapLoop:
         drawing = self._advance() if self._in_flight is not None else None
         self._take_inputs()
         batch = self._schedule()
-        runs = batch is not None and self._run_length(batch) > 1
-        run = None
+        steps = self._run_length(batch) if batch is not None else 1
+        runs, run = steps > 1, None
         if runs:  # (a decode run, on the loop's stream, after all the worker queued)
             self._worker.hand_over()
-            run = self._launch_before_check(batch)
+            run = self._launch_before_check(batch, steps)
             if run is None:
                 self._hold(batch)
         elif batch is not None:

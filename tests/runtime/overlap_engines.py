@@ -162,3 +162,18 @@ def count_runs_ahead(engine: Engine) -> list[int]:
 
     engine._launch_run = counted
     return launched
+
+
+def count_launches_before_check(engine: Engine) -> list[bool]:
+    """A list of whether each of `engine`'s attempts to launch a run before the check of
+    the step before it launched one (the overlapped loop with decode runs)."""
+    launched: list[bool] = []
+    launch_before_check = engine._launch_before_check
+
+    def counted(batch, steps):
+        run = launch_before_check(batch, steps)
+        launched.append(run is not None)
+        return run
+
+    engine._launch_before_check = counted
+    return launched

@@ -21,6 +21,7 @@ from overlap_engines import (
     SCHEMA,
     assert_slots_free,
     check_plan,
+    count_launches_before_check,
     count_runs,
     count_runs_ahead,
     on_loop_thread,
@@ -315,14 +316,7 @@ def test_a_run_on_the_gpu_path_never_waits_for_the_device(tiny_path, overlap):
             return call
 
         runner.run, runner.prepare_run = guarded(runner.run), guarded(runner.prepare_run)
-        launch_before_check, early = engine._launch_before_check, []
-
-        def counted(batch):
-            run = launch_before_check(batch)
-            early.append(run is not None)
-            return run
-
-        engine._launch_before_check = counted
+        early = count_launches_before_check(engine)
         try:
             engine.generate(PROMPTS[:2], mix)
         finally:

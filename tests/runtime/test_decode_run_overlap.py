@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from overlap_engines import (
     POOL,
     WORKERS,
+    count_launches_before_check,
     count_runs,
     on_loop_thread,
     result_key,
@@ -124,14 +125,7 @@ def test_runs_and_overlapped_steps_take_turns_and_match_single_steps(engines):
             late.extend(both.submit([PROMPTS[6]], [late_params]))
 
     turns = record_turns(both)
-    launch_before_check, early = both._launch_before_check, []
-
-    def counted(batch):
-        run = launch_before_check(batch)
-        early.append(run is not None)
-        return run
-
-    both._launch_before_check = counted
+    early = count_launches_before_check(both)
     try:
         futures = both.submit(prompts, mix, return_logprob=logprobs, on_chunk=on_chunk)
         got = [f.result(timeout=120) for f in futures]
@@ -330,9 +324,9 @@ def test_a_run_starts_only_after_the_worker_hands_over(engines):
         events.append("hand_over")
         return hand_over()
 
-    def launching(batch):
+    def launching(batch, steps):
         events.append("launch")
-        return launch(batch)
+        return launch(batch, steps)
 
     def running(batch, run=None, since=None):
         events.append("run")
