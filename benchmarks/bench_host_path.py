@@ -170,8 +170,8 @@ def host_path(
                 due[id(future)] = ends[launched_as[id(launched)]]
                 return future
 
-            def waiting_sampled(future):
-                out = sampled(future)
+            def waiting_sampled(future, ask):
+                out = sampled(future, ask)
                 device.wait(due.pop(id(future)))
                 return out
 

@@ -392,7 +392,7 @@ def overlap_equality(check: Check) -> dict[str, Any]:
     draws, top-k / top-p, penalties, min_new_tokens, stop strings, logprobs and (with
     outlines-core) regexes; float32, so that a batch's shape moves no token. Figures: the
     outputs identical between the loops, the largest logprob difference on identical
-    tokens, and what any output breaks of its request (a placeholder id left, a length
+    tokens, the top-2 lists' tokens identical there, and what any output breaks of its request (a placeholder id left, a length
     out of bounds, a stop string in the text, a regex not matched). Then overlapped
     decode runs against the synchronous loop, on requests of the same kinds."""
     kinds = [
@@ -416,7 +416,10 @@ def overlap_equality(check: Check) -> dict[str, Any]:
     for label, overlap in (("overlapped", True), ("synchronous", False)):
         with check.engine("tiny", dtype="float32", overlap_schedule=overlap) as engine:
             outs[label] = engine.generate(
-                input_ids=prompts, sampling_params=params, return_logprob=logprobs
+                input_ids=prompts,
+                sampling_params=params,
+                return_logprob=logprobs,
+                top_logprobs_num=[2 * (i % 2) for i in range(num)],  # (none, or two)
             )
             out[f"{label}_loop_overlaps"] = engine._worker is not None
     got, want = outs["overlapped"], outs["synchronous"]
@@ -432,6 +435,17 @@ def overlap_equality(check: Check) -> dict[str, Any]:
         )
     ]
     out["max_logprob_diff_on_identical"] = max(diffs, default=None)
+    tops = [
+        (x, y)
+        for a, b in zip(got, want)
+        if a["output_ids"] == b["output_ids"] and "output_top_logprobs" in a["meta_info"]
+        for x, y in zip(
+            a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]
+        )
+    ]
+    out["top_logprob_tokens_identical"] = (
+        f"{sum([t for _, t in x] == [t for _, t in y] for x, y in tops)}/{len(tops)}"
+    )
     out["problems"] = [
         f"{label} {i}: {problem}"
         for label, results in outs.items()

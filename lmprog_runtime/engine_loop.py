@@ -27,7 +27,7 @@ import torch
 from lmprog_runtime.decode_run import DecodeRunLoop, Run
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache.radix_view import snapshot
-from lmprog_runtime.logprobs import record_prompt_logprobs, token_logprobs
+from lmprog_runtime.logprobs import TokenLogprob, record_prompt_logprobs, token_logprobs
 from lmprog_runtime.overlap import OverlapLoop
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling import NO_MASS, SampleRow, sample_each, sample_rows, take_rows
@@ -306,7 +306,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         return appended
 
     @staticmethod
-    def _record_token_logprob(req: Req, token: int, logprob: Any) -> None:
+    def _record_token_logprob(req: Req, token: int, logprob: TokenLogprob | None) -> None:
         if logprob is not None:
             req.output_token_logprobs.append((logprob[0], token))
             if req.top_logprobs_num:
@@ -314,7 +314,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
 
     def _draw(
         self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
-    ) -> list[tuple[Req, int, Any]]:
+    ) -> list[tuple[Req, int, TokenLogprob | None]]:
         """(request, token, logprob) for each request, sampled as one batch; a request whose
         row raises fails alone (`sample_each`)."""
         reqs, rows = self._rows_to_draw(reqs, logits.shape[-1])
@@ -322,7 +322,8 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
             return []
         logits = take_rows(logits, [row_of[id(r)][-1] for r in reqs])
         token_ids, errors = sample_each(logits, rows)
-        return self._drawn(reqs, logits, token_ids.tolist(), errors)
+        logprobs = token_logprobs(logits, token_ids, reqs)
+        return self._drawn(reqs, token_ids.tolist(), errors, logprobs)
 
     def _rows_to_draw(self, reqs: list[Req], vocab: int) -> tuple[list[Req], list[SampleRow]]:
         """What sampling reads of each request (`sample_rows`), and the requests it was
@@ -353,21 +354,18 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
     def _drawn(
         self,
         reqs: list[Req],
-        logits: torch.Tensor,
         ids: list[int],
         errors: dict[int, Exception],
-    ) -> list[tuple[Req, int, Any]]:
+        logprobs: list[TokenLogprob | None],
+    ) -> list[tuple[Req, int, TokenLogprob | None]]:
         """Fail the requests whose row failed or had no mass (token -1); (request, token,
-        logprob) for the others (`logits`: row i is reqs[i]'s)."""
+        logprob) for the others (row i of each list is reqs[i]'s)."""
         for i, token in enumerate(ids):
             if token < 0 and i not in errors:
                 errors[i] = ValueError(f"request {reqs[i].rid}: {NO_MASS}")
         for i, error in errors.items():
             self._finish(reqs[i], error)
-        ok = [i for i in range(len(reqs)) if i not in errors]
-        if len(ok) < len(reqs):
-            reqs, ids, logits = [reqs[i] for i in ok], [ids[i] for i in ok], take_rows(logits, ok)
-        return list(zip(reqs, ids, token_logprobs(logits, ids, reqs)))
+        return [row for i, row in enumerate(zip(reqs, ids, logprobs)) if i not in errors]
 
     def _record_prompt_logprobs(
         self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmprog_runtime.logprobs import LogprobAsk, TokenLogprob
 from lmprog_runtime.sampling import SampleRow, sample_each, take_rows
 from lmprog_runtime.transfer import to_host_async
 
@@ -51,13 +52,14 @@ class ForwardTimer:
 
 @dataclass
 class Sampled:
-    """A queued draw's outcome: the tokens (a host tensor, valid once `ready` has passed),
-    the rows that failed, the logits rows they were drawn from, the forward's timer."""
+    """A queued draw's outcome: the tokens and the logprobs table its rows asked for
+    (`LogprobAsk.gather`; host tensors, valid once `ready` has passed), the rows that
+    failed, the forward's timer."""
 
     token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
     ready: torch.cuda.Event | None
     errors: dict[int, Exception]
-    logits: torch.Tensor
     timer: ForwardTimer
 
 
@@ -69,8 +71,9 @@ class ForwardWorker:
         >>> worker = ForwardWorker(engine.runner)  # doctest: +SKIP
         >>> fb, rows = engine.runner.prepare(batch)  # doctest: +SKIP
         >>> launched = worker.launch(fb)  # doctest: +SKIP
-        >>> drawing = worker.sample(launched, [0], sample_rows([req], vocab), [row])  # doctest: +SKIP
-        >>> ids, errors, logits_rows, seconds = worker.sampled(drawing)  # doctest: +SKIP
+        >>> ask = LogprobAsk.of([req])  # doctest: +SKIP
+        >>> drawing = worker.sample(launched, [0], sample_rows([req], vocab), [row], ask)  # doctest: +SKIP
+        >>> ids, errors, logprobs, seconds = worker.sampled(drawing, ask)  # doctest: +SKIP
     """
 
     def __init__(self, runner: ModelRunner, threaded: bool | None = None) -> None:
@@ -98,22 +101,30 @@ class ForwardWorker:
         return self._executor.submit(self._forward, fb, inputs_ready)
 
     def sample(
-        self, launched: Future, index: list[int], rows: list[SampleRow], table_rows: list[int]
+        self,
+        launched: Future,
+        index: list[int],
+        rows: list[SampleRow],
+        table_rows: list[int],
+        ask: LogprobAsk,
     ) -> Future:
         """Queue the draw of `rows` from rows `index` of a launched forward's logits, behind
-        it; the tokens also go to `future_tokens[table_rows]`, where the next forward's
-        placeholders find them. Returns a future of `Sampled`."""
-        return self._executor.submit(self._sample, launched, index, rows, table_rows)
+        it, and the logprobs `ask` wants of it; the tokens also go to
+        `future_tokens[table_rows]`, where the next forward's placeholders find them.
+        Returns a future of `Sampled`."""
+        return self._executor.submit(self._sample, launched, index, rows, table_rows, ask)
 
-    def sampled(self, future: Future) -> tuple[list[int], dict[int, Exception], Any, float]:
-        """Wait for a queued draw: (token ids, failed rows' errors, the logits rows drawn
-        from, the forward's seconds). The logits may be read on the loop thread's stream
-        (their kernels are done); hold them until that reading is done."""
+    @staticmethod
+    def sampled(
+        future: Future, ask: LogprobAsk
+    ) -> tuple[list[int], dict[int, Exception], list[TokenLogprob | None], float]:
+        """Wait for a queued draw: (token ids, failed rows' errors, each row's logprobs as
+        `ask` wanted them, the forward's seconds). Nothing here reads the device."""
         drawn: Sampled = future.result()
         if drawn.ready is not None:
             drawn.ready.synchronize()
-            _read_on_current_stream(drawn.logits)
-        return drawn.token_ids.tolist(), drawn.errors, drawn.logits, drawn.timer.seconds()
+        ids, logprobs = drawn.token_ids.tolist(), ask.unpack(drawn.logprobs)
+        return ids, drawn.errors, logprobs, drawn.timer.seconds()
 
     @staticmethod
     def wait_forward(launched: Future) -> tuple[torch.Tensor, ForwardTimer]:
@@ -165,7 +176,12 @@ class ForwardWorker:
         return logits, timer
 
     def _sample(
-        self, launched: Future, index: list[int], rows: list[SampleRow], table_rows: list[int]
+        self,
+        launched: Future,
+        index: list[int],
+        rows: list[SampleRow],
+        table_rows: list[int],
+        ask: LogprobAsk,
     ) -> Sampled:
         logits, timer = launched.result()  # done: jobs run in order
         on_stream = self._stream is not None
@@ -173,8 +189,11 @@ class ForwardWorker:
             logits = take_rows(logits, index)
             token_ids, errors = sample_each(logits, rows)
             self._runner.store_future_tokens(table_rows, token_ids)
+            logprobs = ask.gather(logits, token_ids)
             token_ids, ready = to_host_async(token_ids)  # (on CUDA: into pinned memory)
-        return Sampled(token_ids, ready, errors, logits, timer)
+            if logprobs is not None:  # (its event passes after both copies)
+                logprobs, ready = to_host_async(logprobs)
+        return Sampled(token_ids, logprobs, ready, errors, timer)
 
 
 class InlineExecutor:

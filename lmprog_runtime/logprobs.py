@@ -1,41 +1,74 @@
 """Logprobs the caller asked for, read from a forward's logits rows: each drawn token's
 (and its top-k alternatives'), and each prompt token's once its prefill is done. Raw
-distributions (log-softmax of the unprocessed logits), as SGLang and vLLM report them;
-the values are read back to the host.
+distributions (log-softmax of the unprocessed logits), as SGLang and vLLM report them.
+
+A draw's logprobs are gathered on the device in one table (`LogprobAsk.gather`) and read
+back in one copy: with overlap scheduling the table is made on the forward worker behind
+the draw and copied to the host with its tokens, so the loop never reads the logits (on
+a GPU a read there would wait for all the loop queued since, a decode run's steps too).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+from lmprog_runtime.transfer import index_tensor
 
 if TYPE_CHECKING:
     from lmprog_runtime.request import Req
 
+# A drawn token's logprob and its top alternatives' (logprob, token), best first.
+TokenLogprob = tuple[float, list[tuple[float, int]]]
+
+
+class LogprobAsk(NamedTuple):
+    """Which rows of a draw want their token's logprob (`rows`, ascending), and how many
+    alternatives each wants (`tops`). Read from the requests on the loop thread."""
+
+    num_rows: int
+    rows: list[int]
+    tops: list[int]
+
+    @classmethod
+    def of(cls, reqs: list[Req]) -> LogprobAsk:
+        """What `reqs` (row i is reqs[i]'s) ask for."""
+        rows = [i for i, req in enumerate(reqs) if req.return_logprob]
+        return cls(len(reqs), rows, [max(0, reqs[i].top_logprobs_num) for i in rows])
+
+    def gather(self, logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """The table of the rows that ask, on the logits' device (no host wait): row j is
+        [logprob of the drawn token, the top k logprobs, their tokens], float64 (exact for
+        both), k the most any row wants. `token_ids` [num_rows]: the drawn tokens (a
+        failed row's, negative, read as token 0: its request fails anyway). None if no
+        row asks."""
+        if not self.rows:
+            return None
+        index = index_tensor(self.rows, logits.device)
+        scored = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        picked = token_ids.index_select(0, index).clamp(min=0)
+        return _table(scored, picked, max(self.tops))
+
+    def unpack(self, table: torch.Tensor | None) -> list[TokenLogprob | None]:
+        """Each row's (logprob, top list) from `gather`'s table on the host; None for a row
+        that did not ask."""
+        out: list[TokenLogprob | None] = [None] * self.num_rows
+        if table is None:
+            return out
+        for i, top, row in zip(self.rows, self.tops, table.tolist()):
+            out[i] = _unpack_row(row, top)
+        return out
+
 
 def token_logprobs(
-    logits: torch.Tensor, ids: list[int], reqs: list[Req]
-) -> list[tuple[float, list[tuple[float, int]]] | None]:
-    """Logprob of `ids[i]` under row i of `logits`, plus its top-k list, for rows that ask."""
-    out: list[tuple[float, list[tuple[float, int]]] | None] = [None] * len(reqs)
-    rows = [i for i, r in enumerate(reqs) if r.return_logprob]
-    if not rows:
-        return out
-    device = logits.device
-    logprobs = torch.log_softmax(logits[rows], dim=-1)
-    picked = torch.tensor([ids[i] for i in rows], dtype=torch.int64, device=device)
-    chosen = logprobs[torch.arange(len(rows), device=device), picked].tolist()
-    for j, i in enumerate(rows):
-        out[i] = (chosen[j], top_logprobs(logprobs[j], reqs[i].top_logprobs_num))
-    return out
-
-
-def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
-    if k <= 0:
-        return []
-    values, indices = logprobs.topk(min(k, logprobs.numel()))
-    return list(zip(values.tolist(), indices.tolist()))
+    logits: torch.Tensor, token_ids: torch.Tensor, reqs: list[Req]
+) -> list[TokenLogprob | None]:
+    """Logprob of `token_ids[i]` under row i of `logits`, plus its top-k list, for the rows
+    that ask (read back at once)."""
+    ask = LogprobAsk.of(reqs)
+    table = ask.gather(logits, token_ids)
+    return ask.unpack(None if table is None else table.cpu())
 
 
 def record_prompt_logprobs(
@@ -54,12 +87,31 @@ def record_prompt_logprobs(
             req.input_top_logprobs.append(None)
         if not targets:
             continue
-        device = logits.device
-        rows_t = torch.tensor(req_rows[:-1], dtype=torch.int64, device=device)
-        scored = torch.log_softmax(logits.index_select(0, rows_t), dim=-1)
-        targets_t = torch.tensor(targets, dtype=torch.int64, device=device)
-        chosen = scored.gather(1, targets_t[:, None]).squeeze(1).tolist()
-        for j, token in enumerate(targets):
-            req.input_token_logprobs.append((chosen[j], token))
-            if req.top_logprobs_num:
-                req.input_top_logprobs.append(top_logprobs(scored[j], req.top_logprobs_num))
+        index = index_tensor(req_rows[:-1], logits.device)
+        scored = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        picked = index_tensor(targets, logits.device)
+        top = max(0, req.top_logprobs_num)
+        for token, row in zip(targets, _table(scored, picked, top).tolist()):
+            logprob, alternatives = _unpack_row(row, top)
+            req.input_token_logprobs.append((logprob, token))
+            if top:
+                req.input_top_logprobs.append(alternatives)
+
+
+def _table(scored: torch.Tensor, picked: torch.Tensor, top: int) -> torch.Tensor:
+    """[m, 1 + 2k] float64 (exact for logprobs and token ids): row j is the logprob of
+    `picked[j]` under `scored[j]` (log-softmaxed rows [m, vocab]), then the top k
+    logprobs, then their tokens (k = `top`, at most the vocabulary)."""
+    chosen = scored.gather(1, picked[:, None]).double()  # [m, 1]
+    top = min(top, scored.shape[-1])
+    if not top:
+        return chosen
+    values, indices = scored.topk(top, dim=-1)
+    return torch.cat([chosen, values.double(), indices.double()], dim=1)
+
+
+def _unpack_row(row: list[float], top: int) -> TokenLogprob:
+    """(logprob, its first `top` alternatives) of a `_table` row."""
+    width = (len(row) - 1) // 2
+    pairs = zip(row[1 : 1 + top], row[1 + width : 1 + width + top])
+    return row[0], [(value, int(token)) for value, token in pairs]

@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmprog_runtime.forward_batch import ForwardMode
-from lmprog_runtime.sampling import take_rows
+from lmprog_runtime.logprobs import LogprobAsk
 
 if TYPE_CHECKING:
     from lmprog_runtime.request import Req
@@ -114,6 +114,7 @@ class Pending:
 
     reqs: list[Req]
     future: Future
+    ask: LogprobAsk  # the logprobs drawn with the tokens
     forward_counted: bool = False  # its forward's seconds are in the stats already
 
 
@@ -236,17 +237,18 @@ class OverlapLoop:
         to_sample, rows = self._rows_to_draw(self._to_draw(ready), logits.shape[-1])
         index = [row_of[id(req)][-1] for req in to_sample]
         table_rows = [req.req_pool_idx for req in to_sample]
-        future = self._worker.sample(flight.future, index, rows, table_rows)
+        ask = LogprobAsk.of(to_sample)
+        future = self._worker.sample(flight.future, index, rows, table_rows, ask)
         for req in to_sample:
             req.output_ids.append(-(req.req_pool_idx + 1))  # what the next forward reads
-        return Pending(to_sample, future, forward_counted=waits)
+        return Pending(to_sample, future, ask, forward_counted=waits)
 
     def _collect(self, drawing: Pending) -> list[Req]:
         """Wait for a queued draw and put its tokens in place of the placeholders, for the
         requests still running; a row whose draw failed fails its request. Returns the
         requests that got a token."""
         try:
-            ids, errors, logits, seconds = self._worker.sampled(drawing.future)
+            ids, errors, logprobs, seconds = self._worker.sampled(drawing.future, drawing.ask)
         except Exception as error:  # noqa: BLE001 - the draw itself broke: its requests fail
             logger.exception("drawing the next tokens failed")
             for req in drawing.reqs:
@@ -258,10 +260,10 @@ class OverlapLoop:
         if len(keep) < len(drawing.reqs):
             position = {i: j for j, i in enumerate(keep)}
             errors = {position[i]: e for i, e in errors.items() if i in position}
-            ids, logits = [ids[i] for i in keep], take_rows(logits, keep)
+            ids, logprobs = [ids[i] for i in keep], [logprobs[i] for i in keep]
         reqs = [drawing.reqs[i] for i in keep]
         appended = []
-        for req, token, logprob in self._drawn(reqs, logits, ids, errors):
+        for req, token, logprob in self._drawn(reqs, ids, errors, logprobs):
             req.output_ids[-1] = token  # its placeholder
             self._record_token_logprob(req, token, logprob)
             appended.append(req)

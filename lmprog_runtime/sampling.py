@@ -34,7 +34,6 @@ import torch
 
 from lmprog_runtime.constrained.base import mask_words, unpack_mask_words
 from lmprog_runtime.keyed_race import keyed_race, race_key
-from lmprog_runtime.logprobs import token_logprobs
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling_filters import top_k_top_p, top_k_top_p_unsorted
 from lmprog_runtime.sampling_params import SamplingParams
@@ -46,12 +45,6 @@ NO_MASS = (
     "its sampling distribution has no finite, positive mass (non-finite logits, or every "
     "token masked)"
 )
-
-
-class SampleOutput(NamedTuple):
-    token_ids: list[int]
-    # Per row: (logprob of the chosen token, top-k (logprob, id) pairs) or None if not asked.
-    logprobs: list[tuple[float, list[tuple[float, int]]] | None]
 
 
 class SampleRow(NamedTuple):
@@ -93,12 +86,6 @@ def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows == list(range(logits.shape[0])):
         return logits
     return logits.index_select(0, index_tensor(rows, logits.device))
-
-
-def sample(logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
-    """logits: [batch, vocab] float32 (any device), row i belongs to reqs[i]."""
-    ids = sample_token_ids(logits, sample_rows(reqs, logits.shape[-1])).tolist()
-    return SampleOutput(ids, token_logprobs(logits, ids, reqs))
 
 
 def sample_token_ids(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -40,6 +40,8 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
     overlap = report["overlap_equality"]
     same, total = overlap["decode_runs_identical_outputs"].split("/")
     assert overlap["problems"] == [] and same == total != "0" and overlap["decode_runs"] > 0
+    same, total = overlap["top_logprob_tokens_identical"].split("/")
+    assert same == total != "0"
     for workload in ("tiny/no_sharing", "tiny/shared_prefix"):
         assert report["throughput"][workload]["engine_tokens_per_s"] > 0
         assert report["throughput"][workload]["engine_decode_runs_tokens_per_s"] > 0

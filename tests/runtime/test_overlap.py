@@ -85,6 +85,74 @@ def test_outputs_are_token_identical_to_the_synchronous_loop(engines):
             assert lps == pytest.approx([lp for lp, _ in w["meta_info"][name]], abs=1e-5)
 
 
+def test_logprobs_of_a_mixed_batch_equal_transformers_in_both_loops(engines, hf_tiny, monkeypatch):
+    """One batch of requests asking for no logprobs, the drawn token's alone, and 1, 5 and
+    40 alternatives, greedy and seeded: every prompt and drawn token's logprob and each top
+    list equal transformers' log-softmax (the top values in order, each listed token's own
+    logprob), in both loops. The overlapped loop gathers each draw's logprobs in the
+    worker's draw, with no host read (on a GPU the loop then never reads a draw's logits,
+    which would wait for all it queued since)."""
+    from lmprog_runtime.forward_worker import ForwardWorker
+    from lmprog_runtime.logprobs import LogprobAsk
+
+    model, tokenizer = hf_tiny
+    in_draw = threading.local()
+    gathered: list[bool] = []  # per gather: inside a worker's draw
+    plain_gather, plain_sample = LogprobAsk.gather, ForwardWorker._sample
+
+    def guarded_gather(ask, logits, token_ids):
+        gathered.append(getattr(in_draw, "on", False))
+        with forbid_host_syncs():
+            return plain_gather(ask, logits, token_ids)
+
+    def marked_sample(worker, *args):
+        in_draw.on = True
+        try:
+            return plain_sample(worker, *args)
+        finally:
+            in_draw.on = False
+
+    monkeypatch.setattr(LogprobAsk, "gather", guarded_gather)
+    monkeypatch.setattr(ForwardWorker, "_sample", marked_sample)
+    wants = [False, True, True, True, True, True]
+    tops = [3, 0, 1, 5, 40, 5]
+    params = [
+        {"max_new_tokens": 7, "ignore_eos": True, "temperature": 0.0 if i % 2 else 0.9, "seed": i}
+        for i in range(len(wants))
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(wants))]
+    kwargs = {"return_logprob": wants, "top_logprobs_num": tops, "logprob_start_len": 0}
+    for engine in engines:
+        gathered.clear()
+        outs = engine.generate(prompts, params, **kwargs)
+        for out, prompt, want, top in zip(outs, prompts, wants, tops):
+            meta = out["meta_info"]
+            if not want:
+                assert "output_token_logprobs" not in meta
+                continue
+            ids = tokenizer(prompt).input_ids
+            with torch.inference_mode():
+                full = torch.tensor([ids + out["output_ids"]])
+                ref = torch.log_softmax(model(full).logits[0], dim=-1)
+            scored = meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]
+            assert [token for _, token in scored] == full[0, 1:].tolist()
+            expected = ref[torch.arange(full.shape[1] - 1), full[0, 1:]].tolist()
+            assert [lp for lp, _ in scored] == pytest.approx(expected, abs=1e-4)
+            if not top:
+                assert "input_top_logprobs" not in meta and "output_top_logprobs" not in meta
+                continue
+            alternatives = meta["input_top_logprobs"][1:] + meta["output_top_logprobs"]
+            assert len(alternatives) == len(scored)
+            for position, listed in enumerate(alternatives):
+                best = ref[position].topk(top).values.tolist()
+                assert [value for value, _ in listed] == pytest.approx(best, abs=1e-4)
+                assert len({token for _, token in listed}) == top
+                for value, token in listed:
+                    assert value == pytest.approx(ref[position, token].item(), abs=1e-4)
+        if engine._worker is not None:
+            assert gathered and all(gathered)  # (a draw after each prefill and decode)
+
+
 def test_keyed_draws_are_identical_to_the_synchronous_loop(engines, monkeypatch):
     """The accelerators' sampler (keyed races, run here on the CPU): each draw is keyed by
     the tokens its request has so far, which the overlapped loop counts as the synchronous
