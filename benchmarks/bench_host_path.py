@@ -16,9 +16,11 @@ Decode runs (`decode_steps`) queue their forwards without waiting and read each 
 tokens when the device clock has passed its forward (`_read_step`), as on a GPU; with
 overlap on, the batches that cannot run ahead take the overlapped loop meanwhile.
 
-Two workloads: every request can run ahead ("plain"), or a quarter of them cannot (a
+Three workloads: every request can run ahead ("plain"); a quarter of them cannot (a
 frequency penalty) and they stop halfway ("penalties half the time"), so half the steps
-cannot run as decode runs.
+cannot run as decode runs; every request asks for its tokens' logprobs and their top 5
+("logprobs"; gathered with each draw, on the CPU here, where a GPU would run it as
+kernels).
 
 Per step, wall time minus the device time is the host's critical path: what a GPU would
 sit idle for. It is measured for the synchronous loop and the overlapped one, in one run,
@@ -81,12 +83,11 @@ def host_path(
     overlap: bool,
     threaded: bool = True,
     decode_steps: int = 1,
-    penalties: bool = False,
+    workload: str = "plain",
 ) -> dict:
     """`threaded`: with overlap, the forward worker is a thread (as on a CPU), or it runs
     its jobs on the loop thread (as on CUDA, where queuing them returns at once).
-    `decode_steps`: decode runs of that many steps. `penalties`: every fourth request has
-    a frequency penalty and half the tokens."""
+    `decode_steps`: decode runs of that many steps. `workload`: a key of `WORKLOADS`."""
     from lmprog_runtime import Engine, decode_run, default_model_path
     from lmprog_runtime.forward_worker import ForwardWorker
 
@@ -183,8 +184,10 @@ def host_path(
         prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]
         plain = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
         penalized = {**plain, "max_new_tokens": tokens // 2, "frequency_penalty": 0.5}
+        penalties = workload == "penalties"
         params = [penalized if penalties and i % 4 == 0 else plain for i in range(batch)]
-        engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
+        asks = {"return_logprob": True, "top_logprobs_num": 5} if workload == "logprobs" else {}
+        engine.generate(input_ids=prompts, sampling_params=params, **asks)  # warm-up
         best, best_cpu = float("inf"), {}
         loop_clock = time.pthread_getcpuclockid(engine._thread.ident)  # the loop thread's
         for _ in range(repeats):
@@ -193,7 +196,7 @@ def host_path(
             cpu.reset()
             loop_start = time.clock_gettime(loop_clock)
             start = time.perf_counter()
-            engine.generate(input_ids=prompts, sampling_params=params)
+            engine.generate(input_ids=prompts, sampling_params=params, **asks)
             wall = time.perf_counter() - start
             engine.flush_cache()  # the loop has finished the generate's last iteration
             cpu.seconds["loop"] = time.clock_gettime(loop_clock) - loop_start
@@ -234,6 +237,13 @@ class _CpuClock:
         return timed_fn
 
 
+WORKLOADS = {
+    "plain": "plain",
+    "penalties": "penalties half the time",
+    "logprobs": "logprobs (each token's and its top 5)",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -242,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=8, help="steps per decode run")
+    parser.add_argument("--workload", choices=list(WORKLOADS), help="only this one")
     args = parser.parse_args(argv)
     print(
         f"batch {args.batch}, emulated device step {args.device_ms:g} ms after "
@@ -255,8 +266,10 @@ def main(argv: list[str] | None = None) -> None:
         f"decode runs of {n}": (False, True, n),
         f"decode runs of {n}, overlapped (CUDA)": (True, False, n),
     }
-    for workload, penalties in (("plain", False), ("penalties half the time", True)):
-        print(f"{workload}:")
+    for workload, title in WORKLOADS.items():
+        if args.workload not in (None, workload):
+            continue
+        print(f"{title}:")
         for label, (overlap, threaded, steps) in loops.items():
             r = host_path(
                 args.batch,
@@ -267,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
                 overlap,
                 threaded,
                 steps,
-                penalties,
+                workload,
             )
             share = r["host_ms"] / r["step_ms"]
             print(

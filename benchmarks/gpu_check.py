@@ -426,26 +426,7 @@ def overlap_equality(check: Check) -> dict[str, Any]:
     out["identical_outputs"] = (
         f"{sum(a['output_ids'] == b['output_ids'] for a, b in zip(got, want))}/{num}"
     )
-    diffs = [
-        abs(x[0] - y[0])
-        for a, b in zip(got, want)
-        if a["output_ids"] == b["output_ids"] and "output_token_logprobs" in a["meta_info"]
-        for x, y in zip(
-            a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
-        )
-    ]
-    out["max_logprob_diff_on_identical"] = max(diffs, default=None)
-    tops = [
-        (x, y)
-        for a, b in zip(got, want)
-        if a["output_ids"] == b["output_ids"] and "output_top_logprobs" in a["meta_info"]
-        for x, y in zip(
-            a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]
-        )
-    ]
-    out["top_logprob_tokens_identical"] = (
-        f"{sum([t for _, t in x] == [t for _, t in y] for x, y in tops)}/{len(tops)}"
-    )
+    out |= _logprob_agreement(got, want)
     out["problems"] = [
         f"{label} {i}: {problem}"
         for label, results in outs.items()
@@ -454,8 +435,8 @@ def overlap_equality(check: Check) -> dict[str, Any]:
     ]
 
     # Decode runs of 4, overlapped (as on CUDA by default), against the synchronous loop:
-    # the same kinds of requests, those that cannot run ahead (penalties, regexes,
-    # logprobs) fewer or shorter, and one long greedy request, so that the loop goes
+    # the same kinds of requests, those that cannot run ahead (penalties, regexes)
+    # shorter, logprobs as above, and one long greedy request, so that the loop goes
     # from overlapped steps to runs.
     def blocks(p: dict[str, Any]) -> bool:
         return "frequency_penalty" in p or "regex" in p
@@ -464,7 +445,8 @@ def overlap_equality(check: Check) -> dict[str, Any]:
         {**p, "max_new_tokens": min(p["max_new_tokens"], 12)} if blocks(p) else p for p in params
     ]
     mixed.append({"max_new_tokens": 64, "temperature": 0, "ignore_eos": True})
-    mixed_logprobs = [want and i < num // 2 for i, want in enumerate(logprobs)] + [False]
+    mixed_logprobs = [*logprobs, True]
+    mixed_tops = [2 * (i % 2) for i in range(len(mixed))]
     mixed_prompts = prompts + corpus_prompts("tiny", 1, 12, offset=1000)
     mixed_outs = {}
     for label, config in (
@@ -473,19 +455,47 @@ def overlap_equality(check: Check) -> dict[str, Any]:
     ):
         with check.engine("tiny", dtype="float32", **config) as engine:
             mixed_outs[label] = engine.generate(
-                input_ids=mixed_prompts, sampling_params=mixed, return_logprob=mixed_logprobs
+                input_ids=mixed_prompts,
+                sampling_params=mixed,
+                return_logprob=mixed_logprobs,
+                top_logprobs_num=mixed_tops,
             )
             if label == "runs":
                 out["decode_runs"] = engine.stats()["decode_runs"]
     runs, single = mixed_outs["runs"], mixed_outs["single"]
     same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(runs, single))
     out["decode_runs_identical_outputs"] = f"{same}/{len(mixed)}"
+    out |= {f"decode_runs_{k}": v for k, v in _logprob_agreement(runs, single).items()}
     out["problems"] += [
         f"decode_runs {i}: {problem}"
         for i, (result, p) in enumerate(zip(runs, mixed))
         for problem in _request_problems(result, p)
     ]
     return out
+
+
+def _logprob_agreement(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where two loops' outputs are identical: the largest difference of the drawn tokens'
+    logprobs, and how many top lists list the same tokens."""
+    same = [
+        (a["meta_info"], b["meta_info"])
+        for a, b in zip(got, want)
+        if a["output_ids"] == b["output_ids"]
+    ]
+    diffs = [
+        abs(x[0] - y[0])
+        for a, b in same
+        for x, y in zip(a.get("output_token_logprobs", []), b.get("output_token_logprobs", []))
+    ]
+    tops = [
+        [t for _, t in x] == [t for _, t in y]
+        for a, b in same
+        for x, y in zip(a.get("output_top_logprobs", []), b.get("output_top_logprobs", []))
+    ]
+    return {
+        "max_logprob_diff_on_identical": max(diffs, default=None),
+        "top_logprob_tokens_identical": f"{sum(tops)}/{len(tops)}",
+    }
 
 
 def _request_problems(result: dict[str, Any], params: dict[str, Any]) -> list[str]:

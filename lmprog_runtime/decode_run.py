@@ -32,9 +32,10 @@ launched, so launching ahead would only delay the checks and waste the steps of
 requests that stop.
 
 A run needs every request's next K draws to depend on nothing the host would learn from
-its earlier tokens: no grammar (its mask follows each token), no penalties (they count
-the tokens), and no logprobs (read per step). When any request of the step needs one of
-them, the step runs alone. What a draw ahead depends on is counted for its step
+its earlier tokens: no grammar (its mask follows each token) and no penalties (they count
+the tokens). When any request of the step needs one of them, the step runs alone.
+Logprobs do not stop a run: each step's are gathered with its draw, on the device, and
+copied to the host with its tokens (`LogprobAsk`). What a draw ahead depends on is counted for its step
 (`_rows_ahead`): EOS and stop tokens stay banned while `min_new_tokens` is not reached
 by that step, and seeded draws stay identical: a CPU generator draws once per token, in
 order, and an accelerator's race is keyed by the request's seed and how many tokens it
@@ -44,7 +45,7 @@ the batch's shape, which keeps a finished request to the end of its run, can mov
 token, as any batching can).
 
 With overlap scheduling, the batches that cannot run ahead (prompts, a grammar's,
-penalties', logprobs') are overlapped (`overlap.py`), and a decode batch that can runs
+penalties') are overlapped (`overlap.py`), and a decode batch that can runs
 as a run on the loop thread: off a CPU launched before the step before it is checked,
 from the tokens that step draws, still on the device (`_launch_before_check`: the
 placeholders its requests hold); otherwise held until that check (`OverlapLoop._hold`,
@@ -71,6 +72,7 @@ import torch
 
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.keyed_race import race_key
+from lmprog_runtime.logprobs import LogprobAsk
 from lmprog_runtime.sampling import NO_MASS, SampleRow, on_accelerator, sample_each, sample_rows
 from lmprog_runtime.scheduler import ScheduledBatch
 from lmprog_runtime.transfer import host_ints, index_tensor, to_host_async
@@ -85,23 +87,21 @@ HostTokens = tuple[torch.Tensor, "torch.cuda.Event | None"]
 
 def runs_ahead(req: Req) -> bool:
     """Whether `req`'s next draws depend on nothing its earlier tokens tell the host."""
-    return (
-        req.matcher is None
-        and req.char_fsm is None
-        and not req.params.has_penalties
-        and not req.return_logprob
-    )
+    return req.matcher is None and req.char_fsm is None and not req.params.has_penalties
 
 
 @dataclass
 class Run:
     """A launched decode run: its first step's batch and the slots of its steps ahead,
-    each step's tokens on their way to the host and failed rows, the last step's tokens
-    on the device, its `RunSlots`, and the seconds its launch took per step."""
+    each step's tokens (and the logprobs `ask` wants, `LogprobAsk.gather`'s table, None
+    if none) on their way to the host and failed rows, the last step's tokens on the
+    device, its `RunSlots`, and the seconds its launch took per step."""
 
     batch: ScheduledBatch
     ahead: list[torch.Tensor]
     drawn: list[HostTokens]
+    logprobs: list[torch.Tensor | None]
+    ask: LogprobAsk
     errors: list[dict[int, Exception]]
     last_tokens: torch.Tensor
     slots: RunSlots
@@ -260,14 +260,20 @@ class DecodeRunLoop:
                     self.fault_hook("forward", req)
                     self.fault_hook("sample", req)
             rows = sample_rows(reqs, self.runner.model_config.vocab_size)
-            drawn, errors = [], []
+            ask = LogprobAsk.of(reqs)
+            drawn, tables, errors = [], [], []
             token_ids = first_ids
             for k, fb in enumerate(self.runner.prepare_run(batch, ahead)):
                 if token_ids is not None:  # (a row that drew none: its request fails)
                     fb.input_ids = token_ids.clamp(min=0)
                 logits = self.runner.run(fb)
                 token_ids, failed = sample_each(logits, _rows_ahead(rows, reqs, offset + k))
-                drawn.append(to_host_async(token_ids))
+                table = ask.gather(logits, token_ids)
+                host, ready = to_host_async(token_ids)
+                if table is not None:  # (its event passes after both copies)
+                    table, ready = to_host_async(table)
+                drawn.append((host, ready))
+                tables.append(table)
                 errors.append(failed)
         except BaseException:
             for generator, state in zip(seeded, states):
@@ -279,7 +285,7 @@ class DecodeRunLoop:
         self._stats.add("decode_runs")
         slots = RunSlots(batch, ahead, self.scheduler.free_started_pages)
         self._runs.append(slots)
-        return Run(batch, ahead, drawn, errors, token_ids, slots, seconds)
+        return Run(batch, ahead, drawn, tables, ask, errors, token_ids, slots, seconds)
 
     @staticmethod
     def _read_step(tokens: HostTokens) -> list[int]:
@@ -301,6 +307,7 @@ class DecodeRunLoop:
             if not live:
                 break
             step_ids = self._read_step(tokens)
+            logprobs = run.ask.unpack(run.logprobs[k])
             for i in live:
                 reqs[i].kv_len += 1
                 run.slots.used[i] += 1
@@ -320,6 +327,7 @@ class DecodeRunLoop:
                     self._finish(req, error)
                     continue
                 req.output_ids.append(token)
+                self._record_token_logprob(req, token, logprobs[i])
                 appended.append(req)
             self._check(appended)
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 from conftest import engine_leak
 from helpers import PROMPTS
 from hypothesis import strategies as st
@@ -77,6 +78,27 @@ def result_key(out: dict) -> tuple:
     assert all(token >= 0 for token in out["output_ids"])  # no placeholder left behind
     meta = out["meta_info"]
     return out["output_ids"], out["text"], meta["finish_reason"], meta["completion_tokens"]
+
+
+def assert_same_logprobs(got: dict, want: dict) -> None:
+    """`got`'s prompt and output logprobs and top lists are `want`'s: the same tokens, in
+    order, their values to 1e-5 (the batches' shapes may differ)."""
+    got_meta, want_meta = got["meta_info"], want["meta_info"]
+    for name in ("input_token_logprobs", "output_token_logprobs"):
+        assert (name in got_meta) == (name in want_meta), name
+        pairs = got_meta.get(name, []), want_meta.get(name, [])
+        assert [token for _, token in pairs[0]] == [token for _, token in pairs[1]], name
+        values = [[value for value, _ in side if value is not None] for side in pairs]
+        assert values[0] == pytest.approx(values[1], abs=1e-5), name
+    for name in ("input_top_logprobs", "output_top_logprobs"):
+        assert (name in got_meta) == (name in want_meta), name
+        for mine, theirs in zip(got_meta.get(name, []), want_meta.get(name, []), strict=True):
+            if theirs is None:
+                assert mine is None
+                continue
+            assert [token for _, token in mine] == [token for _, token in theirs], name
+            values = [value for value, _ in mine], [value for value, _ in theirs]
+            assert values[0] == pytest.approx(values[1], abs=1e-5), name
 
 
 def stop_inside(engine: Engine, prompt: str, params: dict) -> str:

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from overlap_engines import (
     SCHEMA,
+    assert_same_logprobs,
     assert_slots_free,
     check_plan,
     count_launches_before_check,
@@ -113,27 +114,60 @@ def test_keyed_draws_count_the_tokens_drawn_ahead(engines, monkeypatch):
 
 
 def test_requests_that_cannot_run_ahead_keep_single_steps(engines):
-    """Penalties, logprobs and a grammar each keep their batch to single steps (each
-    needs the host between tokens). The outputs are identical either way."""
+    """Penalties and a grammar each keep their batch to single steps (each needs the host
+    between tokens). The outputs are identical either way."""
     single, runs = engines
     base = {"max_new_tokens": 14, "temperature": 0, "ignore_eos": True}
     blockers = [
-        ({"frequency_penalty": 0.5}, {}),
-        ({"temperature": 0.7, "seed": 2, "presence_penalty": 0.4}, {}),
-        ({}, {"return_logprob": True, "top_logprobs_num": 2}),
-        ({"max_new_tokens": 80, "json_schema": json.dumps(SCHEMA), "ignore_eos": False}, {}),
+        {"frequency_penalty": 0.5},
+        {"temperature": 0.7, "seed": 2, "presence_penalty": 0.4},
+        {"max_new_tokens": 80, "json_schema": json.dumps(SCHEMA), "ignore_eos": False},
     ]
-    for params, kwargs in blockers:
+    for params in blockers:
         # (the other request ends first: alone, it would run)
         mix = [{**base, "max_new_tokens": 3}, {**base, **params}]
-        want = single.generate(PROMPTS[:2], mix, **kwargs)
+        want = single.generate(PROMPTS[:2], mix)
         taken = count_runs(runs)
         try:
-            got = runs.generate(PROMPTS[:2], mix, **kwargs)
+            got = runs.generate(PROMPTS[:2], mix)
         finally:
             del runs._step_run
         assert [result_key(o) for o in got] == [result_key(o) for o in want], params
         assert taken == [], params
+
+
+def test_logprobs_run_ahead_and_equal_single_steps(engines):
+    """Logprobs do not keep a batch to single steps: each step's are gathered with its
+    draw, on the device, and read back with its tokens. Requests asking for the drawn
+    token's logprob alone or with 1 or 6 alternatives, greedy and seeded, one stopping
+    inside a run, beside one asking for none: outputs, prompt and output logprobs and top
+    lists equal single steps', in runs launched ahead too."""
+    single, runs = engines
+    greedy = {"max_new_tokens": 21, "temperature": 0, "ignore_eos": True}
+    mix = [
+        greedy,
+        {"max_new_tokens": 17, "temperature": 0.9, "seed": 5, "ignore_eos": True},
+        {**greedy, "stop": [stop_inside(single, PROMPTS[2], greedy)]},
+        {**greedy, "max_new_tokens": 9},
+    ]
+    kwargs = {
+        "return_logprob": [True, True, True, False],
+        "top_logprobs_num": [0, 1, 6, 0],
+        "logprob_start_len": 0,
+    }
+    prompts = PROMPTS[: len(mix)]
+    want = single.generate(prompts, mix, **kwargs)
+    taken, launched = count_runs(runs), count_runs_ahead(runs)
+    try:
+        got = runs.generate(prompts, mix, **kwargs)
+    finally:
+        del runs._step_run, runs._launch_run
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
+    assert want[2]["meta_info"]["finish_reason"]["type"] == "stop"
+    for mine, theirs in zip(got, want):
+        assert_same_logprobs(mine, theirs)
+    assert len(got[2]["meta_info"]["output_top_logprobs"][0]) == 6
+    assert taken and max(taken) == STEPS and launched
 
 
 @pytest.mark.parametrize("seed", [None, 4], ids=["greedy", "seeded"])

@@ -1,6 +1,6 @@
 """Decode runs in the overlapped loop (`decode_steps` > 1 with overlap scheduling, as on
 CUDA by default): a decode batch whose requests can all run ahead runs as decode runs,
-any other batch (prompts, a grammar's, penalties', logprobs') is overlapped, and the loop
+any other batch (prompts, a grammar's, penalties') is overlapped, and the loop
 goes from one to the other as requests come and go. The reference is the synchronous
 engine with single steps: outputs, texts and finish reasons must be identical. Every test
 ends with the engines clean (the autouse check in conftest).
@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from overlap_engines import (
     POOL,
     WORKERS,
+    assert_same_logprobs,
     count_launches_before_check,
     count_runs,
     on_loop_thread,
@@ -37,15 +38,17 @@ STEPS = 4
 REGEX = r"[a-z]{2,8}-[0-9]{2,4}( ok)?"
 # A KV pool far smaller than the demand put on it, with short prefill chunks.
 PRESSED = {"max_total_tokens": 160, "max_running_requests": 8, "chunked_prefill_size": 8}
-# What keeps a request's batch to single steps, with `generate`'s return_logprob for it.
+# Kinds of requests, with `generate`'s return_logprob for each: penalties and a regex keep
+# a request's batch to single steps, the others run ahead.
 KINDS = {
     "plain": ({}, False),
     "penalties": ({"frequency_penalty": 0.5, "presence_penalty": 0.3}, False),
-    "logprobs": ({}, True),
+    "logprobs": ({}, True),  # (runs ahead: gathered with each draw)
     "regex": ({"regex": REGEX, "ignore_eos": False}, False),
     "stops": ({"stop": ["e", "a"]}, False),  # (runs ahead: it may stop at any step)
     "min_new": ({"min_new_tokens": 6, "stop": ["e"], "ignore_eos": False}, False),  # (too)
 }
+RUN_AHEAD = ("plain", "logprobs", "stops", "min_new")
 
 
 @pytest.fixture(scope="module", params=list(WORKERS))
@@ -135,8 +138,8 @@ def test_runs_and_overlapped_steps_take_turns_and_match_single_steps(engines):
         del both._launch_before_check
     assert [result_key(o) for o in got] == [result_key(o) for o in want]
     assert result_key(late_got) == result_key(late_want)
-    logprob_pairs = want[3]["meta_info"]["output_token_logprobs"]
-    assert len(got[3]["meta_info"]["output_token_logprobs"]) == len(logprob_pairs)
+    for mine, theirs in zip(got, want):
+        assert_same_logprobs(mine, theirs)
     # Overlapped decode steps, then runs; again after the late request, then runs.
     assert any(early)  # (runs launched before the check of the step before them)
     text = " ".join(turns)
@@ -266,7 +269,7 @@ def test_random_mixes_match_single_steps(tiny_path, engines, plan, pressed, page
     prompts = [PROMPTS[p] for p, *_ in plan]
     mix = [
         {
-            "max_new_tokens": n if kind in ("plain", "stops", "min_new") else min(n, 10),
+            "max_new_tokens": n if kind in RUN_AHEAD else min(n, 10),
             "temperature": 0 if seed is None else 0.9,
             "seed": seed,
             "ignore_eos": True,
@@ -297,6 +300,7 @@ def test_random_mixes_match_single_steps(tiny_path, engines, plan, pressed, page
             assert abort_after is not None and abort_after < params["max_new_tokens"]
         else:
             assert result_key(got) == result_key(out)
+            assert_same_logprobs(got, out)
 
 
 def test_runs_without_overlap_are_untouched(tiny_path):

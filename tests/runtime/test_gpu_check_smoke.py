@@ -40,8 +40,9 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
     overlap = report["overlap_equality"]
     same, total = overlap["decode_runs_identical_outputs"].split("/")
     assert overlap["problems"] == [] and same == total != "0" and overlap["decode_runs"] > 0
-    same, total = overlap["top_logprob_tokens_identical"].split("/")
-    assert same == total != "0"
+    for prefix in ("", "decode_runs_"):
+        same, total = overlap[f"{prefix}top_logprob_tokens_identical"].split("/")
+        assert same == total != "0" and overlap[f"{prefix}max_logprob_diff_on_identical"] < 1e-4
     for workload in ("tiny/no_sharing", "tiny/shared_prefix"):
         assert report["throughput"][workload]["engine_tokens_per_s"] > 0
         assert report["throughput"][workload]["engine_decode_runs_tokens_per_s"] > 0
