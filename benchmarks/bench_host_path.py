@@ -16,11 +16,12 @@ Decode runs (`decode_steps`) queue their forwards without waiting and read each 
 tokens when the device clock has passed its forward (`_read_step`), as on a GPU; with
 overlap on, the batches that cannot run ahead take the overlapped loop meanwhile.
 
-Three workloads: every request can run ahead ("plain"); a quarter of them cannot (a
-frequency penalty) and they stop halfway ("penalties half the time"), so half the steps
-cannot run as decode runs; every request asks for its tokens' logprobs and their top 5
-("logprobs"; gathered with each draw, on the CPU here, where a GPU would run it as
-kernels).
+Four workloads: "plain"; "penalties half the time" (every fourth request has a
+frequency penalty and stops halfway; these run ahead, their counts kept on the device);
+"a grammar half the time" (the same with a regex instead: those cannot run ahead, so
+half the steps cannot run as decode runs); "logprobs" (every request asks for its
+tokens' logprobs and their top 5; gathered with each draw, on the CPU here, where a GPU
+would run it as kernels).
 
 Per step, wall time minus the device time is the host's critical path: what a GPU would
 sit idle for. It is measured for the synchronous loop and the overlapped one, in one run,
@@ -183,9 +184,12 @@ def host_path(
             )
         prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]
         plain = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
-        penalized = {**plain, "max_new_tokens": tokens // 2, "frequency_penalty": 0.5}
-        penalties = workload == "penalties"
-        params = [penalized if penalties and i % 4 == 0 else plain for i in range(batch)]
+        half = {**plain, "max_new_tokens": tokens // 2}
+        quarter = {  # every fourth request's, for half the tokens
+            "penalties": {**half, "frequency_penalty": 0.5},
+            "grammar": {**half, "regex": "[a-z]+( [a-z]+)*"},
+        }.get(workload)
+        params = [quarter if quarter and i % 4 == 0 else plain for i in range(batch)]
         asks = {"return_logprob": True, "top_logprobs_num": 5} if workload == "logprobs" else {}
         engine.generate(input_ids=prompts, sampling_params=params, **asks)  # warm-up
         best, best_cpu = float("inf"), {}
@@ -240,6 +244,7 @@ class _CpuClock:
 WORKLOADS = {
     "plain": "plain",
     "penalties": "penalties half the time",
+    "grammar": "a grammar half the time",
     "logprobs": "logprobs (each token's and its top 5)",
 }
 

@@ -435,11 +435,11 @@ def overlap_equality(check: Check) -> dict[str, Any]:
     ]
 
     # Decode runs of 4, overlapped (as on CUDA by default), against the synchronous loop:
-    # the same kinds of requests, those that cannot run ahead (penalties, regexes)
-    # shorter, logprobs as above, and one long greedy request, so that the loop goes
-    # from overlapped steps to runs.
+    # the same kinds of requests (penalties and logprobs run ahead), those that cannot
+    # (regexes) shorter, and one long greedy request, so that the loop goes from
+    # overlapped steps to runs.
     def blocks(p: dict[str, Any]) -> bool:
-        return "frequency_penalty" in p or "regex" in p
+        return "regex" in p
 
     mixed = [
         {**p, "max_new_tokens": min(p["max_new_tokens"], 12)} if blocks(p) else p for p in params

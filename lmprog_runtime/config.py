@@ -85,7 +85,7 @@ class RuntimeConfig:
     # CPU the forward and the loop share the cores, so overlapping gains nothing).
     overlap_schedule: bool | None = None
     # Decode runs (SGLang's num_continuous_decode_steps): when every request of a decode
-    # step can run ahead (no grammar or penalties), up to this many decode steps
+    # step can run ahead (no grammar), up to this many decode steps
     # run back to back from one scheduling, each step's tokens fed to the next on the
     # device, each step checked as its tokens arrive; off a CPU the next run is launched
     # before a run is checked (`decode_run.py`). Less host work per token; new requests,

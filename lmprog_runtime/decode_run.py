@@ -32,11 +32,12 @@ launched, so launching ahead would only delay the checks and waste the steps of
 requests that stop.
 
 A run needs every request's next K draws to depend on nothing the host would learn from
-its earlier tokens: no grammar (its mask follows each token) and no penalties (they count
-the tokens). When any request of the step needs one of them, the step runs alone.
-Logprobs do not stop a run: each step's are gathered with its draw, on the device, and
-copied to the host with its tokens (`LogprobAsk`). What a draw ahead depends on is counted for its step
-(`_rows_ahead`): EOS and stop tokens stay banned while `min_new_tokens` is not reached
+its earlier tokens: no grammar (its mask follows each token; a step with a grammar's
+request runs alone). Penalties do not stop a run: they count the tokens a request holds
+on the host and, on the device, those it has drawn since (`sample_each`'s `ahead`).
+Neither do logprobs: each step's are gathered with its draw, on the device, and copied
+to the host with its tokens (`LogprobAsk`). What else a draw ahead depends on is
+counted for its step (`_rows_ahead`): EOS and stop tokens stay banned while `min_new_tokens` is not reached
 by that step, and seeded draws stay identical: a CPU generator draws once per token, in
 order, and an accelerator's race is keyed by the request's seed and how many tokens it
 has. Greedy and seeded outputs are token-identical
@@ -44,8 +45,8 @@ to `decode_steps=1` (`tests/runtime/test_decode_run.py`, float32 on a CPU; in bf
 the batch's shape, which keeps a finished request to the end of its run, can move a
 token, as any batching can).
 
-With overlap scheduling, the batches that cannot run ahead (prompts, a grammar's,
-penalties') are overlapped (`overlap.py`), and a decode batch that can runs
+With overlap scheduling, the batches that cannot run ahead (prompts, a grammar's) are
+overlapped (`overlap.py`), and a decode batch that can runs
 as a run on the loop thread: off a CPU launched before the step before it is checked,
 from the tokens that step draws, still on the device (`_launch_before_check`: the
 placeholders its requests hold); otherwise held until that check (`OverlapLoop._hold`,
@@ -87,7 +88,7 @@ HostTokens = tuple[torch.Tensor, "torch.cuda.Event | None"]
 
 def runs_ahead(req: Req) -> bool:
     """Whether `req`'s next draws depend on nothing its earlier tokens tell the host."""
-    return req.matcher is None and req.char_fsm is None and not req.params.has_penalties
+    return req.matcher is None and req.char_fsm is None
 
 
 @dataclass
@@ -103,13 +104,17 @@ class Run:
     logprobs: list[torch.Tensor | None]
     ask: LogprobAsk
     errors: list[dict[int, Exception]]
-    last_tokens: torch.Tensor
+    tokens: list[torch.Tensor]  # each step's tokens, on the device ([n] each)
     slots: RunSlots
     seconds: float
 
     @property
     def steps(self) -> int:
         return len(self.ahead) + 1
+
+    @property
+    def last_tokens(self) -> torch.Tensor:
+        return self.tokens[-1]
 
 
 class DecodeRunLoop:
@@ -214,7 +219,8 @@ class DecodeRunLoop:
             return None
         first = None
         try:
-            first_ids = run.last_tokens[index_tensor(keep, run.last_tokens.device)]
+            kept = index_tensor(keep, run.last_tokens.device)
+            first_ids = run.last_tokens[kept]
             last = run.slots.slots[-1][host_ints(keep)]
             first = self.scheduler.continue_decode_run(sub, last, positions)
             if first is None:
@@ -224,7 +230,8 @@ class DecodeRunLoop:
             if not ahead:
                 self.scheduler.free_started_pages(first)
                 return None
-            return self._launch_run(batch, ahead, first_ids, offset=n)
+            drawn = torch.stack(run.tokens, dim=1).index_select(0, kept)  # [len(sub), n]
+            return self._launch_run(batch, ahead, first_ids, offset=n, uncommitted=drawn)
         except Exception:  # noqa: BLE001 - `run` goes on; the loop schedules after it
             logger.exception("launching a decode run ahead failed")
             if first is not None:
@@ -243,13 +250,20 @@ class DecodeRunLoop:
         ahead: list[torch.Tensor],
         first_ids: torch.Tensor | None = None,
         offset: int = 0,
+        uncommitted: torch.Tensor | None = None,
     ) -> Run:
         """Queue the run's forwards and draws, each draw's tokens the next step's inputs
         (on the device) and copied to the host as soon as they are drawn. `first_ids`: the
         first step's inputs when they are still on the device (a run that continues one
-        not yet committed, whose requests have `offset` tokens more than they hold). A
-        failure frees the steps ahead's slots and rewinds the CPU generators. (The fault
-        hook, a test hook, runs once per run, at its start.)"""
+        not yet committed, whose requests have `offset` tokens more than they hold, those
+        `uncommitted` [n, offset]). A failure frees the steps ahead's slots and rewinds
+        the CPU generators. (The fault hook, a test hook, runs once per run, at its
+        start.)
+
+        Penalties count the tokens a request holds on the host and those on the device
+        alone (`sample_each`'s `ahead`): the run's, the uncommitted ones, and in a run
+        that continues none, the first step's input (its last token: maybe a placeholder,
+        resolved on the device)."""
         start = time.perf_counter()
         reqs = batch.reqs
         seeded = [] if on_accelerator(self.runner.device) else _generators(reqs)
@@ -260,14 +274,25 @@ class DecodeRunLoop:
                     self.fault_hook("forward", req)
                     self.fault_hook("sample", req)
             rows = sample_rows(reqs, self.runner.model_config.vocab_size)
+            penalised = any(row.penalty_ids is not None for row in rows)
+            if penalised and first_ids is None:  # (its last token: counted from the device)
+                rows = [_without_last(row) for row in rows]
             ask = LogprobAsk.of(reqs)
-            drawn, tables, errors = [], [], []
+            drawn, tables, errors, tokens = [], [], [], []
+            on_device = [] if uncommitted is None else [uncommitted]  # [n, h] each
             token_ids = first_ids
             for k, fb in enumerate(self.runner.prepare_run(batch, ahead)):
                 if token_ids is not None:  # (a row that drew none: its request fails)
                     fb.input_ids = token_ids.clamp(min=0)
+                elif penalised:
+                    on_device.append(self.runner.resolve_future_ids(fb.input_ids)[:, None])
                 logits = self.runner.run(fb)
-                token_ids, failed = sample_each(logits, _rows_ahead(rows, reqs, offset + k))
+                counted = torch.cat(on_device, dim=1) if penalised and on_device else None
+                step_rows = _rows_ahead(rows, reqs, offset + k)
+                token_ids, failed = sample_each(logits, step_rows, counted)
+                tokens.append(token_ids)
+                if penalised:
+                    on_device.append(token_ids[:, None])
                 table = ask.gather(logits, token_ids)
                 host, ready = to_host_async(token_ids)
                 if table is not None:  # (its event passes after both copies)
@@ -285,7 +310,7 @@ class DecodeRunLoop:
         self._stats.add("decode_runs")
         slots = RunSlots(batch, ahead, self.scheduler.free_started_pages)
         self._runs.append(slots)
-        return Run(batch, ahead, drawn, tables, ask, errors, token_ids, slots, seconds)
+        return Run(batch, ahead, drawn, tables, ask, errors, tokens, slots, seconds)
 
     @staticmethod
     def _read_step(tokens: HostTokens) -> list[int]:
@@ -376,6 +401,13 @@ def _step_ahead(batch: ScheduledBatch, slots: torch.Tensor, k: int) -> Scheduled
     position further each step, on `slots`."""
     prefix_lens = [p + k for p in batch.prefix_lens]
     return ScheduledBatch(ForwardMode.DECODE, batch.reqs, slots, prefix_lens, batch.extend_lens)
+
+
+def _without_last(row: SampleRow) -> SampleRow:
+    """`row` with its penalties counting all but its request's last token."""
+    if row.penalty_ids is None:
+        return row
+    return row._replace(penalty_ids=row.penalty_ids[:-1])
 
 
 def _rows_ahead(rows: list[SampleRow], reqs: list[Req], k: int) -> list[SampleRow]:

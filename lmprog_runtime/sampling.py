@@ -74,7 +74,7 @@ def sample_rows(reqs: list[Req], vocab: int) -> list[SampleRow]:
             # A grammar decides by itself where its output may end: its EOS stays allowed.
             keep = {req.grammar_eos} if req.matcher is not None else set()
             banned = [t for t in (req.eos_token_ids | req.stop_token_ids) - keep if 0 <= t < vocab]
-        penalty_ids = list(req.output_ids) if params.has_penalties and req.output_ids else None
+        penalty_ids = list(req.output_ids) if params.has_penalties else None
         mask = next(words) if req.matcher is not None else None
         key = 0 if params.is_greedy else race_key(req.seed, len(req.output_ids))
         rows.append(SampleRow(req.rid, params, req.generator, key, penalty_ids, banned, mask))
@@ -88,11 +88,15 @@ def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits.index_select(0, index_tensor(rows, logits.device))
 
 
-def sample_token_ids(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def sample_token_ids(
+    logits: torch.Tensor, rows: list[SampleRow], ahead: torch.Tensor | None = None
+) -> torch.Tensor:
     """The tokens drawn for `rows` from `logits` [len(rows), vocab], as an int64 tensor on
     the logits' device; -1 for a row whose distribution has no mass (`NO_MASS`). On an
-    accelerator nothing is read back from the device (`on_accelerator`)."""
-    logits = _apply_penalties_and_masks(logits, rows)
+    accelerator nothing is read back from the device (`on_accelerator`). `ahead`
+    [len(rows), h]: tokens each row has drawn on the device past its `penalty_ids` (a
+    decode run's), which its penalties count too; -1 for none."""
+    logits = _apply_penalties_and_masks(logits, rows, ahead)
     token_ids = argmax_rows(logits)  # [batch]
     sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if sampled_rows:
@@ -113,7 +117,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample_each(
-    logits: torch.Tensor, rows: list[SampleRow]
+    logits: torch.Tensor, rows: list[SampleRow], ahead: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict[int, Exception]]:
     """`sample_token_ids` for the batch; if it raises, each row is drawn alone (seeded
     generators rewound first, so the others draw what they would have). Returns the token
@@ -125,7 +129,7 @@ def sample_each(
     )
     states = [generator.get_state() for generator in seeded]
     try:
-        return sample_token_ids(logits, rows), {}
+        return sample_token_ids(logits, rows, ahead), {}
     except Exception:  # noqa: BLE001 - find the culprit below
         logger.exception("sampling failed; sampling each request alone")
     for generator, state in zip(seeded, states):
@@ -134,7 +138,8 @@ def sample_each(
     errors: dict[int, Exception] = {}
     for i, row in enumerate(rows):
         try:
-            token_ids[i : i + 1] = sample_token_ids(logits[i : i + 1], [row])
+            mine = None if ahead is None else ahead[i : i + 1]
+            token_ids[i : i + 1] = sample_token_ids(logits[i : i + 1], [row], mine)
         except Exception as error:  # noqa: BLE001 - this row fails, the rest go on
             errors[i] = error
     return token_ids, errors
@@ -238,13 +243,15 @@ def _cpu_generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def _apply_penalties_and_masks(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def _apply_penalties_and_masks(
+    logits: torch.Tensor, rows: list[SampleRow], ahead: torch.Tensor | None = None
+) -> torch.Tensor:
     vocab = logits.shape[-1]
     cloned = False
     penalised = [i for i, row in enumerate(rows) if row.penalty_ids is not None]
     if penalised:
-        logits, cloned = logits.clone(), True
-        _apply_penalties(logits, [rows[i] for i in penalised], penalised)
+        logits, cloned = logits.clone(memory_format=torch.contiguous_format), True
+        _apply_penalties(logits, [rows[i] for i in penalised], penalised, ahead)
     # (row, token) pairs banned this step, set at once: one index copy and one launch for
     # the batch (a decode batch under min_new_tokens bans EOS in every row, every step).
     banned_rows: list[int] = []
@@ -268,33 +275,57 @@ def _apply_penalties_and_masks(logits: torch.Tensor, rows: list[SampleRow]) -> t
     return logits
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow], index: list[int]) -> None:
-    """Frequency and presence penalties of `rows` (each with `penalty_ids`) on
-    `logits[index]`, in place: every row's output counted in one accumulate (token ids
-    outside the vocabulary count for nothing), one index copy in, nothing read back."""
+def _apply_penalties(
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    index: list[int],
+    ahead: torch.Tensor | None = None,
+) -> None:
+    """Frequency and presence penalties of `rows` (each with `penalty_ids`, and the tokens
+    it has drawn `ahead` [len(logits), h]) on `logits[index]`, in place (`logits`
+    contiguous): `logit - frequency * count - presence` at each token a row has, read
+    and written at those tokens alone, with no pass over [rows, vocab]. Token ids outside
+    the vocabulary count for nothing. One index copy in, nothing read back; the counts
+    are exact (a sort, not atomics), so the result is deterministic."""
     vocab, device = logits.shape[-1], logits.device
-    token_ids = list(itertools.chain.from_iterable(row.penalty_ids for row in rows))
-    row_ids = list(
-        itertools.chain.from_iterable([j] * len(row.penalty_ids) for j, row in enumerate(rows))
-    )
-    pairs = index_tensor(row_ids + token_ids + index, device)
-    n = len(token_ids)
-    at_rows, at_ids, where = pairs[:n], pairs[n : 2 * n], pairs[2 * n :]
-    inside = at_ids < vocab
-    counts = torch.zeros(len(rows), vocab, dtype=logits.dtype, device=device)
-    counts.index_put_(
-        (at_rows, torch.where(inside, at_ids, 0)), inside.to(logits.dtype), accumulate=True
-    )
+    ids = [_in_vocab(row.penalty_ids, vocab) for row in rows]
+    lengths = [len(t) for t in ids]
+    n = sum(lengths)
+    sent = index_tensor([*itertools.chain.from_iterable(ids), *lengths, *index], device)
+    at_ids, lengths_t, where = sent[:n], sent[n : n + len(rows)], sent[n + len(rows) :]
+    mine = torch.arange(len(rows), device=device)
+    at_rows = mine.repeat_interleave(lengths_t, output_size=n)
+    if ahead is not None:  # (a row's -1, a draw that failed, counts as token 0: it fails)
+        drawn = ahead.index_select(0, where)  # [m, h]
+        at_rows = torch.cat([at_rows, mine[:, None].expand_as(drawn).flatten()])
+        at_ids = torch.cat([at_ids, drawn.flatten().clamp(min=0)])
     host = [
         [row.params.frequency_penalty for row in rows],
         [row.params.presence_penalty for row in rows],
     ]
     weights = to_device(torch.tensor(host, dtype=torch.float64, device="cpu"), device)
     weights = weights.to(logits.dtype)
-    penalised = logits[where]
-    penalised -= weights[0][:, None] * counts
-    penalised -= weights[1][:, None] * (counts > 0).to(logits.dtype)
-    logits[where] = penalised
+    # Each (row, token) once per time the row has it, sorted: a run of k equal keys is a
+    # token the row has k times (counted exactly: no atomics, so nothing varies).
+    key = (at_rows * vocab + at_ids).sort().values
+    starts = torch.ones_like(key, dtype=torch.bool)
+    starts[1:] = key[1:] != key[:-1]
+    run = starts.cumsum(0) - 1
+    count = torch.zeros(key.numel(), dtype=logits.dtype, device=device)
+    count = count.index_add_(0, run, torch.ones_like(count))[run]
+    row = key // vocab
+    flat = where[row] * vocab + key % vocab  # into `logits`
+    values = logits.view(-1)[flat]  # (a token a row has k times is here k times ...)
+    values -= weights[0][row] * count
+    values -= weights[1][row]
+    logits.view(-1)[flat] = values  # (... each time with the same value)
+
+
+def _in_vocab(ids: list[int], vocab: int) -> list[int]:
+    """`ids` less those outside [0, vocab) (a C-speed check first: they are rare)."""
+    if ids and (max(ids) >= vocab or min(ids) < 0):
+        return [t for t in ids if 0 <= t < vocab]
+    return ids
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -177,10 +177,10 @@ def count_runs_ahead(engine: Engine) -> list[int]:
     launched: list[int] = []
     launch_run = engine._launch_run
 
-    def counted(batch, ahead, first_ids=None, offset=0):
+    def counted(batch, ahead, first_ids=None, offset=0, uncommitted=None):
         if offset:
             launched.append(offset)
-        return launch_run(batch, ahead, first_ids, offset)
+        return launch_run(batch, ahead, first_ids, offset, uncommitted)
 
     engine._launch_run = counted
     return launched

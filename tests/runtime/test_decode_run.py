@@ -114,14 +114,13 @@ def test_keyed_draws_count_the_tokens_drawn_ahead(engines, monkeypatch):
 
 
 def test_requests_that_cannot_run_ahead_keep_single_steps(engines):
-    """Penalties and a grammar each keep their batch to single steps (each needs the host
-    between tokens). The outputs are identical either way."""
+    """A grammar keeps its batch to single steps (its mask follows each token). The
+    outputs are identical either way."""
     single, runs = engines
     base = {"max_new_tokens": 14, "temperature": 0, "ignore_eos": True}
     blockers = [
-        {"frequency_penalty": 0.5},
-        {"temperature": 0.7, "seed": 2, "presence_penalty": 0.4},
         {"max_new_tokens": 80, "json_schema": json.dumps(SCHEMA), "ignore_eos": False},
+        {"temperature": 0.7, "seed": 2, "regex": "[a-z]{3,9}( ok)?", "ignore_eos": False},
     ]
     for params in blockers:
         # (the other request ends first: alone, it would run)
@@ -134,6 +133,37 @@ def test_requests_that_cannot_run_ahead_keep_single_steps(engines):
             del runs._step_run
         assert [result_key(o) for o in got] == [result_key(o) for o in want], params
         assert taken == [], params
+
+
+@pytest.mark.parametrize("seed", [None, 6], ids=["greedy", "seeded"])
+def test_penalties_run_ahead_counting_the_tokens_drawn_on_the_device(engines, seed):
+    """Penalties do not keep a batch to single steps: each step ahead counts what the host
+    holds and, on the device, the tokens drawn since (the run's, and in a run launched
+    ahead the run before's, not yet committed). Frequency, presence and negative
+    penalties strong enough to change the tokens, one stopping inside a run: outputs
+    equal single steps', in runs launched ahead too."""
+    single, runs = engines
+    free = {"max_new_tokens": 26, "ignore_eos": True}
+    free |= {"temperature": 0} if seed is None else {"temperature": 0.9, "seed": seed}
+    mix = [
+        {**free, "frequency_penalty": -1.5},  # (repeats: the counts matter at once)
+        {**free, "presence_penalty": -1.2, "max_new_tokens": 19},
+        {**free, "frequency_penalty": 1.0, "presence_penalty": 0.8},
+        {**free, "frequency_penalty": 0.9, "stop": [stop_inside(single, PROMPTS[3], free)]},
+        free,
+    ]
+    prompts = PROMPTS[: len(mix)]
+    want = single.generate(prompts, mix)
+    unpenalised = single.generate(prompts, [free] * len(mix))
+    taken, launched = count_runs(runs), count_runs_ahead(runs)
+    try:
+        got = runs.generate(prompts, mix)
+    finally:
+        del runs._step_run, runs._launch_run
+    assert [result_key(o) for o in got] == [result_key(o) for o in want]
+    changed = [want[i]["output_ids"] != unpenalised[i]["output_ids"] for i in range(4)]
+    assert sum(changed) >= 2
+    assert taken and max(taken) == STEPS and launched
 
 
 def test_logprobs_run_ahead_and_equal_single_steps(engines):

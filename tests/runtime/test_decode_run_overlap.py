@@ -1,6 +1,6 @@
 """Decode runs in the overlapped loop (`decode_steps` > 1 with overlap scheduling, as on
 CUDA by default): a decode batch whose requests can all run ahead runs as decode runs,
-any other batch (prompts, a grammar's, penalties') is overlapped, and the loop
+any other batch (prompts, a grammar's) is overlapped, and the loop
 goes from one to the other as requests come and go. The reference is the synchronous
 engine with single steps: outputs, texts and finish reasons must be identical. Every test
 ends with the engines clean (the autouse check in conftest).
@@ -24,6 +24,7 @@ from overlap_engines import (
     assert_same_logprobs,
     count_launches_before_check,
     count_runs,
+    count_runs_ahead,
     on_loop_thread,
     result_key,
     slow_forward,
@@ -38,17 +39,18 @@ STEPS = 4
 REGEX = r"[a-z]{2,8}-[0-9]{2,4}( ok)?"
 # A KV pool far smaller than the demand put on it, with short prefill chunks.
 PRESSED = {"max_total_tokens": 160, "max_running_requests": 8, "chunked_prefill_size": 8}
-# Kinds of requests, with `generate`'s return_logprob for each: penalties and a regex keep
-# a request's batch to single steps, the others run ahead.
+# Kinds of requests, with `generate`'s return_logprob for each: a regex keeps a request's
+# batch to single steps, the others run ahead.
 KINDS = {
     "plain": ({}, False),
-    "penalties": ({"frequency_penalty": 0.5, "presence_penalty": 0.3}, False),
+    "penalties": ({"frequency_penalty": 0.5, "presence_penalty": 0.3}, False),  # (counted
+    # on the device past what the host holds)
     "logprobs": ({}, True),  # (runs ahead: gathered with each draw)
     "regex": ({"regex": REGEX, "ignore_eos": False}, False),
     "stops": ({"stop": ["e", "a"]}, False),  # (runs ahead: it may stop at any step)
     "min_new": ({"min_new_tokens": 6, "stop": ["e"], "ignore_eos": False}, False),  # (too)
 }
-RUN_AHEAD = ("plain", "logprobs", "stops", "min_new")
+RUN_AHEAD = ("plain", "penalties", "logprobs", "stops", "min_new")
 
 
 @pytest.fixture(scope="module", params=list(WORKERS))
@@ -108,7 +110,7 @@ def test_runs_and_overlapped_steps_take_turns_and_match_single_steps(engines):
     mix = [
         {**base, "max_new_tokens": 70},
         {"max_new_tokens": 45, "temperature": 0.8, "seed": 3, "ignore_eos": True},
-        {**base, "max_new_tokens": 12, **KINDS["penalties"][0]},
+        {**base, "max_new_tokens": 12, **KINDS["regex"][0]},
         {**base, "max_new_tokens": 9},
         {**base, "max_new_tokens": 32, **KINDS["regex"][0]},
         *({**base, "max_new_tokens": 30, "stop": [stop]} for stop in ("e", "a", "o", "i")),
@@ -118,7 +120,7 @@ def test_runs_and_overlapped_steps_take_turns_and_match_single_steps(engines):
     logprobs = [False] * len(mix)
     logprobs[3] = True
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(mix))]
-    late_params = {**base, "max_new_tokens": 10, **KINDS["penalties"][0]}
+    late_params = {**base, "max_new_tokens": 10, **KINDS["regex"][0]}
     want = single.generate(prompts, mix, return_logprob=logprobs)
     late_want = single.generate(PROMPTS[6], late_params)
     late: list = []
@@ -146,6 +148,48 @@ def test_runs_and_overlapped_steps_take_turns_and_match_single_steps(engines):
     first_run = text.index("run")
     assert "decode" in text[:first_run]
     assert "run" in text[text.index("decode", text.index("extend", first_run)) :]
+
+
+def test_penalties_in_runs_count_each_token_once(engines, monkeypatch):
+    """Each draw of a run counts, for its penalties, exactly the tokens its request has by
+    then: those the host holds, then, on the device, those since (the first step's input,
+    in a run launched before the check a placeholder resolved there; the tokens of the
+    run before, not yet committed, in a run launched ahead; the run's own). In order they
+    are the first tokens of the request's output. Outputs equal single steps'."""
+    from lmprog_runtime import decode_run
+
+    single, both = engines
+    counted: list[tuple[int, list[int]]] = []  # (request id, the tokens a draw counts)
+    sample_each = decode_run.sample_each
+
+    def recording(logits, rows, ahead=None):
+        extra = ahead.tolist() if ahead is not None else [[] for _ in rows]
+        for row, since in zip(rows, extra):
+            if row.penalty_ids is not None:
+                counted.append((row.rid, row.penalty_ids + since))
+        return sample_each(logits, rows, ahead)
+
+    monkeypatch.setattr(decode_run, "sample_each", recording)
+    mix = [
+        {"max_new_tokens": 30 + 5 * i, "ignore_eos": True, "frequency_penalty": 0.6}
+        | ({"temperature": 0} if i % 2 else {"temperature": 0.9, "seed": i})
+        | ({"presence_penalty": -0.5} if i == 2 else {})
+        for i in range(4)
+    ]
+    prompts = PROMPTS[: len(mix)]
+    early, ahead = count_launches_before_check(both), count_runs_ahead(both)
+    try:
+        got = both.generate(prompts, mix)
+    finally:
+        del both._launch_before_check, both._launch_run
+    assert [result_key(o) for o in got] == [result_key(o) for o in single.generate(prompts, mix)]
+    outputs = {o["meta_info"]["id"]: o["output_ids"] for o in got}
+    whole = 0  # draws whose counted tokens all made it into the output
+    for rid, tokens in counted:
+        n = min(len(tokens), len(outputs[rid]))
+        assert tokens[:n] == outputs[rid][:n], rid
+        whole += n == len(tokens)
+    assert any(early) and ahead and whole > len(counted) // 2
 
 
 @pytest.mark.parametrize("before_check", [True, False], ids=["launched", "held"])
@@ -184,11 +228,11 @@ def test_a_request_that_stops_at_the_check_before_a_run_leaves_it(engines, befor
 
 
 def test_a_fault_in_a_run_and_in_an_overlapped_step_fails_one_request_each(engines):
-    """A request fails in an overlapped step (one with penalties), another in a run: each
+    """A request fails in an overlapped step (one with a regex), another in a run: each
     fails alone, the others come out as without them."""
     single, both = engines
     base = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-    mix = [base, base, {**base, "max_new_tokens": 5, **KINDS["penalties"][0]}, base]
+    mix = [base, base, {**base, "max_new_tokens": 5, **KINDS["regex"][0]}, base]
     want = single.generate(PROMPTS[:4], mix)
     # Request 1 breaks in the first run that carries it (and stays broken: the run's first
     # step alone then finds it), request 2 in an overlapped step.
@@ -229,7 +273,7 @@ def test_pool_pressure_retracts_and_the_outputs_match(tiny_path, engines):
     single, both = engines
     prompts = list(PROMPTS)
     mix = [{"max_new_tokens": 30 + i, "temperature": 0, "ignore_eos": True} for i in range(8)]
-    mix[1] = {**mix[1], "max_new_tokens": 12, **KINDS["penalties"][0]}
+    mix[1] = {**mix[1], "max_new_tokens": 12, **KINDS["regex"][0]}
     mix[5] = {**mix[5], "max_new_tokens": 16, **KINDS["regex"][0]}
     config = {"overlap_schedule": True, "decode_steps": 8, **PRESSED}
     with Engine(tiny_path, **config) as engine:

@@ -283,6 +283,51 @@ def test_penalties_of_a_batch_equal_each_row_penalised_alone():
         assert torch.equal(got[i], want), i
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_penalties_counting_tokens_drawn_ahead_equal_a_dense_count(data):
+    """Penalties read and written at the tokens a row has alone (sorted counts), with
+    tokens drawn ahead on the device counted too: bit for bit the dense reference
+    (bincount of the output and the tokens ahead, frequency then presence), whatever
+    repeats, whichever rows are penalised, in any order; other rows untouched."""
+    vocab = data.draw(st.integers(2, 40))
+    num = data.draw(st.integers(1, 5))
+    steps = data.draw(st.integers(0, 3))  # tokens drawn ahead per row
+    token = st.integers(0, vocab + 3)  # (past the vocabulary: counts for nothing)
+    outputs = data.draw(
+        st.lists(st.none() | st.lists(token, max_size=12), min_size=num, max_size=num)
+    )
+    weights = st.sampled_from([0.0, 0.5, -0.4, 1.5, 0.3])
+    params = [
+        SamplingParams(frequency_penalty=data.draw(weights), presence_penalty=data.draw(weights))
+        for _ in range(num)
+    ]
+    ahead_ids = data.draw(
+        st.lists(
+            st.lists(st.integers(0, vocab - 1), min_size=steps, max_size=steps),
+            min_size=num,
+            max_size=num,
+        )
+    )
+    seed = data.draw(st.integers(0, 2**16))
+    logits = torch.randn(num, vocab, generator=torch.Generator().manual_seed(seed))
+    rows = [
+        SampleRow(i, p, None, 0, ids, [], None) for i, (p, ids) in enumerate(zip(params, outputs))
+    ]
+    ahead = torch.tensor(ahead_ids, dtype=torch.int64).view(num, steps) if steps else None
+    got = _apply_penalties_and_masks(logits, rows, ahead)
+    for i, (p, ids) in enumerate(zip(params, outputs)):
+        want = logits[i].clone()
+        if ids is not None:
+            counted = [t for t in ids if t < vocab] + (ahead_ids[i] if steps else [])
+            counts = torch.bincount(
+                torch.tensor(counted, dtype=torch.int64), minlength=vocab
+            ).float()
+            want -= p.frequency_penalty * counts
+            want -= p.presence_penalty * (counts > 0).float()
+        assert torch.equal(got[i], want), i
+
+
 def test_the_accelerator_path_reads_nothing_back():
     """On an accelerator a draw must not wait for the device (with overlap scheduling the
     next forward is queued behind it). The logits on the `meta` device stand for it: any
@@ -307,3 +352,5 @@ def test_the_accelerator_path_reads_nothing_back():
     logits = torch.empty(len(rows), vocab, device="meta")
     token_ids = sample_token_ids(logits, rows)
     assert token_ids.device.type == "meta" and token_ids.shape == (len(rows),)
+    ahead = torch.empty(len(rows), 3, dtype=torch.int64, device="meta")  # (a decode run's)
+    assert sample_token_ids(logits, rows, ahead).shape == (len(rows),)
