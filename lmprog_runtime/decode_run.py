@@ -230,7 +230,9 @@ class DecodeRunLoop:
             if not ahead:
                 self.scheduler.free_started_pages(first)
                 return None
-            drawn = torch.stack(run.tokens, dim=1).index_select(0, kept)  # [len(sub), n]
+            drawn = None  # (what penalties count of `run`: [len(sub), n])
+            if any(req.params.has_penalties for req in sub):
+                drawn = torch.stack(run.tokens, dim=1).index_select(0, kept)
             return self._launch_run(batch, ahead, first_ids, offset=n, uncommitted=drawn)
         except Exception:  # noqa: BLE001 - `run` goes on; the loop schedules after it
             logger.exception("launching a decode run ahead failed")

@@ -95,7 +95,8 @@ def sample_token_ids(
     the logits' device; -1 for a row whose distribution has no mass (`NO_MASS`). On an
     accelerator nothing is read back from the device (`on_accelerator`). `ahead`
     [len(rows), h]: tokens each row has drawn on the device past its `penalty_ids` (a
-    decode run's), which its penalties count too; -1 for none."""
+    decode run's), which its penalties count too: drawn tokens, in [0, vocab), or -1
+    for a draw that failed (counted as token 0: that row's request fails anyway)."""
     logits = _apply_penalties_and_masks(logits, rows, ahead)
     token_ids = argmax_rows(logits)  # [batch]
     sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]

@@ -101,6 +101,43 @@ def assert_same_logprobs(got: dict, want: dict) -> None:
             assert values[0] == pytest.approx(values[1], abs=1e-5), name
 
 
+def record_penalty_counts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, list[int], int]]:
+    """A list that gets, for each penalised row of each draw in a decode run, (request id,
+    the tokens the draw counts for its penalties: the host's, then the device's, token)."""
+    from lmprog_runtime import decode_run
+
+    counted: list[tuple[int, list[int], int]] = []
+    sample_each = decode_run.sample_each
+
+    def recording(logits, rows, ahead=None):
+        token_ids, errors = sample_each(logits, rows, ahead)
+        extra = ahead.tolist() if ahead is not None else [[] for _ in rows]
+        for row, since, token in zip(rows, extra, token_ids.tolist()):
+            if row.penalty_ids is not None:
+                counted.append((row.rid, row.penalty_ids + since, token))
+        return token_ids, errors
+
+    monkeypatch.setattr(decode_run, "sample_each", recording)
+    return counted
+
+
+def assert_each_draw_counts_its_tokens(
+    counted: list[tuple[int, list[int], int]], outputs: dict[int, list[int]]
+) -> None:
+    """Each draw `record_penalty_counts` saw counted exactly its request's tokens so far:
+    in order, the first tokens of its output, and the token it drew the next one (where
+    the output has them: a request that stopped inside a run drew past its end)."""
+    whole = 0
+    for rid, tokens, token in counted:
+        output = outputs[rid]
+        n = min(len(tokens), len(output))
+        assert tokens[:n] == output[:n], rid
+        if len(tokens) < len(output):
+            assert output[len(tokens)] == token, rid
+            whole += 1
+    assert whole > len(counted) // 2
+
+
 def stop_inside(engine: Engine, prompt: str, params: dict) -> str:
     """A stop string the unstopped output contains past its start (so it stops mid-run)."""
     text = engine.generate(prompt, params)["text"]

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from overlap_engines import (
     SCHEMA,
+    assert_each_draw_counts_its_tokens,
     assert_same_logprobs,
     assert_slots_free,
     check_plan,
@@ -27,6 +28,7 @@ from overlap_engines import (
     count_runs_ahead,
     on_loop_thread,
     plans,
+    record_penalty_counts,
     result_key,
     stop_inside,
 )
@@ -136,12 +138,13 @@ def test_requests_that_cannot_run_ahead_keep_single_steps(engines):
 
 
 @pytest.mark.parametrize("seed", [None, 6], ids=["greedy", "seeded"])
-def test_penalties_run_ahead_counting_the_tokens_drawn_on_the_device(engines, seed):
+def test_penalties_run_ahead_counting_the_tokens_drawn_on_the_device(engines, seed, monkeypatch):
     """Penalties do not keep a batch to single steps: each step ahead counts what the host
     holds and, on the device, the tokens drawn since (the run's, and in a run launched
     ahead the run before's, not yet committed). Frequency, presence and negative
     penalties strong enough to change the tokens, one stopping inside a run: outputs
-    equal single steps', in runs launched ahead too."""
+    equal single steps', in runs launched ahead too, and each draw counts exactly its
+    request's tokens so far."""
     single, runs = engines
     free = {"max_new_tokens": 26, "ignore_eos": True}
     free |= {"temperature": 0} if seed is None else {"temperature": 0.9, "seed": seed}
@@ -156,11 +159,15 @@ def test_penalties_run_ahead_counting_the_tokens_drawn_on_the_device(engines, se
     want = single.generate(prompts, mix)
     unpenalised = single.generate(prompts, [free] * len(mix))
     taken, launched = count_runs(runs), count_runs_ahead(runs)
+    counted = record_penalty_counts(monkeypatch)
     try:
         got = runs.generate(prompts, mix)
     finally:
         del runs._step_run, runs._launch_run
     assert [result_key(o) for o in got] == [result_key(o) for o in want]
+    assert_each_draw_counts_its_tokens(
+        counted, {o["meta_info"]["id"]: o["output_ids"] for o in got}
+    )
     changed = [want[i]["output_ids"] != unpenalised[i]["output_ids"] for i in range(4)]
     assert sum(changed) >= 2
     assert taken and max(taken) == STEPS and launched

@@ -21,11 +21,13 @@ from hypothesis import strategies as st
 from overlap_engines import (
     POOL,
     WORKERS,
+    assert_each_draw_counts_its_tokens,
     assert_same_logprobs,
     count_launches_before_check,
     count_runs,
     count_runs_ahead,
     on_loop_thread,
+    record_penalty_counts,
     result_key,
     slow_forward,
 )
@@ -155,21 +157,10 @@ def test_penalties_in_runs_count_each_token_once(engines, monkeypatch):
     then: those the host holds, then, on the device, those since (the first step's input,
     in a run launched before the check a placeholder resolved there; the tokens of the
     run before, not yet committed, in a run launched ahead; the run's own). In order they
-    are the first tokens of the request's output. Outputs equal single steps'."""
-    from lmprog_runtime import decode_run
-
+    are the first tokens of the request's output, and the token drawn is the next one.
+    Outputs equal single steps'."""
     single, both = engines
-    counted: list[tuple[int, list[int]]] = []  # (request id, the tokens a draw counts)
-    sample_each = decode_run.sample_each
-
-    def recording(logits, rows, ahead=None):
-        extra = ahead.tolist() if ahead is not None else [[] for _ in rows]
-        for row, since in zip(rows, extra):
-            if row.penalty_ids is not None:
-                counted.append((row.rid, row.penalty_ids + since))
-        return sample_each(logits, rows, ahead)
-
-    monkeypatch.setattr(decode_run, "sample_each", recording)
+    counted = record_penalty_counts(monkeypatch)
     mix = [
         {"max_new_tokens": 30 + 5 * i, "ignore_eos": True, "frequency_penalty": 0.6}
         | ({"temperature": 0} if i % 2 else {"temperature": 0.9, "seed": i})
@@ -183,13 +174,10 @@ def test_penalties_in_runs_count_each_token_once(engines, monkeypatch):
     finally:
         del both._launch_before_check, both._launch_run
     assert [result_key(o) for o in got] == [result_key(o) for o in single.generate(prompts, mix)]
-    outputs = {o["meta_info"]["id"]: o["output_ids"] for o in got}
-    whole = 0  # draws whose counted tokens all made it into the output
-    for rid, tokens in counted:
-        n = min(len(tokens), len(outputs[rid]))
-        assert tokens[:n] == outputs[rid][:n], rid
-        whole += n == len(tokens)
-    assert any(early) and ahead and whole > len(counted) // 2
+    assert_each_draw_counts_its_tokens(
+        counted, {o["meta_info"]["id"]: o["output_ids"] for o in got}
+    )
+    assert any(early) and ahead
 
 
 @pytest.mark.parametrize("before_check", [True, False], ids=["launched", "held"])
