@@ -16,12 +16,16 @@ Decode runs (`decode_steps`) queue their forwards without waiting and read each 
 tokens when the device clock has passed its forward (`_read_step`), as on a GPU; with
 overlap on, the batches that cannot run ahead take the overlapped loop meanwhile.
 
-Four workloads: "plain"; "penalties half the time" (every fourth request has a
+Five workloads: "plain"; "penalties half the time" (every fourth request has a
 frequency penalty and stops halfway; these run ahead, their counts kept on the device);
 "a grammar half the time" (the same with a regex instead: those cannot run ahead, so
 half the steps cannot run as decode runs); "logprobs" (every request asks for its
 tokens' logprobs and their top 5; gathered with each draw, on the CPU here, where a GPU
-would run it as kernels).
+would run it as kernels); "arrivals" (four times the batch, of lengths spread over a
+quarter of `--tokens` to all of it, `batch` at a time: a request finishes, and another is
+admitted, at nearly every step, so the loop goes from an overlapped prompt step to runs
+again and again; the loop "held" then waits for the check of that step before it
+launches the run, as on a CPU).
 
 Per step, wall time minus the device time is the host's critical path: what a GPU would
 sit idle for. It is measured for the synchronous loop and the overlapped one, in one run,
@@ -85,10 +89,13 @@ def host_path(
     threaded: bool = True,
     decode_steps: int = 1,
     workload: str = "plain",
+    hold: bool = False,
 ) -> dict:
     """`threaded`: with overlap, the forward worker is a thread (as on a CPU), or it runs
     its jobs on the loop thread (as on CUDA, where queuing them returns at once).
-    `decode_steps`: decode runs of that many steps. `workload`: a key of `WORKLOADS`."""
+    `decode_steps`: decode runs of that many steps. `workload`: a key of `WORKLOADS`.
+    `hold`: overlapped runs wait for the check of the step before them (as on a CPU)
+    instead of being launched before it."""
     from lmprog_runtime import Engine, decode_run, default_model_path
     from lmprog_runtime.forward_worker import ForwardWorker
 
@@ -182,14 +189,19 @@ def host_path(
                 timed_sample,
                 waiting_sampled,
             )
-        prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]
+        if hold:
+            engine._launch_before_check = lambda batch, steps: None
+        num = 4 * batch if workload == "arrivals" else batch
+        prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(num)]
         plain = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
         half = {**plain, "max_new_tokens": tokens // 2}
         quarter = {  # every fourth request's, for half the tokens
             "penalties": {**half, "frequency_penalty": 0.5},
             "grammar": {**half, "regex": "[a-z]+( [a-z]+)*"},
         }.get(workload)
-        params = [quarter if quarter and i % 4 == 0 else plain for i in range(batch)]
+        params = [quarter if quarter and i % 4 == 0 else plain for i in range(num)]
+        if workload == "arrivals":  # (lengths from a quarter of `tokens` to all of it)
+            params = [{**plain, "max_new_tokens": _length(i, tokens)} for i in range(num)]
         asks = {"return_logprob": True, "top_logprobs_num": 5} if workload == "logprobs" else {}
         engine.generate(input_ids=prompts, sampling_params=params, **asks)  # warm-up
         best, best_cpu = float("inf"), {}
@@ -241,11 +253,18 @@ class _CpuClock:
         return timed_fn
 
 
+def _length(i: int, tokens: int) -> int:
+    """Request i's max_new_tokens in the "arrivals" workload: spread over
+    [tokens / 4, tokens], so that requests finish at every step."""
+    return tokens // 4 + (i * 37) % (tokens - tokens // 4 + 1)
+
+
 WORKLOADS = {
     "plain": "plain",
     "penalties": "penalties half the time",
     "grammar": "a grammar half the time",
     "logprobs": "logprobs (each token's and its top 5)",
+    "arrivals": "arrivals (4 x batch requests of spread lengths, batch at a time)",
 }
 
 
@@ -270,12 +289,13 @@ def main(argv: list[str] | None = None) -> None:
         "overlapped, one thread (CUDA)": (True, False, 1),
         f"decode runs of {n}": (False, True, n),
         f"decode runs of {n}, overlapped (CUDA)": (True, False, n),
+        f"decode runs of {n}, overlapped, held": (True, False, n, True),
     }
     for workload, title in WORKLOADS.items():
         if args.workload not in (None, workload):
             continue
         print(f"{title}:")
-        for label, (overlap, threaded, steps) in loops.items():
+        for label, (overlap, threaded, steps, *hold) in loops.items():
             r = host_path(
                 args.batch,
                 args.device_ms / 1e3,
@@ -286,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
                 threaded,
                 steps,
                 workload,
+                bool(hold),
             )
             share = r["host_ms"] / r["step_ms"]
             print(

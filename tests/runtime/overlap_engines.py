@@ -82,23 +82,27 @@ def result_key(out: dict) -> tuple:
 
 def assert_same_logprobs(got: dict, want: dict) -> None:
     """`got`'s prompt and output logprobs and top lists are `want`'s: the same tokens, in
-    order, their values to 1e-5 (the batches' shapes may differ)."""
+    order, their values to 1e-4 (float32: a batch's shape, which differs between the
+    loops, moves a logprob by some 1e-6 to 1e-5; two alternatives that close may swap
+    places in a top list)."""
     got_meta, want_meta = got["meta_info"], want["meta_info"]
     for name in ("input_token_logprobs", "output_token_logprobs"):
         assert (name in got_meta) == (name in want_meta), name
         pairs = got_meta.get(name, []), want_meta.get(name, [])
         assert [token for _, token in pairs[0]] == [token for _, token in pairs[1]], name
         values = [[value for value, _ in side if value is not None] for side in pairs]
-        assert values[0] == pytest.approx(values[1], abs=1e-5), name
+        assert values[0] == pytest.approx(values[1], abs=1e-4), name
     for name in ("input_top_logprobs", "output_top_logprobs"):
         assert (name in got_meta) == (name in want_meta), name
         for mine, theirs in zip(got_meta.get(name, []), want_meta.get(name, []), strict=True):
             if theirs is None:
                 assert mine is None
                 continue
-            assert [token for _, token in mine] == [token for _, token in theirs], name
             values = [value for value, _ in mine], [value for value, _ in theirs]
-            assert values[0] == pytest.approx(values[1], abs=1e-5), name
+            assert values[0] == pytest.approx(values[1], abs=1e-4), name
+            for j, ((_, token), (value, other)) in enumerate(zip(mine, theirs)):
+                tied = [k for k, v in enumerate(values[1]) if k != j and abs(v - value) <= 1e-4]
+                assert token == other or tied, name
 
 
 def record_penalty_counts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, list[int], int]]:
