@@ -62,9 +62,10 @@ def normalize_generate_inputs(
         raise ValueError("prompt list is empty")
     num = len(ids_list)
     params = _per_request("sampling_params", sampling_params, num, dict)
-    logprob_flags = _per_request("return_logprob", return_logprob, num, bool)
-    starts = _per_request("logprob_start_len", logprob_start_len, num, int)
-    tops = _per_request("top_logprobs_num", top_logprobs_num, num, int)
+    # (None: the default, as SGLang's GenerateReqInput takes it)
+    logprob_flags = _per_request("return_logprob", return_logprob, num, bool, False)
+    starts = _per_request("logprob_start_len", logprob_start_len, num, int, -1)
+    tops = _per_request("top_logprobs_num", top_logprobs_num, num, int, 0)
 
     items = []
     for ids, raw, want_lp, start, top in zip(ids_list, params, logprob_flags, starts, tops):
@@ -93,8 +94,9 @@ def normalize_generate_inputs(
     return items, is_single
 
 
-def _per_request(name: str, value: Any, num: int, kind: type) -> list[Any]:
-    """Broadcast a scalar argument to every request, or check a per-request list's length."""
+def _per_request(name: str, value: Any, num: int, kind: type, default: Any = None) -> list[Any]:
+    """Broadcast a scalar argument to every request, or check a per-request list's length;
+    None (the argument's, or an entry's) stands for `default`."""
     if isinstance(value, list) and kind is not list:
         if len(value) != num:
             raise ValueError(f"{name} has {len(value)} entries for {num} prompts")
@@ -110,4 +112,4 @@ def _per_request(name: str, value: Any, num: int, kind: type) -> list[Any]:
             raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
         if kind is dict and not isinstance(v, dict):
             raise TypeError(f"{name} must be a dict, got {type(v).__name__}")
-    return values
+    return [default if v is None else v for v in values]

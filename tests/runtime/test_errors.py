@@ -52,6 +52,29 @@ def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(engine, kwargs,
     assert len(engine.generate("still serving", OK)["output_ids"]) == 3
 
 
+def test_none_stands_for_the_default_of_the_logprob_arguments(engine):
+    """As in SGLang's GenerateReqInput, None (for all prompts, or one entry) is the default:
+    no logprobs, none of the prompt's, no alternatives."""
+    params = {"max_new_tokens": 3, "temperature": 0}
+    want = engine.generate(["a b", "c d"], params, return_logprob=True)
+    got = engine.generate(
+        ["a b", "c d"],
+        params,
+        return_logprob=[True, True],
+        logprob_start_len=None,
+        top_logprobs_num=[None, 0],
+    )
+    for mine, theirs in zip(got, want):
+        assert mine["meta_info"].keys() == theirs["meta_info"].keys()
+        assert "input_token_logprobs" not in mine["meta_info"]  # (the prompt's: none)
+        pairs = mine["meta_info"]["output_token_logprobs"]
+        reference = theirs["meta_info"]["output_token_logprobs"]
+        assert [t for _, t in pairs] == [t for _, t in reference] == mine["output_ids"]
+        assert [v for v, _ in pairs] == pytest.approx([v for v, _ in reference], abs=1e-5)
+    plain = engine.generate("a b", params, return_logprob=None)
+    assert "output_token_logprobs" not in plain["meta_info"]
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
