@@ -287,7 +287,8 @@ def _apply_penalties(
     contiguous): `logit - frequency * count - presence` at each token a row has, read
     and written at those tokens alone, with no pass over [rows, vocab]. Token ids outside
     the vocabulary count for nothing. One index copy in, nothing read back; the counts
-    are exact (a sort, not atomics), so the result is deterministic."""
+    are exact (ones summed in the logits' float32: whole numbers, whatever order a GPU's
+    atomics add them in), so the result is deterministic."""
     vocab, device = logits.shape[-1], logits.device
     ids = [_in_vocab(row.penalty_ids, vocab) for row in rows]
     lengths = [len(t) for t in ids]
@@ -307,7 +308,7 @@ def _apply_penalties(
     weights = to_device(torch.tensor(host, dtype=torch.float64, device="cpu"), device)
     weights = weights.to(logits.dtype)
     # Each (row, token) once per time the row has it, sorted: a run of k equal keys is a
-    # token the row has k times (counted exactly: no atomics, so nothing varies).
+    # token the row has k times.
     key = (at_rows * vocab + at_ids).sort().values
     starts = torch.ones_like(key, dtype=torch.bool)
     starts[1:] = key[1:] != key[:-1]
