@@ -37,20 +37,19 @@ request runs alone). Penalties do not stop a run: they count the tokens a reques
 on the host and, on the device, those it has drawn since (`sample_each`'s `ahead`).
 Neither do logprobs: each step's are gathered with its draw, on the device, and copied
 to the host with its tokens (`LogprobAsk`). What else a draw ahead depends on is
-counted for its step (`_rows_ahead`): EOS and stop tokens stay banned while `min_new_tokens` is not reached
-by that step, and seeded draws stay identical: a CPU generator draws once per token, in
-order, and an accelerator's race is keyed by the request's seed and how many tokens it
-has. Greedy and seeded outputs are token-identical
+counted for its step (`_rows_ahead`): EOS and stop tokens stay banned while
+`min_new_tokens` is not reached by that step, and seeded draws stay identical: a CPU
+generator draws once per token, in order, and an accelerator's race is keyed by the
+request's seed and how many tokens it has. Greedy and seeded outputs are token-identical
 to `decode_steps=1` (`tests/runtime/test_decode_run.py`, float32 on a CPU; in bfloat16
 the batch's shape, which keeps a finished request to the end of its run, can move a
 token, as any batching can).
 
 With overlap scheduling, the batches that cannot run ahead (prompts, a grammar's) are
-overlapped (`overlap.py`), and a decode batch that can runs
-as a run on the loop thread: off a CPU launched before the step before it is checked,
-from the tokens that step draws, still on the device (`_launch_before_check`: the
-placeholders its requests hold); otherwise held until that check (`OverlapLoop._hold`,
-`_run_held`).
+overlapped (`overlap.py`), and a decode batch that can runs as a run on the loop thread:
+off a CPU launched before the step before it is checked, from the tokens that step
+draws, still on the device (`_launch_before_check`: the placeholders its requests hold);
+otherwise held until that check (`OverlapLoop._hold`, `_run_held`).
 
 What runs cost: a caller's new request, an abort or a deadline waits for the run being
 checked and the one launched after it (up to 2K steps; SGLang's option documents the
@@ -76,7 +75,7 @@ from lmprog_runtime.keyed_race import race_key
 from lmprog_runtime.logprobs import LogprobAsk
 from lmprog_runtime.sampling import NO_MASS, SampleRow, on_accelerator, sample_each, sample_rows
 from lmprog_runtime.scheduler import ScheduledBatch
-from lmprog_runtime.transfer import host_ints, index_tensor, to_host_async
+from lmprog_runtime.transfer import host_ints, index_tensor
 
 if TYPE_CHECKING:
     from lmprog_runtime.request import Req
@@ -289,16 +288,13 @@ class DecodeRunLoop:
                 elif penalised:
                     on_device.append(self.runner.resolve_future_ids(fb.input_ids)[:, None])
                 logits = self.runner.run(fb)
-                counted = torch.cat(on_device, dim=1) if penalised and on_device else None
+                counted = torch.cat(on_device, dim=1) if penalised else None
                 step_rows = _rows_ahead(rows, reqs, offset + k)
                 token_ids, failed = sample_each(logits, step_rows, counted)
                 tokens.append(token_ids)
                 if penalised:
                     on_device.append(token_ids[:, None])
-                table = ask.gather(logits, token_ids)
-                host, ready = to_host_async(token_ids)
-                if table is not None:  # (its event passes after both copies)
-                    table, ready = to_host_async(table)
+                host, table, ready = ask.gather_to_host(logits, token_ids)
                 drawn.append((host, ready))
                 tables.append(table)
                 errors.append(failed)

@@ -27,7 +27,6 @@ import torch
 
 from lmprog_runtime.logprobs import LogprobAsk, TokenLogprob
 from lmprog_runtime.sampling import SampleRow, sample_each, take_rows
-from lmprog_runtime.transfer import to_host_async
 
 if TYPE_CHECKING:
     from lmprog_runtime.forward_batch import ForwardBatch
@@ -189,10 +188,7 @@ class ForwardWorker:
             logits = take_rows(logits, index)
             token_ids, errors = sample_each(logits, rows)
             self._runner.store_future_tokens(table_rows, token_ids)
-            logprobs = ask.gather(logits, token_ids)
-            token_ids, ready = to_host_async(token_ids)  # (on CUDA: into pinned memory)
-            if logprobs is not None:  # (its event passes after both copies)
-                logprobs, ready = to_host_async(logprobs)
+            token_ids, logprobs, ready = ask.gather_to_host(logits, token_ids)
         return Sampled(token_ids, logprobs, ready, errors, timer)
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from lmprog_runtime.transfer import index_tensor
+from lmprog_runtime.transfer import index_tensor, to_host_async
 
 if TYPE_CHECKING:
     from lmprog_runtime.request import Req
@@ -49,6 +49,18 @@ class LogprobAsk(NamedTuple):
         scored = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
         picked = token_ids.index_select(0, index).clamp(min=0)
         return _table(scored, picked, max(self.tops))
+
+    def gather_to_host(
+        self, logits: torch.Tensor, token_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]:
+        """A draw's tokens and `gather`'s table, both on their way to the host without
+        waiting (`transfer.to_host_async`): (tokens, table or None, the event that passes
+        once both are there; None off CUDA)."""
+        table = self.gather(logits, token_ids)
+        token_ids, ready = to_host_async(token_ids)  # (on CUDA: into pinned memory)
+        if table is not None:  # (its copy queued after the tokens': its event covers both)
+            table, ready = to_host_async(table)
+        return token_ids, table, ready
 
     def unpack(self, table: torch.Tensor | None) -> list[TokenLogprob | None]:
         """Each row's (logprob, top list) from `gather`'s table on the host; None for a row

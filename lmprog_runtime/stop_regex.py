@@ -52,16 +52,13 @@ class StopRegexScanner:
     def __init__(self, patterns: list[str]) -> None:
         self._patterns = patterns
         self._dfas: list[SearchDFA | None] = [search_dfa(p) for p in patterns]
-        self._active: list[dict[Any, int]] = [{} for _ in patterns]  # state -> earliest start
-        self._read = 0  # characters of the text read so far
-        self.origin = 0  # no match begins before this character (`restart`)
-        self.matched = False
+        self.restart(0)
 
     def restart(self, origin: int) -> None:
         """Forget what was read: from now on only matches that begin at `origin` or later
         count (the text's first `origin` characters are read already)."""
-        self._read = self.origin = origin
-        self._active = [{} for _ in self._patterns]
+        self._read = self.origin = origin  # (characters read; no match begins before origin)
+        self._active: list[dict[Any, int]] = [{} for _ in self._patterns]  # state -> start
         self.matched = False
 
     def feed(self, text: str) -> bool:
