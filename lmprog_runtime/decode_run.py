@@ -33,10 +33,10 @@ requests that stop.
 
 A run needs every request's next K draws to depend on nothing the host would learn from
 its earlier tokens: no grammar (its mask follows each token; a step with a grammar's
-request runs alone). Penalties do not stop a run: they count the tokens a request holds
-on the host and, on the device, those it has drawn since (`sample_each`'s `ahead`).
-Neither do logprobs: each step's are gathered with its draw, on the device, and copied
-to the host with its tokens (`LogprobAsk`). What else a draw ahead depends on is
+request runs alone). Penalties do not stop a run: each draw counts its tokens on the
+device, where the next reads them (`penalties.py`). Neither do logprobs: each step's are
+gathered with its draw, on the device, and copied to the host with its tokens
+(`LogprobAsk`). What else a draw ahead depends on is
 counted for its step (`_rows_ahead`): EOS and stop tokens stay banned while
 `min_new_tokens` is not reached by that step, and seeded draws stay identical: a CPU
 generator draws once per token, in order, and an accelerator's race is keyed by the
@@ -103,17 +103,13 @@ class Run:
     logprobs: list[torch.Tensor | None]
     ask: LogprobAsk
     errors: list[dict[int, Exception]]
-    tokens: list[torch.Tensor]  # each step's tokens, on the device ([n] each)
+    last_tokens: torch.Tensor  # [n] on the device
     slots: RunSlots
     seconds: float
 
     @property
     def steps(self) -> int:
         return len(self.ahead) + 1
-
-    @property
-    def last_tokens(self) -> torch.Tensor:
-        return self.tokens[-1]
 
 
 class DecodeRunLoop:
@@ -229,10 +225,7 @@ class DecodeRunLoop:
             if not ahead:
                 self.scheduler.free_started_pages(first)
                 return None
-            drawn = None  # (what penalties count of `run`: [len(sub), n])
-            if any(req.params.has_penalties for req in sub):
-                drawn = torch.stack(run.tokens, dim=1).index_select(0, kept)
-            return self._launch_run(batch, ahead, first_ids, offset=n, uncommitted=drawn)
+            return self._launch_run(batch, ahead, first_ids, offset=n)
         except Exception:  # noqa: BLE001 - `run` goes on; the loop schedules after it
             logger.exception("launching a decode run ahead failed")
             if first is not None:
@@ -251,20 +244,14 @@ class DecodeRunLoop:
         ahead: list[torch.Tensor],
         first_ids: torch.Tensor | None = None,
         offset: int = 0,
-        uncommitted: torch.Tensor | None = None,
     ) -> Run:
         """Queue the run's forwards and draws, each draw's tokens the next step's inputs
         (on the device) and copied to the host as soon as they are drawn. `first_ids`: the
         first step's inputs when they are still on the device (a run that continues one
-        not yet committed, whose requests have `offset` tokens more than they hold, those
-        `uncommitted` [n, offset]). A failure frees the steps ahead's slots and rewinds
-        the CPU generators. (The fault hook, a test hook, runs once per run, at its
-        start.)
-
-        Penalties count the tokens a request holds on the host and those on the device
-        alone (`sample_each`'s `ahead`): the run's, the uncommitted ones, and in a run
-        that continues none, the first step's input (its last token: maybe a placeholder,
-        resolved on the device)."""
+        not yet committed, whose requests have `offset` tokens more than they hold). A
+        failure frees the steps ahead's slots and rewinds the CPU generators (the penalty
+        counts its draws counted are counted again at the next draw: `PenaltyCounts`).
+        (The fault hook, a test hook, runs once per run, at its start.)"""
         start = time.perf_counter()
         reqs = batch.reqs
         seeded = [] if on_accelerator(self.runner.device) else _generators(reqs)
@@ -274,26 +261,16 @@ class DecodeRunLoop:
                 for req in reqs:
                     self.fault_hook("forward", req)
                     self.fault_hook("sample", req)
-            rows = sample_rows(reqs, self.runner.model_config.vocab_size)
-            penalised = any(row.penalty_ids is not None for row in rows)
-            if penalised and first_ids is None:  # (its last token: counted from the device)
-                rows = [_without_last(row) for row in rows]
+            vocab = self.runner.model_config.vocab_size
+            rows = sample_rows(reqs, vocab, self.penalty_counts, offset, len(ahead) + 1)
             ask = LogprobAsk.of(reqs)
-            drawn, tables, errors, tokens = [], [], [], []
-            on_device = [] if uncommitted is None else [uncommitted]  # [n, h] each
+            drawn, tables, errors = [], [], []
             token_ids = first_ids
             for k, fb in enumerate(self.runner.prepare_run(batch, ahead)):
                 if token_ids is not None:  # (a row that drew none: its request fails)
                     fb.input_ids = token_ids.clamp(min=0)
-                elif penalised:
-                    on_device.append(self.runner.resolve_future_ids(fb.input_ids)[:, None])
                 logits = self.runner.run(fb)
-                counted = torch.cat(on_device, dim=1) if penalised else None
-                step_rows = _rows_ahead(rows, reqs, offset + k)
-                token_ids, failed = sample_each(logits, step_rows, counted)
-                tokens.append(token_ids)
-                if penalised:
-                    on_device.append(token_ids[:, None])
+                token_ids, failed = sample_each(logits, _rows_ahead(rows, reqs, offset + k))
                 host, table, ready = ask.gather_to_host(logits, token_ids)
                 drawn.append((host, ready))
                 tables.append(table)
@@ -308,7 +285,7 @@ class DecodeRunLoop:
         self._stats.add("decode_runs")
         slots = RunSlots(batch, ahead, self.scheduler.free_started_pages)
         self._runs.append(slots)
-        return Run(batch, ahead, drawn, tables, ask, errors, tokens, slots, seconds)
+        return Run(batch, ahead, drawn, tables, ask, errors, token_ids, slots, seconds)
 
     @staticmethod
     def _read_step(tokens: HostTokens) -> list[int]:
@@ -401,17 +378,11 @@ def _step_ahead(batch: ScheduledBatch, slots: torch.Tensor, k: int) -> Scheduled
     return ScheduledBatch(ForwardMode.DECODE, batch.reqs, slots, prefix_lens, batch.extend_lens)
 
 
-def _without_last(row: SampleRow) -> SampleRow:
-    """`row` with its penalties counting all but its request's last token."""
-    if row.penalty_ids is None:
-        return row
-    return row._replace(penalty_ids=row.penalty_ids[:-1])
-
-
 def _rows_ahead(rows: list[SampleRow], reqs: list[Req], k: int) -> list[SampleRow]:
     """The sample rows of a draw k tokens past what `reqs` hold: a keyed draw counts
-    them, and EOS and stop tokens are banned while they leave `min_new_tokens` unreached
-    (nothing else of a row that runs ahead changes)."""
+    them, EOS and stop tokens are banned while they leave `min_new_tokens` unreached, and
+    penalty counts are not counted again (the first draw did; nothing else of a row that
+    runs ahead changes)."""
     if k == 0:
         return rows
     ahead = []
@@ -421,6 +392,8 @@ def _rows_ahead(rows: list[SampleRow], reqs: list[Req], k: int) -> list[SampleRo
             row = row._replace(key=race_key(req.seed, held))
         if row.banned and held >= req.params.min_new_tokens:
             row = row._replace(banned=[])
+        if row.penalty is not None and row.penalty.reset is not None:
+            row = row._replace(penalty=row.penalty._replace(reset=None))
         ahead.append(row)
     return ahead
 

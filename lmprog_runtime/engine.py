@@ -35,6 +35,7 @@ from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.model_runner import ModelRunner
 from lmprog_runtime.models.registry import local_model_dir, resolve_model_path
 from lmprog_runtime.overlap import InFlight
+from lmprog_runtime.penalties import PenaltyCounts
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, Scheduler
@@ -98,6 +99,7 @@ class Engine(EngineLoop):
         self._worker = ForwardWorker(runner) if self.config.is_overlapped else None
         self._in_flight: InFlight | None = None
         self._runs: list[RunSlots] = []  # the decode runs launched and not yet committed
+        self.penalty_counts = PenaltyCounts()  # penalised requests' token counts
         # Decode runs are launched ahead of the commit before them where launching queues
         # work and returns (off a CPU; the tests and bench_host_path.py turn it on there).
         self._launches_ahead = runner.device.type != "cpu"
@@ -326,7 +328,8 @@ class Engine(EngineLoop):
         self._stats.reset()
 
     def memory_state(self) -> dict[str, int]:
-        """Where the KV slots are. When idle: free + cached == total and nothing is locked."""
+        """Where the KV slots are (when idle: free + cached == total and nothing is locked),
+        and how many request slots and penalty rows are held."""
         runner, tree = self.runner, self.tree_cache
         return {
             "kv_slots_total": runner.allocator.num_slots,
@@ -337,6 +340,7 @@ class Engine(EngineLoop):
             "req_slots_free": runner.req_to_token.num_free,
             "num_running": len(self.scheduler.running) + (self.scheduler.chunked_req is not None),
             "num_waiting": len(self.scheduler.waiting) + len(self._inbox),
+            "penalty_rows_used": self.penalty_counts.num_used,
         }
 
     def abort(self, request_id: int) -> None:

@@ -332,11 +332,14 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         if self.fault_hook is not None:
             reqs = self._each(reqs, lambda req: self.fault_hook("sample", req))
         try:
-            return reqs, sample_rows(reqs, vocab)
+            return reqs, sample_rows(reqs, vocab, self.penalty_counts)
         except Exception:  # noqa: BLE001 - find the culprit below
             logger.exception("preparing the draw failed; preparing each request alone")
         rows: dict[int, SampleRow] = {}
-        reqs = self._each(reqs, lambda req: rows.update({id(req): sample_rows([req], vocab)[0]}))
+        counts = self.penalty_counts
+        reqs = self._each(
+            reqs, lambda req: rows.update({id(req): sample_rows([req], vocab, counts)[0]})
+        )
         return reqs, [rows[id(req)] for req in reqs]
 
     def _each(self, reqs: list[Req], action: Callable[[Req], Any]) -> list[Req]:
@@ -390,6 +393,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
             req.output_ids.pop()
         if error is not None:
             req.abort(error)
+        self.penalty_counts.release(req)
         try:
             self.scheduler.release(req, insert=error is None or keep_prefix)
             self._leave_in_flight(req)  # (overlap) its slots are free before its caller wakes

@@ -71,7 +71,7 @@ class ForwardWorker:
         >>> fb, rows = engine.runner.prepare(batch)  # doctest: +SKIP
         >>> launched = worker.launch(fb)  # doctest: +SKIP
         >>> ask = LogprobAsk.of([req])  # doctest: +SKIP
-        >>> drawing = worker.sample(launched, [0], sample_rows([req], vocab), [row], ask)  # doctest: +SKIP
+        >>> drawing = worker.sample(launched, [0], sample_rows([req], vocab, counts), [row], ask)  # doctest: +SKIP
         >>> ids, errors, logprobs, seconds = worker.sampled(drawing, ask)  # doctest: +SKIP
     """
 

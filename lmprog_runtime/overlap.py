@@ -19,8 +19,9 @@ loop, with forward N launched by the previous one,
    them (`EngineLoop._check`) while forward N+1 runs.
 
 On a GPU the host's whole iteration runs during forward N+1: the device idles only if the
-host takes longer than a forward. The tokens a request's sampling depends on (penalties,
-min_new_tokens, its grammar's state) are all checked before its next draw is queued, and
+host takes longer than a forward. The tokens a request's sampling depends on
+(min_new_tokens, its grammar's state) are all checked before its next draw is queued
+(penalties count them on the device: `penalties.py`), and
 the draw's randomness depends on nothing the loops do differently (on a CPU its generator
 draws once per token; on an accelerator the draw is keyed by its seed and how many tokens
 it has): the outputs are token-identical to the synchronous loop.

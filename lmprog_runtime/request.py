@@ -69,6 +69,11 @@ class Req:
         self.char_fsm = char_fsm  # jump-forward: None when off or not applicable
 
         self.output_ids: list[int] = []
+        # Penalties (`penalties.PenaltyCounts`): its row of counts on the device, and how
+        # many of its tokens the draws queued so far will have counted there (None: count
+        # them again at the next draw).
+        self.penalty_row: int | None = None
+        self.penalty_counted: int | None = None
         self.req_pool_idx: int | None = None
         self.kv_len = 0  # tokens whose K/V are in the pool
         self.tree_len = 0  # leading tokens of the row owned by the radix tree
@@ -227,6 +232,7 @@ class Req:
         """Jump-forward: the output becomes its first `kept` tokens plus `tail`, whose text
         is `text`; the detokenizer goes on from there without decoding it all again."""
         self.output_ids = self.output_ids[:kept] + tail
+        self.penalty_counted = None  # (its penalty counts are of the old tail)
         self._decoded_text = text
         self._prefix_offset, self._read_offset = kept, len(self.output_ids)
         self._tried = len(self.output_ids)

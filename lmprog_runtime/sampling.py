@@ -9,13 +9,14 @@ request's own seeded generator, so a request samples the same tokens whatever el
 its batch. Logprobs are reported from the model's raw distribution (log-softmax of the
 unprocessed logits).
 
-Everything runs on the logits' device: per-request parameters (one tensor), output ids for
-penalties and grammar bitmasks are built on the host and copied there. The draw
-depends on that device: on the CPU it reproduces `torch.multinomial` with the request's
-generator (tokens identical to the multinomial reference); on an accelerator the whole batch
-is one exponential race whose noise is hashed from each request's seed and draw number
-(`keyed_race.py`), so a seed reproduces its tokens on an accelerator, whatever shares the
-batch, but not the CPU's tokens (the logits differ there anyway).
+Everything runs on the logits' device: per-request parameters (one tensor) and grammar
+bitmasks are built on the host and copied there; penalties count each request's tokens on
+the device as they are drawn (`penalties.py`). The draw depends on that device: on the
+CPU it reproduces `torch.multinomial` with the request's generator (tokens identical to
+the multinomial reference); on an accelerator the whole batch is one exponential race
+whose noise is hashed from each request's seed and draw number (`keyed_race.py`), so a
+seed reproduces its tokens on an accelerator, whatever shares the batch, but not the
+CPU's tokens (the logits differ there anyway).
 
 What sampling reads of a request is taken first, on the engine's loop thread
 (`sample_rows`); drawing from those `SampleRow`s (`sample_each`) reads no request, so the
@@ -26,7 +27,6 @@ goes on changing the requests.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 from typing import NamedTuple
 
@@ -34,6 +34,7 @@ import torch
 
 from lmprog_runtime.constrained.base import mask_words, unpack_mask_words
 from lmprog_runtime.keyed_race import keyed_race, race_key
+from lmprog_runtime.penalties import PenaltyCounts, PenaltyRow
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling_filters import top_k_top_p, top_k_top_p_unsorted
 from lmprog_runtime.sampling_params import SamplingParams
@@ -50,20 +51,25 @@ NO_MASS = (
 class SampleRow(NamedTuple):
     """What sampling reads of one request, taken when its row is drawn: its parameters,
     generator and race key (`keyed_race.race_key` of its seed and the tokens it has so far;
-    0 when greedy), its output so far (when it has penalties), the tokens it may not draw
-    yet (EOS and stop tokens under min_new_tokens) and its grammar's allowed tokens as bits."""
+    0 when greedy), its row of penalty counts (when it has penalties), the tokens it may
+    not draw yet (EOS and stop tokens under min_new_tokens) and its grammar's allowed
+    tokens as bits."""
 
     rid: int
     params: SamplingParams
     generator: torch.Generator
     key: int
-    penalty_ids: list[int] | None
+    penalty: PenaltyRow | None
     banned: list[int]
     mask_words: torch.Tensor | None  # int32 [ceil(vocab / 32)] on the host
 
 
-def sample_rows(reqs: list[Req], vocab: int) -> list[SampleRow]:
-    """Each request's `SampleRow` now (on the thread that owns the requests)."""
+def sample_rows(
+    reqs: list[Req], vocab: int, counts: PenaltyCounts, offset: int = 0, draws: int = 1
+) -> list[SampleRow]:
+    """Each request's `SampleRow` now (on the thread that owns the requests), for `draws`
+    draws from it when the requests have `offset` tokens more than they hold (a decode
+    run's; `counts` keeps the penalised requests' counts)."""
     constrained = [req for req in reqs if req.matcher is not None]
     words = iter(mask_words([req.matcher for req in constrained], vocab)) if constrained else None
     rows = []
@@ -74,10 +80,10 @@ def sample_rows(reqs: list[Req], vocab: int) -> list[SampleRow]:
             # A grammar decides by itself where its output may end: its EOS stays allowed.
             keep = {req.grammar_eos} if req.matcher is not None else set()
             banned = [t for t in (req.eos_token_ids | req.stop_token_ids) - keep if 0 <= t < vocab]
-        penalty_ids = list(req.output_ids) if params.has_penalties else None
+        penalty = counts.row_of(req, offset, draws) if params.has_penalties else None
         mask = next(words) if req.matcher is not None else None
         key = 0 if params.is_greedy else race_key(req.seed, len(req.output_ids))
-        rows.append(SampleRow(req.rid, params, req.generator, key, penalty_ids, banned, mask))
+        rows.append(SampleRow(req.rid, params, req.generator, key, penalty, banned, mask))
     return rows
 
 
@@ -88,16 +94,12 @@ def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits.index_select(0, index_tensor(rows, logits.device))
 
 
-def sample_token_ids(
-    logits: torch.Tensor, rows: list[SampleRow], ahead: torch.Tensor | None = None
-) -> torch.Tensor:
+def sample_token_ids(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """The tokens drawn for `rows` from `logits` [len(rows), vocab], as an int64 tensor on
     the logits' device; -1 for a row whose distribution has no mass (`NO_MASS`). On an
-    accelerator nothing is read back from the device (`on_accelerator`). `ahead`
-    [len(rows), h]: tokens each row has drawn on the device past its `penalty_ids` (a
-    decode run's), which its penalties count too: drawn tokens, in [0, vocab), or -1
-    for a draw that failed (counted as token 0: that row's request fails anyway)."""
-    logits = _apply_penalties_and_masks(logits, rows, ahead)
+    accelerator nothing is read back from the device (`on_accelerator`). The penalties'
+    counts are read, not counted (`sample_each` counts the tokens it returns)."""
+    logits = _apply_penalties_and_masks(logits, rows)
     token_ids = argmax_rows(logits)  # [batch]
     sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if sampled_rows:
@@ -118,32 +120,50 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample_each(
-    logits: torch.Tensor, rows: list[SampleRow], ahead: torch.Tensor | None = None
+    logits: torch.Tensor, rows: list[SampleRow]
 ) -> tuple[torch.Tensor, dict[int, Exception]]:
     """`sample_token_ids` for the batch; if it raises, each row is drawn alone (seeded
     generators rewound first, so the others draw what they would have). Returns the token
-    ids (-1 where a row failed or had no mass) and each failed row's error, by row index."""
+    ids (-1 where a row failed or had no mass) and each failed row's error, by row index;
+    the penalised rows' counts then count their tokens."""
     seeded = (
         []
         if on_accelerator(logits.device)
         else [r.generator for r in rows if not r.params.is_greedy]
     )
     states = [generator.get_state() for generator in seeded]
+    errors: dict[int, Exception] = {}
     try:
-        return sample_token_ids(logits, rows, ahead), {}
+        token_ids = sample_token_ids(logits, rows)
     except Exception:  # noqa: BLE001 - find the culprit below
         logger.exception("sampling failed; sampling each request alone")
-    for generator, state in zip(seeded, states):
-        generator.set_state(state)
-    token_ids = torch.full((len(rows),), -1, dtype=torch.int64, device=logits.device)
-    errors: dict[int, Exception] = {}
-    for i, row in enumerate(rows):
-        try:
-            mine = None if ahead is None else ahead[i : i + 1]
-            token_ids[i : i + 1] = sample_token_ids(logits[i : i + 1], [row], mine)
-        except Exception as error:  # noqa: BLE001 - this row fails, the rest go on
-            errors[i] = error
+        for generator, state in zip(seeded, states):
+            generator.set_state(state)
+        token_ids = torch.full((len(rows),), -1, dtype=torch.int64, device=logits.device)
+        for i, row in enumerate(rows):
+            try:
+                token_ids[i : i + 1] = sample_token_ids(logits[i : i + 1], [row])
+            except Exception as error:  # noqa: BLE001 - this row fails, the rest go on
+                errors[i] = error
+    _count_drawn(rows, token_ids, errors)
     return token_ids, errors
+
+
+def _count_drawn(
+    rows: list[SampleRow], token_ids: torch.Tensor, errors: dict[int, Exception]
+) -> None:
+    """The penalised rows that did not fail count their tokens; if counting raises, they
+    fail (`errors`)."""
+    penalised = [i for i, row in enumerate(rows) if row.penalty is not None and i not in errors]
+    if not penalised:
+        return
+    try:
+        drawn = take_rows(token_ids, penalised)
+        rows[penalised[0]].penalty.counts.count_drawn([rows[i].penalty for i in penalised], drawn)
+    except Exception as error:  # noqa: BLE001 - these rows fail, the rest go on
+        logger.exception("counting the penalised rows' tokens failed")
+        for i in penalised:
+            errors[i] = error
 
 
 def on_accelerator(device: torch.device) -> bool:
@@ -244,15 +264,15 @@ def _cpu_generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def _apply_penalties_and_masks(
-    logits: torch.Tensor, rows: list[SampleRow], ahead: torch.Tensor | None = None
-) -> torch.Tensor:
+def _apply_penalties_and_masks(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     vocab = logits.shape[-1]
     cloned = False
-    penalised = [i for i, row in enumerate(rows) if row.penalty_ids is not None]
+    penalised = [i for i, row in enumerate(rows) if row.penalty is not None]
     if penalised:
-        logits, cloned = logits.clone(memory_format=torch.contiguous_format), True
-        _apply_penalties(logits, [rows[i] for i in penalised], penalised, ahead)
+        logits, cloned = logits.clone(), True
+        mine = [rows[i] for i in penalised]
+        weights = [(r.params.frequency_penalty, r.params.presence_penalty) for r in mine]
+        mine[0].penalty.counts.apply(logits, [r.penalty for r in mine], weights, penalised)
     # (row, token) pairs banned this step, set at once: one index copy and one launch for
     # the batch (a decode batch under min_new_tokens bans EOS in every row, every step).
     banned_rows: list[int] = []
@@ -274,60 +294,6 @@ def _apply_penalties_and_masks(
         allowed = unpack_mask_words(words, vocab, logits.device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits
-
-
-def _apply_penalties(
-    logits: torch.Tensor,
-    rows: list[SampleRow],
-    index: list[int],
-    ahead: torch.Tensor | None = None,
-) -> None:
-    """Frequency and presence penalties of `rows` (each with `penalty_ids`, and the tokens
-    it has drawn `ahead` [len(logits), h]) on `logits[index]`, in place (`logits`
-    contiguous): `logit - frequency * count - presence` at each token a row has, read
-    and written at those tokens alone, with no pass over [rows, vocab]. Token ids outside
-    the vocabulary count for nothing. One index copy in, nothing read back; the counts
-    are exact (ones summed in the logits' float32: whole numbers, whatever order a GPU's
-    atomics add them in), so the result is deterministic."""
-    vocab, device = logits.shape[-1], logits.device
-    ids = [_in_vocab(row.penalty_ids, vocab) for row in rows]
-    lengths = [len(t) for t in ids]
-    n = sum(lengths)
-    sent = index_tensor([*itertools.chain.from_iterable(ids), *lengths, *index], device)
-    at_ids, lengths_t, where = sent[:n], sent[n : n + len(rows)], sent[n + len(rows) :]
-    mine = torch.arange(len(rows), device=device)
-    at_rows = mine.repeat_interleave(lengths_t, output_size=n)
-    if ahead is not None:  # (a row's -1, a draw that failed, counts as token 0: it fails)
-        drawn = ahead.index_select(0, where)  # [m, h]
-        at_rows = torch.cat([at_rows, mine[:, None].expand_as(drawn).flatten()])
-        at_ids = torch.cat([at_ids, drawn.flatten().clamp(min=0)])
-    host = [
-        [row.params.frequency_penalty for row in rows],
-        [row.params.presence_penalty for row in rows],
-    ]
-    weights = to_device(torch.tensor(host, dtype=torch.float64, device="cpu"), device)
-    weights = weights.to(logits.dtype)
-    # Each (row, token) once per time the row has it, sorted: a run of k equal keys is a
-    # token the row has k times.
-    key = (at_rows * vocab + at_ids).sort().values
-    starts = torch.ones_like(key, dtype=torch.bool)
-    starts[1:] = key[1:] != key[:-1]
-    run = starts.cumsum(0) - 1
-    count = torch.zeros(key.numel(), dtype=logits.dtype, device=device)
-    count = count.index_add_(0, run, torch.ones_like(count))[run]
-    row = key // vocab
-    flat = where[row] * vocab + key % vocab  # into `logits`
-    values = logits.view(-1)[flat]  # (a token a row has k times is here k times ...)
-    values -= weights[0][row] * count
-    values -= weights[1][row]
-    logits.view(-1)[flat] = values  # (... each time with the same value)
-
-
-def _in_vocab(ids: list[int], vocab: int) -> list[int]:
-    """`ids` less those outside [0, vocab) (a C-speed check first: they are rare)."""
-    if ids and (max(ids) >= vocab or min(ids) < 0):
-        return [t for t in ids if 0 <= t < vocab]
-    return ids
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -3,9 +3,9 @@
 Every `lmprog_runtime.Engine` built while the tests run (by a test, by a fixture of any
 scope, or by the library for a test) is registered. After every test, each registered
 engine that is still serving must be clean: all KV slots free or held unlocked by the prefix
-cache, all request slots free, nothing running or waiting. An engine shut down during the
-test (`with Engine(...)`, `engine.shutdown()`) is checked the same way just before its
-shutdown, since shutting down fails whatever is left and so hides a leak.
+cache, all request slots and penalty rows free, nothing running or waiting. An engine shut
+down during the test (`with Engine(...)`, `engine.shutdown()`) is checked the same way just
+before its shutdown, since shutting down fails whatever is left and so hides a leak.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def engine_leak(engine) -> dict[str, int] | None:
             and state["req_slots_free"] == state["req_slots_total"]
             and state["num_running"] == 0
             and state["num_waiting"] == 0
+            and state["penalty_rows_used"] == 0
         )
         if clean:
             return None

@@ -11,6 +11,7 @@ on CUDA (there a forward is queued, here it runs: the bookkeeping is the same).
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -105,39 +106,55 @@ def assert_same_logprobs(got: dict, want: dict) -> None:
                 assert token == other or tied, name
 
 
-def record_penalty_counts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, list[int], int]]:
+def record_penalty_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> list[tuple[int, collections.Counter, int]]:
     """A list that gets, for each penalised row of each draw in a decode run, (request id,
-    the tokens the draw counts for its penalties: the host's, then the device's, token)."""
+    the counts its penalties read on the device: token -> times, the token it drew)."""
     from lmprog_runtime import decode_run
+    from lmprog_runtime.penalties import PenaltyCounts
 
-    counted: list[tuple[int, list[int], int]] = []
-    sample_each = decode_run.sample_each
+    counted: list[tuple[int, collections.Counter, int]] = []
+    read: dict[int, collections.Counter] = {}  # the last draw's, by row of the table
+    apply, sample_each = PenaltyCounts.apply, decode_run.sample_each
 
-    def recording(logits, rows, ahead=None):
-        token_ids, errors = sample_each(logits, rows, ahead)
-        extra = ahead.tolist() if ahead is not None else [[] for _ in rows]
-        for row, since, token in zip(rows, extra, token_ids.tolist()):
-            if row.penalty_ids is not None:
-                counted.append((row.rid, row.penalty_ids + since, token))
+    def applying(self, logits, rows, weights, where):
+        apply(self, logits, rows, weights, where)
+        for row in rows:
+            mine = self._counts[row.row]
+            tokens = mine.nonzero().flatten().tolist()
+            read[row.row] = collections.Counter(dict(zip(tokens, mine[tokens].int().tolist())))
+
+    def recording(logits, rows):
+        read.clear()
+        token_ids, errors = sample_each(logits, rows)
+        for row, token in zip(rows, token_ids.tolist()):
+            if row.penalty is not None:
+                counted.append((row.rid, read[row.penalty.row], token))
         return token_ids, errors
 
+    monkeypatch.setattr(PenaltyCounts, "apply", applying)
     monkeypatch.setattr(decode_run, "sample_each", recording)
     return counted
 
 
 def assert_each_draw_counts_its_tokens(
-    counted: list[tuple[int, list[int], int]], outputs: dict[int, list[int]]
+    counted: list[tuple[int, collections.Counter, int]], outputs: dict[int, list[int]]
 ) -> None:
     """Each draw `record_penalty_counts` saw counted exactly its request's tokens so far:
-    in order, the first tokens of its output, and the token it drew the next one (where
-    the output has them: a request that stopped inside a run drew past its end)."""
+    the first tokens of its output, each as many times as it is there, and the token it
+    drew the next one (where the output has them: a request that stopped inside a run
+    drew past its end, and counted all its output then)."""
     whole = 0
-    for rid, tokens, token in counted:
+    for rid, counts, token in counted:
         output = outputs[rid]
-        n = min(len(tokens), len(output))
-        assert tokens[:n] == output[:n], rid
-        if len(tokens) < len(output):
-            assert output[len(tokens)] == token, rid
+        n = counts.total()
+        if n <= len(output):
+            assert counts == collections.Counter(output[:n]), rid
+        else:
+            assert not collections.Counter(output) - counts, rid
+        if n < len(output):
+            assert output[n] == token, rid
             whole += 1
     assert whole > len(counted) // 2
 
@@ -151,10 +168,11 @@ def stop_inside(engine: Engine, prompt: str, params: dict) -> str:
 
 def assert_slots_free(engine: Engine) -> dict:
     """At once (no waiting): every KV slot free or cached, none locked, every request slot
-    free. Returns the memory state."""
+    and penalty row free. Returns the memory state."""
     state = engine.memory_state()
     assert state["kv_slots_free"] + state["kv_slots_cached"] == state["kv_slots_total"]
     assert state["kv_slots_locked"] == 0 and state["req_slots_free"] == state["req_slots_total"]
+    assert state["penalty_rows_used"] == 0
     return state
 
 
@@ -218,10 +236,10 @@ def count_runs_ahead(engine: Engine) -> list[int]:
     launched: list[int] = []
     launch_run = engine._launch_run
 
-    def counted(batch, ahead, first_ids=None, offset=0, uncommitted=None):
+    def counted(batch, ahead, first_ids=None, offset=0):
         if offset:
             launched.append(offset)
-        return launch_run(batch, ahead, first_ids, offset, uncommitted)
+        return launch_run(batch, ahead, first_ids, offset)
 
     engine._launch_run = counted
     return launched

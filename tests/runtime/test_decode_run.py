@@ -268,17 +268,24 @@ def test_streamed_chunks_are_identical_in_order_and_content(engines):
 
 
 @pytest.mark.parametrize("failing", [2, 5], ids=["first_run", "run_ahead"])
-def test_a_run_that_fails_runs_its_first_step_again(engines, failing):
+def test_a_run_that_fails_runs_its_first_step_again(engines, failing, monkeypatch):
     """A forward fails in the middle of a run: the run is dropped (its further slots
-    freed, the seeded generators rewound) and, for the first run, its first step runs
-    alone; a run launched ahead of the one before's commit is dropped and the loop
-    schedules after that commit. The outputs are those of single steps."""
+    freed, the seeded generators rewound, the penalty counts its steps counted counted
+    again at the next draw) and, for the first run, its first step runs alone; a run
+    launched ahead of the one before's commit is dropped and the loop schedules after
+    that commit (the next run then counts its penalised requests again first). The
+    outputs are those of single steps, and each draw of a run counts exactly its
+    request's tokens so far."""
     single, runs = engines
+    free = {"max_new_tokens": 15, "ignore_eos": True}
     mix = [
-        {"max_new_tokens": 15, "temperature": 0.9, "seed": 21, "ignore_eos": True},
-        {"max_new_tokens": 15, "temperature": 0, "ignore_eos": True},
+        {**free, "temperature": 0.9, "seed": 21},
+        {**free, "temperature": 0},
+        {**free, "temperature": 0, "frequency_penalty": -1.5},  # (repeats: counts matter)
+        {**free, "temperature": 0.9, "seed": 3, "presence_penalty": -1.0},
     ]
-    want = single.generate(PROMPTS[:2], mix)
+    prompts = PROMPTS[: len(mix)]
+    want = single.generate(prompts, mix)
     run, prepare_run = runs.runner.run, runs.runner.prepare_run
     ahead: set[int] = set()  # id() of the runs' steps ahead
     num_ahead = [0]
@@ -296,12 +303,15 @@ def test_a_run_that_fails_runs_its_first_step_again(engines, failing):
         return run(fb)
 
     runs.runner.run, runs.runner.prepare_run = failing_run, marking_prepare_run
+    counted = record_penalty_counts(monkeypatch)
     try:
-        got = runs.generate(PROMPTS[:2], mix)
+        got = runs.generate(prompts, mix)
     finally:
         del runs.runner.run, runs.runner.prepare_run
     assert num_ahead[0] > failing
     assert [result_key(o) for o in got] == [result_key(o) for o in want]
+    outputs = {o["meta_info"]["id"]: o["output_ids"] for o in got}
+    assert_each_draw_counts_its_tokens(counted, outputs)
 
 
 def test_runs_are_launched_ahead_of_the_commit_before(engines):

@@ -46,31 +46,31 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(engine):
         assert out["output_ids"] == greedy["output_ids"], extra
 
 
-def test_penalties_match_a_reference_decoding_loop(engine, hf_tiny):
+@pytest.mark.parametrize(
+    ("prompt", "freq", "pres"), [(5, 0.7, 1.1), (0, -1.5, 0.0), (2, 0.0, -2.0)]
+)
+def test_penalties_match_a_reference_decoding_loop(engine, hf_tiny, prompt, freq, pres):
+    """Greedy with penalties: transformers' forward, penalised from a bincount of the
+    tokens so far, token for token; penalties that change the output (so the counts
+    each draw reads matter)."""
     model, tokenizer = hf_tiny
-    freq, pres = 0.7, 1.1
+    params = {"max_new_tokens": 16, "temperature": 0}
     out = engine.generate(
-        PROMPTS[2],
-        {
-            "max_new_tokens": 12,
-            "temperature": 0,
-            "frequency_penalty": freq,
-            "presence_penalty": pres,
-        },
+        PROMPTS[prompt], {**params, "frequency_penalty": freq, "presence_penalty": pres}
     )
-    ids = tokenizer(PROMPTS[2], return_tensors="pt").input_ids
+    ids = tokenizer(PROMPTS[prompt], return_tensors="pt").input_ids
     generated: list[int] = []
     with torch.inference_mode():
-        for _ in range(12):
-            logits = model(torch.cat([ids, torch.tensor([generated], dtype=torch.long)], 1)).logits[
-                0, -1
-            ]
+        for _ in range(16):
+            tokens = torch.cat([ids, torch.tensor([generated], dtype=torch.long)], 1)
+            logits = model(tokens).logits[0, -1]
             counts = torch.bincount(
                 torch.tensor(generated, dtype=torch.long), minlength=logits.numel()
             )
-            logits = logits - freq * counts - pres * (counts > 0).float()
+            logits = logits - (freq * counts + pres * (counts > 0).float())
             generated.append(int(logits.argmax()))
     assert out["output_ids"] == generated
+    assert generated != engine.generate(PROMPTS[prompt], params)["output_ids"]
 
 
 def test_stop_string_spanning_tokens_is_cut(engine, hf_tiny):

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import Counter
 
 import jsonschema
 import pytest
 
 from lmprog_runtime import Engine
 from lmprog_runtime.constrained.outlines_backend import OutlinesGrammarBackend
+from lmprog_runtime.penalties import PenaltyCounts
 
 SCHEMA = {
     "type": "object",
@@ -139,6 +141,38 @@ def test_mixed_batch_with_jump_forward_equals_each_alone(engines):
     alone = [on.generate(p, {**base, **extra}) for p, extra in requests]
     assert [o["output_ids"] for o in batch] == [o["output_ids"] for o in alone]
     assert on.memory_state()["kv_slots_locked"] == 0
+
+
+def test_penalties_count_the_tokens_a_jump_forward_wrote(engines, monkeypatch):
+    """Penalties with jump-forward: the tokens a jump appends (or retokenizes) are not
+    drawn, so the request's counts are counted again from its output at its next draw.
+    Every draw's counts equal its request's output at that draw, as a multiset."""
+    on, _ = engines
+    held: dict[int, list[int]] = {}  # the output of the request each row is drawn for
+    seen: list[tuple[Counter, Counter]] = []
+    row_of, apply = PenaltyCounts.row_of, PenaltyCounts.apply
+
+    def recording_row_of(self, req, offset=0, draws=1):
+        row = row_of(self, req, offset, draws)
+        held[row.row] = list(req.output_ids)
+        return row
+
+    def recording_apply(self, logits, rows, weights, where):
+        apply(self, logits, rows, weights, where)
+        for row in rows:
+            tokens = self._counts[row.row].nonzero().flatten().tolist()
+            counts = self._counts[row.row][tokens].int().tolist()
+            seen.append((Counter(dict(zip(tokens, counts))), Counter(held[row.row])))
+
+    monkeypatch.setattr(PenaltyCounts, "row_of", recording_row_of)
+    monkeypatch.setattr(PenaltyCounts, "apply", recording_apply)
+    params = {"max_new_tokens": 120, "temperature": 0, "json_schema": json.dumps(SCHEMA)}
+    params |= {"frequency_penalty": 0.4, "presence_penalty": 0.2}
+    outs, stats = _run(on, PROMPTS, params)
+    for out in outs:
+        jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    assert stats["jump_forward_tokens"] > 40 and len(seen) > 10
+    assert all(got == want for got, want in seen)
 
 
 def test_jump_forward_at_the_start_and_in_a_program(engines):

@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lmprog_runtime.penalties import PenaltyCounts, PenaltyRow
 from lmprog_runtime.sampling import (
     SampleRow,
-    _apply_penalties_and_masks,
     _exponential_race,
     _race_matches_multinomial,
     argmax_rows,
@@ -257,84 +257,13 @@ def test_argmax_rows_is_argmax_ties_and_non_finite_values_included(
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
-def test_penalties_of_a_batch_equal_each_row_penalised_alone():
-    """Every penalised row counted in one accumulate: each row as the per-row reference
-    (bincount of its output, frequency then presence), bit for bit; rows without
-    penalties untouched; an output id past the vocabulary counts for nothing."""
-    vocab = 50
-    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(2))
-    outputs = [[3, 3, 7, 49, 3], None, [0, 12, 12, 60], [5]]
-    params = [
-        SamplingParams(frequency_penalty=0.7, presence_penalty=0.2),
-        SamplingParams(),
-        SamplingParams(frequency_penalty=-0.4, presence_penalty=1.5),
-        SamplingParams(presence_penalty=0.9),
-    ]
-    rows = [
-        SampleRow(i, p, None, 0, ids, [], None) for i, (p, ids) in enumerate(zip(params, outputs))
-    ]
-    got = _apply_penalties_and_masks(logits, rows)
-    for i, (p, ids) in enumerate(zip(params, outputs)):
-        want = logits[i].clone()
-        if ids is not None:
-            counts = torch.bincount(torch.tensor(ids), minlength=vocab)[:vocab].float()
-            want -= p.frequency_penalty * counts
-            want -= p.presence_penalty * (counts > 0).float()
-        assert torch.equal(got[i], want), i
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.data())
-def test_penalties_counting_tokens_drawn_ahead_equal_a_dense_count(data):
-    """Penalties read and written at the tokens a row has alone (sorted counts), with
-    tokens drawn ahead on the device counted too: bit for bit the dense reference
-    (bincount of the output and the tokens ahead, frequency then presence), whatever
-    repeats, whichever rows are penalised, in any order; other rows untouched."""
-    vocab = data.draw(st.integers(2, 40))
-    num = data.draw(st.integers(1, 5))
-    steps = data.draw(st.integers(0, 3))  # tokens drawn ahead per row
-    token = st.integers(0, vocab + 3)  # (past the vocabulary: counts for nothing)
-    outputs = data.draw(
-        st.lists(st.none() | st.lists(token, max_size=12), min_size=num, max_size=num)
-    )
-    weights = st.sampled_from([0.0, 0.5, -0.4, 1.5, 0.3])
-    params = [
-        SamplingParams(frequency_penalty=data.draw(weights), presence_penalty=data.draw(weights))
-        for _ in range(num)
-    ]
-    ahead_ids = data.draw(
-        st.lists(
-            st.lists(st.integers(0, vocab - 1), min_size=steps, max_size=steps),
-            min_size=num,
-            max_size=num,
-        )
-    )
-    seed = data.draw(st.integers(0, 2**16))
-    logits = torch.randn(num, vocab, generator=torch.Generator().manual_seed(seed))
-    rows = [
-        SampleRow(i, p, None, 0, ids, [], None) for i, (p, ids) in enumerate(zip(params, outputs))
-    ]
-    ahead = torch.tensor(ahead_ids, dtype=torch.int64).view(num, steps) if steps else None
-    got = _apply_penalties_and_masks(logits, rows, ahead)
-    for i, (p, ids) in enumerate(zip(params, outputs)):
-        want = logits[i].clone()
-        if ids is not None:
-            counted = [t for t in ids if t < vocab] + (ahead_ids[i] if steps else [])
-            counts = torch.bincount(
-                torch.tensor(counted, dtype=torch.int64), minlength=vocab
-            ).float()
-            want -= p.frequency_penalty * counts
-            want -= p.presence_penalty * (counts > 0).float()
-        assert torch.equal(got[i], want), i
-
-
 def test_the_accelerator_path_reads_nothing_back():
     """On an accelerator a draw must not wait for the device (with overlap scheduling the
     next forward is queued behind it). The logits on the `meta` device stand for it: any
     value read back (`item`, `nonzero`, `bincount`, `tolist`) raises there, while every
     kind of row (greedy, temperature, top-k, top-p, min-p, penalties, banned tokens, a
-    grammar mask) is drawn."""
-    vocab = 300
+    grammar mask) is drawn, and the penalties count its token."""
+    vocab, counts = 300, PenaltyCounts()
     words = torch.full(((vocab + 31) // 32,), -1, dtype=torch.int32)  # every token allowed
     params = [
         SamplingParams(temperature=0),
@@ -345,12 +274,15 @@ def test_the_accelerator_path_reads_nothing_back():
         SamplingParams(temperature=1.2),
     ]
     rows = [
-        SampleRow(i, p, torch.Generator().manual_seed(i), 17 + i, [1, 2, 2] if i == 4 else None,
+        SampleRow(i, p, torch.Generator().manual_seed(i), 17 + i,
+                  PenaltyRow(counts, 2, [1, 2, 2]) if i == 4 else None,
                   [0] if i == 1 else [], words if i == 3 else None)
         for i, p in enumerate(params)
     ]  # fmt: skip
     logits = torch.empty(len(rows), vocab, device="meta")
     token_ids = sample_token_ids(logits, rows)
     assert token_ids.device.type == "meta" and token_ids.shape == (len(rows),)
-    ahead = torch.empty(len(rows), 3, dtype=torch.int64, device="meta")  # (a decode run's)
-    assert sample_token_ids(logits, rows, ahead).shape == (len(rows),)
+    # The penalised row counted as it was, then its token counted (on the device).
+    rows[4] = rows[4]._replace(penalty=PenaltyRow(counts, 2, None))
+    token_ids, errors = sample_each(logits, rows)
+    assert token_ids.shape == (len(rows),) and errors == {}
