@@ -10,26 +10,15 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from harness import best_seconds  # noqa: E402
 
 from lmprog_runtime.sampling import argmax_rows  # noqa: E402
-
-
-def _best_ms(fn, iters: int, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        best = min(best, (time.perf_counter() - start) / iters)
-    return 1e3 * best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,8 +32,9 @@ def main(argv: list[str] | None = None) -> None:
         logits = torch.randn(rows, args.vocab, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
         iters = max(10, 2000 // rows)
-        torch_ms = _best_ms(functools.partial(torch.argmax, logits, dim=-1), iters, args.repeats)
-        ours_ms = _best_ms(functools.partial(argmax_rows, logits), iters, args.repeats)
+        argmax = functools.partial(torch.argmax, logits, dim=-1)
+        torch_ms = 1e3 * best_seconds(argmax, iters, args.repeats)
+        ours_ms = 1e3 * best_seconds(functools.partial(argmax_rows, logits), iters, args.repeats)
         print(
             f"{rows:4d} rows: argmax {torch_ms:.3f} ms, argmax_rows {ours_ms:.3f} ms "
             f"({torch_ms / ours_ms:.2f}x)"

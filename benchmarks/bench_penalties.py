@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from harness import best_seconds  # noqa: E402
 
 from lmprog_runtime.penalties import PenaltyCounts  # noqa: E402
 from lmprog_runtime.request import Req  # noqa: E402
@@ -62,13 +62,7 @@ def seconds_per_draw(reqs: list[Req], logits: torch.Tensor, recount: bool, repea
         for req, token in zip(reqs, token_ids.tolist()):
             req.output_ids.append(token)
 
-    draw()  # (warm-up: the first draw counts every row)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(DRAWS):
-            draw()
-        best = min(best, (time.perf_counter() - start) / DRAWS)
+    best = best_seconds(draw, DRAWS, repeats)  # (its warm-up draw counts every row)
     for req in reqs:
         counts.release(req)
     return best

@@ -159,6 +159,19 @@ class Phase:
         return {"min_s": self.best, "median_s": self.median, "all_s": self.seconds}
 
 
+def best_seconds(fn: Callable[[], Any], iters: int, repeats: int) -> float:
+    """The best, over `repeats` rounds, of a round's mean seconds per call of `fn` (`iters`
+    calls a round), after one call to warm up: for micro-benchmarks in one process."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
 def alternate(phases: Sequence[Phase], rounds: int, first_round: int = 0) -> None:
     """Run every phase once per round, forward order in even rounds and reversed in odd
     ones (ABBA...), so neither side always runs first on a machine that warms or drifts."""

@@ -36,11 +36,11 @@ its earlier tokens: no grammar (its mask follows each token; a step with a gramm
 request runs alone). Penalties do not stop a run: each draw counts its tokens on the
 device, where the next reads them (`penalties.py`). Neither do logprobs: each step's are
 gathered with its draw, on the device, and copied to the host with its tokens
-(`LogprobAsk`). What else a draw ahead depends on is
-counted for its step (`_rows_ahead`): EOS and stop tokens stay banned while
-`min_new_tokens` is not reached by that step, and seeded draws stay identical: a CPU
-generator draws once per token, in order, and an accelerator's race is keyed by the
-request's seed and how many tokens it has. Greedy and seeded outputs are token-identical
+(`LogprobAsk`). What else a draw ahead depends on is counted for its step
+(`_rows_ahead`): EOS and stop tokens stay banned while `min_new_tokens` is not reached by
+that step, and seeded draws stay identical: a CPU generator draws once per token, in
+order, and an accelerator's race is keyed by the request's seed and how many tokens it
+has. Greedy and seeded outputs are token-identical
 to `decode_steps=1` (`tests/runtime/test_decode_run.py`, float32 on a CPU; in bfloat16
 the batch's shape, which keeps a finished request to the end of its run, can move a
 token, as any batching can).

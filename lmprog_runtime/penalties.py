@@ -15,12 +15,12 @@ The two sides are kept apart. The host side (the engine's loop thread) hands out
 knows, per request, how many of its tokens the draws it queued will have counted
 (`Req.penalty_counted`); the device side (the draws, on the forward worker or the loop's
 stream, one after another) alone touches the tables, growing them when a row past
-their end is used. When the two disagree (a request's first draw, a jump-forward that rewrote its
-output, a draw or a run that was queued in part and dropped), the row is counted again
-from the request's output on the host (`PenaltyRow.reset`), which the draw applies first;
-that is only possible when none of the request's tokens is still being drawn, and
-anything else raises (a draw then fails the request, a decode run is not launched),
-never a wrong count.
+their end is used. When the two disagree (a request's first draw, a jump-forward that
+rewrote its output, a draw or a run that was queued in part and dropped), the row is
+counted again from the request's output on the host (`PenaltyRow.reset`), which the
+draw applies first; that is only possible when none of the request's tokens is still
+being drawn, and anything else raises (a draw then fails the request, a decode run is
+not launched), never a wrong count.
 
 The counts are whole numbers in float32 (exact to 2^24), and each penalty is computed
 from its count alone, the same way wherever it is: deterministic, and the same on every
