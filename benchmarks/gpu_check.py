@@ -30,6 +30,11 @@ root without installing anything:
 
     python3 benchmarks/gpu_check.py             # CUDA
     python3 benchmarks/gpu_check.py --cpu-smoke # the plumbing on a CPU, tiny sizes
+
+On the device machine, whose image lacks outlines-core, interegular and gguf, run it as
+`bash benchmarks/gpu_run.sh` with their wheels carried (`bash benchmarks/gpu_run.sh
+--fetch` here first, then the device tool's `run` with carry [".whl"]), so that the regex
+requests' grammar masks run on the device too.
 """
 
 from __future__ import annotations
@@ -159,8 +164,11 @@ def _instruct() -> list[str]:
 def load_hf(name: str, dtype: str, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path(name))  # float32 checkpoints
-    return model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    # Loaded in `dtype` (not cast after): a cast would round transformers' RoPE frequencies
+    # (`inv_freq`, a buffer) to bfloat16 too, a reference worse than the engine (whose
+    # cos/sin tables are computed in float32 and rounded once).
+    model = AutoModelForCausalLM.from_pretrained(model_path(name), dtype=getattr(torch, dtype))
+    return model.to(device).eval()
 
 
 def corpus_prompts(name: str, num: int, length: int, offset: int = 0) -> list[list[int]]:
@@ -350,8 +358,8 @@ def _logprob_diff(hf: Any, prompt: list[int], result: dict[str, Any]) -> float:
         logits = hf(torch.tensor([seq], device=hf.device)).logits[0].float()
     ref = torch.log_softmax(logits, dim=-1)  # [len, vocab]; row i scores token i + 1
     meta = result["meta_info"]
-    ours = [lp for lp, _ in meta["input_token_logprobs"][1:]]
-    ours += [lp for lp, _ in meta["output_token_logprobs"]]
+    ours = [lp for lp, *_ in meta["input_token_logprobs"][1:]]
+    ours += [lp for lp, *_ in meta["output_token_logprobs"]]
     want = [float(ref[i - 1, seq[i]]) for i in range(1, len(seq))]
     return max(abs(a - b) for a, b in zip(ours, want))
 
@@ -363,11 +371,14 @@ def greedy_equality(check: Check) -> dict[str, Any]:
     tails = corpus_prompts(name, groups * 4, 8, offset=5000)
     prompts = [shared[i // 4] + tails[i] for i in range(groups * 4)]
     params = {"max_new_tokens": 8 if check.smoke else 32, **GREEDY}
-    variants = {"cache_on": {}, "cache_off": {"disable_radix_cache": True}}
+    # float32: the identity holds there by design (in bfloat16 a graph's padded batch or a
+    # cache hit's extend shape may pick other kernel tiles and move a token).
+    base = {"dtype": "float32"}
+    variants = {"cache_on": base, "cache_off": {**base, "disable_radix_cache": True}}
     if not check.smoke:
-        variants["cuda_graphs_off"] = {"disable_cuda_graph": True}
+        variants["cuda_graphs_off"] = {**base, "disable_cuda_graph": True}
     tokens: dict[str, list[list[int]]] = {}
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"dtype": "float32"}
     for label, config in variants.items():
         with check.engine(name, **config) as engine:
             tokens[label] = [
@@ -488,7 +499,7 @@ def _logprob_agreement(got: list[dict[str, Any]], want: list[dict[str, Any]]) ->
         for x, y in zip(a.get("output_token_logprobs", []), b.get("output_token_logprobs", []))
     ]
     tops = [
-        [t for _, t in x] == [t for _, t in y]
+        [t for _, t, _ in x] == [t for _, t, _ in y]
         for a, b in same
         for x, y in zip(a.get("output_top_logprobs", []), b.get("output_top_logprobs", []))
     ]
@@ -722,9 +733,15 @@ def _overhead_run(
         entry["forward_passes"] = stats["forward_passes"]
         entry["decode_runs"] = stats["decode_runs"]
         entry["ms_per_step"] = 1e3 * stats["step_seconds"] / max(1, stats["forward_passes"])
-        entry["fraction_of_step_outside_forward_call"] = 1 - stats["forward_seconds"] / max(
-            stats["step_seconds"], 1e-9
-        )
+        share = 1 - stats["forward_seconds"] / max(stats["step_seconds"], 1e-9)
+        if check.device == "cuda" and not (entry["overlap"] and entry["decode_steps"] == 1):
+            # There the forward's time is its host call (the launches: CUDA returns before
+            # the kernels end); only the overlapped loop times the device, with events.
+            # `fraction_outside_gpu` (the profiler's) is the figure to compare.
+            entry["fraction_of_step_outside_forward_call"] = None
+            entry["forward_call_host_share"] = share
+        else:
+            entry["fraction_of_step_outside_forward_call"] = share
         return entry
 
 
@@ -759,6 +776,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check = Check(args)
     if not check.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --cpu-smoke to check the plumbing")
+    if check.device == "cuda":
+        # Kineto must be set up before any CUDA graph is captured, or the kernels of graphs
+        # captured earlier may be missing from `decode_overhead`'s profiles.
+        import torch.profiler._utils as profiler_utils
+
+        init = getattr(profiler_utils, "_init_for_cuda_graphs", None)
+        if init is not None:
+            init()
     for name, fn, min_s in SECTIONS:
         check.section(name, fn, min_s)
     print(f"[gpu_check] wrote {check.out}", flush=True)

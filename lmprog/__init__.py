@@ -37,8 +37,16 @@ from lmprog.api import (
     user_begin,
     user_end,
 )
-from lmprog.backend import Backend, EngineBackend, get_default_backend, set_default_backend
+from lmprog.backend import (
+    Backend,
+    EngineBackend,
+    flush_cache,
+    get_default_backend,
+    set_default_backend,
+)
 from lmprog.choices import (
+    ChoicesDecision,
+    ChoicesSamplingMethod,
     greedy_token_selection,
     token_length_normalized,
     unconditional_likelihood_normalized,
@@ -53,6 +61,8 @@ __all__ = [
     "REGEX_INT",
     "REGEX_STR",
     "Backend",
+    "ChoicesDecision",
+    "ChoicesSamplingMethod",
     "Engine",
     "EngineBackend",
     "Function",
@@ -62,6 +72,7 @@ __all__ = [
     "assistant_begin",
     "assistant_end",
     "default_model_path",
+    "flush_cache",
     "function",
     "gen",
     "gen_int",

@@ -127,15 +127,15 @@ def _check_numbers(ints: dict[str, Any], floats: dict[str, Any]) -> None:
             raise TypeError(f"{name} must be a number, got {type(value).__name__}")
 
 
-def gen_int(name: str | None = None, **kwargs: Any) -> Expr:
+def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Expr:
     """Generate an integer (constrained decoding); `s[name]` is its text: `int(s[name])`."""
-    return gen(name, dtype=int, **kwargs)
+    return gen(name, max_tokens, dtype=int, **kwargs)
 
 
-def gen_string(name: str | None = None, **kwargs: Any) -> Expr:
+def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Expr:
     """Generate a JSON string literal (constrained decoding); `s[name]` is the literal, quotes
     included, as in SGLang: `json.loads(s[name])` is the string."""
-    return gen(name, dtype=str, **kwargs)
+    return gen(name, max_tokens, dtype=str, **kwargs)
 
 
 def select(
@@ -152,9 +152,25 @@ def select(
     if len(set(choices)) != len(choices):
         raise ValueError(f"select has duplicate choices: {list(choices)}")
     if not isinstance(choices_method, ChoicesSamplingMethod):
-        raise TypeError("choices_method must be one of lp.token_length_normalized, ...")
+        raise TypeError(
+            "choices_method must be lp.token_length_normalized, lp.greedy_token_selection, "
+            "lp.unconditional_likelihood_normalized or a lmprog.choices.ChoicesSamplingMethod "
+            f"subclass instance, got {type(choices_method).__name__}"
+        )
+    if not choices_method.is_sglang_style and (
+        type(choices_method).decide is ChoicesSamplingMethod.decide
+    ):
+        raise TypeError(
+            f"choices_method {type(choices_method).__name__} implements neither decide(...) "
+            "nor SGLang's __call__(*, choices, normalized_prompt_logprobs, ...)"
+        )
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature > 0 and choices_method.is_sglang_style:
+        raise ValueError(
+            f"choices_method {choices_method.label} decides by its own __call__: "
+            "a select with it takes temperature 0 (as SGLang's)"
+        )
     return Select(name, tuple(choices), float(temperature), choices_method)
 
 

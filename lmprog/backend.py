@@ -107,8 +107,7 @@ class EngineBackend(Backend):
         want = [bool(p.pop("return_logprob", False)) or return_logprob for p in params]
         tops = [int(p.pop("top_logprobs_num", None) or 0) for p in params]
         own_starts = [p.pop("logprob_start_len", None) for p in params]
-        for p in params:
-            p.pop("return_text_in_logprobs", None)
+        texts = [bool(p.pop("return_text_in_logprobs", None)) for p in params]
         if logprob_start_len is None:
             logprob_start_len = [-1 if s is None else s for s in own_starts]
         return self.engine.submit(
@@ -117,6 +116,7 @@ class EngineBackend(Backend):
             return_logprob=want,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=tops,
+            return_text_in_logprobs=texts,
             group=group,
             on_chunk=on_chunk,
         )
@@ -162,6 +162,16 @@ def get_default_backend() -> Backend:
                 "no backend: call lp.set_default_backend(lp.Engine()) or pass run(backend=...)"
             )
         return _default_backend
+
+
+def flush_cache(backend: Any = None) -> bool:
+    """SGLang's `sgl.flush_cache()`: drop every cached prefix of `backend`'s engine (the
+    default backend's when None). Returns False (and drops nothing) while requests run."""
+    resolved = as_backend(backend) if backend is not None else get_default_backend()
+    engine = getattr(resolved, "engine", None)
+    if engine is None:
+        raise TypeError(f"{type(resolved).__name__} has no engine cache to flush")
+    return engine.flush_cache()
 
 
 _engine_backends: weakref.WeakKeyDictionary[Any, EngineBackend] = weakref.WeakKeyDictionary()

@@ -122,8 +122,9 @@ def _lines(path: Path, column: str) -> Iterator[dict[str, str]]:
 
 
 def _apply_settings(program: Function, pairs: list[str]) -> tuple[Function, dict[str, Any]]:
-    """`--set`: sampling options become defaults for every gen, the rest fix arguments."""
-    defaults, arguments = _split_kwargs(_parse_pairs(pairs, "--set"))
+    """`--set`: sampling options become defaults for every gen, the rest (and any the
+    program has a parameter for) fix arguments."""
+    defaults, arguments = _split_kwargs(_parse_pairs(pairs, "--set"), program.keyword_names)
     return (program.bind(**arguments) if arguments else program), defaults
 
 

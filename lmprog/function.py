@@ -1,6 +1,7 @@
 """The `@function` decorator: a Python function over a state `s` becomes a runnable program.
 
-`run` executes one program on the caller's thread; `run_batch` runs many on a bounded pool
+`run` executes one program on the caller's thread (with `stream=True`, on a thread of its
+own, returning at once); `run_batch` runs many on a bounded pool
 of threads (their requests reach the runtime together) and returns their states in input
 order, or as they finish; `map` runs one per row of a dataset (`lmprog.datasets`); `bind`
 fixes arguments; calling a Function runs it, or inlines it when its first argument is the
@@ -12,7 +13,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +55,12 @@ class Function:
         self.func = func
         self.bound = dict(bound or {})
         self.arg_names = [p.name for p in params[1:]]
+        # (the arguments a keyword can name: `run` gives them precedence over gen defaults)
+        self.keyword_names = frozenset(
+            p.name
+            for p in params[1:]
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        )
         functools.update_wrapper(self, func)
 
     def bind(self, **kwargs: Any) -> Function:
@@ -94,27 +102,40 @@ class Function:
         live: bool | None = None,
         **kwargs: Any,
     ) -> ProgramState:
-        """Run the program once, on this thread. Keywords that are sampling or request
-        options (`temperature`, `max_new_tokens`, `stop`, `return_logprob`, ...) become
-        defaults for every `gen`; the rest are the program's arguments.
+        """Run the program once. Keywords that are sampling or request options
+        (`temperature`, `max_new_tokens`, `stop`, `return_logprob`, ...) become defaults
+        for every `gen`, unless the program has a parameter of that name (`def
+        summarize(s, text, max_tokens)`): then it is the program's argument, as are the
+        other keywords.
 
-        Returns when the program has finished, or with `stream=True` as soon as its body
-        has run (read it with `text_iter()`). In a Jupyter notebook a streaming run also
-        shows its transcript in the cell, updated in place as tokens arrive (`live=False`
-        turns that off; `live=True` asks for it). An exception (the program's own, or a
+        Returns when the program has finished, or with `stream=True` at once, the body
+        running on a thread of its own as in SGLang: read the text as it comes with
+        `text_iter()`; on this thread `state[name]` waits for that variable, and `text()`,
+        `sync()`, `error()` and `ret_value` for the body to return and its nodes to run.
+        In a Jupyter notebook a streaming run also shows its transcript in the cell,
+        updated in place as tokens arrive (`live=False` turns that off; `live=True` asks
+        for it). An exception (the program's own, or a
         request the runtime refused) is raised unchanged; `error()` holds it too."""
-        defaults, arguments = _split_kwargs(kwargs)
+        defaults, arguments = _split_kwargs(kwargs, self.keyword_names)
         state = ProgramState.start(_resolve(backend), defaults, stream=stream)
-        if stream and (live or (live is None and in_notebook())):
-            show_live(state)
+        if stream:
+            if live or (live is None and in_notebook()):
+                show_live(state)
+            body = threading.Thread(
+                target=self._execute,
+                args=(state, args, arguments),
+                name=f"lmprog-stream-{self.func.__name__}",
+            )
+            state._body, state._caller = body, threading.get_ident()
+            body.start()
+            return state
         self._execute(state, args, arguments)
-        if not stream:
-            try:
-                state._wait_done()
-            except BaseException as error:  # Ctrl-C: its requests stop, then it goes on
-                state._cancel(error)
-                raise
-            state._raise_error()
+        try:
+            state._wait_done()
+        except BaseException as error:  # Ctrl-C: its requests stop, then it goes on
+            state._cancel(error)
+            raise
+        state._raise_error()
         return state
 
     def run_batch(
@@ -134,9 +155,13 @@ class Function:
         Returns the states in input order, or with `generator_style=True` an iterator that
         yields each state as its program finishes. A program that fails keeps its
         exception in `error()`; the others go on."""
-        defaults, extra = _split_kwargs(defaults)
+        defaults, extra = _split_kwargs(defaults, self.keyword_names)
         if extra:
-            raise TypeError(f"run_batch got unknown keyword arguments {sorted(extra)}")
+            raise TypeError(
+                f"run_batch got keyword arguments {sorted(extra)} that are no sampling "
+                "options: give the program's arguments in each item, or fix them with "
+                ".bind(...)"
+            )
         items = list(batch)
         for item in items:
             if not isinstance(item, (dict, tuple, list)):
@@ -281,10 +306,16 @@ def _resolve(backend: Any):
     return as_backend(backend) if backend is not None else get_default_backend()
 
 
-def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _split_kwargs(
+    kwargs: dict[str, Any], program_args: Collection[str] = ()
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(gen defaults, the program's arguments): a keyword naming one of `program_args` is
+    the program's, whatever it is called."""
     defaults, arguments = {}, {}
     for key, value in kwargs.items():
-        if key in _RUN_DEFAULTS:
+        if key in program_args:
+            arguments[key] = value
+        elif key in _RUN_DEFAULTS:
             defaults[_RUN_DEFAULTS[key]] = value
         elif key not in _RUN_IGNORED:
             arguments[key] = value

@@ -256,14 +256,8 @@ class Interpreter:
         # The logprob lists are the engine's live ones: take this chunk's snapshot.
         if meta.get("output_top_logprobs") is not None:
             meta["output_top_logprobs"] = list(meta["output_top_logprobs"][:num_tokens])
-        logprobs = meta.get("output_token_logprobs")
-        if logprobs is not None:
-            logprobs = list(logprobs[:num_tokens])
-            if stream.ops.defaults_or(gen, "return_text_in_logprobs"):
-                # Only the new entries get their text; earlier chunks' are kept.
-                done = (stream.st.meta.get(gen.name) or {}).get("output_token_logprobs") or []
-                logprobs = done + stream.ops.with_text(logprobs[len(done) :])
-            meta["output_token_logprobs"] = logprobs
+        if meta.get("output_token_logprobs") is not None:
+            meta["output_token_logprobs"] = list(meta["output_token_logprobs"][:num_tokens])
         stream.st.meta[gen.name] = meta
         stream.st.emit(chunk["text"], "gen", gen.name)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lmprog.backend import Backend
-from lmprog.choices import ChoicesSamplingMethod, token_length_normalized
+from lmprog.choices import ChoiceDecision, ChoicesSamplingMethod, token_length_normalized
 from lmprog.ir import (
     FLOAT_PATTERN,
     INT_PATTERN,
@@ -189,21 +189,12 @@ class ProgramOps:
             text = text[:-1]  # the number's end is consumed, like a stop string
         if not emitted:
             st.emit(text, "gen", gen.name)
-        meta = dict(out["meta_info"])
-        if meta.get("output_token_logprobs") is not None and self.defaults_or(
-            gen, "return_text_in_logprobs"
-        ):
-            meta["output_token_logprobs"] = self.with_text(meta["output_token_logprobs"])
         st.variables[gen.name] = text
-        st.meta[gen.name] = meta
+        st.meta[gen.name] = dict(out["meta_info"])
 
     def defaults_or(self, gen: Gen, key: str) -> Any:
         value = gen.sampling.get(key)
         return self.defaults.get(key) if value is None else value
-
-    def with_text(self, logprobs: list) -> list:
-        """`(logprob, token_id)` pairs as SGLang's `(logprob, token_id, token_text)` triples."""
-        return [(lp, tid, self.backend.decode([tid])) for lp, tid, *_ in logprobs]
 
     # ---- select ---------------------------------------------------------------------------
     def select_plan(self, st: ExecState, sel: Select) -> SelectPlan:
@@ -221,7 +212,7 @@ class ProgramOps:
             fulls.append(full)
             starts.append(k)
         bare = None
-        if _method(sel).needs_unconditional:
+        if _method(sel).requires_unconditional_logprobs:
             ctx = self.backend.context_token_id
             bare = [[ctx, *full[k:]] for full, k in zip(fulls, starts)]
         return SelectPlan(len(prompt), fulls, starts, bare)
@@ -237,14 +228,39 @@ class ProgramOps:
     @staticmethod
     def finish_select(st: ExecState, sel: Select, plan: SelectPlan, outs: list[dict]) -> None:
         n = len(sel.choices)
-        token_lps = [[lp for lp, _ in o["meta_info"]["input_token_logprobs"]] for o in outs[:n]]
-        unconditional = None
+        entries = [o["meta_info"]["input_token_logprobs"] for o in outs[:n]]
+        token_lps = [[lp for lp, *_ in e] for e in entries]
+        bare = None
         if plan.bare is not None:
-            unconditional = [
-                [lp for lp, _ in o["meta_info"]["input_token_logprobs"]] for o in outs[n:]
-            ]
+            bare = [o["meta_info"]["input_token_logprobs"] for o in outs[n:]]
         method = _method(sel)
-        decision = method.decide(token_lps, unconditional)
+        normalized = [sum(lps) / len(lps) for lps in token_lps]
+        unconditional = None if bare is None else [[lp for lp, *_ in e] for e in bare]
+        if method.is_sglang_style:  # a method written for SGLang: its own __call__
+            decided = method(
+                choices=list(sel.choices),
+                normalized_prompt_logprobs=normalized,
+                input_token_logprobs=entries,
+                output_token_logprobs=[[] for _ in range(n)],
+                unconditional_token_logprobs=bare,
+            )
+            if not hasattr(decided, "decision"):
+                raise TypeError(
+                    f"select {sel.name!r}: {method.label} returned "
+                    f"{type(decided).__name__}, not a ChoicesDecision(decision, meta_info)"
+                )
+            if decided.decision not in sel.choices:
+                raise ValueError(
+                    f"select {sel.name!r}: {method.label} decided {decided.decision!r}, "
+                    "not one of its choices"
+                )
+            method_meta = dict(decided.meta_info or {})
+            decision = ChoiceDecision(
+                sel.choices.index(decided.decision), method_meta.get("scores", normalized)
+            )
+        else:
+            decision = method.decide(token_lps, unconditional)
+            method_meta = method.extra_meta(token_lps, unconditional, decision)
         index = decision.index
         if sel.temperature > 0:
             top = max(decision.scores)
@@ -254,16 +270,20 @@ class ProgramOps:
         st.emit(choice, "select", sel.name)
         st.variables[sel.name] = choice
         st.meta[sel.name] = {
-            # SGLang's keys: the mean token logprob of each choice, and the scored tokens
-            "normalized_prompt_logprobs": [sum(lps) / len(lps) for lps in token_lps],
-            "input_token_logprobs": [o["meta_info"]["input_token_logprobs"] for o in outs[:n]],
+            # SGLang's keys: the mean token logprob of each choice, the scored tokens'
+            # entries, and what the method adds (its own values win for these)
+            "normalized_prompt_logprobs": normalized,
+            "input_token_logprobs": entries,
             "output_token_logprobs": [[] for _ in range(n)],  # prefill only: nothing decoded
+            "unconditional_token_logprobs": bare,
+            **method_meta,
+            # lmprog's
             "choice": choice,
             "choices": list(sel.choices),
-            "method": method.name,
+            "method": method.label,
             "scores": decision.scores,
             "token_logprobs": token_lps,
-            "unconditional_token_logprobs": unconditional,
+            "unconditional_logprobs": unconditional,
             "prompt_tokens": plan.prompt_len,
             "completion_tokens": len(plan.fulls[index]) - plan.starts[index],
             "cached_tokens": outs[index]["meta_info"]["cached_tokens"],

@@ -8,6 +8,7 @@ runtime as one group; `join()` appends the join, which waits for every branch.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -17,6 +18,7 @@ from lmprog.backend import Backend
 from lmprog.display import short_repr, state_html
 from lmprog.interpreter import INTERPRETER
 from lmprog.ir import (
+    Concat,
     Expr,
     Fork,
     Gen,
@@ -38,28 +40,38 @@ JOIN_MODES = ("gather_variable", "concate_and_append")
 
 class StateBlocks:
     """`with s.user():`, `with s.assistant():`, `with s.system():` and `with s.var_scope(name):`,
-    for any state that can append a node."""
+    for any state that can append a node; `s.user(expr)` appends a whole message (SGLang's
+    method form)."""
 
     def _append_node(self, node: Expr) -> None:
         raise NotImplementedError
 
+    def __iadd__(self, expr: Expr | str) -> Any:
+        raise NotImplementedError
+
     @contextmanager
-    def _role(self, role: str) -> Iterator[StateBlocks]:
+    def _role_block(self, role: str) -> Iterator[StateBlocks]:
         self._append_node(RoleBegin(role))
         try:
             yield self
         finally:
             self._append_node(RoleEnd(role))
 
-    def system(self):
-        """`with s.system(): s += ...` writes a system message."""
-        return self._role("system")
+    def _role(self, role: str, expr: Expr | str | None) -> Any:
+        if expr is None:
+            return self._role_block(role)
+        self.__iadd__(Concat((RoleBegin(role), as_expr(expr), RoleEnd(role))))
+        return None
 
-    def user(self):
-        return self._role("user")
+    def system(self, expr: Expr | str | None = None):
+        """`with s.system(): s += ...` writes a system message; `s.system(expr)` appends one."""
+        return self._role("system", expr)
 
-    def assistant(self):
-        return self._role("assistant")
+    def user(self, expr: Expr | str | None = None):
+        return self._role("user", expr)
+
+    def assistant(self, expr: Expr | str | None = None):
+        return self._role("assistant", expr)
 
     @contextmanager
     def var_scope(self, name: str) -> Iterator[StateBlocks]:
@@ -83,7 +95,43 @@ class ProgramState(StateBlocks):
 
     def __init__(self, stream: Stream) -> None:
         self._stream = stream
-        self.ret_value: Any = None
+        self._ret_value: Any = None
+        # `run(stream=True)`: the thread running the body (SGLang's), and the thread that
+        # called `run`, whose reads wait for the body where they need the program's end.
+        self._body: threading.Thread | None = None
+        self._caller: int | None = None
+
+    @property
+    def ret_value(self) -> Any:
+        """What the body returned (with `run(stream=True)`: once the body has returned)."""
+        self._join_body()
+        return self._ret_value
+
+    @ret_value.setter
+    def ret_value(self, value: Any) -> None:
+        self._ret_value = value
+
+    def _outside_body(self) -> bool:
+        """A read by `run`'s caller while the streaming body still runs. Other threads read
+        as the body does (a helper thread of the body's must never wait for it)."""
+        body = self._body
+        return body is not None and threading.get_ident() == self._caller and body.is_alive()
+
+    @contextmanager
+    def _cancel_on_interrupt(self) -> Iterator[None]:
+        """Ctrl-C while the caller waits on a streaming run: its body sees the program
+        cancelled (its requests stop, its next read raises), as without a thread."""
+        try:
+            yield
+        except KeyboardInterrupt as error:
+            if self._body is not None:
+                self._cancel(error)
+            raise
+
+    def _join_body(self) -> None:
+        if self._outside_body():
+            with self._cancel_on_interrupt():
+                self._body.join()  # type: ignore[union-attr]
 
     @classmethod
     def start(
@@ -150,13 +198,16 @@ class ProgramState(StateBlocks):
 
     # ---- reading ------------------------------------------------------------------------
     def sync(self) -> None:
-        """Wait until everything appended so far has run (or the program failed)."""
+        """Wait until everything appended so far has run (or the program failed); from
+        outside a streaming run's body, until the body has returned and all of it has run."""
+        self._join_body()
         stream = self._stream
-        with stream.cv:
+        with self._cancel_on_interrupt(), stream.cv:
             stream.wait(stream.is_synced)
 
     def _wait_done(self) -> None:
         """Wait until this state and every branch below it have ended (after `close`)."""
+        self._join_body()
         for stream in self._stream.lineage():
             with stream.cv:
                 stream.wait(lambda: False)
@@ -183,9 +234,16 @@ class ProgramState(StateBlocks):
         return [dict(m) for m in self._stream.st.messages]
 
     def _wait_var(self, name: str) -> None:
-        stream = self._stream
-        with stream.cv:
-            stream.wait(lambda: stream.has_run(name))
+        """Wait until the node setting `name` has run; from outside a streaming run's body,
+        for the body to append it first (or to end without it)."""
+        stream, outside = self._stream, self._outside_body()
+        with self._cancel_on_interrupt(), stream.cv:
+            stream.wait(
+                lambda: (
+                    (not outside or name in stream.producers or stream.is_closed)
+                    and stream.has_run(name)
+                )
+            )
 
     def __getitem__(self, name: str) -> Any:
         """The value of variable `name`, once the node producing it has run."""
@@ -233,7 +291,8 @@ class ProgramState(StateBlocks):
             return
         start, is_done = 0, False
         while not is_done:
-            deltas, start, is_done = self._stream.next_deltas(start, var_name)
+            with self._cancel_on_interrupt():
+                deltas, start, is_done = self._stream.next_deltas(start, var_name)
             for delta, _ in deltas:
                 yield delta
         self._raise_error()
@@ -264,7 +323,8 @@ class ProgramState(StateBlocks):
         self._raise_error()
 
     def __str__(self) -> str:
-        return self.text()
+        """`ProgramState(<the whole text>)`, as SGLang's (`text()` is the bare text)."""
+        return f"ProgramState({self.text()})"
 
     def __repr__(self) -> str:
         """Short text, whatever the length of the state (a terminal never sees HTML)."""
@@ -337,9 +397,9 @@ class ProgramStateGroup(BranchGroup):
         for branch in branches:
             branch.close()
         parent = self._parent._stream
-        index = parent.append([(Join(self._fork_id, mode), None)])
-        if mode == "gather_variable":
-            with parent.cv:
+        with parent.cv:  # (one step: a reader waiting for a gathered name sees it at once)
+            index = parent.append([(Join(self._fork_id, mode), None)])
+            if mode == "gather_variable":
                 for branch in branches:
                     for name in branch.producers:
                         parent.producers[name] = index

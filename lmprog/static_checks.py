@@ -17,8 +17,10 @@ def check_static(node: Expr) -> None:
 
                 interegular.parse_pattern(node.regex)
             except Exception as error:
+                # (interegular's errors may have no message: name the error then)
+                reason = str(error) or type(error).__name__
                 raise ValueError(
-                    f"gen {node.name!r} has an invalid regex {node.regex!r}: {error}"
+                    f"gen {node.name!r} has an invalid regex {node.regex!r}: {reason}"
                 ) from error
         if node.json_schema is not None:
             try:

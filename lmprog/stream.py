@@ -80,6 +80,7 @@ class Stream:
                     parent.hold = None
                     self.interpreter.wake(parent)
             self.interpreter.wake(self)
+            self.cv.notify_all()  # a reader on another thread may wait for a producer
             return first
 
     def close(self) -> None:

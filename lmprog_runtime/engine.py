@@ -144,6 +144,7 @@ class Engine(EngineLoop):
         return_logprob: bool | list[bool] | None = False,
         logprob_start_len: int | list[int] | None = -1,
         top_logprobs_num: int | list[int] | None = 0,
+        return_text_in_logprobs: bool | list[bool] | None = False,
         stream: bool = False,
         group: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
@@ -152,7 +153,9 @@ class Engine(EngineLoop):
         Each result is `{"text", "output_ids", "meta_info"}`; `meta_info` has
         `prompt_tokens`, `completion_tokens`, `cached_tokens`, `finish_reason` and, with
         `return_logprob`, `output_token_logprobs` (and `input_token_logprobs` for prompt
-        positions from `logprob_start_len` on) as `(logprob, token_id)` pairs.
+        positions from `logprob_start_len` on; `*_top_logprobs` with `top_logprobs_num`) as
+        SGLang's `(logprob, token_id, text)` triples, the text None unless
+        `return_text_in_logprobs`.
         `max_new_tokens=0` only prefills. With `stream=True` (one prompt), returns an
         iterator of chunks whose `text` fields concatenate to the final text. With
         `group=True` the prompts form one request group (the branches of a fork): their
@@ -169,6 +172,7 @@ class Engine(EngineLoop):
             return_logprob,
             logprob_start_len,
             top_logprobs_num,
+            return_text_in_logprobs,
             stream=stream,
         )
         if stream and not is_single:
@@ -188,6 +192,7 @@ class Engine(EngineLoop):
         return_logprob: bool | list[bool] | None = False,
         logprob_start_len: int | list[int] | None = -1,
         top_logprobs_num: int | list[int] | None = 0,
+        return_text_in_logprobs: bool | list[bool] | None = False,
         group: bool = False,
         on_chunk: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> list[Future]:
@@ -208,6 +213,7 @@ class Engine(EngineLoop):
             return_logprob,
             logprob_start_len,
             top_logprobs_num,
+            return_text_in_logprobs,
             stream=False,
         )
         futures: list[Future] = []
@@ -230,6 +236,7 @@ class Engine(EngineLoop):
         return_logprob,
         logprob_start_len,
         top_logprobs_num,
+        return_text_in_logprobs,
         *,
         stream: bool,
     ) -> tuple[list[Req], bool]:
@@ -244,6 +251,7 @@ class Engine(EngineLoop):
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs,
         )
         with self._seeds_lock:
             seeds = [self._seeds.getrandbits(62) for _ in items]
@@ -258,6 +266,7 @@ class Engine(EngineLoop):
                 return_logprob=item.return_logprob,
                 logprob_start_len=item.logprob_start_len,
                 top_logprobs_num=item.top_logprobs_num,
+                return_text_in_logprobs=item.return_text_in_logprobs,
                 stream=stream,
                 seed=seed,
                 matcher=item.grammar.new_matcher() if item.grammar is not None else None,

@@ -20,6 +20,7 @@ class GenerateItem(NamedTuple):
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
+    return_text_in_logprobs: bool
     grammar: Any  # a compiled constraint, or None
 
 
@@ -32,6 +33,7 @@ def normalize_generate_inputs(
     return_logprob: Any,
     logprob_start_len: Any,
     top_logprobs_num: Any,
+    return_text_in_logprobs: Any = False,
 ) -> tuple[list[GenerateItem], bool]:
     """Return one item per request and whether the call was for a single prompt."""
     if (prompt is None) == (input_ids is None):
@@ -66,9 +68,12 @@ def normalize_generate_inputs(
     logprob_flags = _per_request("return_logprob", return_logprob, num, bool, False)
     starts = _per_request("logprob_start_len", logprob_start_len, num, int, -1)
     tops = _per_request("top_logprobs_num", top_logprobs_num, num, int, 0)
+    texts = _per_request("return_text_in_logprobs", return_text_in_logprobs, num, bool, False)
 
     items = []
-    for ids, raw, want_lp, start, top in zip(ids_list, params, logprob_flags, starts, tops):
+    for ids, raw, want_lp, start, top, text in zip(
+        ids_list, params, logprob_flags, starts, tops, texts
+    ):
         sp = SamplingParams.from_dict(raw)
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
@@ -90,7 +95,7 @@ def normalize_generate_inputs(
                 f"{engine.runner.num_kv_slots} tokens; raise max_total_tokens"
             )
         grammar = engine.grammar(*sp.constraint) if sp.constraint is not None else None
-        items.append(GenerateItem(list(ids), sp, want_lp, start, top, grammar))
+        items.append(GenerateItem(list(ids), sp, want_lp, start, top, text, grammar))
     return items, is_single
 
 

@@ -308,9 +308,9 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
     @staticmethod
     def _record_token_logprob(req: Req, token: int, logprob: TokenLogprob | None) -> None:
         if logprob is not None:
-            req.output_token_logprobs.append((logprob[0], token))
+            req.output_token_logprobs.append(req.logprob_entry(logprob[0], token))
             if req.top_logprobs_num:
-                req.output_top_logprobs.append(logprob[1])
+                req.output_top_logprobs.append(req.logprob_entries(logprob[1]))
 
     def _draw(
         self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]

@@ -95,7 +95,7 @@ def record_prompt_logprobs(
         first = req.prompt_len - len(req_rows)  # position of the first logits row
         targets = req.input_ids[first + 1 :]
         if req.logprob_start_len == 0:
-            req.input_token_logprobs.append((None, req.input_ids[0]))
+            req.input_token_logprobs.append(req.logprob_entry(None, req.input_ids[0]))
             req.input_top_logprobs.append(None)
         if not targets:
             continue
@@ -105,9 +105,9 @@ def record_prompt_logprobs(
         top = max(0, req.top_logprobs_num)
         for token, row in zip(targets, _table(scored, picked, top).tolist()):
             logprob, alternatives = _unpack_row(row, top)
-            req.input_token_logprobs.append((logprob, token))
+            req.input_token_logprobs.append(req.logprob_entry(logprob, token))
             if top:
-                req.input_top_logprobs.append(alternatives)
+                req.input_top_logprobs.append(req.logprob_entries(alternatives))
 
 
 def _table(scored: torch.Tensor, picked: torch.Tensor, top: int) -> torch.Tensor:

@@ -23,6 +23,10 @@ from lmprog_runtime.stop_regex import StopRegexScanner
 
 logger = logging.getLogger(__name__)
 
+# A logprob entry: (logprob, token_id, the token's text or None); a prompt's first token
+# has no logprob.
+LogprobEntry = tuple[float | None, int, str | None]
+
 
 class Req:
     """One generation request: prompt ids in, output ids, text and meta info out."""
@@ -39,6 +43,7 @@ class Req:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
         stream: bool = False,
         seed: int = 0,
         matcher: Any = None,
@@ -59,6 +64,7 @@ class Req:
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len if return_logprob else -1
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
+        self.return_text_in_logprobs = return_text_in_logprobs
         # Its draws on a CPU come from its generator, on an accelerator from its seed
         # (`sampling.draw`).
         self.seed = params.seed if params.seed is not None else seed
@@ -85,10 +91,11 @@ class Req:
         self.finished_reason: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self.text = ""
-        self.input_token_logprobs: list[tuple[float | None, int]] = []
-        self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
-        self.output_token_logprobs: list[tuple[float, int]] = []
-        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        # Logprob entries are SGLang's (logprob, token_id, token text or None) triples.
+        self.input_token_logprobs: list[LogprobEntry] = []
+        self.input_top_logprobs: list[list[LogprobEntry] | None] = []
+        self.output_token_logprobs: list[LogprobEntry] = []
+        self.output_top_logprobs: list[list[LogprobEntry]] = []
 
         self.done = threading.Event()
         timeout = params.timeout_s
@@ -311,6 +318,16 @@ class Req:
         self._num_streamed_ids = len(self.output_ids)
         chunk = {"text": delta, "output_ids": new_ids, "meta_info": self.meta_info()}
         return chunk
+
+    def logprob_entry(self, logprob: float | None, token: int) -> LogprobEntry:
+        """`(logprob, token_id, text)`: the token's text with `return_text_in_logprobs`,
+        else None (SGLang's entries)."""
+        if not self.return_text_in_logprobs:
+            return (logprob, token, None)
+        return (logprob, token, self.tokenizer.decode([token], skip_special_tokens=False))
+
+    def logprob_entries(self, pairs: list[tuple[float, int]]) -> list[LogprobEntry]:
+        return [self.logprob_entry(logprob, token) for logprob, token in pairs]
 
     def meta_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {

@@ -97,7 +97,7 @@ def map_program(
     """See `Function.map`."""
     from lmprog.function import AUTO_THREADS, _resolve, _split_kwargs
 
-    run_defaults, extra = _split_kwargs(defaults)
+    run_defaults, extra = _split_kwargs(defaults, fn.keyword_names)
     if extra:
         raise TypeError(
             f"map got unknown keyword arguments {sorted(extra)}; fix program arguments "

@@ -158,7 +158,7 @@ class ReferenceInterpreter:
                 return_logprob=True,
                 logprob_start_len=k,
             )
-            lps = [lp for lp, _ in out["meta_info"]["input_token_logprobs"]]
+            lps = [lp for lp, *_ in out["meta_info"]["input_token_logprobs"]]
             assert len(lps) == len(full) - k, (len(lps), len(full), k)
             scores.append(sum(lps) / len(lps))
         return scores

@@ -275,7 +275,7 @@ def test_gen_logprobs_reach_the_meta_info(engine):
     state = prog.run(backend=engine)
     info = state.get_meta_info("a")
     assert len(info["output_token_logprobs"]) == 4 and len(info["output_top_logprobs"][0]) == 2
-    assert [t for _, t in info["output_token_logprobs"]] == engine.generate(
+    assert [t for _, t, _ in info["output_token_logprobs"]] == engine.generate(
         "Once upon a time", {"max_new_tokens": 4, "temperature": 0}
     )["output_ids"]
     assert "output_token_logprobs" not in state.get_meta_info("b")
@@ -301,8 +301,8 @@ def test_run_level_logprob_options_reach_every_gen(engine):
     )
     got = info["output_token_logprobs"]
     want = reference["meta_info"]["output_token_logprobs"]
-    assert [(tid, text) for _, tid, text in got] == [(t, engine.decode([t])) for _, t in want]
-    assert [v for v, _, _ in got] == pytest.approx([v for v, _ in want], abs=1e-4)
+    assert [(tid, text) for _, tid, text in got] == [(t, engine.decode([t])) for _, t, _ in want]
+    assert [v for v, _, _ in got] == pytest.approx([v for v, *_ in want], abs=1e-4)
     assert len(info["output_top_logprobs"]) == 3
     # a gen's own False is None-like only when unset: here it inherits the run's True
     assert "output_token_logprobs" in state.get_meta_info("b")
@@ -373,8 +373,8 @@ def test_gen_logprob_start_len_gives_prompt_logprobs(engine):
         logprob_start_len=3,
     )["meta_info"]["input_token_logprobs"]
     got = state.get_meta_info("a")["input_token_logprobs"]
-    assert [t for _, t in got] == ids[3:] == [t for _, t in reference]
-    assert [v for v, _ in got] == pytest.approx([v for v, _ in reference], abs=1e-4)
+    assert [t for _, t, _ in got] == ids[3:] == [t for _, t, _ in reference]
+    assert [v for v, *_ in got] == pytest.approx([v for v, *_ in reference], abs=1e-4)
 
 
 def test_a_fork_after_the_program_failed_ends_and_a_finished_state_cannot_fork(engine):

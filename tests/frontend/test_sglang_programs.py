@@ -655,14 +655,14 @@ def test_stream_with_logprobs_async(default_engine):
     expected = engine.generate(
         prompt, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}, return_logprob=True
     )["meta_info"]["output_token_logprobs"]
-    assert [t for _, t in final] == [t for _, t in expected]
-    assert [lp for lp, _ in final] == pytest.approx([lp for lp, _ in expected], abs=1e-4)
+    assert [t for _, t, _ in final] == [t for _, t, _ in expected]
+    assert [lp for lp, *_ in final] == pytest.approx([lp for lp, *_ in expected], abs=1e-4)
 
     # With return_text_in_logprobs the entries carry each token's text.
     state, chunks = stream_answer(4, return_text_in_logprobs=True)
     assert "".join(d for d, _ in chunks) == state["answer"]
     entries = state.get_meta_info("answer")["output_token_logprobs"]
-    assert [e[1] for e in entries] == [t for _, t in expected[:4]]
+    assert [e[1] for e in entries] == [t for _, t, _ in expected[:4]]
     assert all(len(e) == 3 and isinstance(e[2], str) for e in entries)
 
 

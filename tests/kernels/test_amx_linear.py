@@ -116,7 +116,7 @@ def _greedy(engine: Engine, prompts: list[str]) -> tuple[list, torch.Tensor]:
     params = {"max_new_tokens": 8, "min_new_tokens": 8, "temperature": 0}
     outs = engine.generate(prompts, params, return_logprob=True, top_logprobs_num=5)
     rows = [row for o in outs for row in o["meta_info"]["output_top_logprobs"]]
-    return [o["output_ids"] for o in outs], torch.tensor([[v for v, _ in r] for r in rows])
+    return [o["output_ids"] for o in outs], torch.tensor([[v for v, *_ in r] for r in rows])
 
 
 def test_engine_in_bfloat16_decodes_as_without_amx_linears(tiny_path):

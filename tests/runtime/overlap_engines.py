@@ -90,8 +90,8 @@ def assert_same_logprobs(got: dict, want: dict) -> None:
     for name in ("input_token_logprobs", "output_token_logprobs"):
         assert (name in got_meta) == (name in want_meta), name
         pairs = got_meta.get(name, []), want_meta.get(name, [])
-        assert [token for _, token in pairs[0]] == [token for _, token in pairs[1]], name
-        values = [[value for value, _ in side if value is not None] for side in pairs]
+        assert [token for _, token, _ in pairs[0]] == [token for _, token, _ in pairs[1]], name
+        values = [[value for value, *_ in side if value is not None] for side in pairs]
         assert values[0] == pytest.approx(values[1], abs=1e-4), name
     for name in ("input_top_logprobs", "output_top_logprobs"):
         assert (name in got_meta) == (name in want_meta), name
@@ -99,9 +99,9 @@ def assert_same_logprobs(got: dict, want: dict) -> None:
             if theirs is None:
                 assert mine is None
                 continue
-            values = [value for value, _ in mine], [value for value, _ in theirs]
+            values = [value for value, *_ in mine], [value for value, *_ in theirs]
             assert values[0] == pytest.approx(values[1], abs=1e-4), name
-            for j, ((_, token), (value, other)) in enumerate(zip(mine, theirs)):
+            for j, ((_, token, _), (value, other, _)) in enumerate(zip(mine, theirs)):
                 tied = [k for k, v in enumerate(values[1]) if k != j and abs(v - value) <= 1e-4]
                 assert token == other or tied, name
 

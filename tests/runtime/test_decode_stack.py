@@ -18,7 +18,7 @@ def _decode(engine: Engine, prompts: list[str], new: int = 8) -> tuple[list, tor
     params = {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0}
     outs = engine.generate(prompts, params, return_logprob=True, top_logprobs_num=20)
     rows = [row for o in outs for row in o["meta_info"]["output_top_logprobs"]]
-    values = torch.tensor([[value for value, _ in row] for row in rows])
+    values = torch.tensor([[value for value, *_ in row] for row in rows])
     return [o["output_ids"] for o in outs], values
 
 

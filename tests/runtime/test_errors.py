@@ -69,8 +69,8 @@ def test_none_stands_for_the_default_of_the_logprob_arguments(engine):
         assert "input_token_logprobs" not in mine["meta_info"]  # (the prompt's: none)
         pairs = mine["meta_info"]["output_token_logprobs"]
         reference = theirs["meta_info"]["output_token_logprobs"]
-        assert [t for _, t in pairs] == [t for _, t in reference] == mine["output_ids"]
-        assert [v for v, _ in pairs] == pytest.approx([v for v, _ in reference], abs=1e-5)
+        assert [t for _, t, _ in pairs] == [t for _, t, _ in reference] == mine["output_ids"]
+        assert [v for v, *_ in pairs] == pytest.approx([v for v, *_ in reference], abs=1e-5)
     plain = engine.generate("a b", params, return_logprob=None)
     assert "output_token_logprobs" not in plain["meta_info"]
 

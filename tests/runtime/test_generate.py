@@ -150,10 +150,10 @@ def test_prefill_only_returns_prompt_logprobs(engine, hf_tiny):
     with torch.inference_mode():
         ref = torch.log_softmax(model(ids).logits[0], dim=-1)
     got = out["meta_info"]["input_token_logprobs"]
-    assert got[0] == (None, ids[0, 0].item())
+    assert got[0] == (None, ids[0, 0].item(), None)
     expected = [ref[i - 1, ids[0, i]].item() for i in range(1, ids.shape[1])]
-    assert [tok for _, tok in got] == ids[0].tolist()
-    assert [lp for lp, _ in got[1:]] == pytest.approx(expected, abs=1e-4)
+    assert [tok for _, tok, _ in got] == ids[0].tolist()
+    assert [lp for lp, *_ in got[1:]] == pytest.approx(expected, abs=1e-4)
     tops = out["meta_info"]["input_top_logprobs"]
     assert tops[0] is None and len(tops[1]) == 3
     assert tops[1][0][1] == int(ref[0].argmax())
@@ -174,12 +174,12 @@ def test_output_logprobs_and_logprob_start_len(engine, hf_tiny):
     with torch.inference_mode():
         ref = torch.log_softmax(model(full).logits[0], dim=-1)
     info = out["meta_info"]
-    assert [t for _, t in info["input_token_logprobs"]] == ids[2:]
-    for (lp, tok), pos in zip(
+    assert [t for _, t, _ in info["input_token_logprobs"]] == ids[2:]
+    for (lp, tok, _), pos in zip(
         info["output_token_logprobs"], range(len(ids) - 1, full.shape[1] - 1)
     ):
         assert lp == pytest.approx(ref[pos, tok].item(), abs=1e-4)
-    for (lp, tok), top in zip(info["output_token_logprobs"], info["output_top_logprobs"]):
+    for (lp, tok, _), top in zip(info["output_token_logprobs"], info["output_top_logprobs"]):
         assert top[0][1] == tok and top[0][0] == pytest.approx(lp)
 
 

@@ -80,9 +80,11 @@ def test_outputs_are_token_identical_to_the_synchronous_loop(engines):
     assert {o["meta_info"]["finish_reason"]["type"] for o in want} == {"length", "stop"}
     for g, w in zip(got, want):
         for name in ("input_token_logprobs", "output_token_logprobs"):
-            assert [t for _, t in g["meta_info"][name]] == [t for _, t in w["meta_info"][name]]
-            lps = [lp for lp, _ in g["meta_info"][name]]
-            assert lps == pytest.approx([lp for lp, _ in w["meta_info"][name]], abs=1e-5)
+            assert [t for _, t, _ in g["meta_info"][name]] == [
+                t for _, t, _ in w["meta_info"][name]
+            ]
+            lps = [lp for lp, *_ in g["meta_info"][name]]
+            assert lps == pytest.approx([lp for lp, *_ in w["meta_info"][name]], abs=1e-5)
 
 
 def test_logprobs_of_a_mixed_batch_equal_transformers_in_both_loops(engines, hf_tiny, monkeypatch):
@@ -135,9 +137,9 @@ def test_logprobs_of_a_mixed_batch_equal_transformers_in_both_loops(engines, hf_
                 full = torch.tensor([ids + out["output_ids"]])
                 ref = torch.log_softmax(model(full).logits[0], dim=-1)
             scored = meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]
-            assert [token for _, token in scored] == full[0, 1:].tolist()
+            assert [token for _, token, _ in scored] == full[0, 1:].tolist()
             expected = ref[torch.arange(full.shape[1] - 1), full[0, 1:]].tolist()
-            assert [lp for lp, _ in scored] == pytest.approx(expected, abs=1e-4)
+            assert [lp for lp, *_ in scored] == pytest.approx(expected, abs=1e-4)
             if not top:
                 assert "input_top_logprobs" not in meta and "output_top_logprobs" not in meta
                 continue
@@ -145,9 +147,9 @@ def test_logprobs_of_a_mixed_batch_equal_transformers_in_both_loops(engines, hf_
             assert len(alternatives) == len(scored)
             for position, listed in enumerate(alternatives):
                 best = ref[position].topk(top).values.tolist()
-                assert [value for value, _ in listed] == pytest.approx(best, abs=1e-4)
-                assert len({token for _, token in listed}) == top
-                for value, token in listed:
+                assert [value for value, *_ in listed] == pytest.approx(best, abs=1e-4)
+                assert len({token for _, token, _ in listed}) == top
+                for value, token, _ in listed:
                     assert value == pytest.approx(ref[position, token].item(), abs=1e-4)
         if engine._worker is not None:
             assert gathered and all(gathered)  # (a draw after each prefill and decode)

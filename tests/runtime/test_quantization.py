@@ -189,7 +189,7 @@ def _logprobs(engine: Engine, text: str) -> torch.Tensor:
     )
     meta = out["meta_info"]
     rows = [r for r in meta["input_top_logprobs"] + meta["output_top_logprobs"] if r is not None]
-    return torch.tensor([[value for value, _ in row] for row in rows])
+    return torch.tensor([[value for value, *_ in row] for row in rows])
 
 
 def _dequantized_copy(quantized: Engine, path: str, dtype: str) -> Engine:
