@@ -40,6 +40,7 @@ from lmprog_runtime.request import Req
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, Scheduler
 from lmprog_runtime.stats import EngineStats
+from lmprog_runtime.transfer import device_scope
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,8 @@ class Engine(EngineLoop):
         loader = PreTrainedTokenizerFast if is_gguf else AutoTokenizer
         self.tokenizer = loader.from_pretrained(model_dir, local_files_only=True)
         self._tokenizer_lock = threading.Lock()
-        self.runner = ModelRunner(self.config, model_dir, self.tokenizer)
+        with device_scope(torch.device(self.config.device)):  # (its graphs are captured)
+            self.runner = ModelRunner(self.config, model_dir, self.tokenizer)
         self.context_len = self.runner.context_len
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
         self._stats = EngineStats()

@@ -32,6 +32,7 @@ from lmprog_runtime.overlap import OverlapLoop
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling import NO_MASS, SampleRow, sample_each, sample_rows, take_rows
 from lmprog_runtime.scheduler import ScheduledBatch
+from lmprog_runtime.transfer import use_device
 
 if TYPE_CHECKING:
     from lmprog_runtime.engine import Engine
@@ -433,6 +434,10 @@ def serve(engine_ref: weakref.ref[Engine], cv: threading.Condition) -> None:
     acquisition of `cv`, so a submit cannot slip between them; the engine's
     finalizer notifies `cv`, and the next check finds the reference dead.
     """
+    engine = engine_ref()
+    if engine is not None:
+        use_device(engine.runner.device)  # (the engine's device, for this thread's work)
+    del engine
     while True:
         with cv:
             engine = engine_ref()

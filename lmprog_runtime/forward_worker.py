@@ -27,6 +27,7 @@ import torch
 
 from lmprog_runtime.logprobs import LogprobAsk, TokenLogprob
 from lmprog_runtime.sampling import SampleRow, sample_each, take_rows
+from lmprog_runtime.transfer import use_device
 
 if TYPE_CHECKING:
     from lmprog_runtime.forward_batch import ForwardBatch
@@ -84,7 +85,12 @@ class ForwardWorker:
         if threaded is None:
             threaded = not is_cuda
         self._executor: ThreadPoolExecutor | InlineExecutor = (
-            ThreadPoolExecutor(1, thread_name_prefix="lmprog-forward")
+            ThreadPoolExecutor(
+                1,
+                thread_name_prefix="lmprog-forward",
+                initializer=use_device,
+                initargs=(runner.device,),
+            )
             if threaded
             else InlineExecutor()
         )

@@ -9,7 +9,8 @@ queued like a kernel (the pinned block is not reused before it has run).
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -61,3 +62,31 @@ def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(tensor.device))  # the stream the copy is on
     return host, ready
+
+
+# The current CUDA device is per thread, and Triton launches, default-stream events and
+# graph captures use it: every thread that queues work for an engine on `cuda:N` makes
+# that device current first (a no-op elsewhere).
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` this thread's current CUDA device (for a thread of the engine's own:
+    the loop, the forward worker)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+@contextlib.contextmanager
+def device_scope(device: torch.device) -> Iterator[None]:
+    """`device` current for the block, the caller's current device restored after (for the
+    engine's set-up on the caller's thread).
+
+    Example:
+        >>> with device_scope(torch.device("cpu")):
+        ...     pass
+    """
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield

@@ -18,6 +18,7 @@ import ast
 import contextlib
 import functools
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,57 @@ def test_auto_dtype_on_cuda_is_16_bit(tmp_path, monkeypatch, has_bf16, expected,
     assert ModelRunner._dtype(runner, str(tmp_path)) is expected
     explicit = SimpleNamespace(config=RuntimeConfig(device="cuda", dtype="float32"))
     assert ModelRunner._dtype(explicit, str(tmp_path)) is torch.float32
+
+
+def test_every_engine_thread_makes_the_engines_device_current(tiny_path, monkeypatch):
+    """The current CUDA device is per thread (Triton launches, events and graph captures
+    use it): the set-up on the caller's thread, the loop thread and a forward worker thread
+    each make the engine's device current. Recorded here by patching the helpers' CUDA
+    calls; `cuda:1` itself needs a second GPU."""
+    import lmprog_runtime.engine as engine_module
+    import lmprog_runtime.engine_loop as engine_loop
+    import lmprog_runtime.forward_worker as forward_worker
+    from lmprog_runtime import transfer
+
+    calls: list[tuple[str, str, str]] = []
+
+    def recorder(kind):
+        def record(device):
+            calls.append((kind, str(device), threading.current_thread().name))
+
+        return record
+
+    # the helpers: CUDA devices only, through torch's per-thread calls
+    monkeypatch.setattr(torch.cuda, "set_device", recorder("set_device"))
+    monkeypatch.setattr(torch.cuda, "device", _recording_scope(recorder("scope")))
+    transfer.use_device(torch.device("cuda:1"))
+    with transfer.device_scope(torch.device("cuda:1")):
+        pass
+    transfer.use_device(torch.device("cpu"))
+    with transfer.device_scope(torch.device("cpu")):
+        pass
+    main = threading.current_thread().name
+    assert calls == [("set_device", "cuda:1", main), ("scope", "cuda:1", main)]
+
+    # the engine's threads
+    calls.clear()
+    monkeypatch.setattr(engine_module, "device_scope", _recording_scope(recorder("setup")))
+    monkeypatch.setattr(engine_loop, "use_device", recorder("loop"))
+    monkeypatch.setattr(forward_worker, "use_device", recorder("worker"))
+    with Engine(tiny_path, max_total_tokens=512) as engine:
+        engine.generate("Hello", {"max_new_tokens": 1})
+        worker = forward_worker.ForwardWorker(engine.runner, threaded=True)
+        worker._executor.submit(lambda: None).result()
+        worker.close()
+    assert ("setup", "cpu", main) in calls
+    assert ("loop", "cpu", "lmprog-engine") in calls
+    assert any(kind == "worker" and name.startswith("lmprog-forward") for kind, _, name in calls)
+
+
+def _recording_scope(record):
+    @contextlib.contextmanager
+    def scope(device):
+        record(device)
+        yield
+
+    return scope
