@@ -174,22 +174,23 @@ def select(
     return Select(name, tuple(choices), float(temperature), choices_method)
 
 
-def _role(role: str, expr: Expr | str | None) -> Expr:
+def role_expr(role: str, expr: Expr | str | None) -> Expr:
+    """A whole message of `role`: begin, `expr` (or nothing), end."""
     if expr is None:
         return Concat((RoleBegin(role), RoleEnd(role)))
     return Concat((RoleBegin(role), as_expr(expr), RoleEnd(role)))
 
 
 def system(expr: Expr | str | None = None) -> Expr:
-    return _role("system", expr)
+    return role_expr("system", expr)
 
 
 def user(expr: Expr | str | None = None) -> Expr:
-    return _role("user", expr)
+    return role_expr("user", expr)
 
 
 def assistant(expr: Expr | str | None = None) -> Expr:
-    return _role("assistant", expr)
+    return role_expr("assistant", expr)
 
 
 def system_begin() -> Expr:

@@ -114,8 +114,8 @@ class Function:
         `sync()`, `error()` and `ret_value` for the body to return and its nodes to run.
         In a Jupyter notebook a streaming run also shows its transcript in the cell,
         updated in place as tokens arrive (`live=False` turns that off; `live=True` asks
-        for it). An exception (the program's own, or a
-        request the runtime refused) is raised unchanged; `error()` holds it too."""
+        for it). An exception (the program's own, or a request the runtime refused) is
+        raised unchanged; `error()` holds it too."""
         defaults, arguments = _split_kwargs(kwargs, self.keyword_names)
         state = ProgramState.start(_resolve(backend), defaults, stream=stream)
         if stream:

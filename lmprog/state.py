@@ -14,11 +14,11 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+from lmprog.api import role_expr
 from lmprog.backend import Backend
 from lmprog.display import short_repr, state_html
 from lmprog.interpreter import INTERPRETER
 from lmprog.ir import (
-    Concat,
     Expr,
     Fork,
     Gen,
@@ -60,7 +60,7 @@ class StateBlocks:
     def _role(self, role: str, expr: Expr | str | None) -> Any:
         if expr is None:
             return self._role_block(role)
-        self.__iadd__(Concat((RoleBegin(role), as_expr(expr), RoleEnd(role))))
+        self.__iadd__(role_expr(role, expr))
         return None
 
     def system(self, expr: Expr | str | None = None):

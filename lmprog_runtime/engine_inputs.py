@@ -33,7 +33,7 @@ def normalize_generate_inputs(
     return_logprob: Any,
     logprob_start_len: Any,
     top_logprobs_num: Any,
-    return_text_in_logprobs: Any = False,
+    return_text_in_logprobs: Any,
 ) -> tuple[list[GenerateItem], bool]:
     """Return one item per request and whether the call was for a single prompt."""
     if (prompt is None) == (input_ids is None):
