@@ -47,6 +47,7 @@ def gen(
     frequency_penalty: float | None = None,
     presence_penalty: float | None = None,
     ignore_eos: bool | None = None,
+    token_healing: bool | None = None,
     return_logprob: bool | None = None,
     logprob_start_len: int | None = None,
     top_logprobs_num: int | None = None,
@@ -64,6 +65,11 @@ def gen(
     value is the generated text, as in SGLang: `int(s["n"])`. A number may end with a
     space, newline, "." or ","; that end is consumed like a stop string (it is neither in
     the text nor in the value), so "... a day is " + gen_int() + " hours" reads naturally.
+
+    `token_healing` (None: only where the text so far ends with a space, as in
+    "Name: " + gen(...)): the text's last token is backed up and the first token may be any
+    that begins with its text, so the model writes " Sir" as it would, not "Sir" after a
+    lone space token; the value starts after the backed-up text. Not with a constraint.
     """
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -96,11 +102,19 @@ def gen(
         "frequency_penalty": frequency_penalty,
         "presence_penalty": presence_penalty,
         "ignore_eos": ignore_eos,
+        "token_healing": token_healing,
     }
     if isinstance(dtype, str) and dtype in DTYPES:
         dtype = DTYPES[dtype]
     if dtype is not None and dtype not in (int, float, bool, str):
         raise ValueError(f"dtype must be int, float, bool or str (or their names), got {dtype!r}")
+    if token_healing is not None and not isinstance(token_healing, bool):
+        raise TypeError(f"token_healing must be a bool or None, got {type(token_healing).__name__}")
+    if token_healing and (regex is not None or json_schema is not None or dtype is not None):
+        raise ValueError(
+            "token_healing=True cannot be combined with regex, json_schema or dtype "
+            "(the constraint decides the first token)"
+        )
     if hasattr(json_schema, "model_json_schema"):  # a pydantic model class
         json_schema = json_schema.model_json_schema()
     if isinstance(json_schema, (dict, bool)):

@@ -40,6 +40,7 @@ from lmprog_runtime.request import Req
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, Scheduler
 from lmprog_runtime.stats import EngineStats
+from lmprog_runtime.token_healing import Heal, HealMatcher, TokenHealer
 from lmprog_runtime.transfer import device_scope
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ class Engine(EngineLoop):
         self._commands: list[tuple[str, tuple, threading.Event, list[Any]]] = []
         self._grammars: Any = None  # GrammarCache, built on the first constrained request
         self._grammar_lock = threading.Lock()
+        # (its vocabulary table is built on the first request that heals)
+        vocab = self.runner.model_config.vocab_size
+        self._healer = TokenHealer(self.tokenizer, self._tokenizer_lock, vocab)
         self._grammar_eos = self.tokenizer.eos_token_id
         if self._grammar_eos is None and self.eos_token_ids:
             self._grammar_eos = min(self.eos_token_ids)
@@ -257,10 +261,11 @@ class Engine(EngineLoop):
         )
         with self._seeds_lock:
             seeds = [self._seeds.getrandbits(62) for _ in items]
+        heals = [self._heal(item) for item in items]
         reqs = [
             Req(
                 next(self._rids),
-                item.input_ids,
+                item.input_ids if heal is None else item.input_ids[:-1],
                 item.params,
                 tokenizer=self,
                 eos_token_ids=self.eos_token_ids,
@@ -271,17 +276,31 @@ class Engine(EngineLoop):
                 return_text_in_logprobs=item.return_text_in_logprobs,
                 stream=stream,
                 seed=seed,
-                matcher=item.grammar.new_matcher() if item.grammar is not None else None,
-                grammar_eos=self._grammar_eos,
+                matcher=self._matcher(item, heal),
+                grammar_eos=self._grammar_eos if item.grammar is not None else None,
                 grammar=item.grammar,
                 char_fsm=self._char_fsm(item),
+                heal=heal,
             )
-            for item, seed in zip(items, seeds)
+            for item, seed, heal in zip(items, seeds, heals)
         ]
         for req in reqs:
             if req.char_fsm is not None:
                 self._jump_forward(req, at_start=True)
         return reqs, is_single
+
+    def _heal(self, item: Any) -> Heal | None:
+        """How to heal `item`'s prompt, if it asks for token healing and there is anything
+        to heal."""
+        if not item.params.token_healing:
+            return None
+        return self._healer.plan(item.input_ids, item.params.skip_special_tokens)
+
+    @staticmethod
+    def _matcher(item: Any, heal: Heal | None) -> Any:
+        if item.grammar is not None:
+            return item.grammar.new_matcher()
+        return HealMatcher(heal.words) if heal is not None else None
 
     def _make_group(self, reqs: list[Req]) -> list[Req]:
         """Tie `reqs` into a group, behind an internal prefill of their common prefix."""

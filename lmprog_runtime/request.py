@@ -20,6 +20,7 @@ import torch
 
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.stop_regex import StopRegexScanner
+from lmprog_runtime.token_healing import Heal
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Req:
         grammar_eos: int | None = None,
         grammar: Any = None,
         char_fsm: Any = None,
+        heal: Heal | None = None,
         on_chunk: Callable[[dict[str, Any]], None] | None = None,
         on_done: Callable[[Req], None] | None = None,
     ) -> None:
@@ -73,6 +75,9 @@ class Req:
         self.grammar_eos = grammar_eos
         self.grammar = grammar  # the compiled constraint (a new matcher after a jump)
         self.char_fsm = char_fsm  # jump-forward: None when off or not applicable
+        # Token healing: the prompt's last token was backed up (`input_ids` ends before it)
+        # and the output's text starts after its text; None when not healed.
+        self.heal = heal
 
         self.output_ids: list[int] = []
         # Penalties (`penalties.PenaltyCounts`): its row of counts on the device, and how
@@ -108,11 +113,13 @@ class Req:
         self._streamed_text = ""
         self._num_streamed_ids = 0
         # Incremental detokenization: the output decoded so far, and the token window
-        # [prefix_offset, read_offset) decoded last (the context for the next tokens).
+        # [prefix_offset, read_offset) decoded last (the context for the next tokens), over
+        # the healed prompt's context tokens, if any, and the output.
+        self._detok_context = heal.context if heal is not None else []
         self._decoded_text = ""
         self._prefix_offset = 0
-        self._read_offset = 0
-        self._tried = 0  # tokens tried as the end of a decode with the current window
+        self._read_offset = len(self._detok_context)
+        self._tried = self._read_offset  # tokens tried as the end of a decode with the window
         self._scanned = 0  # characters of the decoded text searched for stop strings
         self._min_text = 0  # characters of it before the min_new_tokens-th token's
         self._stop_regex = StopRegexScanner(params.stop_regex) if params.stop_regex else None
@@ -179,6 +186,8 @@ class Req:
                 self.finished_reason = {"type": "stop", "matched": token_id}
                 return
             self.matcher.advance(token_id)
+            if self.grammar is None:
+                self.matcher = None  # token healing: the first token only
         if self.can_stop:
             if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
                 self.finished_reason = {"type": "stop", "matched": token_id}
@@ -216,7 +225,7 @@ class Req:
         The new tokens are taken one at a time, so the text is the same however many
         tokens came since the last call (a trailing incomplete sequence holds back only
         itself, not the complete tokens before it)."""
-        ids = self.output_ids
+        ids = self._detok_context + self.output_ids if self.heal is not None else self.output_ids
         skip = self.params.skip_special_tokens
         start, read, before = self._prefix_offset, self._read_offset, None
         # (an end tried with this window gives what it gave: tried once only)
@@ -229,20 +238,23 @@ class Req:
                 self._decoded_text += after[len(before) :]
                 start, read, before = read, end, None
                 self._prefix_offset, self._read_offset = start, read
+        if self.heal is not None:  # (the first token's text begins with the healed text)
+            return self._decoded_text[len(self.heal.text) :]
         return self._decoded_text
 
     def has_undecoded_tokens(self) -> bool:
         """The last tokens wait for the rest of a UTF-8 sequence (call after decoded_text)."""
-        return len(self.output_ids) > self._read_offset
+        return len(self._detok_context) + len(self.output_ids) > self._read_offset
 
     def replace_output_tail(self, kept: int, tail: list[int], text: str) -> None:
         """Jump-forward: the output becomes its first `kept` tokens plus `tail`, whose text
         is `text`; the detokenizer goes on from there without decoding it all again."""
         self.output_ids = self.output_ids[:kept] + tail
         self.penalty_counted = None  # (its penalty counts are of the old tail)
-        self._decoded_text = text
-        self._prefix_offset, self._read_offset = kept, len(self.output_ids)
-        self._tried = len(self.output_ids)
+        context = len(self._detok_context)
+        self._decoded_text = (self.heal.text if self.heal is not None else "") + text
+        self._prefix_offset, self._read_offset = context + kept, context + len(self.output_ids)
+        self._tried = self._read_offset
 
     def _skip_stops(self) -> None:
         """min_new_tokens is not reached: no stop matches in the text so far. A stop string
@@ -284,7 +296,12 @@ class Req:
         reason = self.finished_reason
         if reason is not None and reason["type"] == "stop" and isinstance(reason["matched"], int):
             ids = ids[:-1]  # a matched stop token is not part of the text
-        text = self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        skip = self.params.skip_special_tokens
+        if self.heal is None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+        else:
+            text = self.tokenizer.decode(self._detok_context + ids, skip_special_tokens=skip)
+            text = text[self.heal.cut :]
         if not self.can_stop:
             return text, None
         cut, matched = self._first_stop(text, 0)
@@ -337,6 +354,8 @@ class Req:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finished_reason,
         }
+        if self.heal is not None:
+            info["token_healing"] = {"token_id": self.heal.token_id, "text": self.heal.text}
         if self.return_logprob:
             if self.logprob_start_len >= 0:
                 info["input_token_logprobs"] = self.input_token_logprobs

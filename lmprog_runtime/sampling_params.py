@@ -49,6 +49,9 @@ class SamplingParams:
     # against `json_schema` (JSON text). At most one of the two.
     regex: str | None = None
     json_schema: str | None = None
+    # Token healing (`token_healing.py`): back the prompt's last token up and let the first
+    # token be any that begins with its text; the text returned starts after it.
+    token_healing: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -144,6 +147,15 @@ class SamplingParams:
                 raise TypeError(f"{name} must be a str, got {type(value).__name__}")
         if self.regex is not None and self.json_schema is not None:
             raise ValueError("pass at most one of regex and json_schema")
+        if not isinstance(self.token_healing, bool):
+            raise TypeError(
+                f"token_healing must be a bool, got {type(self.token_healing).__name__}"
+            )
+        if self.token_healing and self.constraint is not None:
+            raise ValueError(
+                "token_healing cannot be combined with regex or json_schema (the constraint "
+                "decides the first token)"
+            )
         if self.json_schema is not None:
             import json
 

@@ -1,0 +1,139 @@
+"""Token healing: a prompt that ends where the model would not end a token.
+
+A program that writes "Name: " before a gen ends its prompt in a lone space token. The
+model almost never saw a space token before a word (it writes " Sir" as one token), so it
+answers "\\n" or nothing. Healing (guidance's name for it) backs the prompt's last token up
+and lets the first generated token be any token that begins with that token's text: the
+model then writes " Sir" itself. The request's text starts after the backed-up text, so
+prompt + text reads as before.
+
+The first draw is masked like a grammar's (`HealMatcher`, through the sampler's mask
+path); the tokens that extend a token are found by a binary search over the vocabulary's
+bytes, sorted once per engine. The text is decoded with a few prompt tokens before the
+backed-up one as context (`Heal.context`), so a SentencePiece word's leading space comes
+out as in the prompt.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from lmprog_runtime.constrained.base import Matcher
+from lmprog_runtime.constrained.outlines_backend import token_bytes
+
+CONTEXT_TOKENS = 4  # prompt tokens before the backed-up one, decoded with the output
+
+
+class Heal(NamedTuple):
+    """A prompt's healing: its last token is backed up and regenerated."""
+
+    token_id: int  # the backed-up token
+    text: str  # its text, as it reads after `context`
+    context: list[int]  # the prompt tokens before it (at most CONTEXT_TOKENS)
+    cut: int  # len(decode(context + [token_id])): the output's text starts after it
+    words: torch.Tensor  # int32 mask words: the tokens whose bytes begin with its bytes
+
+
+class TokenHealer:
+    """Plans the healing of prompts for one engine (any thread). It holds the engine's
+    tokenizer and the lock its calls take, never the engine (which must stay collectable
+    by reference counting: `test_engine_lifetime.py`)."""
+
+    def __init__(self, tokenizer: Any, tokenizer_lock: Any, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._tokenizer_lock = tokenizer_lock
+        self._vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._keys: list[bytes] | None = None  # every ordinary token's bytes, sorted
+        self._ids: list[int] = []  # the token of each key
+        self._bytes: dict[int, bytes] = {}
+        self._words: dict[int, torch.Tensor | None] = {}  # token -> its extensions' words
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        with self._tokenizer_lock:
+            return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def plan(self, input_ids: list[int], skip_special_tokens: bool) -> Heal | None:
+        """How to heal `input_ids`, or None where there is nothing to heal: a prompt of one
+        token, a special last token, one that no other token extends, or one whose text is
+        not whole characters."""
+        if len(input_ids) < 2:
+            return None
+        token = input_ids[-1]
+        words = self.extensions(token)
+        if words is None:
+            return None
+        context = input_ids[max(0, len(input_ids) - 1 - CONTEXT_TOKENS) : -1]
+        before = self._decode(context, skip_special_tokens)
+        after = self._decode([*context, token], skip_special_tokens)
+        if (
+            len(after) <= len(before)
+            or not after.startswith(before)
+            or "\ufffd" in after[len(before) :]
+        ):
+            return None
+        return Heal(token, after[len(before) :], context, len(after), words)
+
+    def extensions(self, token_id: int) -> torch.Tensor | None:
+        """int32 mask words of the tokens whose bytes begin with `token_id`'s (itself
+        included); None if it is special or no other token extends it."""
+        with self._lock:
+            if token_id not in self._words:
+                self._words[token_id] = self._find_extensions(token_id)
+            return self._words[token_id]
+
+    def _find_extensions(self, token_id: int) -> torch.Tensor | None:
+        if self._keys is None:
+            with self._tokenizer_lock:
+                self._bytes = token_bytes(self._tokenizer)
+            pairs = sorted((data, tid) for tid, data in self._bytes.items() if data)
+            self._keys = [data for data, _ in pairs]
+            self._ids = [tid for _, tid in pairs]
+        prefix = self._bytes.get(token_id)
+        if not prefix:
+            return None
+        # The keys that begin with `prefix` sort together, from the first key >= it.
+        start = end = bisect.bisect_left(self._keys, prefix)
+        while end < len(self._keys) and self._keys[end].startswith(prefix):
+            end += 1
+        ids = np.array([t for t in self._ids[start:end] if t < self._vocab_size], dtype=np.int64)
+        if len(ids) < 2:
+            return None
+        words = np.zeros((self._vocab_size + 31) // 32, dtype=np.uint32)
+        np.bitwise_or.at(words, ids // 32, np.left_shift(1, ids % 32).astype(np.uint32))
+        return torch.from_numpy(words.view(np.int32))
+
+
+class HealMatcher(Matcher):
+    """Masks a healed request's first draw to the backed-up token's extensions; allows
+    every token after it (the request then drops it: `Req.check_last_token`)."""
+
+    def __init__(self, words: torch.Tensor) -> None:
+        self._words = words
+        self._drawn = 0
+
+    def fill_mask_words(self, words: torch.Tensor) -> None:
+        if self._drawn:
+            words.fill_(-1)
+        else:
+            words.copy_(self._words)
+
+    def advance(self, token_id: int) -> None:
+        self._drawn += 1
+
+    def rollback(self, num_tokens: int) -> None:
+        self._drawn = max(0, self._drawn - num_tokens)
+
+    def is_complete(self) -> bool:
+        return True  # healing constrains one token, never where the text may end
+
+    def accepts(self, token_ids: list[int]) -> bool:
+        if self._drawn or not token_ids:
+            return True
+        token = token_ids[0]
+        return bool((int(self._words[token // 32]) >> (token % 32)) & 1)
