@@ -69,7 +69,8 @@ def gen(
     `token_healing` (None: only where the text so far ends with a space, as in
     "Name: " + gen(...)): the text's last token is backed up and the first token may be any
     that begins with its text, so the model writes " Sir" as it would, not "Sir" after a
-    lone space token; the value starts after the backed-up text. Not with a constraint.
+    lone space token; the value starts after the backed-up text (a constraint's pattern
+    then applies to the value).
     """
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -110,11 +111,6 @@ def gen(
         raise ValueError(f"dtype must be int, float, bool or str (or their names), got {dtype!r}")
     if token_healing is not None and not isinstance(token_healing, bool):
         raise TypeError(f"token_healing must be a bool or None, got {type(token_healing).__name__}")
-    if token_healing and (regex is not None or json_schema is not None or dtype is not None):
-        raise ValueError(
-            "token_healing=True cannot be combined with regex, json_schema or dtype "
-            "(the constraint decides the first token)"
-        )
     if hasattr(json_schema, "model_json_schema"):  # a pydantic model class
         json_schema = json_schema.model_json_schema()
     if isinstance(json_schema, (dict, bool)):

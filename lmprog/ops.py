@@ -167,14 +167,13 @@ class ProgramOps:
         params.update(
             {SAMPLING_KEYS.get(k, k): v for k, v in gen.sampling.items() if v is not None}
         )
-        heal = params.pop("token_healing", None)
         if gen.regex is not None:
             params["regex"] = gen.regex
         elif gen.json_schema is not None:
             params["json_schema"] = gen.json_schema
         elif gen.dtype is not None:
             params["regex"] = DTYPE_REGEX[gen.dtype]
-        elif heal or (heal is None and st.text.endswith(" ")):
+        if params.get("token_healing") is None and st.text.endswith(" "):
             # (None: heal the trailing space a template like "Name: " + gen leaves)
             params["token_healing"] = True
         return self.backend.encode(st.text), params

@@ -40,7 +40,7 @@ from lmprog_runtime.request import Req
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, Scheduler
 from lmprog_runtime.stats import EngineStats
-from lmprog_runtime.token_healing import Heal, HealMatcher, TokenHealer
+from lmprog_runtime.token_healing import Heal, HealMatcher, TokenHealer, healed_pattern
 from lmprog_runtime.transfer import device_scope
 
 logger = logging.getLogger(__name__)
@@ -262,6 +262,15 @@ class Engine(EngineLoop):
         with self._seeds_lock:
             seeds = [self._seeds.getrandbits(62) for _ in items]
         heals = [self._heal(item) for item in items]
+        # A healed constraint's pattern starts with the backed-up text.
+        items = [
+            item._replace(
+                grammar=self.grammar("regex", healed_pattern(heal.text, item.grammar.regex))
+            )
+            if heal is not None and item.grammar is not None
+            else item
+            for item, heal in zip(items, heals)
+        ]
         reqs = [
             Req(
                 next(self._rids),
@@ -285,15 +294,15 @@ class Engine(EngineLoop):
             for item, seed, heal in zip(items, seeds, heals)
         ]
         for req in reqs:
-            if req.char_fsm is not None:
+            if req.char_fsm is not None and req.heal is None:  # (healed: the model goes first)
                 self._jump_forward(req, at_start=True)
         return reqs, is_single
 
     def _heal(self, item: Any) -> Heal | None:
         """How to heal `item`'s prompt, if it asks for token healing and there is anything
         to heal."""
-        if not item.params.token_healing:
-            return None
+        if not item.params.token_healing or item.params.max_new_tokens == 0:
+            return None  # (a prompt-only request keeps its whole prompt)
         return self._healer.plan(item.input_ids, item.params.skip_special_tokens)
 
     @staticmethod

@@ -61,8 +61,10 @@ class Req:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids)
-        # Generation ends at the context length even if max_new_tokens allows more.
-        self.max_new_tokens = min(params.max_new_tokens, context_len - len(input_ids))
+        # Generation ends at the context length even if max_new_tokens allows more. A healed
+        # prompt's backed-up token is generated again on top of max_new_tokens.
+        healed = 1 if heal is not None else 0
+        self.max_new_tokens = min(params.max_new_tokens + healed, context_len - len(input_ids))
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len if return_logprob else -1
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
@@ -123,8 +125,12 @@ class Req:
         self._scanned = 0  # characters of the decoded text searched for stop strings
         self._min_text = 0  # characters of it before the min_new_tokens-th token's
         self._stop_regex = StopRegexScanner(params.stop_regex) if params.stop_regex else None
-        # Jump-forward: characters of the decoded text the char FSM has read, and its state.
-        self.fsm_position: tuple[int, Any] = (0, None if char_fsm is None else char_fsm.initial)
+        # Jump-forward: characters of the decoded text the char FSM has read, and its state
+        # (healed: after the backed-up text its pattern starts with, which is not in the text).
+        self.fsm_position: tuple[int, Any] = (0, None)
+        if char_fsm is not None:
+            start = char_fsm.initial if heal is None else char_fsm.walk(heal.text)
+            self.fsm_position = (0, start)
 
     # ---- lengths -------------------------------------------------------------------------
     @property

@@ -50,7 +50,8 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     # Token healing (`token_healing.py`): back the prompt's last token up and let the first
-    # token be any that begins with its text; the text returned starts after it.
+    # token be any that begins with its text (and goes on into `regex` / `json_schema`);
+    # the text returned starts after it.
     token_healing: bool = False
 
     @classmethod
@@ -150,11 +151,6 @@ class SamplingParams:
         if not isinstance(self.token_healing, bool):
             raise TypeError(
                 f"token_healing must be a bool, got {type(self.token_healing).__name__}"
-            )
-        if self.token_healing and self.constraint is not None:
-            raise ValueError(
-                "token_healing cannot be combined with regex or json_schema (the constraint "
-                "decides the first token)"
             )
         if self.json_schema is not None:
             import json

@@ -7,9 +7,11 @@ and lets the first generated token be any token that begins with that token's te
 model then writes " Sir" itself. The request's text starts after the backed-up text, so
 prompt + text reads as before.
 
-The first draw is masked like a grammar's (`HealMatcher`, through the sampler's mask
-path); the tokens that extend a token are found by a binary search over the vocabulary's
-bytes, sorted once per engine. The text is decoded with a few prompt tokens before the
+Unconstrained, the first draw is masked like a grammar's (`HealMatcher`, through the
+sampler's mask path); the tokens that extend a token are found by a binary search over the
+vocabulary's bytes, sorted once per engine. A constrained request's pattern gets the
+backed-up text in front (`healed_pattern`): its grammar then allows the first tokens that
+spell that text and go on into the pattern, as guidance's grammars heal. The text is decoded with a few prompt tokens before the
 backed-up one as context (`Heal.context`), so a SentencePiece word's leading space comes
 out as in the prompt.
 """
@@ -107,6 +109,16 @@ class TokenHealer:
         words = np.zeros((self._vocab_size + 31) // 32, dtype=np.uint32)
         np.bitwise_or.at(words, ids // 32, np.left_shift(1, ids % 32).astype(np.uint32))
         return torch.from_numpy(words.view(np.int32))
+
+
+def healed_pattern(text: str, regex: str) -> str:
+    """`regex` with the literal `text` in front: ASCII other than letters and digits as
+    `\\xHH` escapes (read alike by outlines-core and interegular), other characters as
+    themselves (none of them is special in a regex)."""
+    literal = "".join(
+        ch if ch.isalnum() or not ch.isascii() else f"\\x{ord(ch):02x}" for ch in text
+    )
+    return f"{literal}(?:{regex})"
 
 
 class HealMatcher(Matcher):

@@ -7,8 +7,8 @@ waiting for each before the next. The rules it follows are the documented ones:
 - the prompt of a request is the whole text so far, tokenized with
   `engine.encode(text, add_special_tokens=not (bos and text.startswith(bos)))`
   (lmprog's `EngineBackend.encode`);
-- a gen is `{"max_new_tokens", "stop", "temperature": 0}`; its text is appended and is the
-  variable's value;
+- a gen is `{"max_new_tokens", "stop", "temperature": 0}`, plus `"token_healing": True`
+  where the text so far ends with a space; its text is appended and is the variable's value;
 - a select scores every choice with a prefill-only request (`max_new_tokens=0`,
   `return_logprob=True`, `logprob_start_len=k`) of `encode(text + choice)`, where `k` is the
   common token prefix of `encode(text)` and `encode(text + choice)` clamped to
@@ -134,6 +134,8 @@ class ReferenceInterpreter:
             params["stop"] = list(stop)
         if regex is not None:
             params["regex"] = regex
+        if text.endswith(" "):
+            params["token_healing"] = True
         self.requests += 1
         out = self.engine.generate(input_ids=self.encode(text), sampling_params=params)
         return out["text"]

@@ -405,8 +405,10 @@ def test_gen_int_takes_max_tokens_positionally(engine):
     got, want = (p.run(backend=engine, **GREEDY) for p in (positional, keywords))
     assert got.text() == want.text()
     for name, limit in (("n", 2), ("m", 3)):
-        tokens = got.get_meta_info(name)["completion_tokens"]
-        assert tokens == want.get_meta_info(name)["completion_tokens"] <= limit
+        meta = got.get_meta_info(name)
+        healed = 1 if "token_healing" in meta else 0  # (its token comes on top: after a space)
+        assert meta["completion_tokens"] == want.get_meta_info(name)["completion_tokens"]
+        assert meta["completion_tokens"] <= limit + healed
     # (the bound matters: without it this model writes a longer number)
     assert unbounded.run(backend=engine, **GREEDY).get_meta_info("n")["completion_tokens"] > 2
 

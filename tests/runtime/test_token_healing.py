@@ -1,18 +1,26 @@
 """Token healing (`lmprog_runtime/token_healing.py`) against independent references: the
 first tokens it allows against a scan of the vocabulary through the tokenizer's own tokens
 and the GPT-2 byte table of `transformers`, the healed greedy output against transformers'
-forward under that mask and its greedy `generate` after it, the text against the
-tokenizer's full decode; both engine loops, streaming and stop strings."""
+forward under that mask and its greedy `generate` after it, a constrained request against
+a greedy decode under the `regex` module's partial matching, the text against the
+tokenizer's full decode; both engine loops, streaming, stop strings and jump-forward."""
 
 from __future__ import annotations
 
+import json
+import re
+
+import jsonschema
 import pytest
+import regex
 import torch
 from helpers import hf_greedy_ids
 from hypothesis import given
 from hypothesis import strategies as st
 from overlap_engines import engine_pair
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from lmprog_runtime.token_healing import healed_pattern
 
 # Prompts whose last token other tokens extend: a lone space, a word piece, a newline.
 PROMPTS = [
@@ -81,11 +89,10 @@ def test_healed_greedy_matches_transformers(engine, hf_tiny, tiny_bytes, prompt)
     assert len(extends(tiny_bytes, ids[-1])) > 1  # (the prompt has something to heal)
     params = {"max_new_tokens": 12, "temperature": 0, "token_healing": True}
     out = engine.generate(input_ids=ids, sampling_params=params)
-    assert (
-        out["output_ids"]
-        == healed_reference(hf_tiny, tiny_bytes, ids, 12)[: len(out["output_ids"])]
-    )
-    assert len(out["output_ids"]) == 12 or out["meta_info"]["finish_reason"]["type"] == "stop"
+    # The backed-up token is generated again on top of max_new_tokens.
+    want = healed_reference(hf_tiny, tiny_bytes, ids, 13)
+    assert out["output_ids"] == want[: len(out["output_ids"])]
+    assert len(out["output_ids"]) == 13 or out["meta_info"]["finish_reason"]["type"] == "stop"
     assert tokenizer.decode(out["output_ids"][:1]).startswith(tokenizer.decode(ids[-1:]))
     # The text is what the output adds to the prompt's text.
     full = tokenizer.decode(ids[:-1] + out["output_ids"])
@@ -112,6 +119,14 @@ def test_nothing_to_heal_is_left_as_it_is(engine, tiny_bytes):
         assert healed["text"] == plain["text"]
         assert "token_healing" not in healed["meta_info"]
         assert healed["meta_info"]["prompt_tokens"] == len(ids)
+    # A prompt-only request keeps its whole prompt (and its prompt logprobs).
+    ids = engine.encode("Name: ")
+    params = {"max_new_tokens": 0, "token_healing": True}
+    out = engine.generate(
+        input_ids=ids, sampling_params=params, return_logprob=True, logprob_start_len=0
+    )
+    assert out["meta_info"]["prompt_tokens"] == len(ids)
+    assert [t for _, t, _ in out["meta_info"]["input_token_logprobs"]] == ids
 
 
 def test_stop_strings_see_only_the_new_text(engine):
@@ -120,7 +135,9 @@ def test_stop_strings_see_only_the_new_text(engine):
     ids = engine.encode("The answer is ")
     base = {"max_new_tokens": 16, "temperature": 0, "token_healing": True, "ignore_eos": True}
     free = engine.generate(input_ids=ids, sampling_params=base)["text"]
-    for stop in [" ", free[1:3], free[-2:]]:
+    stops = [stop for stop in (" ", free[1:3], free[6:8]) if "\ufffd" not in stop]
+    assert len(stops) >= 2 and all(stops)
+    for stop in stops:
         out = engine.generate(input_ids=ids, sampling_params={**base, "stop": stop})
         cut = free.find(stop)
         assert out["text"] == free[:cut]
@@ -154,7 +171,77 @@ def test_both_loops_heal_alike_and_stream_the_same_text(tiny_path, worker):
 def test_bad_token_healing_is_refused_early(engine):
     with pytest.raises(TypeError, match="token_healing"):
         engine.generate("Name: ", {"token_healing": "yes"})
-    with pytest.raises(ValueError, match="token_healing"):
-        engine.generate("Age: ", {"token_healing": True, "regex": "[0-9]+"})
-    with pytest.raises(ValueError, match="token_healing"):
-        engine.generate("Age: ", {"token_healing": True, "json_schema": '{"type": "integer"}'})
+
+
+@given(text=st.text(min_size=1, max_size=6), tail=st.from_regex(r"[0-9]{1,3}", fullmatch=True))
+def test_healed_pattern_is_the_text_then_the_pattern(text, tail):
+    """Both regex readers the engine uses (Python's, as interegular's syntax, and
+    interegular's FSM) read the text literally, whatever characters it holds."""
+    import interegular
+
+    pattern = healed_pattern(text, "[0-9]{1,3}")
+    assert re.fullmatch(pattern, text + tail)
+    assert not re.fullmatch(pattern, text) and not re.fullmatch(pattern, text + "a" + tail)
+    fsm = interegular.parse_pattern(pattern).to_fsm()
+    assert fsm.accepts(text + tail)
+    assert not fsm.accepts(text) and not fsm.accepts(text + "a" + tail)
+
+
+def constrained_reference(hf_tiny, tiny_bytes, ids, pattern, new):
+    """transformers' greedy decode under `pattern`, healed: from the prompt less its last
+    token, each token the argmax of those whose text keeps the output (with the backed-up
+    text in front) a prefix of a full match (the `regex` module's partial matching), EOS
+    once it is a full match."""
+    model, tokenizer = hf_tiny
+    healed = tiny_bytes[ids[-1]].decode()
+    full = regex.compile(regex.escape(healed) + f"(?:{pattern})")
+    texts = {}
+    for t, data in tiny_bytes.items():
+        try:
+            texts[t] = data.decode()
+        except UnicodeDecodeError:
+            continue  # part of a character: no ASCII pattern takes it
+    out, text = [], ""
+    for _ in range(new):
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids[:-1] + out])).logits[0, -1].float()
+        allowed = [t for t, piece in texts.items() if full.fullmatch(text + piece, partial=True)]
+        if full.fullmatch(text):
+            allowed.append(tokenizer.eos_token_id)
+        best = max(allowed, key=lambda t: logits[t].item())
+        out.append(best)
+        if best == tokenizer.eos_token_id:
+            break
+        text += texts[best]
+    return out
+
+
+@pytest.mark.parametrize(
+    "prompt, pattern", [("Age: ", "[0-9]{1,3}"), ("The answer is ", "(yes|no|maybe)")]
+)
+def test_a_constrained_request_heals_into_its_pattern(engine, hf_tiny, tiny_bytes, prompt, pattern):
+    ids = engine.encode(prompt)
+    params = {"max_new_tokens": 6, "temperature": 0, "token_healing": True, "regex": pattern}
+    out = engine.generate(input_ids=ids, sampling_params=params)
+    assert out["output_ids"] == constrained_reference(hf_tiny, tiny_bytes, ids, pattern, 7)
+    assert re.fullmatch(pattern, out["text"])
+    assert out["meta_info"]["token_healing"]["token_id"] == ids[-1]
+    full = hf_tiny[1].decode(ids[:-1] + out["output_ids"], skip_special_tokens=True)
+    assert full == prompt + out["text"]
+
+
+def test_a_healed_json_request_jumps_forward_and_validates(engine):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 5}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+    }
+    params = {"max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(schema)}
+    engine.reset_stats()
+    out = engine.generate("Result: ", {**params, "token_healing": True})
+    jumped = engine.stats()["jump_forward_tokens"]
+    jsonschema.validate(json.loads(out["text"]), schema)
+    assert out["meta_info"]["token_healing"]["text"] == " "
+    assert jumped > 0  # the keys after the first token came forced
+    full = engine.decode(engine.encode("Result: ")[:-1] + out["output_ids"])
+    assert full == "Result: " + out["text"]
