@@ -48,6 +48,7 @@ def gen(
     presence_penalty: float | None = None,
     ignore_eos: bool | None = None,
     token_healing: bool | None = None,
+    end_outside_pattern: bool | None = None,
     return_logprob: bool | None = None,
     logprob_start_len: int | None = None,
     top_logprobs_num: int | None = None,
@@ -71,6 +72,11 @@ def gen(
     that begins with its text, so the model writes " Sir" as it would, not "Sir" after a
     lone space token; the value starts after the backed-up text (a constraint's pattern
     then applies to the value).
+
+    `end_outside_pattern` (None: True for a constrained gen): once the value fully matches
+    its pattern, a token the pattern cannot take ends it (guidance's rule), so "Age: " +
+    gen(regex="[0-9]{1,3}") + "\n" ends at "25" where the model goes on with a newline;
+    False: only EOS ends it (SGLang's and outlines' rule).
     """
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -104,11 +110,16 @@ def gen(
         "presence_penalty": presence_penalty,
         "ignore_eos": ignore_eos,
         "token_healing": token_healing,
+        "end_outside_pattern": end_outside_pattern,
     }
     if isinstance(dtype, str) and dtype in DTYPES:
         dtype = DTYPES[dtype]
     if dtype is not None and dtype not in (int, float, bool, str):
         raise ValueError(f"dtype must be int, float, bool or str (or their names), got {dtype!r}")
+    if end_outside_pattern is not None and not isinstance(end_outside_pattern, bool):
+        raise TypeError(
+            f"end_outside_pattern must be a bool or None, got {type(end_outside_pattern).__name__}"
+        )
     if token_healing is not None and not isinstance(token_healing, bool):
         raise TypeError(f"token_healing must be a bool or None, got {type(token_healing).__name__}")
     if hasattr(json_schema, "model_json_schema"):  # a pydantic model class

@@ -48,6 +48,7 @@ SAMPLING_KEYS = {
     "presence_penalty": "presence_penalty",
     "ignore_eos": "ignore_eos",
     "token_healing": "token_healing",
+    "end_outside_pattern": "end_outside_pattern",
 }
 
 
@@ -173,6 +174,11 @@ class ProgramOps:
             params["json_schema"] = gen.json_schema
         elif gen.dtype is not None:
             params["regex"] = DTYPE_REGEX[gen.dtype]
+        if "regex" in params or "json_schema" in params:
+            # (None: a complete value ends where the model goes on past the pattern)
+            params.setdefault("end_outside_pattern", True)
+        else:
+            params.pop("end_outside_pattern", None)
         if params.get("token_healing") is None and st.text.endswith(" "):
             # (None: heal the trailing space a template like "Name: " + gen leaves)
             params["token_healing"] = True

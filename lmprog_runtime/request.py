@@ -76,6 +76,9 @@ class Req:
         self.matcher = matcher  # constrained decoding: which tokens may come next
         self.grammar_eos = grammar_eos
         self.grammar = grammar  # the compiled constraint (a new matcher after a jump)
+        # end_outside_pattern: the tokens the pattern took at the last draw, which was
+        # unmasked (the output was a full match); None when it was masked or unconstrained.
+        self.end_words: torch.Tensor | None = None
         self.char_fsm = char_fsm  # jump-forward: None when off or not applicable
         # Token healing: the prompt's last token was backed up (`input_ids` ends before it)
         # and the output's text starts after its text; None when not healed.
@@ -189,6 +192,11 @@ class Req:
         token_id = self.output_ids[-1]
         if self.matcher is not None:
             if token_id == self.grammar_eos:  # only allowed where the pattern is complete
+                self.finished_reason = {"type": "stop", "matched": token_id}
+                return
+            words = self.end_words
+            if words is not None and not (int(words[token_id // 32]) >> (token_id % 32)) & 1:
+                # end_outside_pattern: a token the complete match cannot take ends it
                 self.finished_reason = {"type": "stop", "matched": token_id}
                 return
             self.matcher.advance(token_id)

@@ -82,6 +82,12 @@ def sample_rows(
             banned = [t for t in (req.eos_token_ids | req.stop_token_ids) - keep if 0 <= t < vocab]
         penalty = counts.row_of(req, offset, draws) if params.has_penalties else None
         mask = next(words) if req.matcher is not None else None
+        # A complete match that may end on any token draws unmasked; the request keeps
+        # the pattern's tokens to tell (`Req.check_last_token`).
+        req.end_words = None
+        ends = mask is not None and params.end_outside_pattern and req.grammar is not None
+        if ends and req.matcher.is_complete():
+            req.end_words, mask = mask, None
         key = 0 if params.is_greedy else race_key(req.seed, len(req.output_ids))
         rows.append(SampleRow(req.rid, params, req.generator, key, penalty, banned, mask))
     return rows

@@ -49,6 +49,11 @@ class SamplingParams:
     # against `json_schema` (JSON text). At most one of the two.
     regex: str | None = None
     json_schema: str | None = None
+    # With regex / json_schema: where the output so far fully matches, the model may draw
+    # any token, and one the pattern cannot take ends the output there, not kept (as
+    # guidance's gens end: "Age: " + [0-9]{1,3} gives "25" where the model goes on with a
+    # newline). False: only EOS ends a complete match (outlines' and SGLang's rule).
+    end_outside_pattern: bool = False
     # Token healing (`token_healing.py`): back the prompt's last token up and let the first
     # token be any that begins with its text (and goes on into `regex` / `json_schema`);
     # the text returned starts after it.
@@ -148,6 +153,10 @@ class SamplingParams:
                 raise TypeError(f"{name} must be a str, got {type(value).__name__}")
         if self.regex is not None and self.json_schema is not None:
             raise ValueError("pass at most one of regex and json_schema")
+        if not isinstance(self.end_outside_pattern, bool):
+            raise TypeError(
+                f"end_outside_pattern must be a bool, got {type(self.end_outside_pattern).__name__}"
+            )
         if not isinstance(self.token_healing, bool):
             raise TypeError(
                 f"token_healing must be a bool, got {type(self.token_healing).__name__}"

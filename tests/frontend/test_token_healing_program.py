@@ -63,7 +63,13 @@ def test_constrained_gens_heal_into_their_pattern(engine):
     state = fill.run(backend=engine, temperature=0)
     want = engine.generate(
         "Age: ",
-        {"temperature": 0, "max_new_tokens": 8, "regex": "[0-9]{1,3}", "token_healing": True},
+        {
+            "temperature": 0,
+            "max_new_tokens": 8,
+            "regex": "[0-9]{1,3}",
+            "token_healing": True,
+            "end_outside_pattern": True,  # (a constrained gen's default)
+        },
     )
     assert state["age"] == want["text"] and state["age"].isdigit()
     assert "token_healing" in state.get_meta_info("age")

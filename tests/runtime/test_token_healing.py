@@ -12,13 +12,12 @@ import re
 
 import jsonschema
 import pytest
-import regex
 import torch
 from helpers import hf_greedy_ids
 from hypothesis import given
 from hypothesis import strategies as st
 from overlap_engines import engine_pair
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+from pattern_reference import constrained_reference, extends, vocab_bytes
 
 from lmprog_runtime.token_healing import healed_pattern
 
@@ -32,24 +31,9 @@ PROMPTS = [
 ]
 
 
-def vocab_bytes(tokenizer) -> dict[int, bytes]:
-    """Each ordinary token's bytes, read from its piece through GPT-2's byte table."""
-    to_byte = {ch: b for b, ch in bytes_to_unicode().items()}
-    special = set(tokenizer.all_special_ids)
-    out = {}
-    for token_id, piece in enumerate(tokenizer.convert_ids_to_tokens(range(len(tokenizer)))):
-        if token_id not in special and piece is not None and all(c in to_byte for c in piece):
-            out[token_id] = bytes(to_byte[c] for c in piece)
-    return out
-
-
 @pytest.fixture(scope="module")
 def tiny_bytes(hf_tiny):
     return vocab_bytes(hf_tiny[1])
-
-
-def extends(table: dict[int, bytes], token: int) -> set[int]:
-    return {t for t, data in table.items() if data.startswith(table[token])}
 
 
 def allowed_set(engine, token: int) -> set[int]:
@@ -185,35 +169,6 @@ def test_healed_pattern_is_the_text_then_the_pattern(text, tail):
     fsm = interegular.parse_pattern(pattern).to_fsm()
     assert fsm.accepts(text + tail)
     assert not fsm.accepts(text) and not fsm.accepts(text + "a" + tail)
-
-
-def constrained_reference(hf_tiny, tiny_bytes, ids, pattern, new):
-    """transformers' greedy decode under `pattern`, healed: from the prompt less its last
-    token, each token the argmax of those whose text keeps the output (with the backed-up
-    text in front) a prefix of a full match (the `regex` module's partial matching), EOS
-    once it is a full match."""
-    model, tokenizer = hf_tiny
-    healed = tiny_bytes[ids[-1]].decode()
-    full = regex.compile(regex.escape(healed) + f"(?:{pattern})")
-    texts = {}
-    for t, data in tiny_bytes.items():
-        try:
-            texts[t] = data.decode()
-        except UnicodeDecodeError:
-            continue  # part of a character: no ASCII pattern takes it
-    out, text = [], ""
-    for _ in range(new):
-        with torch.inference_mode():
-            logits = model(torch.tensor([ids[:-1] + out])).logits[0, -1].float()
-        allowed = [t for t, piece in texts.items() if full.fullmatch(text + piece, partial=True)]
-        if full.fullmatch(text):
-            allowed.append(tokenizer.eos_token_id)
-        best = max(allowed, key=lambda t: logits[t].item())
-        out.append(best)
-        if best == tokenizer.eos_token_id:
-            break
-        text += texts[best]
-    return out
 
 
 @pytest.mark.parametrize(
