@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint format bench clean
+.PHONY: demo test test-slow lint format bench bench-guidance clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,7 +59,21 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_ray.py --model small
 	$(PY) benchmarks/bench_cpu.py
 	$(PY) benchmarks/bench_quant_linears.py
+	$(MAKE) bench-guidance
 	$(PY) benchmarks/report.py
 
+# guidance pins transformers 4.53: it gets an environment of its own (.venv-guidance), with
+# the same CPU build of torch, and runs in a worker process (benchmarks/guidance_worker.py).
+GUIDANCE_VENV := .venv-guidance
+$(GUIDANCE_VENV)/.installed:
+	test -x $(GUIDANCE_VENV)/bin/python || $(PYTHON) -m venv $(GUIDANCE_VENV)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(GUIDANCE_VENV)/bin/pip install -q "torch==2.13.0"; fi
+	$(GUIDANCE_VENV)/bin/pip install -q "guidance==0.3.1" "transformers==4.53.3"
+	touch $@
+
+bench-guidance: $(STAMP) $(GUIDANCE_VENV)/.installed
+	$(PY) benchmarks/bench_guidance.py --guidance-python $(GUIDANCE_VENV)/bin/python
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(GUIDANCE_VENV) build *.egg-info
