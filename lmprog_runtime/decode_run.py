@@ -390,7 +390,7 @@ def _rows_ahead(rows: list[SampleRow], reqs: list[Req], k: int) -> list[SampleRo
         held = len(req.output_ids) + k
         if not row.params.is_greedy:
             row = row._replace(key=race_key(req.seed, held))
-        if row.banned and held >= req.params.min_new_tokens:
+        if row.banned and held >= req.min_new_tokens:
             row = row._replace(banned=[])
         if row.penalty is not None and row.penalty.reset is not None:
             row = row._replace(penalty=row.penalty._replace(reset=None))

@@ -62,9 +62,10 @@ class Req:
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids)
         # Generation ends at the context length even if max_new_tokens allows more. A healed
-        # prompt's backed-up token is generated again on top of max_new_tokens.
+        # prompt's backed-up token is generated again on top of max_ and min_new_tokens.
         healed = 1 if heal is not None else 0
         self.max_new_tokens = min(params.max_new_tokens + healed, context_len - len(input_ids))
+        self.min_new_tokens = params.min_new_tokens + healed if params.min_new_tokens else 0
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len if return_logprob else -1
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
@@ -164,7 +165,7 @@ class Req:
     @property
     def can_stop(self) -> bool:
         """min_new_tokens is reached, so EOS, stop tokens and stop strings may end it now."""
-        return len(self.output_ids) >= self.params.min_new_tokens
+        return len(self.output_ids) >= self.min_new_tokens
 
     @property
     def fill_ids(self) -> list[int]:

@@ -73,13 +73,13 @@ class TokenHealer:
         context = input_ids[max(0, len(input_ids) - 1 - CONTEXT_TOKENS) : -1]
         before = self._decode(context, skip_special_tokens)
         after = self._decode([*context, token], skip_special_tokens)
-        if (
-            len(after) <= len(before)
-            or not after.startswith(before)
-            or "\ufffd" in after[len(before) :]
-        ):
+        text = after[len(before) :]
+        # The mask and a healed pattern read the token's bytes: heal only where its text in
+        # context is those bytes (a SentencePiece word first in the text decodes without
+        # its space).
+        if not after.startswith(before) or text.encode() != self._bytes.get(token):
             return None
-        return Heal(token, after[len(before) :], context, len(after), words)
+        return Heal(token, text, context, len(after), words)
 
     def extensions(self, token_id: int) -> torch.Tensor | None:
         """int32 mask words of the tokens whose bytes begin with `token_id`'s (itself
@@ -92,8 +92,13 @@ class TokenHealer:
     def _find_extensions(self, token_id: int) -> torch.Tensor | None:
         if self._keys is None:
             with self._tokenizer_lock:
-                self._bytes = token_bytes(self._tokenizer)
-            pairs = sorted((data, tid) for tid, data in self._bytes.items() if data)
+                table = token_bytes(self._tokenizer)
+                # Every special token is left out (some are not in `all_special_ids`): a
+                # decode that skips them would lose the healed text.
+                added = getattr(self._tokenizer, "added_tokens_decoder", {})
+                special = {tid for tid, token in added.items() if token.special}
+            self._bytes = {tid: data for tid, data in table.items() if data and tid not in special}
+            pairs = sorted((data, tid) for tid, data in self._bytes.items())
             self._keys = [data for data, _ in pairs]
             self._ids = [tid for _, tid in pairs]
         prefix = self._bytes.get(token_id)

@@ -200,3 +200,87 @@ def test_a_healed_json_request_jumps_forward_and_validates(engine):
     assert jumped > 0  # the keys after the first token came forced
     full = engine.decode(engine.encode("Result: ")[:-1] + out["output_ids"])
     assert full == "Result: " + out["text"]
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace, a decoder that strips the text's first
+    space), built by hand: its decode of `▁Hi` first in a text is "Hi", its bytes " Hi"."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", "▁", "H", "i", "!", "▁H", "▁Hi", "▁Hi!"]
+    merges = [("▁", "H"), ("▁H", "i"), ("▁Hi", "!")]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tk.add_special_tokens([AddedToken(s, special=True) for s in pieces[:3]])
+    tk.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def test_a_token_whose_text_is_not_its_bytes_is_not_healed():
+    """The mask and a healed pattern read a token's bytes: where its text in context
+    differs (a SentencePiece word first in the text decodes without its space), healing
+    would forbid the prompt's own token; such a prompt is left as it is."""
+    import threading
+
+    from lmprog_runtime.token_healing import TokenHealer
+
+    tokenizer = metaspace_tokenizer()
+    healer = TokenHealer(tokenizer, threading.Lock(), len(tokenizer))
+    first, second = tokenizer("Hi").input_ids, tokenizer("Hi Hi").input_ids
+    assert tokenizer.convert_ids_to_tokens(second) == ["<s>", "▁Hi", "▁Hi"]
+    assert tokenizer.decode(first, skip_special_tokens=True) == "Hi"  # (no space)
+    assert healer.plan(first, skip_special_tokens=True) is None
+    heal = healer.plan(second, skip_special_tokens=True)
+    assert heal is not None and heal.text == " Hi"
+    bits = (heal.words[:, None].to(torch.int64) >> torch.arange(32)) & 1
+    allowed = bits.flatten().nonzero().flatten().tolist()
+    assert tokenizer.convert_ids_to_tokens(allowed) == ["▁Hi", "▁Hi!"]
+
+
+def test_special_tokens_outside_all_special_ids_are_never_drawn(tiny_path):
+    """A token marked special only among the added tokens (Llama 3's reserved ones) is
+    skipped by a decode: drawn as the healed token it would lose text."""
+    import threading
+
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from lmprog_runtime.token_healing import TokenHealer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    table = vocab_bytes(tokenizer)
+    space = tokenizer.convert_tokens_to_ids("Ġ")
+    word = next(t for t in sorted(extends(table, space)) if t != space)
+    piece = tokenizer.convert_ids_to_tokens(word)
+    tokenizer.add_tokens([AddedToken(piece, special=True)], special_tokens=True)
+    assert tokenizer.convert_tokens_to_ids(piece) == word
+    assert word not in tokenizer.all_special_ids  # (marked special among the added only)
+    healer = TokenHealer(tokenizer, threading.Lock(), len(tokenizer))
+    bits = (healer.extensions(space)[:, None].to(torch.int64) >> torch.arange(32)) & 1
+    allowed = set(bits.flatten().nonzero().flatten().tolist())
+    assert allowed == extends(table, space) - {word}
+
+
+def test_min_new_tokens_counts_on_top_of_the_healed_token(engine):
+    """The backed-up token, generated again, comes on top of min_new_tokens as of
+    max_new_tokens: a one-character stop string in its text does not count yet."""
+    prompt = "The answer is "
+    ids = engine.encode(prompt)
+    base = {"max_new_tokens": 12, "temperature": 0, "token_healing": True, "ignore_eos": True}
+    free = engine.generate(input_ids=ids, sampling_params=base)
+    first = engine.decode(ids[:-1] + free["output_ids"][:1])[len(prompt) :]
+    assert first  # (the healed token adds text of its own)
+    stop = first[0]
+    out = engine.generate(
+        input_ids=ids, sampling_params={**base, "stop": stop, "min_new_tokens": 1}
+    )
+    cut = free["text"].find(stop, len(first))
+    assert out["text"] == (free["text"] if cut < 0 else free["text"][:cut])
