@@ -24,6 +24,7 @@ import torch
 
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.constrained.jump_forward import jump_forward
+from lmprog_runtime.constrained.outlines_backend import is_byte_level
 from lmprog_runtime.decode_run import RunSlots
 from lmprog_runtime.engine_inputs import normalize_generate_inputs
 from lmprog_runtime.engine_loop import EngineLoop, serve, wake
@@ -44,6 +45,7 @@ from lmprog_runtime.token_healing import Heal, HealMatcher, TokenHealer, healed_
 from lmprog_runtime.transfer import device_scope
 
 logger = logging.getLogger(__name__)
+DETOK_CONTEXT_TOKENS = 4  # prompt tokens an output is decoded after (`_detok_context`)
 
 
 class Engine(EngineLoop):
@@ -112,6 +114,7 @@ class Engine(EngineLoop):
         # (its vocabulary table is built on the first request that heals)
         vocab = self.runner.model_config.vocab_size
         self._healer = TokenHealer(self.tokenizer, self._tokenizer_lock, vocab)
+        self._decode_is_context_free = is_byte_level(self.tokenizer)
         self._grammar_eos = self.tokenizer.eos_token_id
         if self._grammar_eos is None and self.eos_token_ids:
             self._grammar_eos = min(self.eos_token_ids)
@@ -290,6 +293,7 @@ class Engine(EngineLoop):
                 grammar=item.grammar,
                 char_fsm=self._char_fsm(item),
                 heal=heal,
+                detok_context=self._detok_context(item) if heal is None else None,
             )
             for item, seed, heal in zip(items, seeds, heals)
         ]
@@ -304,6 +308,18 @@ class Engine(EngineLoop):
         if not item.params.token_healing or item.params.max_new_tokens == 0:
             return None  # (a prompt-only request keeps its whole prompt)
         return self._healer.plan(item.input_ids, item.params.skip_special_tokens)
+
+    def _detok_context(self, item: Any) -> tuple[list[int], int] | None:
+        """The prompt tokens an output is decoded after, and the characters of their
+        decode: a tokenizer whose decode strips the text's first space (SentencePiece's
+        `▁`) would otherwise drop an output's leading space ("Answer:" + "Paris"). None for
+        byte-level BPE, whose pieces decode alike anywhere, and where the prompt's last
+        tokens end inside a character."""
+        if self._decode_is_context_free or item.params.max_new_tokens == 0:
+            return None
+        context = item.input_ids[-DETOK_CONTEXT_TOKENS:]
+        text = self.decode(context, skip_special_tokens=item.params.skip_special_tokens)
+        return None if text.endswith("\ufffd") else (context, len(text))
 
     @staticmethod
     def _matcher(item: Any, heal: Heal | None) -> Any:

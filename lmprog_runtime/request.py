@@ -52,6 +52,7 @@ class Req:
         grammar: Any = None,
         char_fsm: Any = None,
         heal: Heal | None = None,
+        detok_context: tuple[list[int], int] | None = None,
         on_chunk: Callable[[dict[str, Any]], None] | None = None,
         on_done: Callable[[Req], None] | None = None,
     ) -> None:
@@ -120,8 +121,17 @@ class Req:
         self._num_streamed_ids = 0
         # Incremental detokenization: the output decoded so far, and the token window
         # [prefix_offset, read_offset) decoded last (the context for the next tokens), over
-        # the healed prompt's context tokens, if any, and the output.
-        self._detok_context = heal.context if heal is not None else []
+        # some prompt tokens and the output. The prompt tokens (a healed prompt's, or
+        # `detok_context`: (tokens, characters of their decode)) make a SentencePiece
+        # word's leading space come out as after the prompt; the output's text starts
+        # `_detok_cut` characters into their decode with the output, and `_detok_skip`
+        # characters into the text decoded after them (the healed text).
+        if heal is not None:
+            self._detok_context, self._detok_cut = heal.context, heal.cut
+            self._detok_skip = len(heal.text)
+        else:
+            self._detok_context, self._detok_cut = detok_context or ([], 0)
+            self._detok_skip = 0
         self._decoded_text = ""
         self._prefix_offset = 0
         self._read_offset = len(self._detok_context)
@@ -240,7 +250,7 @@ class Req:
         The new tokens are taken one at a time, so the text is the same however many
         tokens came since the last call (a trailing incomplete sequence holds back only
         itself, not the complete tokens before it)."""
-        ids = self._detok_context + self.output_ids if self.heal is not None else self.output_ids
+        ids = self._detok_context + self.output_ids if self._detok_context else self.output_ids
         skip = self.params.skip_special_tokens
         start, read, before = self._prefix_offset, self._read_offset, None
         # (an end tried with this window gives what it gave: tried once only)
@@ -253,8 +263,8 @@ class Req:
                 self._decoded_text += after[len(before) :]
                 start, read, before = read, end, None
                 self._prefix_offset, self._read_offset = start, read
-        if self.heal is not None:  # (the first token's text begins with the healed text)
-            return self._decoded_text[len(self.heal.text) :]
+        if self._detok_skip:  # (the first token's text begins with the healed text)
+            return self._decoded_text[self._detok_skip :]
         return self._decoded_text
 
     def has_undecoded_tokens(self) -> bool:
@@ -312,11 +322,11 @@ class Req:
         if reason is not None and reason["type"] == "stop" and isinstance(reason["matched"], int):
             ids = ids[:-1]  # a matched stop token is not part of the text
         skip = self.params.skip_special_tokens
-        if self.heal is None:
+        if not self._detok_context:
             text = self.tokenizer.decode(ids, skip_special_tokens=skip)
         else:
             text = self.tokenizer.decode(self._detok_context + ids, skip_special_tokens=skip)
-            text = text[self.heal.cut :]
+            text = text[self._detok_cut :]
         if not self.can_stop:
             return text, None
         cut, matched = self._first_stop(text, 0)

@@ -219,3 +219,25 @@ def forbid_host_syncs(python_data: bool = False):
             yield
         finally:
             _guard_state.depth -= 1
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace, a decoder that strips the text's first
+    space), built by hand: its decode of `▁Hi` first in a text is "Hi", its bytes " Hi"."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", "▁", "H", "i", "!", "▁H", "▁Hi", "▁Hi!"]
+    merges = [("▁", "H"), ("▁H", "i"), ("▁Hi", "!")]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tk.add_special_tokens([AddedToken(s, special=True) for s in pieces[:3]])
+    tk.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )

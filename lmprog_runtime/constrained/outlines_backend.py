@@ -41,7 +41,7 @@ def token_bytes(tokenizer: Any) -> dict[int, bytes]:
     """token id -> the bytes it decodes to, for every ordinary (non-special) token."""
     special = set(tokenizer.all_special_ids)
     vocab = tokenizer.get_vocab()
-    byte_level = _is_byte_level(tokenizer)
+    byte_level = is_byte_level(tokenizer)
     table = _unicode_to_byte() if byte_level else None
     out = {}
     for piece, token_id in vocab.items():
@@ -58,7 +58,7 @@ def token_bytes(tokenizer: Any) -> dict[int, bytes]:
     return out
 
 
-def _is_byte_level(tokenizer: Any) -> bool:
+def is_byte_level(tokenizer: Any) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return False

@@ -170,3 +170,55 @@ def test_streamed_text_adds_up_to_the_final_text_and_stops_as_unstreamed(tokeniz
     matched = quiet.finished_reason.get("matched")
     overlap = len(matched) - 1 if isinstance(matched, str) else 0
     assert quiet.text.startswith(before[: max(0, len(before) - overlap)])
+
+
+@pytest.fixture(scope="module")
+def metaspace_engine(tmp_path_factory):
+    """An engine on a random tiny Llama whose tokenizer is SentencePiece-style (Metaspace,
+    a decoder that strips the text's first space)."""
+    from helpers import metaspace_tokenizer, random_hf_model
+
+    from lmprog_runtime import Engine
+
+    tokenizer = metaspace_tokenizer()
+    path = tmp_path_factory.mktemp("metaspace")
+    model = random_hf_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    engine = Engine(str(path), max_total_tokens=2048, dtype="float32")
+    yield engine, tokenizer
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("prompt", ["Hi", "Hi Hi", "Hi!"])
+def test_an_output_keeps_its_leading_space_after_the_prompt(metaspace_engine, prompt):
+    """A SentencePiece word's space is part of the output's text after a prompt, as in the
+    full decode (it is stripped only first in a text): the text is what the output adds
+    to the prompt's decode, whole and streamed."""
+    engine, tokenizer = metaspace_engine
+    ids = tokenizer(prompt).input_ids
+    spaced = 0
+    for seed in range(8):
+        params = {"max_new_tokens": 5, "temperature": 8.0, "seed": seed, "ignore_eos": True}
+        out = engine.generate(input_ids=ids, sampling_params=params)
+        streamed = "".join(
+            c["text"] for c in engine.generate(input_ids=ids, sampling_params=params, stream=True)
+        )
+        before = tokenizer.decode(ids, skip_special_tokens=True)
+        full = tokenizer.decode(ids + out["output_ids"], skip_special_tokens=True)
+        assert out["text"] == full[len(before) :] == streamed
+        pieces = tokenizer.convert_ids_to_tokens(out["output_ids"])
+        words = [p for p in pieces if p not in tokenizer.all_special_tokens]
+        spaced += bool(words) and words[0].startswith("▁")
+    assert spaced  # (some text began with a spaced word: the case that was lost)
