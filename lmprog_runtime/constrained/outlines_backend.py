@@ -38,8 +38,12 @@ def _unicode_to_byte() -> dict[str, int]:
 
 
 def token_bytes(tokenizer: Any) -> dict[int, bytes]:
-    """token id -> the bytes it decodes to, for every ordinary (non-special) token."""
+    """token id -> the bytes it decodes to, for every ordinary (non-special) token. Special
+    tokens include those marked special only among the added tokens (a tokenizer need not
+    list them in `all_special_ids`): a decode that skips them would lose their text."""
     special = set(tokenizer.all_special_ids)
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special |= {token_id for token_id, token in added.items() if token.special}
     vocab = tokenizer.get_vocab()
     byte_level = is_byte_level(tokenizer)
     table = _unicode_to_byte() if byte_level else None

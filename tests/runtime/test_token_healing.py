@@ -224,8 +224,9 @@ def test_a_token_whose_text_is_not_its_bytes_is_not_healed():
 
 
 def test_special_tokens_outside_all_special_ids_are_never_drawn(tiny_path):
-    """A token marked special only among the added tokens (Llama 3's reserved ones) is
-    skipped by a decode: drawn as the healed token it would lose text."""
+    """A token marked special only among the added tokens (not in `all_special_ids`) is
+    skipped by a decode: drawn as the healed token, or under a grammar, it would lose
+    text."""
     import threading
 
     from tokenizers import AddedToken
@@ -245,6 +246,10 @@ def test_special_tokens_outside_all_special_ids_are_never_drawn(tiny_path):
     bits = (healer.extensions(space)[:, None].to(torch.int64) >> torch.arange(32)) & 1
     allowed = set(bits.flatten().nonzero().flatten().tolist())
     assert allowed == extends(table, space) - {word}
+    # Nor may a grammar draw it: the constrained vocabulary leaves it out too.
+    from lmprog_runtime.constrained.outlines_backend import token_bytes
+
+    assert word not in token_bytes(tokenizer) and space in token_bytes(tokenizer)
 
 
 def test_min_new_tokens_counts_on_top_of_the_healed_token(engine):
