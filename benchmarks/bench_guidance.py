@@ -229,15 +229,12 @@ def main() -> None:
     try:
         for name in args.workloads.split(","):
             if name == "sheets":
-                items, spec, truth = TOPICS[: args.topics], dict(SHEETS), None
-                warm = [WARM_TOPIC]
-                key = "topic"
+                items, truth, warm, key = TOPICS[: args.topics], None, [WARM_TOPIC], "topic"
+                spec = guidance_spec = SHEETS
             else:
                 schema, items, truth, warm_doc = workload("records", args.records)
-                spec = {**RECORDS, "schema": schema}
                 warm, key = [warm_doc], "document"
-            guidance_spec = dict(spec)
-            if name == "records":
+                spec = {**RECORDS, "schema": schema}
                 guidance_spec = {**RECORDS, "regex": lark_safe(schema_to_regex(json.dumps(schema)))}
             program = programs[name]
             variables = spec["variables"]

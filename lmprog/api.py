@@ -116,12 +116,9 @@ def gen(
         dtype = DTYPES[dtype]
     if dtype is not None and dtype not in (int, float, bool, str):
         raise ValueError(f"dtype must be int, float, bool or str (or their names), got {dtype!r}")
-    if end_outside_pattern is not None and not isinstance(end_outside_pattern, bool):
-        raise TypeError(
-            f"end_outside_pattern must be a bool or None, got {type(end_outside_pattern).__name__}"
-        )
-    if token_healing is not None and not isinstance(token_healing, bool):
-        raise TypeError(f"token_healing must be a bool or None, got {type(token_healing).__name__}")
+    for key in ("end_outside_pattern", "token_healing"):
+        if sampling[key] is not None and not isinstance(sampling[key], bool):
+            raise TypeError(f"{key} must be a bool or None, got {type(sampling[key]).__name__}")
     if hasattr(json_schema, "model_json_schema"):  # a pydantic model class
         json_schema = json_schema.model_json_schema()
     if isinstance(json_schema, (dict, bool)):

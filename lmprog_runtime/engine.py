@@ -41,11 +41,16 @@ from lmprog_runtime.request import Req
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, Scheduler
 from lmprog_runtime.stats import EngineStats
-from lmprog_runtime.token_healing import Heal, HealMatcher, TokenHealer, healed_pattern
+from lmprog_runtime.token_healing import (
+    CONTEXT_TOKENS,
+    Heal,
+    HealMatcher,
+    TokenHealer,
+    healed_pattern,
+)
 from lmprog_runtime.transfer import device_scope
 
 logger = logging.getLogger(__name__)
-DETOK_CONTEXT_TOKENS = 4  # prompt tokens an output is decoded after (`_detok_context`)
 
 
 class Engine(EngineLoop):
@@ -317,7 +322,7 @@ class Engine(EngineLoop):
         tokens end inside a character."""
         if self._decode_is_context_free or item.params.max_new_tokens == 0:
             return None
-        context = item.input_ids[-DETOK_CONTEXT_TOKENS:]
+        context = item.input_ids[-CONTEXT_TOKENS:]
         text = self.decode(context, skip_special_tokens=item.params.skip_special_tokens)
         return None if text.endswith("\ufffd") else (context, len(text))
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lmprog_runtime.constrained.base import word_allows
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.stop_regex import StopRegexScanner
 from lmprog_runtime.token_healing import Heal
@@ -205,8 +206,7 @@ class Req:
             if token_id == self.grammar_eos:  # only allowed where the pattern is complete
                 self.finished_reason = {"type": "stop", "matched": token_id}
                 return
-            words = self.end_words
-            if words is not None and not (int(words[token_id // 32]) >> (token_id % 32)) & 1:
+            if self.end_words is not None and not word_allows(self.end_words, token_id):
                 # end_outside_pattern: a token the complete match cannot take ends it
                 self.finished_reason = {"type": "stop", "matched": token_id}
                 return
@@ -250,14 +250,15 @@ class Req:
         The new tokens are taken one at a time, so the text is the same however many
         tokens came since the last call (a trailing incomplete sequence holds back only
         itself, not the complete tokens before it)."""
-        ids = self._detok_context + self.output_ids if self._detok_context else self.output_ids
         skip = self.params.skip_special_tokens
         start, read, before = self._prefix_offset, self._read_offset, None
         # (an end tried with this window gives what it gave: tried once only)
-        for end in range(max(read, self._tried) + 1, len(ids) + 1):
+        for end in range(max(read, self._tried) + 1, self._detok_len() + 1):
             if before is None:
-                before = self.tokenizer.decode(ids[start:read], skip_special_tokens=skip)
-            after = self.tokenizer.decode(ids[start:end], skip_special_tokens=skip)
+                before = self.tokenizer.decode(
+                    self._detok_ids(start, read), skip_special_tokens=skip
+                )
+            after = self.tokenizer.decode(self._detok_ids(start, end), skip_special_tokens=skip)
             self._tried = end
             if len(after) > len(before) and not after.endswith("\ufffd"):
                 self._decoded_text += after[len(before) :]
@@ -267,9 +268,20 @@ class Req:
             return self._decoded_text[self._detok_skip :]
         return self._decoded_text
 
+    def _detok_len(self) -> int:
+        return len(self._detok_context) + len(self.output_ids)
+
+    def _detok_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of the context tokens followed by the output, copying only
+        those (the window, not the whole output)."""
+        n = len(self._detok_context)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self._detok_context[start:end] + self.output_ids[: max(0, end - n)]
+
     def has_undecoded_tokens(self) -> bool:
         """The last tokens wait for the rest of a UTF-8 sequence (call after decoded_text)."""
-        return len(self._detok_context) + len(self.output_ids) > self._read_offset
+        return self._detok_len() > self._read_offset
 
     def replace_output_tail(self, kept: int, tail: list[int], text: str) -> None:
         """Jump-forward: the output becomes its first `kept` tokens plus `tail`, whose text
@@ -322,11 +334,8 @@ class Req:
         if reason is not None and reason["type"] == "stop" and isinstance(reason["matched"], int):
             ids = ids[:-1]  # a matched stop token is not part of the text
         skip = self.params.skip_special_tokens
-        if not self._detok_context:
-            text = self.tokenizer.decode(ids, skip_special_tokens=skip)
-        else:
-            text = self.tokenizer.decode(self._detok_context + ids, skip_special_tokens=skip)
-            text = text[self._detok_cut :]
+        text = self.tokenizer.decode(self._detok_context + ids, skip_special_tokens=skip)
+        text = text[self._detok_cut :]
         if not self.can_stop:
             return text, None
         cut, matched = self._first_stop(text, 0)

@@ -153,14 +153,9 @@ class SamplingParams:
                 raise TypeError(f"{name} must be a str, got {type(value).__name__}")
         if self.regex is not None and self.json_schema is not None:
             raise ValueError("pass at most one of regex and json_schema")
-        if not isinstance(self.end_outside_pattern, bool):
-            raise TypeError(
-                f"end_outside_pattern must be a bool, got {type(self.end_outside_pattern).__name__}"
-            )
-        if not isinstance(self.token_healing, bool):
-            raise TypeError(
-                f"token_healing must be a bool, got {type(self.token_healing).__name__}"
-            )
+        for name in ("end_outside_pattern", "token_healing"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.json_schema is not None:
             import json
 

@@ -11,9 +11,9 @@ Unconstrained, the first draw is masked like a grammar's (`HealMatcher`, through
 sampler's mask path); the tokens that extend a token are found by a binary search over the
 vocabulary's bytes, sorted once per engine. A constrained request's pattern gets the
 backed-up text in front (`healed_pattern`): its grammar then allows the first tokens that
-spell that text and go on into the pattern, as guidance's grammars heal. The text is decoded with a few prompt tokens before the
-backed-up one as context (`Heal.context`), so a SentencePiece word's leading space comes
-out as in the prompt.
+spell that text and go on into the pattern, as guidance's grammars heal. The text is
+decoded with a few prompt tokens before the backed-up one as context (`Heal.context`), so
+a SentencePiece word's leading space comes out as in the prompt.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lmprog_runtime.constrained.base import Matcher
+from lmprog_runtime.constrained.base import Matcher, word_allows
 from lmprog_runtime.constrained.outlines_backend import token_bytes
 
-CONTEXT_TOKENS = 4  # prompt tokens before the backed-up one, decoded with the output
+# Prompt tokens an output is decoded after: those before a backed-up token, or
+# (`Engine._detok_context`) the prompt's last ones.
+CONTEXT_TOKENS = 4
 
 
 class Heal(NamedTuple):
@@ -148,5 +150,4 @@ class HealMatcher(Matcher):
     def accepts(self, token_ids: list[int]) -> bool:
         if self._drawn or not token_ids:
             return True
-        token = token_ids[0]
-        return bool((int(self._words[token // 32]) >> (token % 32)) & 1)
+        return word_allows(self._words, token_ids[0])

@@ -57,6 +57,11 @@ class BaseGrammarBackend(ABC):
         """A JSON schema (as JSON text) to the regex of the documents it accepts."""
 
 
+def word_allows(words: torch.Tensor, token_id: int) -> bool:
+    """Whether mask words (`Matcher.fill_mask_words`' layout) allow `token_id`."""
+    return bool((int(words[token_id // 32]) >> (token_id % 32)) & 1)
+
+
 def allowed_masks(
     matchers: list[Matcher], vocab_size: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:

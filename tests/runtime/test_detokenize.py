@@ -176,7 +176,7 @@ def test_streamed_text_adds_up_to_the_final_text_and_stops_as_unstreamed(tokeniz
 def metaspace_engine(tmp_path_factory):
     """An engine on a random tiny Llama whose tokenizer is SentencePiece-style (Metaspace,
     a decoder that strips the text's first space)."""
-    from helpers import metaspace_tokenizer, random_hf_model
+    from helpers import TINY_ARCH_CONFIG, metaspace_tokenizer, random_hf_model
 
     from lmprog_runtime import Engine
 
@@ -184,13 +184,7 @@ def metaspace_engine(tmp_path_factory):
     path = tmp_path_factory.mktemp("metaspace")
     model = random_hf_model(
         "llama",
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        **{**TINY_ARCH_CONFIG, "vocab_size": len(tokenizer)},
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
