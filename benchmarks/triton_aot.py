@@ -114,8 +114,9 @@ def compile_instead_of_launch(
     def compile_launch(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         # What `JITFunction.run` does before it asks the driver for a device.
         kwargs["debug"] = kwargs.get("debug", self.debug) or knobs.runtime.debug
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        for knob in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # (3.6 has one)
+            if hasattr(knobs.compilation, knob):
+                kwargs[knob] = getattr(knobs.compilation, knob)
         binder = jit.create_function_from_signature(self.signature, self.params, backend)
         bound, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = self._pack_args(

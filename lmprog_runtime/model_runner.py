@@ -32,7 +32,7 @@ from lmprog_runtime.models.loader import read_torch_dtype
 from lmprog_runtime.models.quantization import quantize_linears
 from lmprog_runtime.request import Req
 from lmprog_runtime.scheduler import ScheduledBatch
-from lmprog_runtime.transfer import host_ints, index_tensor, to_device
+from lmprog_runtime.transfer import device_with_index, host_ints, index_tensor, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class ModelRunner:
         """`tokenizer` (the engine's; else loaded from `model_path` when needed) tokenizes
         W8A8's calibration text."""
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = device_with_index(torch.device(config.device))
         self.model = load_model(model_path, self._dtype(model_path), config.device)
         if config.quantization == "w8a8_int8":
             from lmprog_runtime.models.smoothing import calibrate_and_smooth

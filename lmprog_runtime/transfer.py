@@ -69,11 +69,20 @@ def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
 # that device current first (a no-op elsewhere).
 
 
+def device_with_index(device: torch.device) -> torch.device:
+    """`cuda` as `cuda:N`, N the calling thread's current device (what "cuda" means there);
+    other devices as they are. An engine's threads then all use the device it was made on
+    (`torch.cuda.set_device` takes no device without an index)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def use_device(device: torch.device) -> None:
     """Make `device` this thread's current CUDA device (for a thread of the engine's own:
     the loop, the forward worker)."""
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device_with_index(device))
 
 
 @contextlib.contextmanager

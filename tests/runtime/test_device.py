@@ -293,6 +293,29 @@ def test_every_engine_thread_makes_the_engines_device_current(tiny_path, monkeyp
     assert any(kind == "worker" and name.startswith("lmprog-forward") for kind, _, name in calls)
 
 
+def test_an_unindexed_cuda_device_means_the_callers_current_device(monkeypatch):
+    """`cuda` (no index) is the creating thread's current device: resolved to `cuda:N` once,
+    so the engine's own threads make that device current (torch's `set_device` refuses a
+    device without an index: the first GPU run stopped every engine loop on it)."""
+    from lmprog_runtime import transfer
+
+    set_to: list[torch.device] = []
+
+    def strict_set_device(device):
+        if device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index, but got:{device}")
+        set_to.append(device)
+
+    monkeypatch.setattr(torch.cuda, "set_device", strict_set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert transfer.device_with_index(torch.device("cuda")) == torch.device("cuda:1")
+    assert transfer.device_with_index(torch.device("cuda:0")) == torch.device("cuda:0")
+    assert transfer.device_with_index(torch.device("cpu")) == torch.device("cpu")
+    transfer.use_device(torch.device("cuda"))
+    transfer.use_device(torch.device("cuda:0"))
+    assert set_to == [torch.device("cuda:1"), torch.device("cuda:0")]
+
+
 def _recording_scope(record):
     @contextlib.contextmanager
     def scope(device):
