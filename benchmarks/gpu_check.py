@@ -24,7 +24,9 @@ Sections, each recorded on its own (an error or a skip is written down, the rest
 - `decode_overhead`: the fraction of decode time the GPU sits idle (kernel time from the
   profiler against wall time), with CUDA graphs on and off, overlap off, decode runs of
   8 steps, a worker thread, and a larger model; and where the engine loop's thread spends
-  that time (its stack sampled every 0.5 ms).
+  that time (its stack sampled every 0.5 ms);
+- `host_costs`: the host's microseconds per call of what a decode step queues, and the
+  aten ops of a decode run ranked by host time.
 
 The figures go to one JSON file, rewritten after each section: `$OUT/gpu_check.json` when
 `OUT` is set, else `benchmarks/results/gpu_check.json` (or `--out`). Record them in
@@ -766,6 +768,104 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def host_costs(check: Check) -> dict[str, Any]:
+    """What the host pays per call for the device work a decode step queues (microseconds,
+    the mean of 2000 calls, nothing waited for unless named): a small kernel, the ops of a
+    step outside the forward, copies each way, events, a stream switch, a CUDA graph's
+    replay; then the aten ops of a decode-dominated run (batch 64) ranked by host time
+    (the profiler's self CPU time, per forward pass)."""
+    if check.device != "cuda":
+        raise SkipSection("needs CUDA")
+    from lmprog_runtime.transfer import index_tensor, to_host_async
+
+    x = torch.zeros(64, dtype=torch.int64, device="cuda")
+    logits = torch.randn(64, 4096, device="cuda")
+    table = torch.zeros(128, dtype=torch.int64, device="cuda")
+    rows = list(range(64))
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    x.add_(1)  # (warmed up before the capture)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for _ in range(8):
+            x.add_(1)
+    event = torch.cuda.Event()
+    event.record()
+    calls: dict[str, Callable[[], Any]] = {
+        "add_ (one small kernel)": lambda: x.add_(1),
+        "where (a step's future-id resolve, 4 ops)": lambda: torch.where(
+            x < 0, table[(-x - 1).clamp_(min=0)], x
+        ),
+        "argmax 64 x 4096": lambda: logits.argmax(dim=-1),
+        "index_tensor (64 ints to the device)": lambda: index_tensor(rows, "cuda"),
+        "to_host_async (64 ints, with its event)": lambda: to_host_async(x),
+        "Event().record()": lambda: torch.cuda.Event().record(),
+        "Event(enable_timing).record()": lambda: torch.cuda.Event(enable_timing=True).record(),
+        "event.query()": event.query,
+        "with torch.cuda.stream(s)": functools.partial(_enter_stream, stream),
+        "graph.replay() (8 small kernels)": graph.replay,
+        "tolist of 64 ints (synchronizing)": x.tolist,
+    }
+    out: dict[str, Any] = {}
+    for label, fn in calls.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        out[label] = round(1e6 * (time.perf_counter() - start) / 2000, 2)
+        torch.cuda.synchronize()
+    out["aten_ops_per_decode_step"] = _profiled_ops(check)
+    return out
+
+
+def _all_threads() -> dict[str, Any]:
+    """The profiler's option to record every thread's ops (the engine loop's), where this
+    torch has it."""
+    try:
+        return {
+            "experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        }
+    except (AttributeError, TypeError):
+        return {}
+
+
+def _enter_stream(stream: torch.cuda.Stream) -> None:
+    with torch.cuda.stream(stream):
+        pass
+
+
+def _profiled_ops(check: Check) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    n, new = 64, 64
+    params = {"max_new_tokens": new, "min_new_tokens": new, **GREEDY}
+    prompts = corpus_prompts("small", n, 8)
+    with check.engine("small", max_running_requests=n) as engine:
+        engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
+        engine.flush_cache()
+        engine.reset_stats()
+        with profile(activities=[ProfilerActivity.CPU], **_all_threads()) as prof:
+            engine.generate(input_ids=prompts, sampling_params=params)
+        passes = max(1, engine.stats()["forward_passes"])
+    events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "cuda"))]
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    return {
+        "forward_passes": passes,
+        "top": {
+            e.key: {
+                "calls_per_pass": round(e.count / passes, 2),
+                "self_cpu_us_per_pass": round(e.self_cpu_time_total / passes, 1),
+            }
+            for e in events[:25]
+        },
+        "all_aten_calls_per_pass": round(
+            sum(e.count for e in events if e.key.startswith("aten::")) / passes, 1
+        ),
+    }
+
+
 def decode_overhead(check: Check) -> dict[str, Any]:
     """Decode-dominated work (short prompts, many new tokens): the share of wall time the
     GPU runs no kernel, from the profiler's kernel times; and the engine's own split of
@@ -921,6 +1021,7 @@ SECTIONS = [
     ("decode_bandwidth", decode_bandwidth, 15),
     ("throughput", throughput, 60),
     ("decode_overhead", decode_overhead, 20),
+    ("host_costs", host_costs, 10),
 ]
 
 

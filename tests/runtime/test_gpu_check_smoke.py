@@ -26,7 +26,10 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
     report = json.loads(out.read_text())
     names = [name for name, _, _ in gpu_check.SECTIONS]
     statuses = {name: report[name]["status"] for name in names}
-    skipped = {name: "skipped" for name in ("decode_bandwidth", "fused_ops", "attention_error")}
+    skipped = {
+        name: "skipped"
+        for name in ("decode_bandwidth", "fused_ops", "attention_error", "host_costs")
+    }
     assert statuses == {name: "ok" for name in names} | skipped
     assert report["decode_bandwidth"]["reason"] == "needs CUDA"
     correctness = report["correctness"]["tiny/torch/float32"]
