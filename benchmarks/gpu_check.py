@@ -776,7 +776,7 @@ def host_costs(check: Check) -> dict[str, Any]:
     (the profiler's self CPU time, per forward pass)."""
     if check.device != "cuda":
         raise SkipSection("needs CUDA")
-    from lmprog_runtime.transfer import host_ints, index_tensor, to_host_async
+    from lmprog_runtime.transfer import index_tensor, to_host_async
 
     x = torch.zeros(64, dtype=torch.int64, device="cuda")
     logits = torch.randn(64, 4096, device="cuda")
@@ -798,9 +798,6 @@ def host_costs(check: Check) -> dict[str, Any]:
         ),
         "argmax 64 x 4096": lambda: logits.argmax(dim=-1),
         "index_tensor (64 ints to the device)": lambda: index_tensor(rows, "cuda"),
-        "pin_memory().to(cuda) (64 ints, the former index_tensor)": lambda: (
-            host_ints(rows).pin_memory().to("cuda", non_blocking=True)
-        ),
         "to_host_async (64 ints, with its event)": lambda: to_host_async(x),
         "Event().record()": lambda: torch.cuda.Event().record(),
         "Event(enable_timing).record()": lambda: torch.cuda.Event(enable_timing=True).record(),

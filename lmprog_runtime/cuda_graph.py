@@ -7,8 +7,7 @@ memory with fixed launch shapes, so each decode batch is padded up to a bucket s
 are copied into static buffers that the graph reads:
 
 - input ids, positions, KV slots written, table rows and sequence lengths: `[5, max_batch]`
-  int64 (one buffer); the ids may hold the overlapped loop's placeholders, which the graph
-  itself replaces by the drawn tokens (`future_tokens`: no eager ops for them a step);
+  int64 (one buffer);
 - padded requests write their K/V to the padding slot 0, read the request table's padding
   row (every entry slot 0) with a sequence length of 1, and their logits are dropped.
 
@@ -30,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode, resolve_future_ids
+from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from lmprog_runtime.model_runner import ModelRunner
@@ -69,7 +68,6 @@ class DecodeGraphRunner:
             raise ValueError(f"the {runner.attention_backend} backend cannot be captured")
         self.model = runner.model
         self.attention = runner.attention
-        self._future_tokens = runner.future_tokens  # (overlap's placeholders, resolved inside)
         self.is_captured = capture
         self.buckets = batch_buckets(runner.config.max_running_requests)
         self.max_batch = self.buckets[-1]
@@ -139,9 +137,6 @@ class DecodeGraphRunner:
         )
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        # The overlapped loop's placeholders become the drawn tokens inside the graph: the
-        # static ids are taken as they come, resolved or not.
-        fb.input_ids = resolve_future_ids(fb.input_ids, self._future_tokens)
         self.attention.init_forward_metadata(fb)
         return self.model(fb, self.attention)
 

@@ -82,16 +82,3 @@ class ForwardBatch:
             part(ForwardMode.EXTEND, slice(0, n_reqs), slice(0, n_tokens)),
             part(ForwardMode.DECODE, slice(n_reqs, None), slice(n_tokens, None)),
         )
-
-
-def resolve_future_ids(input_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
-    """`input_ids` with each placeholder `-(row + 1)` replaced by `future_tokens[row]`: five
-    small kernels, nothing read back (a decode graph runs them inside its replay, where
-    they cost the host nothing; eagerly they cost it ~110 us a step on an H200 machine).
-
-    Example:
-        >>> resolve_future_ids(torch.tensor([5, -2, 7]), torch.tensor([0, 9])).tolist()
-        [5, 9, 7]
-    """
-    rows = (-input_ids - 1).clamp_(min=0)
-    return torch.where(input_ids < 0, future_tokens[rows], input_ids)

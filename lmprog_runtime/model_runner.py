@@ -24,7 +24,7 @@ import torch
 from lmprog_runtime.attention import create_attention_backend
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.cuda_graph import DecodeGraphRunner
-from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode, resolve_future_ids
+from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool, TokenSlotAllocator
 from lmprog_runtime.models import load_model
 from lmprog_runtime.models.cpu import cpu_has_native_bf16
@@ -152,18 +152,19 @@ class ModelRunner:
     def run(self, fb: ForwardBatch) -> torch.Tensor:
         """`forward` on prepared inputs: logits [num_rows, vocab] (float32). Reads tensors
         only, never a request: the overlap loop runs it on its forward worker."""
-        if self.graphs is not None and self.graphs.can_run(fb):
-            return self.graphs.run(fb)  # (the graph resolves the placeholders itself)
         if fb.has_future_ids:
             fb.input_ids = self.resolve_future_ids(fb.input_ids)
             fb.has_future_ids = False
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.run(fb)
         self.attention.init_forward_metadata(fb)
         return self.model(fb, self.attention)
 
     def resolve_future_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids` with each placeholder `-(row + 1)` replaced by `future_tokens[row]`
         (on the device: nothing is read back)."""
-        return resolve_future_ids(input_ids, self.future_tokens)
+        rows = (-input_ids - 1).clamp_(min=0)
+        return torch.where(input_ids < 0, self.future_tokens[rows], input_ids)
 
     def store_future_tokens(self, rows: list[int], token_ids: torch.Tensor) -> None:
         """`future_tokens[rows[i]] = token_ids[i]`: drawn tokens, for the placeholders of

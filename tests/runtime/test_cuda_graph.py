@@ -127,48 +127,6 @@ def test_engines_decoding_through_the_graph_path_give_the_same_tokens(tiny_path,
     ]
 
 
-def test_the_graph_resolves_the_overlapped_loops_placeholders(tiny_path):
-    """The overlapped loop hands decode steps their ids as placeholders for tokens still on
-    the device; a graph batch takes them as they are and resolves them inside the graph (no
-    eager ops a step). The tokens equal the synchronous loop's, placeholders did reach the
-    graph, and neither did a graph forward fail nor the runner resolve any of its batches
-    itself. (Decode runs launch ahead, with placeholders, only off a CPU.)"""
-    params = [
-        {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
-        {"max_new_tokens": 9, "temperature": 0.8, "top_p": 0.9, "seed": 3},
-    ]
-    config = dict(attention_backend="torch", max_running_requests=12)
-    with Engine(tiny_path, overlap_schedule=False, **config) as plain:
-        expected = [[o["output_ids"] for o in plain.generate(PROMPTS, p)] for p in params]
-    with Engine(tiny_path, overlap_schedule=True, **config) as engine:
-        runner = engine.runner
-        graphs = runner.graphs = DecodeGraphRunner(runner, capture=False)
-        graph_run = graphs.run
-        placeholders = []
-
-        failures = []  # (the loop would recover from a failed forward, hiding it)
-
-        def run(fb):
-            placeholders.append(int((fb.input_ids < 0).sum()))
-            try:
-                return graph_run(fb)
-            except Exception as error:
-                failures.append(error)
-                raise
-
-        def resolve(input_ids):
-            failures.append("a batch resolved on the host")
-            raise AssertionError(failures[-1])
-
-        graphs.run, runner.resolve_future_ids = run, resolve
-        got = [[o["output_ids"] for o in engine.generate(PROMPTS, p)] for p in params]
-        del graphs.run, runner.resolve_future_ids
-        state = engine.memory_state()
-        assert state["num_running"] == 0 and state["req_slots_free"] == state["req_slots_total"]
-    assert failures == [] and got == expected
-    assert sum(placeholders) > 0
-
-
 def test_capture_needs_cuda_and_a_capturable_backend(engine):
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraphRunner(engine.runner, capture=True)
