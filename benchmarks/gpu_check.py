@@ -36,6 +36,10 @@ root without installing anything:
     python3 benchmarks/gpu_check.py             # CUDA
     python3 benchmarks/gpu_check.py --cpu-smoke # the plumbing on a CPU, tiny sizes
 
+`--isolate` runs each section in a process of its own (`gpu_run.sh` does): a device-side
+assert aborts the process it happens in, and one did (a change since reverted), losing
+every section after it.
+
 On the device machine, whose image lacks outlines-core, interegular and gguf, run it as
 `bash benchmarks/gpu_run.sh` with their wheels carried (`bash benchmarks/gpu_run.sh
 --fetch` here first, then the device tool's `run` with carry [".whl"]), so that the regex
@@ -51,7 +55,9 @@ import importlib.util
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -104,6 +110,30 @@ class Check:
         self.report[name] = entry
         print(f"[gpu_check] {name}: {entry['status']} ({entry['seconds']} s)", flush=True)
         _free_memory()
+        self.write()
+
+    def isolated_section(self, name: str, min_s: float, command: list[str]) -> None:
+        """The section `name` run by `command` (this script) in a process of its own, its
+        entry merged here: a crash (a device-side assert aborts the process) loses that
+        section alone, recorded with its exit code and the end of its stderr."""
+        start = time.monotonic()
+        if self.remaining() < min_s:
+            entry: dict[str, Any] = {"status": "skipped", "reason": "time budget spent"}
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "section.json"
+                budget = ["--budget-s", str(self.remaining()), "--out", str(out)]
+                child = subprocess.run(
+                    [*command, "--only", name, *budget], stderr=subprocess.PIPE, text=True
+                )
+                sys.stderr.write(child.stderr[-6000:])
+                report = json.loads(out.read_text()) if out.exists() else {}
+            entry = report.get(name) or {"status": "crashed", "error": child.stderr[-2000:]}
+            if child.returncode != 0:
+                entry["exit_code"] = child.returncode
+        entry["process_seconds"] = round(time.monotonic() - start, 2)
+        self.report[name] = entry
+        print(f"[gpu_check] {name}: {entry['status']} (own process)", flush=True)
         self.write()
 
     def write(self) -> None:
@@ -1031,11 +1061,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budget-s", type=float, default=320.0, help="sections' time budget")
     parser.add_argument("--out", default=None, help="JSON path (default: $OUT or results/)")
     parser.add_argument("--only", default=None, help="comma-separated section names")
+    parser.add_argument(
+        "--isolate", action="store_true", help="each section in a process of its own"
+    )
     args = parser.parse_args(argv)
     check = Check(args)
     if not check.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --cpu-smoke to check the plumbing")
-    if check.device == "cuda":
+    if check.device == "cuda" and not args.isolate:  # (an isolated section's process does)
         # Kineto must be set up before any CUDA graph is captured, or the kernels of graphs
         # captured earlier may be missing from `decode_overhead`'s profiles.
         import torch.profiler._utils as profiler_utils
@@ -1043,8 +1076,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         init = getattr(profiler_utils, "_init_for_cuda_graphs", None)
         if init is not None:
             init()
+    command = [sys.executable, str(Path(__file__).resolve())] + ["--cpu-smoke"] * check.smoke
     for name, fn, min_s in SECTIONS:
-        check.section(name, fn, min_s)
+        if not args.isolate:
+            check.section(name, fn, min_s)
+        elif check.only is None or name in check.only:
+            check.isolated_section(name, min_s, command)
     print(f"[gpu_check] wrote {check.out}", flush=True)
     return check.report
 

@@ -33,4 +33,4 @@ else
     echo "no .whl/ wheels: the regex requests and GGUF models are skipped" >&2
 fi
 export PYTHONUNBUFFERED=1
-exec python3 benchmarks/gpu_check.py "$@"
+exec python3 benchmarks/gpu_check.py --isolate "$@"

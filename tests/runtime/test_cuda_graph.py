@@ -127,6 +127,25 @@ def test_engines_decoding_through_the_graph_path_give_the_same_tokens(tiny_path,
     ]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_forward_leaves_the_static_batch_reading_the_static_buffers(tiny_path, backend):
+    """A capture warms up and then captures on one batch object (`_capture_all`), so a
+    forward must leave that batch's tensors the static buffers' views: a graph captured on
+    a tensor the warm-up made reads freed memory at every replay (an H200 run aborted on
+    such a device-side index assert when a forward rebound `input_ids`)."""
+    with Engine(tiny_path, attention_backend=backend, max_running_requests=4) as engine:
+        graphs = DecodeGraphRunner(engine.runner, capture=False)
+        fb = graphs._static_batch(4, [1] * 4)
+        fields = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens_device")
+        before = {name: getattr(fb, name) for name in fields}
+        for _ in range(3):  # two warm-ups and the capture
+            graphs._forward(fb)
+        for name, tensor in before.items():
+            assert getattr(fb, name) is tensor, name
+            storage = tensor.untyped_storage().data_ptr()
+            assert storage == graphs._inputs.untyped_storage().data_ptr(), name
+
+
 def test_capture_needs_cuda_and_a_capturable_backend(engine):
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraphRunner(engine.runner, capture=True)

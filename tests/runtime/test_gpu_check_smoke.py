@@ -54,3 +54,30 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
     assert threaded["worker_thread"] and threaded["forward_passes"] > 0
     runs = report["decode_overhead"]["decode_runs"]
     assert runs["decode_steps"] == 4 and not runs["overlap"] and runs["decode_runs"] > 0
+
+
+def test_an_isolated_section_that_crashes_loses_only_itself(tmp_path):
+    """`--isolate`: each section in a process of its own, its entry merged; a process that
+    aborts (as a device-side assert aborts it) leaves an entry that says so."""
+    import sys
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    out = tmp_path / "gpu_check.json"
+    args = ["--cpu-smoke", "--isolate", "--out", str(out), "--only", "environment"]
+    gpu_check.main(args)
+    assert json.loads(out.read_text())["environment"]["device"] == "cpu"
+
+    parser_args = gpu_check.argparse.Namespace(
+        cpu_smoke=True, budget_s=60.0, out=str(out), only=None
+    )
+    check = gpu_check.Check(parser_args)
+    crash = [sys.executable, "-c", "import os, sys; print('boom', file=sys.stderr); os.abort()"]
+    check.isolated_section("keyed_race", 0, crash)
+    check.isolated_section("environment", 0, [sys.executable, str(SCRIPT), "--cpu-smoke"])
+    report = json.loads(out.read_text())
+    crashed = report["keyed_race"]
+    assert crashed["status"] == "crashed" and crashed["exit_code"] != 0
+    assert "boom" in crashed["error"]
+    assert report["environment"]["status"] == "ok" and "exit_code" not in report["environment"]
