@@ -360,7 +360,9 @@ class Engine(EngineLoop):
                 if self._grammar_eos is None:
                     raise ValueError("constrained decoding needs a model with an EOS token")
                 backend = OutlinesGrammarBackend(self.tokenizer, self._grammar_eos)
-                self._grammars = GrammarCache(backend, self.config.grammar_compile_timeout_s)
+                self._grammars = GrammarCache(
+                    backend, self.config.grammar_compile_timeout_s, self.config.grammar_cache_size
+                )
         return self._grammars.get(kind, pattern)
 
     def _char_fsm(self, item: Any) -> Any:

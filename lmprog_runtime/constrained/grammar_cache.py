@@ -5,11 +5,18 @@ serving while a new schema compiles. The submitting caller waits for it, at most
 `timeout_s`; errors (a bad pattern, one too large, one too slow to compile) reach the
 caller as ValueError before anything is queued. Concurrent callers asking for the same
 pattern share one compile.
+
+The cache keeps the `max_entries` grammars used last (a compiled grammar over a 49k-token
+vocabulary takes 20-35 MiB: a dataset run with a pattern per row, or token healing's
+patterns, would otherwise grow without bound). Dropping one only drops the cache's
+reference: requests using it keep it; asked for again, it compiles again. Compiles still
+running are never dropped, so their callers keep sharing them.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -19,11 +26,14 @@ MAX_PATTERN_CHARS = 50_000
 
 
 class GrammarCache:
-    def __init__(self, backend: BaseGrammarBackend, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, backend: BaseGrammarBackend, timeout_s: float = 60.0, max_entries: int = 64
+    ) -> None:
         self.backend = backend
         self.timeout_s = timeout_s
+        self.max_entries = max_entries
         self._lock = threading.Lock()
-        self._entries: dict[tuple[str, str], Future] = {}
+        self._entries: OrderedDict[tuple[str, str], Future] = OrderedDict()  # oldest use first
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lmprog-grammar")
 
     def char_fsm(self, grammar: Grammar):
@@ -46,8 +56,10 @@ class GrammarCache:
             if future is None:
                 future = self._pool.submit(self._compile, kind, pattern)
                 self._entries[key] = future
+            else:
+                self._entries.move_to_end(key)
         try:
-            return future.result(timeout=self.timeout_s)
+            grammar = future.result(timeout=self.timeout_s)
         except FutureTimeout as error:
             self._forget(key, future)
             raise ValueError(
@@ -56,6 +68,20 @@ class GrammarCache:
         except Exception:
             self._forget(key, future)  # a bad pattern is not remembered
             raise
+        self._trim()
+        return grammar
+
+    def keys(self) -> list[tuple[str, str]]:
+        """The cached (kind, pattern) keys, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def _trim(self) -> None:
+        """Drop the least recently used compiled grammars beyond `max_entries`."""
+        with self._lock:
+            excess = len(self._entries) - self.max_entries
+            for key in [k for k, f in self._entries.items() if f.done()][: max(0, excess)]:
+                del self._entries[key]
 
     def _compile(self, kind: str, pattern: str) -> Grammar:
         regex = pattern if kind == "regex" else self.backend.schema_to_regex(pattern)
