@@ -1,0 +1,345 @@
+"""The GPU check's engine-speed sections: throughput against transformers' `generate`,
+the decode step's time outside the GPU, and what the host pays per call for it."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from gpu_check_common import (
+    GREEDY,
+    Check,
+    SkipSection,
+    corpus_prompts,
+    error_tail,
+    free_memory,
+    hf_generate,
+    instruct_models,
+    load_hf,
+    timed,
+)
+
+
+def throughput(check: Check) -> dict[str, Any]:
+    if check.smoke:
+        models, scale = ["tiny"], 0.0625
+    else:
+        models = ["small", *instruct_models()] + (["medium"] if check.remaining() > 200 else [])
+        scale = 1.0
+    out: dict[str, Any] = {}
+    for name in models:
+        n, length, new = (
+            max(4, int(64 * scale)),
+            max(16, int(256 * scale)),
+            max(8, int(128 * scale)),
+        )
+        no_sharing = corpus_prompts(name, n, length)
+        system = corpus_prompts(name, 8, max(32, int(512 * scale)))
+        questions = corpus_prompts(name, n, max(8, int(32 * scale)), offset=5000)
+        shared = [system[i % len(system)] + questions[i] for i in range(n)]
+        hf = load_hf(name, check.dtype, check.device)
+        for label, prompts in (("no_sharing", no_sharing), ("shared_prefix", shared)):
+            out[f"{name}/{label}"] = _race(check, name, hf, prompts, new)
+        del hf
+        free_memory()
+    return out
+
+
+def _race(check: Check, name: str, hf: Any, prompts: list[list[int]], new: int) -> dict[str, Any]:
+    """Tokens per second of the engine and of transformers on the same prompts (best of 2)."""
+    params = {"max_new_tokens": new, "min_new_tokens": new, **GREEDY}
+    hf_generate(hf, prompts[:2], 4)  # warm-up
+    hf_s = min(timed(lambda: hf_generate(hf, prompts, new)) for _ in range(2))
+    engine_s, cuda_graphs = _engine_seconds(check, name, prompts, params)
+    tokens = len(prompts) * new
+    out = {
+        "num_prompts": len(prompts),
+        "prompt_len": len(prompts[0]),
+        "new_tokens": new,
+        "engine_tokens_per_s": tokens / engine_s,
+        "transformers_tokens_per_s": tokens / hf_s,
+        "speedup": hf_s / engine_s,
+        "cuda_graphs": cuda_graphs,
+    }
+    # The same with decode runs of 8 steps, while the budget allows (decode_overhead comes
+    # after this section).
+    if check.smoke or check.remaining() > 150:
+        runs_s, _ = _engine_seconds(check, name, prompts, params, decode_steps=8)
+        out["engine_decode_runs_tokens_per_s"] = tokens / runs_s
+        out["speedup_decode_runs"] = hf_s / runs_s
+    return out
+
+
+def _engine_seconds(
+    check: Check, name: str, prompts: list[list[int]], params: dict[str, Any], **config: Any
+) -> tuple[float, bool]:
+    """The engine's best of 2 on `prompts` (cache flushed each time), and whether it
+    replayed CUDA graphs."""
+    with check.engine(name, max_running_requests=len(prompts), **config) as engine:
+        warm = {**params, "max_new_tokens": 4, "min_new_tokens": 4}
+        engine.generate(input_ids=prompts[:2], sampling_params=warm)
+        times = []
+        for _ in range(2):
+            engine.flush_cache()
+            times.append(timed(lambda: engine.generate(input_ids=prompts, sampling_params=params)))
+        return min(times), engine.runner.graphs is not None
+
+
+def host_costs(check: Check) -> dict[str, Any]:
+    """What the host pays per call for the device work a decode step queues (microseconds,
+    the mean of 2000 calls, nothing waited for unless named): a small kernel, the ops of a
+    step outside the forward, copies each way, events, a stream switch, a CUDA graph's
+    replay; then the aten ops of a decode-dominated run (batch 64) ranked by host time
+    (the profiler's self CPU time, per forward pass)."""
+    if check.device != "cuda":
+        raise SkipSection("needs CUDA")
+    from lmprog_runtime.transfer import index_tensor, to_host_async
+
+    x = torch.zeros(64, dtype=torch.int64, device="cuda")
+    logits = torch.randn(64, 4096, device="cuda")
+    table = torch.zeros(128, dtype=torch.int64, device="cuda")
+    rows = list(range(64))
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    x.add_(1)  # (warmed up before the capture)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for _ in range(8):
+            x.add_(1)
+    event = torch.cuda.Event()
+    event.record()
+    calls: dict[str, Callable[[], Any]] = {
+        "add_ (one small kernel)": lambda: x.add_(1),
+        "where (a step's future-id resolve, 4 ops)": lambda: torch.where(
+            x < 0, table[(-x - 1).clamp_(min=0)], x
+        ),
+        "argmax 64 x 4096": lambda: logits.argmax(dim=-1),
+        "index_tensor (64 ints to the device)": lambda: index_tensor(rows, "cuda"),
+        # (the alternative to index_tensor's pin_memory(), which asks the driver first)
+        "64 ints to the device via empty(pin_memory=True)": functools.partial(
+            _staged_to_device, rows
+        ),
+        "to_host_async (64 ints, with its event)": lambda: to_host_async(x),
+        "Event().record()": lambda: torch.cuda.Event().record(),
+        "Event(enable_timing).record()": lambda: torch.cuda.Event(enable_timing=True).record(),
+        "event.query()": event.query,
+        "with torch.cuda.stream(s)": functools.partial(_enter_stream, stream),
+        "graph.replay() (8 small kernels)": graph.replay,
+        "tolist of 64 ints (synchronizing)": x.tolist,
+    }
+    out: dict[str, Any] = {}
+    for label, fn in calls.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        out[label] = round(1e6 * (time.perf_counter() - start) / 2000, 2)
+        torch.cuda.synchronize()
+    out["aten_ops_per_decode_step"] = _profiled_ops(check)
+    return out
+
+
+def _all_threads() -> dict[str, Any]:
+    """The profiler's option to record every thread's ops (the engine loop's), where this
+    torch has it."""
+    try:
+        return {
+            "experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        }
+    except (AttributeError, TypeError):
+        return {}
+
+
+def _staged_to_device(values: list[int]) -> torch.Tensor:
+    from lmprog_runtime.transfer import host_ints
+
+    staging = torch.empty(len(values), dtype=torch.int64, device="cpu", pin_memory=True)
+    staging.copy_(host_ints(values))
+    return staging.to("cuda", non_blocking=True)
+
+
+def _enter_stream(stream: torch.cuda.Stream) -> None:
+    with torch.cuda.stream(stream):
+        pass
+
+
+def _profiled_ops(check: Check) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    n, new = 64, 64
+    params = {"max_new_tokens": new, "min_new_tokens": new, **GREEDY}
+    prompts = corpus_prompts("small", n, 8)
+    with check.engine("small", max_running_requests=n) as engine:
+        engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
+        engine.flush_cache()
+        engine.reset_stats()
+        with profile(activities=[ProfilerActivity.CPU], **_all_threads()) as prof:
+            engine.generate(input_ids=prompts, sampling_params=params)
+        passes = max(1, engine.stats()["forward_passes"])
+    events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "cuda"))]
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    return {
+        "forward_passes": passes,
+        "top": {
+            e.key: {
+                "calls_per_pass": round(e.count / passes, 2),
+                "self_cpu_us_per_pass": round(e.self_cpu_time_total / passes, 1),
+            }
+            for e in events[:25]
+        },
+        "all_aten_calls_per_pass": round(
+            sum(e.count for e in events if e.key.startswith("aten::")) / passes, 1
+        ),
+    }
+
+
+def decode_overhead(check: Check) -> dict[str, Any]:
+    """Decode-dominated work (short prompts, many new tokens): the share of wall time the
+    GPU runs no kernel, from the profiler's kernel times; and the engine's own split of
+    step time into the forward call and the rest."""
+    # Batch 64, issue 18's goal; "medium" too when time allows (a GPU step long enough for
+    # the host's share to be small at all: "small" runs a step in a few hundred microseconds).
+    n, new = (4, 8) if check.smoke else (64, 64)
+    runs = [("tiny", "default", {}, 0)] if check.smoke else [("small", "default", {}, 0)]
+    if check.smoke:
+        runs.append(("tiny", "worker_thread", {"overlap_schedule": True, "worker_thread": True}, 0))
+        runs.append(("tiny", "decode_runs", {"decode_steps": 4}, 0))
+    else:
+        runs.append(("small", "cuda_graphs_off", {"disable_cuda_graph": True}, 15))
+        # What overlap scheduling hides here (bench_host_path.py, a CPU-emulated device on
+        # a 2-vCPU Xeon: the device idled 12-15% of a 1 ms step overlapped on the loop
+        # thread, 20-26% with a worker thread, 46-52% synchronously).
+        runs.append(("small", "overlap_off", {"overlap_schedule": False}, 15))
+        # Decode runs of 8 steps, each launched before the one before is checked
+        # (bench_host_path.py, an emulated 0.3 ms device: 0.77-0.82 ms a step, against
+        # 1.12-1.16 overlapped on the loop thread and 1.41-1.53 synchronously).
+        runs.append(("small", "decode_runs", {"decode_steps": 8}, 15))
+        runs.append(("medium", "medium", {}, 45))
+        # The forward worker a thread of its own (on CUDA it runs on the loop thread); last,
+        # so that a tight budget drops it before "medium".
+        runs.append(("small", "worker_thread", {"worker_thread": True}, 15))
+    params = {"max_new_tokens": new, "min_new_tokens": new, **GREEDY}
+    out: dict[str, Any] = {"host_profile": _host_profile(check, runs[0][0], n, params)}
+    for name, label, config, min_s in runs:
+        if check.remaining() < min_s:  # the default run always goes
+            out[label] = {"status": "skipped", "reason": "time budget spent"}
+            continue
+        try:
+            out[label] = _overhead_run(check, name, n, params, config)
+        except Exception as error:  # noqa: BLE001 - keep the other runs' figures
+            out[label] = {"status": "error", "error": repr(error), "traceback": error_tail()}
+            free_memory()
+    return out
+
+
+def _host_profile(check: Check, name: str, n: int, params: dict[str, Any]) -> dict[str, Any]:
+    """Where the engine loop's thread spends a decode-dominated run (the default engine):
+    its stack sampled every 0.5 ms; the functions most often running (self) and most often
+    on the stack (inclusive), as shares of the samples."""
+    prompts = corpus_prompts(name, n, 8)
+    with check.engine(name, max_running_requests=n) as engine:
+        run = functools.partial(engine.generate, input_ids=prompts, sampling_params=params)
+        run()  # warm-up
+        loop = engine._thread.ident
+        samples: list[list[str]] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.0005):
+                frame = sys._current_frames().get(loop)
+                stack = []
+                while frame is not None:
+                    code = frame.f_code
+                    stack.append(f"{Path(code.co_filename).name}:{code.co_name}")
+                    frame = frame.f_back
+                samples.append(stack)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        for _ in range(1 if check.smoke else 5):
+            engine.flush_cache()
+            run()
+        done.set()
+        sampler.join()
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    for stack in samples:
+        if stack:
+            own[stack[0]] = own.get(stack[0], 0) + 1
+        for where in set(stack):
+            inclusive[where] = inclusive.get(where, 0) + 1
+
+    def top(counts: dict[str, int], k: int) -> dict[str, float]:
+        ranked = sorted(counts.items(), key=lambda item: -item[1])[:k]
+        return {where: round(count / max(1, len(samples)), 4) for where, count in ranked}
+
+    return {"samples": len(samples), "self": top(own, 30), "inclusive": top(inclusive, 40)}
+
+
+def _overhead_run(
+    check: Check, name: str, n: int, params: dict[str, Any], config: dict[str, Any]
+) -> dict[str, Any]:
+    """One engine's decode overhead (see `decode_overhead`)."""
+    from lmprog_runtime.forward_worker import ForwardWorker, InlineExecutor
+
+    prompts = corpus_prompts(name, n, 8)
+    config = dict(config)
+    threaded = config.pop("worker_thread", None)
+    with check.engine(name, max_running_requests=n, **config) as engine:
+        if threaded is not None:
+            engine._worker.close()
+            engine._worker = ForwardWorker(engine.runner, threaded=threaded)
+        run = functools.partial(engine.generate, input_ids=prompts, sampling_params=params)
+        run()  # warm-up
+        engine.flush_cache()
+        engine.reset_stats()
+        entry: dict[str, Any] = {
+            "model": name,
+            "batch": n,
+            "cuda_graphs": engine.runner.graphs is not None,
+            "overlap": engine._worker is not None,
+            "decode_steps": engine.config.decode_steps,
+            "worker_thread": engine._worker is not None
+            and not isinstance(engine._worker._executor, InlineExecutor),
+        }
+        if check.device == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                wall = timed(run)
+            busy_us = sum(_device_us(e) for e in prof.key_averages())
+            entry["wall_s"] = wall
+            entry["gpu_busy_s"] = busy_us / 1e6
+            entry["fraction_outside_gpu"] = 1 - busy_us / 1e6 / wall
+        else:
+            entry["wall_s"] = timed(run)
+        stats = engine.stats()
+        entry["forward_passes"] = stats["forward_passes"]
+        entry["decode_runs"] = stats["decode_runs"]
+        entry["ms_per_step"] = 1e3 * stats["step_seconds"] / max(1, stats["forward_passes"])
+        share = 1 - stats["forward_seconds"] / max(stats["step_seconds"], 1e-9)
+        if check.device == "cuda" and not (entry["overlap"] and entry["decode_steps"] == 1):
+            # There the forward's time is its host call (the launches: CUDA returns before
+            # the kernels end); only the overlapped loop times the device, with events.
+            # `fraction_outside_gpu` (the profiler's) is the figure to compare.
+            entry["fraction_of_step_outside_forward_call"] = None
+            entry["forward_call_host_share"] = share
+        else:
+            entry["fraction_of_step_outside_forward_call"] = share
+        return entry
+
+
+def _device_us(event: Any) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(event, attr, None)
+        if value:
+            return float(value)
+    return 0.0
