@@ -3,6 +3,8 @@ and the text it builds is the full decode's, checked against `tokenizer.decode` 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -216,3 +218,24 @@ def test_an_output_keeps_its_leading_space_after_the_prompt(metaspace_engine, pr
         words = [p for p in pieces if p not in tokenizer.all_special_tokens]
         spaced += bool(words) and words[0].startswith("▁")
     assert spaced  # (some text began with a spaced word: the case that was lost)
+
+
+@pytest.mark.parametrize("regex", [" Hi!", " Hi!( Hi)?", "( Hi)+!"])
+def test_jump_forward_at_the_start_keeps_a_sentencepiece_words_space(metaspace_engine, regex):
+    """A constrained output that begins with forced text (jumped over at the start, before
+    any draw) on a SentencePiece-style tokenizer: the forced " Hi!" goes in as the
+    tokenizer's own token `▁Hi!`, and the text keeps its leading space, whole and streamed,
+    as the full decode has it."""
+    engine, tokenizer = metaspace_engine
+    ids = tokenizer("Hi").input_ids
+    params = {"max_new_tokens": 8, "temperature": 0, "regex": regex}
+    out = engine.generate(input_ids=ids, sampling_params=params)
+    streamed = "".join(
+        c["text"] for c in engine.generate(input_ids=ids, sampling_params=params, stream=True)
+    )
+    before = tokenizer.decode(ids, skip_special_tokens=True)
+    full = tokenizer.decode(ids + out["output_ids"], skip_special_tokens=True)
+    assert out["text"] == full[len(before) :] == streamed
+    assert re.fullmatch(regex, out["text"])
+    if regex.startswith(" Hi!"):  # (forced whole: jumped, not drawn as ▁H, i, !)
+        assert tokenizer.convert_ids_to_tokens(out["output_ids"])[0] == "▁Hi!"
