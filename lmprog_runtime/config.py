@@ -122,8 +122,8 @@ class RuntimeConfig:
         size = self.grammar_cache_size
         if isinstance(size, bool) or not isinstance(size, int):
             raise TypeError(f"grammar_cache_size must be an int, got {size!r}")
-        if self.grammar_cache_size < 0:
-            raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
+        if size < 0:
+            raise ValueError(f"grammar_cache_size must be >= 0, got {size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in (None, *QUANTIZATIONS):

@@ -80,8 +80,9 @@ class GrammarCache:
         """Drop the least recently used compiled grammars beyond `max_entries`."""
         with self._lock:
             excess = len(self._entries) - self.max_entries
-            for key in [k for k, f in self._entries.items() if f.done()][: max(0, excess)]:
-                del self._entries[key]
+            if excess > 0:
+                for key in [k for k, f in self._entries.items() if f.done()][:excess]:
+                    del self._entries[key]
 
     def _compile(self, kind: str, pattern: str) -> Grammar:
         regex = pattern if kind == "regex" else self.backend.schema_to_regex(pattern)

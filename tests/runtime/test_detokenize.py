@@ -207,13 +207,7 @@ def test_an_output_keeps_its_leading_space_after_the_prompt(metaspace_engine, pr
     spaced = 0
     for seed in range(8):
         params = {"max_new_tokens": 5, "temperature": 8.0, "seed": seed, "ignore_eos": True}
-        out = engine.generate(input_ids=ids, sampling_params=params)
-        streamed = "".join(
-            c["text"] for c in engine.generate(input_ids=ids, sampling_params=params, stream=True)
-        )
-        before = tokenizer.decode(ids, skip_special_tokens=True)
-        full = tokenizer.decode(ids + out["output_ids"], skip_special_tokens=True)
-        assert out["text"] == full[len(before) :] == streamed
+        out = _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params)
         pieces = tokenizer.convert_ids_to_tokens(out["output_ids"])
         words = [p for p in pieces if p not in tokenizer.all_special_tokens]
         spaced += bool(words) and words[0].startswith("▁")
@@ -229,6 +223,15 @@ def test_jump_forward_at_the_start_keeps_a_sentencepiece_words_space(metaspace_e
     engine, tokenizer = metaspace_engine
     ids = tokenizer("Hi").input_ids
     params = {"max_new_tokens": 8, "temperature": 0, "regex": regex}
+    out = _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params)
+    assert re.fullmatch(regex, out["text"])
+    if regex.startswith(" Hi!"):  # (forced whole: jumped, not drawn as ▁H, i, !)
+        assert tokenizer.convert_ids_to_tokens(out["output_ids"])[0] == "▁Hi!"
+
+
+def _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params):
+    """`engine.generate`'s output for `ids`, asserted to read, whole and streamed, as what
+    the output adds to the prompt's full decode."""
     out = engine.generate(input_ids=ids, sampling_params=params)
     streamed = "".join(
         c["text"] for c in engine.generate(input_ids=ids, sampling_params=params, stream=True)
@@ -236,6 +239,4 @@ def test_jump_forward_at_the_start_keeps_a_sentencepiece_words_space(metaspace_e
     before = tokenizer.decode(ids, skip_special_tokens=True)
     full = tokenizer.decode(ids + out["output_ids"], skip_special_tokens=True)
     assert out["text"] == full[len(before) :] == streamed
-    assert re.fullmatch(regex, out["text"])
-    if regex.startswith(" Hi!"):  # (forced whole: jumped, not drawn as ▁H, i, !)
-        assert tokenizer.convert_ids_to_tokens(out["output_ids"])[0] == "▁Hi!"
+    return out

@@ -50,16 +50,19 @@ def test_the_cache_keeps_the_grammars_used_last(backend, max_entries, uses):
     backend.compiled.clear()
     reference: list[str] = []  # least recently used first
     misses = []
-    for pattern in uses:
-        grammar = cache.get("regex", pattern)
-        assert grammar.regex == pattern
-        if pattern in reference:
-            reference.remove(pattern)
-        else:
-            misses.append(pattern)
-        reference.append(pattern)
-        del reference[: max(0, len(reference) - max_entries)]
-        assert cache.keys() == [("regex", p) for p in reference]
+    try:
+        for pattern in uses:
+            grammar = cache.get("regex", pattern)
+            assert grammar.regex == pattern
+            if pattern in reference:
+                reference.remove(pattern)
+            else:
+                misses.append(pattern)
+            reference.append(pattern)
+            del reference[: max(0, len(reference) - max_entries)]
+            assert cache.keys() == [("regex", p) for p in reference]
+    finally:
+        cache._pool.shutdown()  # (one compile thread per example otherwise stays idle)
     assert backend.compiled == misses
 
 
