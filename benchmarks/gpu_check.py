@@ -26,7 +26,10 @@ Sections, each recorded on its own (an error or a skip is written down, the rest
   8 steps, a worker thread, and a larger model; and where the engine loop's thread spends
   that time (its stack sampled every 0.5 ms);
 - `host_costs`: the host's microseconds per call of what a decode step queues, and the
-  aten ops of a decode run ranked by host time.
+  aten ops of a decode run ranked by host time;
+- `decode_overhead_large`: the same fraction where a GPU step is as long as a real 7B
+  model's (a random 5.7B bfloat16 Llama, drawn on the GPU): overlapped, synchronous,
+  decode runs of 8.
 
 The sections live in `gpu_check_correctness.py`, `gpu_check_kernels.py` and
 `gpu_check_speed.py`, what they share (the run's settings, models, prompts, timers) in
@@ -72,7 +75,12 @@ from gpu_check_kernels import (  # noqa: E402
     fused_ops,
     keyed_race,
 )
-from gpu_check_speed import decode_overhead, host_costs, throughput  # noqa: E402
+from gpu_check_speed import (  # noqa: E402
+    decode_overhead,
+    decode_overhead_large,
+    host_costs,
+    throughput,
+)
 
 __all__ = ["Check", "main"]
 
@@ -111,6 +119,7 @@ SECTIONS = [
     ("throughput", throughput, 60),
     ("decode_overhead", decode_overhead, 20),
     ("host_costs", host_costs, 10),
+    ("decode_overhead_large", decode_overhead_large, 60),
 ]
 
 

@@ -126,6 +126,8 @@ def model_path(name: str) -> str:
 
     if name == "medium":
         return _medium_model()
+    if name == "large":
+        return _large_model()
     return default_model_path(name)
 
 
@@ -139,6 +141,84 @@ def _medium_model() -> str:
         path.mkdir(parents=True, exist_ok=True)
         build_default_model(DefaultModelSpec(1024, 16, 16, 8, 2816, 4096, 4096, False, 77), path)
     return str(path)
+
+
+# Llama-2-7B's shape with 8 KV heads and the built-in 4096-token vocabulary: 5.7B
+# parameters, 11.4 GB in bfloat16 (a decode step at batch 64 reads them all: ~2.7 ms on an
+# H200, a GPU step as long as a real 7B model's).
+LARGE_SHAPE = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 11008,
+    "head_dim": 128,
+}
+
+
+def _large_model() -> str:
+    """A random bfloat16 Llama of `LARGE_SHAPE`, its weights drawn on the GPU (drawing 5.7B
+    numbers on a CPU takes minutes)."""
+    from lmprog_runtime.env import cache_dir
+
+    path = cache_dir() / "gpu-check-large"
+    if not (path / "complete").exists():
+        build_random_bf16(path, Path(_medium_model()), LARGE_SHAPE, "cuda")
+    return str(path)
+
+
+def build_random_bf16(path: Path, like: Path, shape: dict[str, int], device: str) -> None:
+    """A random bfloat16 Llama of `shape` (config.json fields) in `path`, with the tokenizer
+    and the rest of the config of the checkpoint in `like`, the built-in models' weight
+    scales (`default_model._write_weights`), drawn on `device` and written a layer to a file
+    (and the index transformers reads such shards by)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    for file in like.iterdir():
+        if file.is_file() and not file.name.startswith("model"):  # (not its weights)
+            (path / file.name).write_bytes(file.read_bytes())
+    config = json.loads((like / "config.json").read_text())
+    config.update(shape, torch_dtype="bfloat16")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    vocab = config["vocab_size"]
+    gen = torch.Generator(device).manual_seed(78)
+
+    def normal(*dims: int, std: float) -> torch.Tensor:
+        x = torch.randn(*dims, generator=gen, device=device, dtype=torch.bfloat16)
+        return x.mul_(std).cpu()
+
+    def ones() -> torch.Tensor:  # (a file holds no tensor twice)
+        return torch.ones(hidden, dtype=torch.bfloat16)
+
+    std = hidden**-0.5
+    outer = {
+        "model.embed_tokens.weight": normal(vocab, hidden, std=1.0),
+        "model.norm.weight": ones(),
+        "lm_head.weight": normal(vocab, hidden, std=std * 3.5),
+    }
+    weight_map = dict.fromkeys(outer, "model-outer.safetensors")
+    save_file(outer, str(path / "model-outer.safetensors"))
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        layer = {
+            p + "input_layernorm.weight": ones(),
+            p + "post_attention_layernorm.weight": ones(),
+            p + "self_attn.q_proj.weight": normal(hidden, hidden, std=std * 2),
+            p + "self_attn.k_proj.weight": normal(kv_dim, hidden, std=std * 2),
+            p + "self_attn.v_proj.weight": normal(kv_dim, hidden, std=std),
+            p + "self_attn.o_proj.weight": normal(hidden, hidden, std=std),
+            p + "mlp.gate_proj.weight": normal(inter, hidden, std=std),
+            p + "mlp.up_proj.weight": normal(inter, hidden, std=std),
+            p + "mlp.down_proj.weight": normal(hidden, inter, std=inter**-0.5),
+        }
+        weight_map.update(dict.fromkeys(layer, f"model-{i:03d}.safetensors"))
+        save_file(layer, str(path / f"model-{i:03d}.safetensors"))
+    index = {"metadata": {}, "weight_map": weight_map}  # (what transformers reads shards by)
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (path / "complete").write_text("")
 
 
 def instruct_models() -> list[str]:

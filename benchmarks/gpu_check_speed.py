@@ -22,6 +22,7 @@ from gpu_check_common import (
     hf_generate,
     instruct_models,
     load_hf,
+    model_path,
     timed,
 )
 
@@ -99,7 +100,7 @@ def host_costs(check: Check) -> dict[str, Any]:
     (the profiler's self CPU time, per forward pass)."""
     if check.device != "cuda":
         raise SkipSection("needs CUDA")
-    from lmprog_runtime.transfer import index_tensor, to_host_async
+    from lmprog_runtime.transfer import host_ints, index_tensor, to_host_async
 
     x = torch.zeros(64, dtype=torch.int64, device="cuda")
     logits = torch.randn(64, 4096, device="cuda")
@@ -120,10 +121,12 @@ def host_costs(check: Check) -> dict[str, Any]:
             x < 0, table[(-x - 1).clamp_(min=0)], x
         ),
         "argmax 64 x 4096": lambda: logits.argmax(dim=-1),
-        "index_tensor (64 ints to the device)": lambda: index_tensor(rows, "cuda"),
-        # (the alternative to index_tensor's pin_memory(), which asks the driver first)
-        "64 ints to the device via empty(pin_memory=True)": functools.partial(
-            _staged_to_device, rows
+        "index_tensor (64 ints to the device, staged through empty(pin_memory=True))": lambda: (
+            index_tensor(rows, "cuda")
+        ),
+        # (what `to_device` did until 2026-12-04 evening: pin_memory() asks the driver first)
+        "64 ints to the device via pin_memory()": lambda: (
+            host_ints(rows).pin_memory().to("cuda", non_blocking=True)
         ),
         "to_host_async (64 ints, with its event)": lambda: to_host_async(x),
         "Event().record()": lambda: torch.cuda.Event().record(),
@@ -156,14 +159,6 @@ def _all_threads() -> dict[str, Any]:
         }
     except (AttributeError, TypeError):
         return {}
-
-
-def _staged_to_device(values: list[int]) -> torch.Tensor:
-    from lmprog_runtime.transfer import host_ints
-
-    staging = torch.empty(len(values), dtype=torch.int64, device="cpu", pin_memory=True)
-    staging.copy_(host_ints(values))
-    return staging.to("cuda", non_blocking=True)
 
 
 def _enter_stream(stream: torch.cuda.Stream) -> None:
@@ -240,6 +235,33 @@ def decode_overhead(check: Check) -> dict[str, Any]:
     return out
 
 
+def decode_overhead_large(check: Check) -> dict[str, Any]:
+    """`decode_overhead` where a GPU step is as long as a real 7B model's ("large": Llama-2-7B's
+    shape, random bfloat16 weights, `gpu_check_common.LARGE_SHAPE`): whether the loop's host
+    work then hides behind the GPU (overlapped) or adds to it (synchronous)."""
+    n, new = (4, 8) if check.smoke else (64, 64)
+    name = "tiny" if check.smoke else "large"
+    start = time.perf_counter()
+    model_path(name)  # (built once, on the GPU)
+    out: dict[str, Any] = {"model_build_s": round(time.perf_counter() - start, 1)}
+    params = {"max_new_tokens": new, "min_new_tokens": new, **GREEDY}
+    runs = [
+        ("default", {}, 0),
+        ("overlap_off", {"overlap_schedule": False}, 25),
+        ("decode_runs", {"decode_steps": 8}, 25),
+    ]
+    for label, config, min_s in runs:
+        if check.remaining() < min_s:
+            out[label] = {"status": "skipped", "reason": "time budget spent"}
+            continue
+        try:
+            out[label] = _overhead_run(check, name, n, params, config)
+        except Exception as error:  # noqa: BLE001 - keep the other runs' figures
+            out[label] = {"status": "error", "error": repr(error), "traceback": error_tail()}
+        free_memory()  # (the next engine loads its 11 GB)
+    return out
+
+
 def _host_profile(check: Check, name: str, n: int, params: dict[str, Any]) -> dict[str, Any]:
     """Where the engine loop's thread spends a decode-dominated run (the default engine):
     its stack sampled every 0.5 ms; the functions most often running (self) and most often
@@ -263,12 +285,22 @@ def _host_profile(check: Check, name: str, n: int, params: dict[str, Any]) -> di
                 samples.append(stack)
 
         sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        for _ in range(1 if check.smoke else 5):
-            engine.flush_cache()
-            run()
-        done.set()
-        sampler.join()
+        # The sampler runs when the loop thread lets go of the GIL: every torch op does, so
+        # at the default 5 ms switch interval a sample lands on the first op after a long
+        # stretch of Python, charged to that op (an earlier run put 28% of the samples on
+        # the argmax after the draw's bookkeeping). At 10 us the loop lets go between any
+        # two bytecodes: a sample lands where the time went.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)
+        try:
+            sampler.start()
+            for _ in range(1 if check.smoke else 5):
+                engine.flush_cache()
+                run()
+        finally:
+            done.set()
+            sampler.join()
+            sys.setswitchinterval(interval)
     own: dict[str, int] = {}
     inclusive: dict[str, int] = {}
     for stack in samples:

@@ -6,8 +6,11 @@ memory with fixed launch shapes, so each decode batch is padded up to a bucket s
 (`BATCH_BUCKETS`, up to `max_running_requests`, at most `MAX_GRAPH_BATCH`) and its inputs
 are copied into static buffers that the graph reads:
 
-- input ids, positions, KV slots written, table rows and sequence lengths: `[5, max_batch]`
-  int64 (one buffer);
+- input ids, positions, table rows, sequence lengths, KV slots written and logits rows
+  (unused: a graph's are `0 .. bucket - 1`): `[6, max_batch]` int64 (one buffer, its rows
+  in the order `ModelRunner.prepare` packs a decode batch's inputs, so a step's inputs go
+  into it as one copy); the ids may hold the overlapped loop's placeholders, which the
+  graph replaces by the drawn tokens itself (`future_tokens`: no eager ops for them);
 - padded requests write their K/V to the padding slot 0, read the request table's padding
   row (every entry slot 0) with a sequence length of 1, and their logits are dropped.
 
@@ -25,11 +28,12 @@ replay.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
-from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
+from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode, resolve_future_ids
 
 if TYPE_CHECKING:
     from lmprog_runtime.model_runner import ModelRunner
@@ -37,8 +41,9 @@ if TYPE_CHECKING:
 # Padded decode batch sizes with a graph of their own.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MAX_GRAPH_BATCH = BATCH_BUCKETS[-1]
-# Rows of the static input buffer.
-_IDS, _POSITIONS, _SLOTS, _ROWS, _LENS = range(5)
+# Rows of the static input buffer (`ForwardBatch.packed`'s order).
+_IDS, _POSITIONS, _ROWS, _LENS, _SLOTS, _LOGITS = range(6)
+_NUM_ROWS = 6
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -71,9 +76,10 @@ class DecodeGraphRunner:
         self.is_captured = capture
         self.buckets = batch_buckets(runner.config.max_running_requests)
         self.max_batch = self.buckets[-1]
+        self._future_tokens = runner.future_tokens  # (overlap's placeholders: resolved inside)
         device = runner.device
-        # [5, max_batch] int64 (rows _IDS .. _LENS), and what padded requests hold there.
-        padding = torch.zeros(5, self.max_batch, dtype=torch.int64, device="cpu")
+        # [6, max_batch] int64 (rows _IDS .. _LOGITS), and what padded requests hold there.
+        padding = torch.zeros(_NUM_ROWS, self.max_batch, dtype=torch.int64, device="cpu")
         padding[_ROWS] = runner.req_to_token.padding_row
         padding[_LENS] = 1
         self._padding = padding.to(device)
@@ -98,9 +104,19 @@ class DecodeGraphRunner:
         num_reqs = fb.batch_size
         size = self.bucket(num_reqs)
         assert fb.seq_lens_device is not None, "the runner's batches carry device lengths"
-        self._inputs[:, :num_reqs] = torch.stack(
-            [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens_device]
-        )
+        packed = fb.packed_inputs()
+        if packed is not None:  # (one copy)
+            self._inputs[:, :num_reqs] = packed
+        else:
+            self._inputs[:_LOGITS, :num_reqs] = torch.stack(
+                [
+                    fb.input_ids,
+                    fb.positions,
+                    fb.req_pool_indices,
+                    fb.seq_lens_device,
+                    fb.out_cache_loc,
+                ]
+            )
         if size > num_reqs:
             self._inputs[:, num_reqs:size] = self._padding[:, num_reqs:size]
         if self.is_captured:
@@ -137,8 +153,13 @@ class DecodeGraphRunner:
         )
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        self.attention.init_forward_metadata(fb)
-        return self.model(fb, self.attention)
+        """The model on `fb` (the static batch), its placeholder ids resolved first, inside
+        the graph. `fb` itself is left as it is: the capture reuses the warm-ups' batch, and a
+        batch rebound to a warm-up's resolved ids would have the graph read freed memory."""
+        resolved = resolve_future_ids(fb.input_ids, self._future_tokens)
+        step = dataclasses.replace(fb, input_ids=resolved)
+        self.attention.init_forward_metadata(step)
+        return self.model(step, self.attention)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -110,12 +110,13 @@ class ForwardWorker:
         launched: Future,
         index: list[int],
         rows: list[SampleRow],
-        table_rows: list[int],
+        table_rows: list[int] | torch.Tensor,
         ask: LogprobAsk,
     ) -> Future:
         """Queue the draw of `rows` from rows `index` of a launched forward's logits, behind
         it, and the logprobs `ask` wants of it; the tokens also go to
-        `future_tokens[table_rows]`, where the next forward's placeholders find them.
+        `future_tokens[table_rows]` (`table_rows` a list, or on the device), where the next
+        forward's placeholders find them.
         Returns a future of `Sampled`."""
         return self._executor.submit(self._sample, launched, index, rows, table_rows, ask)
 
@@ -185,7 +186,7 @@ class ForwardWorker:
         launched: Future,
         index: list[int],
         rows: list[SampleRow],
-        table_rows: list[int],
+        table_rows: list[int] | torch.Tensor,
         ask: LogprobAsk,
     ) -> Sampled:
         logits, timer = launched.result()  # done: jobs run in order

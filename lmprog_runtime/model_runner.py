@@ -4,13 +4,14 @@ Turns a `ScheduledBatch` (requests + their new KV slots) into the flat tensors o
 `ForwardBatch`, runs the model, and returns the logits rows the engine asked for.
 
 `prepare` is where host bookkeeping meets the device, once per forward: the batch's layout
-is built as Python lists and sent as one int64 tensor (one host-to-device copy), and the
-request table's host writes are synced (`ReqToTokenPool.sync`). `run` reads only those
-tensors; on CUDA it replays a captured graph for decode steps (`cuda_graph.py`).
+is built as Python lists and sent as one int64 tensor, with the request table's host writes
+(`ReqToTokenPool.take_writes`): one host-to-device copy. `run` reads only those tensors; on
+CUDA it replays a captured graph for decode steps (`cuda_graph.py`).
 
 With overlap scheduling a request's last token may still be on the device when the next
 forward is prepared: its input is then the placeholder `-(row + 1)`, and `run` takes the
-token from `future_tokens[row]`, where the draw stored it (`store_future_tokens`).
+token from `future_tokens[row]`, where the draw stored it (`store_future_tokens`); a
+decode graph does so inside its replay.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from lmprog_runtime.attention import create_attention_backend
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.cuda_graph import DecodeGraphRunner
-from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode
+from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode, resolve_future_ids
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool, TokenSlotAllocator
 from lmprog_runtime.models import load_model
 from lmprog_runtime.models.cpu import cpu_has_native_bf16
@@ -152,26 +153,28 @@ class ModelRunner:
     def run(self, fb: ForwardBatch) -> torch.Tensor:
         """`forward` on prepared inputs: logits [num_rows, vocab] (float32). Reads tensors
         only, never a request: the overlap loop runs it on its forward worker."""
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.run(fb)  # (the graph resolves placeholder ids itself)
         if fb.has_future_ids:
             fb.input_ids = self.resolve_future_ids(fb.input_ids)
             fb.has_future_ids = False
-        if self.graphs is not None and self.graphs.can_run(fb):
-            return self.graphs.run(fb)
         self.attention.init_forward_metadata(fb)
         return self.model(fb, self.attention)
 
     def resolve_future_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids` with each placeholder `-(row + 1)` replaced by `future_tokens[row]`
         (on the device: nothing is read back)."""
-        rows = (-input_ids - 1).clamp_(min=0)
-        return torch.where(input_ids < 0, self.future_tokens[rows], input_ids)
+        return resolve_future_ids(input_ids, self.future_tokens)
 
-    def store_future_tokens(self, rows: list[int], token_ids: torch.Tensor) -> None:
+    def store_future_tokens(self, rows: list[int] | torch.Tensor, token_ids: torch.Tensor) -> None:
         """`future_tokens[rows[i]] = token_ids[i]`: drawn tokens, for the placeholders of
-        the forwards queued after this (on the stream the draw ran on). A row that drew no
-        token (-1) stores 0: its request fails, and what is computed for it is dropped."""
-        if rows:
-            self.future_tokens[index_tensor(rows, self.device)] = token_ids.clamp(min=0)
+        the forwards queued after this (on the stream the draw ran on). `rows` may be on the
+        device already (a batch's `req_pool_indices`: no copy). A row that drew no token
+        (-1) stores 0: its request fails, and what is computed for it is dropped."""
+        if len(rows):
+            if isinstance(rows, list):
+                rows = index_tensor(rows, self.device)
+            self.future_tokens[rows] = token_ids.clamp(min=0)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[list[int]]]:
         """`forward`'s inputs, read from the requests now (on the thread that owns them),
@@ -242,25 +245,36 @@ class ModelRunner:
     ) -> ForwardBatch:
         """The batch's inputs on the device, as one copy, and its `ForwardBatch`."""
         req_rows = [req.req_pool_idx for req in batch.reqs]
-        # [ids; positions; table rows; seq_lens; logits rows; KV slots]: one int64 tensor,
-        # one copy to the device, split into views there.
-        fields = (ids, positions, req_rows, seq_lens, logits_rows)
-        flat = host_ints([v for field in fields for v in field])
-        sizes = [len(field) for field in fields] + [batch.out_cache_loc.numel()]
-        on_device = to_device(torch.cat([flat, batch.out_cache_loc]), self.device).split(sizes)
-        self.req_to_token.sync()
+        # [ids; positions; table rows; seq_lens; KV slots; logits rows; the request table's
+        # writes]: one int64 tensor, one copy to the device, split into views there.
+        fields = (ids, positions, req_rows, seq_lens)
+        parts = [host_ints([v for field in fields for v in field]), batch.out_cache_loc]
+        parts.append(host_ints(logits_rows))
+        sizes = [len(field) for field in fields] + [batch.out_cache_loc.numel(), len(logits_rows)]
+        table_writes = self.req_to_token.take_writes()
+        if table_writes is not None:
+            parts.append(table_writes.view(-1))
+            sizes.append(table_writes.numel())
+        block = to_device(torch.cat(parts), self.device)
+        on_device = block.split(sizes)
+        if table_writes is not None:
+            self.req_to_token.apply_writes(on_device[6].view(2, -1))
+        packed = None
+        if batch.mode is ForwardMode.DECODE:  # every field one per request: [6, batch]
+            packed = block[: 6 * len(ids)].view(6, len(ids))
         return ForwardBatch(
             mode=batch.mode,
             input_ids=on_device[0],
             positions=on_device[1],
-            out_cache_loc=on_device[5],
+            out_cache_loc=on_device[4],
             req_pool_indices=on_device[2],
             seq_lens=seq_lens,
             prefix_lens=list(batch.prefix_lens),
-            logits_indices=on_device[4],
+            logits_indices=on_device[5],
             num_decodes=batch.num_decodes,
             seq_lens_device=on_device[3],
             has_future_ids=bool(ids) and min(ids) < 0,
+            packed=packed,
         )
 
 

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ class InFlight:
     future: Future
     index: dict[int, int] = field(init=False)  # id(request) -> its index in `batch`
     left: set[int] = field(default_factory=set)  # indices of the requests that left
+    table_rows: torch.Tensor | None = None  # the batch's table rows on the device, as sent
 
     def __post_init__(self) -> None:
         self.index = {id(req): i for i, req in enumerate(self.batch.reqs)}
@@ -178,7 +180,9 @@ class OverlapLoop:
         except Exception as error:  # noqa: BLE001 - handled as the forward's failure
             future = Future()
             future.set_exception(error)
-        self._in_flight = InFlight(batch, rows, future)
+            fb = None
+        table_rows = fb.req_pool_indices if fb is not None else None
+        self._in_flight = InFlight(batch, rows, future, table_rows=table_rows)
 
     def _leave_in_flight(self, req: Req) -> None:
         """`req` finished or jumped forward while a forward that carries it runs: what that
@@ -237,7 +241,9 @@ class OverlapLoop:
             self._record_prompt_logprobs(ready, logits, row_of)
         to_sample, rows = self._rows_to_draw(self._to_draw(ready), logits.shape[-1])
         index = [row_of[id(req)][-1] for req in to_sample]
-        table_rows = [req.req_pool_idx for req in to_sample]
+        table_rows: list[int] | torch.Tensor = [req.req_pool_idx for req in to_sample]
+        if flight.table_rows is not None and _all_of(to_sample, flight):
+            table_rows = flight.table_rows  # (already on the device: no copy)
         ask = LogprobAsk.of(to_sample)
         future = self._worker.sample(flight.future, index, rows, table_rows, ask)
         for req in to_sample:
@@ -285,6 +291,12 @@ class OverlapLoop:
         for req, n in zip(flight.batch.reqs, flight.batch.extend_lens):
             req.kv_len += n
             self._finish(req, error)
+
+
+def _all_of(reqs: list[Req], flight: InFlight) -> bool:
+    """Whether `reqs` are all of the requests `flight` was launched with, in order."""
+    batch = flight.batch.reqs
+    return not flight.left and len(reqs) == len(batch) and all(map(operator.is_, reqs, batch))
 
 
 def _wants_prompt_logprobs(req: Req) -> bool:

@@ -6,8 +6,9 @@ tokens in order. The table exists twice when the model runs on an accelerator:
 - `host_table` (CPU) is the bookkeeping. The scheduler and the prefix cache read and write
   it between forwards, and every write goes through `write` / `write_tokens`.
 - `table` (the model's device) is what attention kernels read. It is brought up to date in
-  one place, `sync`, which the model runner calls before each forward: the writes since the
-  last sync travel in one host-to-device copy.
+  one place, `sync`, before each forward: the writes since the last sync travel in one
+  host-to-device copy (the model runner's own, with the forward's inputs: `take_writes`,
+  `apply_writes`).
 
 On a CPU model both names are the same tensor and `sync` has nothing to do.
 """
@@ -83,9 +84,21 @@ class ReqToTokenPool:
     def sync(self) -> None:
         """Bring the device table up to date with the host one: the entries written since the
         last sync, with their current values, in one host-to-device copy."""
+        writes = self.take_writes()
+        if writes is not None:
+            self.apply_writes(to_device(writes, self.device))
+
+    def take_writes(self) -> torch.Tensor | None:
+        """`sync` in two halves, for a caller that sends the writes with copies of its own:
+        the entries written since the last sync as a [2, n] int64 host tensor (flat indices
+        into the table; their current values), or None if there are none. An entry written
+        twice appears twice, with the same value: the scatter needs no order."""
         if not self._pending:
-            return
-        flat = torch.unique(torch.cat(self._pending))  # unique: the scatter needs no order
+            return None
+        flat = torch.cat(self._pending)
         self._pending = []
-        both = to_device(torch.stack([flat, self.host_table.view(-1)[flat]]), self.device)
-        self.table.view(-1)[both[0]] = both[1]
+        return torch.stack([flat, self.host_table.view(-1)[flat]])
+
+    def apply_writes(self, writes: torch.Tensor) -> None:
+        """Write `take_writes`'s entries, on the device, to the device table."""
+        self.table.view(-1)[writes[0]] = writes[1]

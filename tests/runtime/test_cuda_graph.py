@@ -146,6 +146,69 @@ def test_a_forward_leaves_the_static_batch_reading_the_static_buffers(tiny_path,
             assert storage == graphs._inputs.untyped_storage().data_ptr(), name
 
 
+def test_the_graph_resolves_the_overlapped_loops_placeholders(tiny_path):
+    """The overlapped loop hands decode steps their ids as placeholders for tokens still on
+    the device; a graph batch takes its inputs as the runner sent them (one packed block)
+    and resolves the placeholders inside the graph (no eager ops for them). The tokens
+    equal the synchronous loop's; placeholders did reach the graph, every batch came
+    packed, and neither did a graph forward fail (the loop would recover, hiding it) nor
+    did the runner resolve a batch itself."""
+    params = [
+        {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 9, "temperature": 0.8, "top_p": 0.9, "seed": 3},
+    ]
+    config = dict(attention_backend="torch", max_running_requests=12)
+    with Engine(tiny_path, overlap_schedule=False, **config) as plain:
+        expected = [[o["output_ids"] for o in plain.generate(PROMPTS, p)] for p in params]
+    with Engine(tiny_path, overlap_schedule=True, **config) as engine:
+        runner = engine.runner
+        graphs = runner.graphs = DecodeGraphRunner(runner, capture=False)
+        graph_run = graphs.run
+        placeholders, packed, failures = [], [], []
+
+        def run(fb):
+            placeholders.append(int((fb.input_ids < 0).sum()))
+            packed.append(fb.packed_inputs() is not None)
+            try:
+                return graph_run(fb)
+            except Exception as error:
+                failures.append(error)
+                raise
+
+        def resolve(input_ids):
+            failures.append("a batch resolved on the host")
+            raise AssertionError(failures[-1])
+
+        graphs.run, runner.resolve_future_ids = run, resolve
+        got = [[o["output_ids"] for o in engine.generate(PROMPTS, p)] for p in params]
+        del graphs.run, runner.resolve_future_ids
+        state = engine.memory_state()
+        assert state["num_running"] == 0 and state["req_slots_free"] == state["req_slots_total"]
+    assert failures == [] and got == expected
+    assert sum(placeholders) > 0 and packed and all(packed)
+
+
+def test_a_batch_whose_ids_were_replaced_is_no_longer_packed(engine):
+    """A decode run replaces a step's ids by the tokens drawn before it: the graph must
+    then take the fields, not the packed block they were sent in."""
+    from lmprog_runtime.forward_batch import ForwardMode
+    from lmprog_runtime.scheduler import ScheduledBatch
+
+    runner = engine.runner
+    row = runner.req_to_token.alloc()
+    try:
+        req = type("Req", (), {"req_pool_idx": row, "output_ids": [7]})()
+        slots = torch.tensor([3], dtype=torch.int64)
+        batch = ScheduledBatch(ForwardMode.DECODE, [req], slots, [5], [1])
+        fb, _ = runner.prepare(batch)
+        assert fb.packed_inputs() is not None
+        assert fb.packed_inputs()[:, 0].tolist() == [7, 5, row, 6, 3, 0]
+        fb.input_ids = torch.tensor([9])
+        assert fb.packed_inputs() is None
+    finally:
+        runner.req_to_token.free(row)
+
+
 def test_capture_needs_cuda_and_a_capturable_backend(engine):
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraphRunner(engine.runner, capture=True)

@@ -81,3 +81,33 @@ def test_an_isolated_section_that_crashes_loses_only_itself(tmp_path):
     assert crashed["status"] == "crashed" and crashed["exit_code"] != 0
     assert "boom" in crashed["error"]
     assert report["environment"]["status"] == "ok" and "exit_code" not in report["environment"]
+
+
+def test_the_large_models_builder_writes_a_checkpoint_both_sides_read_alike(
+    tmp_path, monkeypatch, tiny_path
+):
+    """`decode_overhead_large` draws its 5.7B model's weights on the GPU and writes them a
+    layer to a file; here the same builder on the CPU, at a small shape: transformers (by
+    the shard index) and the engine load it, and decode the same greedy tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lmprog_runtime import Engine
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from gpu_check_common import build_random_bf16
+
+    shape = {"hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4}
+    shape |= {"num_key_value_heads": 2, "intermediate_size": 256, "head_dim": 32}
+    path = tmp_path / "large"
+    build_random_bf16(path, Path(tiny_path), shape, "cpu")
+    assert len(list(path.glob("model-*.safetensors"))) == 4  # the outer tensors, 3 layers
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert hf.config.num_hidden_layers == 3 and hf.config.hidden_size == 128
+    prompt = [5, 17, 300, 42, 7]
+    expected = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+    )[0, len(prompt) :].tolist()
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with Engine(str(path), dtype="float32") as engine:
+        assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == expected
