@@ -464,6 +464,8 @@ class Engine(EngineLoop):
         self._abandon_in_flight(error)
         if self._worker is not None:
             self._worker.close()
+        if self._grammars is not None:
+            self._grammars.close()
         for req in self._inbox + self.scheduler.abort_all():
             self._finish(req, error)
         self._inbox.clear()

@@ -71,6 +71,11 @@ class GrammarCache:
         self._trim()
         return grammar
 
+    def close(self) -> None:
+        """Stop the compile threads (the engine shuts down): compiles not started are
+        cancelled, one running finishes on its own, and the threads then exit."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def keys(self) -> list[tuple[str, str]]:
         """The cached (kind, pattern) keys, least recently used first."""
         with self._lock:

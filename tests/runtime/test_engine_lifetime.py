@@ -56,6 +56,20 @@ def test_recreating_engines_does_not_accumulate_threads(tiny_path):
     assert threading.active_count() == num_threads
 
 
+def test_a_shut_down_engine_leaves_no_grammar_compile_thread(tiny_path):
+    """Constrained requests compile their grammars on threads of the engine's own; a
+    shut-down engine (still referenced, as in a notebook) leaves none of them running."""
+    engine = Engine(tiny_path, max_total_tokens=1024)
+    out = engine.generate("hello", {"max_new_tokens": 4, "regex": "(yes|no)!"})
+    assert out["text"] in ("yes!", "no!")
+    compilers = [t for t in threading.enumerate() if t.name.startswith("lmprog-grammar")]
+    assert compilers  # (what the test is about)
+    engine.shutdown()
+    for thread in compilers:
+        thread.join(JOIN_S)
+    assert not any(t.is_alive() for t in compilers)
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
