@@ -148,6 +148,10 @@ class ProgramOps:
             if st.role != node.role:
                 raise ValueError(f"{node.role!r} role ended but {st.role!r} is open")
             previous = [m["role"] for m in st.messages]
+            if not previous and node.role != "system":  # the template wrote its default
+                default = self.roles.default_system_prompt()
+                if default is not None:
+                    st.messages.append({"role": "system", "content": default})
             st.messages.append({"role": node.role, "content": st.text[st.role_start :]})
             st.role = None
             st.emit(self.roles.role_text(node.role, previous).end, "role", node.role)

@@ -275,12 +275,14 @@ class ProgramState(StateBlocks):
         self._wait_var(name)
         return name in self._stream.st.variables
 
-    def get_meta_info(self, name: str) -> dict[str, Any]:
+    def get_meta_info(self, name: str) -> dict[str, Any] | None:
+        """The meta info of generation `name` once it has run; None if the program made
+        no generation of that name (as in SGLang; a failed program raises its error)."""
         self._wait_var(name)
         meta = self._stream.st.meta
         if name not in meta:
             self._raise_error()
-            raise KeyError(f"no generation named {name!r}; this state has {sorted(meta)}")
+            return None
         return meta[name]
 
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:

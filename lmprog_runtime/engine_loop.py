@@ -27,7 +27,12 @@ import torch
 from lmprog_runtime.decode_run import DecodeRunLoop, Run
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache.radix_view import snapshot
-from lmprog_runtime.logprobs import TokenLogprob, record_prompt_logprobs, token_logprobs
+from lmprog_runtime.logprobs import (
+    TokenLogprob,
+    record_next_token_alternatives,
+    record_prompt_logprobs,
+    token_logprobs,
+)
 from lmprog_runtime.overlap import OverlapLoop
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling import NO_MASS, SampleRow, sample_each, sample_rows, take_rows
@@ -377,6 +382,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         for req in reqs:
             try:
                 record_prompt_logprobs([req], logits, row_of)
+                record_next_token_alternatives([req], logits, row_of)
             except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
                 logger.exception("prompt logprobs of request %d failed", req.rid)
                 self._finish(req, error)

@@ -110,6 +110,22 @@ def record_prompt_logprobs(
                 req.input_top_logprobs.append(req.logprob_entries(alternatives))
 
 
+def record_next_token_alternatives(
+    reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
+) -> None:
+    """A prefill-only request (`max_new_tokens=0`) that asks for top logprobs gets the next
+    token's `top_logprobs_num` most likely alternatives as `output_top_logprobs[0]`, no
+    token drawn (SGLang returns them there, and its CoT-decoding example branches on them);
+    `output_token_logprobs` stays empty."""
+    for req in reqs:
+        if req.max_new_tokens != 0 or not req.top_logprobs_num or req.output_top_logprobs:
+            continue
+        scored = torch.log_softmax(logits[row_of[id(req)][-1]].float(), dim=-1)
+        values, tokens = scored.topk(min(req.top_logprobs_num, scored.shape[-1]))
+        alternatives = list(zip(values.double().tolist(), tokens.tolist()))
+        req.output_top_logprobs.append(req.logprob_entries(alternatives))
+
+
 def _table(scored: torch.Tensor, picked: torch.Tensor, top: int) -> torch.Tensor:
     """[m, 1 + 2k] float64 (exact for logprobs and token ids): row j is the logprob of
     `picked[j]` under `scored[j]` (log-softmaxed rows [m, vocab]), then the top k

@@ -33,8 +33,12 @@ def test_one_gen_equals_engine_generate_on_the_rendered_prompt(engine):
         state.get_meta_info("answer")["completion_tokens"]
         == expected["meta_info"]["completion_tokens"]
     )
-    # The template's default system prompt comes first; the whole conversation matches it.
-    assert state.messages()[0] == {"role": "user", "content": "Where is my parcel?"}
+    # The template's default system prompt comes first (listed, as SGLang lists it); the
+    # whole conversation renders to the text.
+    assert state.messages()[:2] == [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Where is my parcel?"},
+    ]
     full = tokenizer.apply_chat_template(state.messages(), tokenize=False)
     assert state.text() == full
 

@@ -132,6 +132,66 @@ def test_gen_logprob_entries_carry_text_in_every_list(engine, hf_tiny):
     _assert_entries(other["output_top_logprobs"][0], tokenizer, with_text=False)
 
 
+def test_a_zero_token_gen_gives_the_next_tokens_alternatives_to_branch_on(engine, hf_tiny):
+    """SGLang's CoT-decoding example: a `max_tokens=0` gen with `top_logprobs_num=k` reads
+    the next token's k alternatives from `output_top_logprobs[0]`, and each fork continues
+    from one of them. The alternatives are transformers' top k after the prompt."""
+    import torch
+
+    model, tokenizer = hf_tiny
+    question = "Question: What is two plus two?\nAnswer:"
+
+    @sgl.function
+    def cot_decoding(s, question, k):
+        s += question
+        step_0 = s.fork(1)[0]
+        forks = s.fork(k)
+        step_0 += sgl.gen(
+            "get_top_k",
+            max_tokens=0,
+            return_logprob=True,
+            top_logprobs_num=k,
+            return_text_in_logprobs=True,
+        )
+        alternatives = step_0.get_meta_info("get_top_k")["output_top_logprobs"][0]
+        for f, (_, _, text) in zip(forks, alternatives):
+            f += text + sgl.gen("answer", max_tokens=3, **GREEDY)
+        return alternatives, [f.text() for f in forks], [f["answer"] for f in forks]
+
+    state = cot_decoding.run(question=question, k=3, backend=engine)
+    alternatives, texts, answers = state.ret_value
+    ids = tokenizer(question, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(ids).logits[0, -1], dim=-1).topk(3)
+    assert [token for _, token, _ in alternatives] == ref.indices.tolist()
+    assert [v for v, _, _ in alternatives] == pytest.approx(ref.values.tolist(), abs=1e-4)
+    _assert_entries(alternatives, tokenizer, with_text=True)
+    for (_, _, text), full, answer in zip(alternatives, texts, answers):
+        assert answer and full == question + text + answer
+
+
+def test_the_meta_info_of_a_generation_never_made_is_none(engine):
+    """SGLang's `get_meta_info` of a name the program did not generate (a branch not
+    taken) is None, read inside the body or after it; a variable read that way is still a
+    KeyError, as there."""
+
+    @sgl.function
+    def maybe(s, detailed):
+        s += "Q: Why?\nA:"
+        if detailed:
+            s += sgl.gen("details", max_tokens=2, **GREEDY)
+        s += sgl.gen("short", max_tokens=2, **GREEDY)
+        return s.get_meta_info("details")
+
+    state = maybe.run(detailed=False, backend=engine)
+    assert state.ret_value is None and state.get_meta_info("details") is None
+    assert state.get_meta_info("short")["completion_tokens"] == 2
+    with pytest.raises(KeyError, match="details"):
+        state["details"]
+    detailed = maybe.run(detailed=True, backend=engine)
+    assert detailed.ret_value["completion_tokens"] == 2
+
+
 # ---- run(stream=True) ------------------------------------------------------------------
 def test_stream_returns_at_once_and_reads_wait_for_the_body(engine):
     release = threading.Event()

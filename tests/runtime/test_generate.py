@@ -159,6 +159,36 @@ def test_prefill_only_returns_prompt_logprobs(engine, hf_tiny):
     assert tops[1][0][1] == int(ref[0].argmax())
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefill_only_gives_the_next_tokens_alternatives(tiny_path, hf_tiny, overlap):
+    """SGLang returns a `max_new_tokens=0` request's next-token alternatives as
+    `output_top_logprobs[0]` (its CoT-decoding example branches on them): the top of the
+    last prompt position's distribution, from transformers' forward; no token drawn."""
+    from lmprog_runtime import Engine
+
+    model, tokenizer = hf_tiny
+    prompt = PROMPTS[2]
+    with Engine(tiny_path, overlap_schedule=overlap) as engine:
+        out = engine.generate(
+            prompt,
+            {"max_new_tokens": 0},
+            return_logprob=True,
+            top_logprobs_num=5,
+            return_text_in_logprobs=True,
+        )
+        plain = engine.generate(prompt, {"max_new_tokens": 0}, return_logprob=True)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(ids).logits[0, -1], dim=-1).topk(5)
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and meta["output_token_logprobs"] == []
+    (alternatives,) = meta["output_top_logprobs"]
+    assert [token for _, token, _ in alternatives] == ref.indices.tolist()
+    assert [value for value, _, _ in alternatives] == pytest.approx(ref.values.tolist(), abs=1e-4)
+    assert [text for *_, text in alternatives] == [tokenizer.decode([t]) for t in ref.indices]
+    assert "output_top_logprobs" not in plain["meta_info"]  # (none asked for)
+
+
 def test_output_logprobs_and_logprob_start_len(engine, hf_tiny):
     model, tokenizer = hf_tiny
     prompt = PROMPTS[1]
