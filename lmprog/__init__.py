@@ -68,6 +68,7 @@ __all__ = [
     "Function",
     "ProgramState",
     "ProgramStateGroup",
+    "Runtime",
     "assistant",
     "assistant_begin",
     "assistant_end",
@@ -95,7 +96,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Engine", "default_model_path"):
+    if name in ("Engine", "Runtime", "default_model_path"):
         import lmprog_runtime
 
         return getattr(lmprog_runtime, name)

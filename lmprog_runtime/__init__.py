@@ -5,7 +5,7 @@ interface. Importing this package imports torch but never Triton and compiles no
 """
 
 from lmprog_runtime.config import RuntimeConfig
-from lmprog_runtime.engine import Engine
+from lmprog_runtime.engine import Engine, Runtime
 from lmprog_runtime.models import (
     default_model_path,
     local_model_dir,
@@ -17,6 +17,7 @@ from lmprog_runtime.sampling_params import SamplingParams
 
 __all__ = [
     "Engine",
+    "Runtime",
     "RuntimeConfig",
     "SamplingParams",
     "default_model_path",

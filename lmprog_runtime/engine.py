@@ -40,6 +40,7 @@ from lmprog_runtime.penalties import PenaltyCounts
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, Scheduler
+from lmprog_runtime.server_args import from_sglang
 from lmprog_runtime.stats import EngineStats
 from lmprog_runtime.token_healing import (
     CONTEXT_TOKENS,
@@ -57,7 +58,8 @@ class Engine(EngineLoop):
     """Runs a Llama-family checkpoint in this process with continuous batching.
 
     `model_path` is a named model (`"smollm2-135m-instruct"`, `"tiny"`, ...), a Hugging Face
-    directory, a `.gguf` file or a Hub id; `None` is the embedded tiny model.
+    directory, a `.gguf` file or a Hub id; `None` is the embedded tiny model. The settings
+    are `RuntimeConfig`'s fields, or SGLang's server-argument names (`server_args.py`).
 
     Example:
         >>> with Engine() as engine:  # the embedded tiny default model, on CPU
@@ -69,6 +71,7 @@ class Engine(EngineLoop):
     def __init__(
         self, model_path: str | os.PathLike[str] | None = None, **config_fields: Any
     ) -> None:
+        config_fields = from_sglang(model_path, config_fields)  # (SGLang's server args)
         unknown = sorted(set(config_fields) - RuntimeConfig.field_names())
         if unknown:
             raise TypeError(f"unknown Engine argument(s) {unknown}")
@@ -584,6 +587,18 @@ class RequestStream:
         if not self._engine._stopping:
             with contextlib.suppress(Exception):  # never raise from a finalizer
                 self.close()
+
+
+def Runtime(model_path: str | os.PathLike[str] | None = None, **server_args: Any) -> Engine:  # noqa: N802
+    """SGLang's `sgl.Runtime(model_path=..., **server_args)`, which starts a server: here the
+    same in-process `Engine` (no server, no port), so a program's backend line ports as it
+    is; `shutdown()` stops it.
+
+    Example:
+        >>> runtime = Runtime(model_path="tiny", mem_fraction_static=0.5)  # doctest: +SKIP
+        >>> runtime.shutdown()  # doctest: +SKIP
+    """
+    return Engine(model_path, **server_args)
 
 
 def _no_fault(point: str, req: Req) -> None:

@@ -27,6 +27,37 @@ from lmprog.choices import ChoicesDecision, ChoicesSamplingMethod
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
+# ---- the backend line ------------------------------------------------------------------
+def test_sglangs_runtime_line_ports_as_it_is(tiny_path):
+    """`sgl.Runtime(model_path=..., **server_args)` (SGLang's server process) is the
+    in-process engine here, SGLang's argument names translated, server-only ones taking no
+    effect; a setting one engine cannot honour is refused at once."""
+
+    @sgl.function
+    def hello(s):
+        s += "Hello," + sgl.gen("a", max_tokens=3, **GREEDY)
+
+    runtime = sgl.Runtime(
+        model_path=tiny_path,
+        context_length=256,
+        mem_fraction_static=0.2,
+        max_running_requests=8,
+        port=30000,
+        log_level="error",
+    )
+    try:
+        assert runtime.config.context_len == 256 and runtime.config.mem_fraction == 0.2
+        assert runtime.config.max_running_requests == 8
+        state = hello.run(backend=runtime)
+        assert state.get_meta_info("a")["completion_tokens"] == 3
+    finally:
+        runtime.shutdown()
+    with pytest.raises(ValueError, match="tp_size=2"):
+        sgl.Runtime(model_path=tiny_path, tp_size=2)
+    with pytest.raises(TypeError, match="unknown Engine argument"):
+        sgl.Engine(model_path=tiny_path, not_an_argument=1)
+
+
 # ---- run() keywords --------------------------------------------------------------------
 def test_a_program_parameter_named_like_a_sampling_option_is_the_programs(engine):
     @sgl.function
