@@ -356,6 +356,8 @@ class Engine(EngineLoop):
     def grammar(self, kind: str, pattern: str) -> Any:
         """The compiled constraint for (kind, pattern), cached; ValueError if it is bad."""
         with self._grammar_lock:
+            if self._stopping:  # (no compile threads started after `shutdown` stopped them)
+                raise RuntimeError("the engine was shut down")
             if self._grammars is None:
                 from lmprog_runtime.constrained import GrammarCache
                 from lmprog_runtime.constrained.outlines_backend import OutlinesGrammarBackend
@@ -467,8 +469,9 @@ class Engine(EngineLoop):
         self._abandon_in_flight(error)
         if self._worker is not None:
             self._worker.close()
-        if self._grammars is not None:
-            self._grammars.close()
+        with self._grammar_lock:
+            if self._grammars is not None:
+                self._grammars.close()
         for req in self._inbox + self.scheduler.abort_all():
             self._finish(req, error)
         self._inbox.clear()

@@ -255,10 +255,15 @@ class ModelRunner:
         if table_writes is not None:
             parts.append(table_writes.view(-1))
             sizes.append(table_writes.numel())
-        block = to_device(torch.cat(parts), self.device)
-        on_device = block.split(sizes)
-        if table_writes is not None:
-            self.req_to_token.apply_writes(on_device[6].view(2, -1))
+        try:
+            block = to_device(torch.cat(parts), self.device)
+            on_device = block.split(sizes)
+            if table_writes is not None:
+                self.req_to_token.apply_writes(on_device[6].view(2, -1))
+        except BaseException:
+            if table_writes is not None:  # (the forwards that retry this batch need them)
+                self.req_to_token.restore_writes(table_writes)
+            raise
         packed = None
         if batch.mode is ForwardMode.DECODE:  # every field one per request: [6, batch]
             packed = block[: 6 * len(ids)].view(6, len(ids))

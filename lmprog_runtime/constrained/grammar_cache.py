@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar
 
 MAX_PATTERN_CHARS = 50_000
+SHUT_DOWN = "the engine was shut down before this pattern compiled"
 
 
 class GrammarCache:
@@ -35,6 +36,7 @@ class GrammarCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, str], Future] = OrderedDict()  # oldest use first
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lmprog-grammar")
+        self._closed = False
 
     def char_fsm(self, grammar: Grammar):
         """The character-level FSM of a compiled grammar, for jump-forward (built once)."""
@@ -52,6 +54,8 @@ class GrammarCache:
             raise ValueError(f"{kind} is too large ({len(pattern)} > {MAX_PATTERN_CHARS} chars)")
         key = (kind, pattern)
         with self._lock:
+            if self._closed:
+                raise RuntimeError(SHUT_DOWN)
             future = self._entries.get(key)
             if future is None:
                 future = self._pool.submit(self._compile, kind, pattern)
@@ -60,6 +64,8 @@ class GrammarCache:
                 self._entries.move_to_end(key)
         try:
             grammar = future.result(timeout=self.timeout_s)
+        except CancelledError as error:  # (queued when the engine shut down)
+            raise RuntimeError(SHUT_DOWN) from error
         except FutureTimeout as error:
             self._forget(key, future)
             raise ValueError(
@@ -74,6 +80,8 @@ class GrammarCache:
     def close(self) -> None:
         """Stop the compile threads (the engine shuts down): compiles not started are
         cancelled, one running finishes on its own, and the threads then exit."""
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def keys(self) -> list[tuple[str, str]]:

@@ -99,6 +99,11 @@ class ReqToTokenPool:
         self._pending = []
         return torch.stack([flat, self.host_table.view(-1)[flat]])
 
+    def restore_writes(self, writes: torch.Tensor) -> None:
+        """`take_writes`'s entries back to the pending ones (their copy to the device
+        failed): the next sync sends them, with the values the host table has then."""
+        self._pending.insert(0, writes[0])
+
     def apply_writes(self, writes: torch.Tensor) -> None:
         """Write `take_writes`'s entries, on the device, to the device table."""
         self.table.view(-1)[writes[0]] = writes[1]

@@ -37,9 +37,13 @@ def load_model(model_path: str, dtype: torch.dtype, device: str) -> LlamaForCaus
     # Made where it runs, in the dtype it runs in: each checkpoint tensor is converted once
     # as it is copied in (no float32 copy of the whole model in host memory first: 28 GB
     # for a 7B model).
+    if config.tie_word_embeddings:
+        # `to_empty` would give the LM head a copy of its own, dropped at once when tied
+        # again below (on a GPU, memory the caching allocator keeps from the KV pool).
+        model.lm_head.register_parameter("weight", None)
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared parameters
+        model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
     fused_rows = _fused_rows(config)
     parts_loaded: dict[str, set[int]] = {}

@@ -323,3 +323,41 @@ def _recording_scope(record):
         yield
 
     return scope
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failed_copy_to_the_device_loses_none_of_the_request_tables_writes(
+    tiny_path, monkeypatch, overlap
+):
+    """The request table's pending writes travel in a forward's one copy of its inputs. If
+    that copy fails (an out-of-memory on a GPU), the loop runs the batch's requests one by
+    one, and their forwards must still send those writes: the tokens equal an engine's
+    that never failed. On a CPU the device table is the host table; here it is a copy of
+    its own, as on a GPU (no prefix cache, which would write the rows again itself)."""
+    import lmprog_runtime.model_runner as model_runner
+
+    prompts = ["The quick brown fox jumps", "Hello there, how are you", "Once upon a time"]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    config = dict(attention_backend="torch", overlap_schedule=overlap, disable_radix_cache=True)
+
+    def run(fail: bool) -> list[list[int]]:
+        with Engine(tiny_path, max_total_tokens=4096, **config) as engine:
+            pool = engine.runner.req_to_token
+            pool.table = pool.host_table.clone()
+            armed = [fail]
+            copy = model_runner.to_device
+
+            def to_device(host, device):
+                if armed[0] and host.numel() > 40:  # the three prompts' one block
+                    armed[0] = False
+                    raise RuntimeError("out of memory (simulated)")
+                return copy(host, device)
+
+            monkeypatch.setattr(model_runner, "to_device", to_device)
+            outs = engine.generate(prompts, params)
+            monkeypatch.setattr(model_runner, "to_device", copy)
+            assert not armed[0]  # (it did fail, when asked to)
+            assert torch.equal(pool.table, pool.host_table)
+        return [out["output_ids"] for out in outs]
+
+    assert run(fail=True) == run(fail=False)

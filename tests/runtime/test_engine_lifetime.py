@@ -70,6 +70,11 @@ def test_a_shut_down_engine_leaves_no_grammar_compile_thread(tiny_path):
     for thread in compilers:
         thread.join(JOIN_S)
     assert not any(t.is_alive() for t in compilers)
+    # A constrained request after it is refused, and starts no compile thread again.
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate("hello", {"max_new_tokens": 4, "regex": "(maybe|never)!"})
+    later = set(threading.enumerate()) - before
+    assert not [t for t in later if t.name.startswith("lmprog-grammar") and t.is_alive()]
 
 
 def _rss_bytes() -> int:

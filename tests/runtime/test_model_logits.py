@@ -238,6 +238,11 @@ def test_checkpoint_configs_are_parsed_as_transformers_wrote_them(checkpoint):
     assert mistral.attention_layout().sliding_window == 8
     tied = load_model(checkpoint("qwen2-bias-tied")[0], torch.float32, "cpu")
     assert tied.lm_head.weight is tied.embed_tokens.weight and tied.config.qkv_bias
+    # Made in its dtype (float32 checkpoint, bfloat16 model): still tied, rounded once.
+    tied16 = load_model(checkpoint("qwen2-bias-tied")[0], torch.bfloat16, "cpu")
+    assert tied16.lm_head.weight is tied16.embed_tokens.weight
+    assert tied16.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(tied16.embed_tokens.weight, tied.embed_tokens.weight.bfloat16())
     assert load_model(checkpoint("qwen3-qk-norm")[0], torch.float32, "cpu").config.head_dim == 32
 
 
