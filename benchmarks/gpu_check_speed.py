@@ -286,10 +286,10 @@ def _host_profile(check: Check, name: str, n: int, params: dict[str, Any]) -> di
 
         sampler = threading.Thread(target=sample, daemon=True)
         # The sampler runs when the loop thread lets go of the GIL: every torch op does, so
-        # at the default 5 ms switch interval a sample lands on the first op after a long
-        # stretch of Python, charged to that op (an earlier run put 28% of the samples on
-        # the argmax after the draw's bookkeeping). At 10 us the loop lets go between any
-        # two bytecodes: a sample lands where the time went.
+        # at the default 5 ms switch interval a sample can land only at an op, most likely
+        # the first one after a long stretch of Python, which is then charged with it (our
+        # reading of an earlier run's 28% of the samples on the argmax after the draw's
+        # bookkeeping). At 10 us the loop lets go between bytecodes too.
         interval = sys.getswitchinterval()
         sys.setswitchinterval(1e-5)
         try:
