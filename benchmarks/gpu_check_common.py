@@ -170,9 +170,11 @@ def _large_model() -> str:
 def build_random_bf16(path: Path, like: Path, shape: dict[str, int], device: str) -> None:
     """A random bfloat16 Llama of `shape` (config.json fields) in `path`, with the tokenizer
     and the rest of the config of the checkpoint in `like`, the built-in models' weight
-    scales (`default_model._write_weights`), drawn on `device` and written a layer to a file
+    scales (`default_model.layer_weights`), drawn on `device` and written a layer to a file
     (and the index transformers reads such shards by)."""
     from safetensors.torch import save_file
+
+    from lmprog_runtime.models.default_model import layer_weights
 
     path.mkdir(parents=True, exist_ok=True)
     for file in like.iterdir():
@@ -193,7 +195,7 @@ def build_random_bf16(path: Path, like: Path, shape: dict[str, int], device: str
     def ones() -> torch.Tensor:  # (a file holds no tensor twice)
         return torch.ones(hidden, dtype=torch.bfloat16)
 
-    std = hidden**-0.5
+    std = 1.0 / hidden**0.5
     outer = {
         "model.embed_tokens.weight": normal(vocab, hidden, std=1.0),
         "model.norm.weight": ones(),
@@ -202,18 +204,7 @@ def build_random_bf16(path: Path, like: Path, shape: dict[str, int], device: str
     weight_map = dict.fromkeys(outer, "model-outer.safetensors")
     save_file(outer, str(path / "model-outer.safetensors"))
     for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        layer = {
-            p + "input_layernorm.weight": ones(),
-            p + "post_attention_layernorm.weight": ones(),
-            p + "self_attn.q_proj.weight": normal(hidden, hidden, std=std * 2),
-            p + "self_attn.k_proj.weight": normal(kv_dim, hidden, std=std * 2),
-            p + "self_attn.v_proj.weight": normal(kv_dim, hidden, std=std),
-            p + "self_attn.o_proj.weight": normal(hidden, hidden, std=std),
-            p + "mlp.gate_proj.weight": normal(inter, hidden, std=std),
-            p + "mlp.up_proj.weight": normal(inter, hidden, std=std),
-            p + "mlp.down_proj.weight": normal(hidden, inter, std=inter**-0.5),
-        }
+        layer = layer_weights(i, hidden, kv_dim, inter, normal, ones)
         weight_map.update(dict.fromkeys(layer, f"model-{i:03d}.safetensors"))
         save_file(layer, str(path / f"model-{i:03d}.safetensors"))
     index = {"metadata": {}, "weight_map": weight_map}  # (what transformers reads shards by)

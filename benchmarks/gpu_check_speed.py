@@ -223,15 +223,27 @@ def decode_overhead(check: Check) -> dict[str, Any]:
         runs.append(("small", "worker_thread", {"worker_thread": True}, 15))
     params = {"max_new_tokens": new, "min_new_tokens": new, **GREEDY}
     out: dict[str, Any] = {"host_profile": _host_profile(check, runs[0][0], n, params)}
+    return out | _overhead_runs(check, runs, n, params)
+
+
+def _overhead_runs(
+    check: Check,
+    runs: list[tuple[str, str, dict[str, Any], float]],
+    n: int,
+    params: dict[str, Any],
+) -> dict[str, Any]:
+    """`_overhead_run` for each (model, label, config, seconds it needs) while the budget
+    allows (a run needing 0 always goes), by label; a run that fails records its error."""
+    out: dict[str, Any] = {}
     for name, label, config, min_s in runs:
-        if check.remaining() < min_s:  # the default run always goes
+        if check.remaining() < min_s:
             out[label] = {"status": "skipped", "reason": "time budget spent"}
             continue
         try:
             out[label] = _overhead_run(check, name, n, params, config)
         except Exception as error:  # noqa: BLE001 - keep the other runs' figures
             out[label] = {"status": "error", "error": repr(error), "traceback": error_tail()}
-            free_memory()
+        free_memory()  # (the next engine's model and KV pool)
     return out
 
 
@@ -246,20 +258,11 @@ def decode_overhead_large(check: Check) -> dict[str, Any]:
     out: dict[str, Any] = {"model_build_s": round(time.perf_counter() - start, 1)}
     params = {"max_new_tokens": new, "min_new_tokens": new, **GREEDY}
     runs = [
-        ("default", {}, 0),
-        ("overlap_off", {"overlap_schedule": False}, 25),
-        ("decode_runs", {"decode_steps": 8}, 25),
+        (name, "default", {}, 0),
+        (name, "overlap_off", {"overlap_schedule": False}, 25),
+        (name, "decode_runs", {"decode_steps": 8}, 25),
     ]
-    for label, config, min_s in runs:
-        if check.remaining() < min_s:
-            out[label] = {"status": "skipped", "reason": "time budget spent"}
-            continue
-        try:
-            out[label] = _overhead_run(check, name, n, params, config)
-        except Exception as error:  # noqa: BLE001 - keep the other runs' figures
-            out[label] = {"status": "error", "error": repr(error), "traceback": error_tail()}
-        free_memory()  # (the next engine loads its 11 GB)
-    return out
+    return out | _overhead_runs(check, runs, n, params)
 
 
 def _host_profile(check: Check, name: str, n: int, params: dict[str, Any]) -> dict[str, Any]:

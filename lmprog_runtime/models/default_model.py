@@ -11,14 +11,20 @@ processes building it at once cannot leave a half-written checkpoint behind.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lmprog_runtime.env import cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 RECIPE_VERSION = 1
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -191,22 +197,38 @@ def _write_weights(spec: DefaultModelSpec, out_dir: Path) -> None:
         "model.embed_tokens.weight": normal(spec.vocab_size, hidden, std=1.0),
         "model.norm.weight": torch.ones(hidden),
     }
+    ones = functools.partial(torch.ones, hidden)
     for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        tensors[p + "input_layernorm.weight"] = torch.ones(hidden)
-        tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
-        tensors[p + "self_attn.q_proj.weight"] = normal(hidden, hidden, std=std * 2)
-        tensors[p + "self_attn.k_proj.weight"] = normal(kv_dim, hidden, std=std * 2)
-        tensors[p + "self_attn.v_proj.weight"] = normal(kv_dim, hidden, std=std)
-        tensors[p + "self_attn.o_proj.weight"] = normal(hidden, hidden, std=std)
-        tensors[p + "mlp.gate_proj.weight"] = normal(spec.intermediate_size, hidden, std=std)
-        tensors[p + "mlp.up_proj.weight"] = normal(spec.intermediate_size, hidden, std=std)
-        down_std = 1.0 / spec.intermediate_size**0.5
-        tensors[p + "mlp.down_proj.weight"] = normal(hidden, spec.intermediate_size, std=down_std)
+        tensors |= layer_weights(i, hidden, kv_dim, spec.intermediate_size, normal, ones)
     if not spec.tie_embeddings:
         # Logits come out with a standard deviation of about 3.5.
         tensors["lm_head.weight"] = normal(spec.vocab_size, hidden, std=std * 3.5)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def layer_weights(
+    i: int,
+    hidden: int,
+    kv_dim: int,
+    intermediate: int,
+    normal: Callable[..., torch.Tensor],
+    ones: Callable[[], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Decoder layer `i`'s checkpoint tensors at the built-in models' scales, drawn in
+    this order by `normal(*shape, std=...)`; the norms are `ones()`."""
+    p = f"model.layers.{i}."
+    std = 1.0 / hidden**0.5
+    return {
+        p + "input_layernorm.weight": ones(),
+        p + "post_attention_layernorm.weight": ones(),
+        p + "self_attn.q_proj.weight": normal(hidden, hidden, std=std * 2),
+        p + "self_attn.k_proj.weight": normal(kv_dim, hidden, std=std * 2),
+        p + "self_attn.v_proj.weight": normal(kv_dim, hidden, std=std),
+        p + "self_attn.o_proj.weight": normal(hidden, hidden, std=std),
+        p + "mlp.gate_proj.weight": normal(intermediate, hidden, std=std),
+        p + "mlp.up_proj.weight": normal(intermediate, hidden, std=std),
+        p + "mlp.down_proj.weight": normal(hidden, intermediate, std=1.0 / intermediate**0.5),
+    }
 
 
 def _write_json(path: Path, obj: object) -> None:
