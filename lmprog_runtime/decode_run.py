@@ -327,7 +327,8 @@ class DecodeRunLoop:
                     self._finish(req, error)
                     continue
                 req.output_ids.append(token)
-                self._record_token_logprob(req, token, logprobs[i])
+                if logprobs[i] is not None:
+                    self._record_token_logprob(req, token, logprobs[i])
                 appended.append(req)
             self._check(appended)
 

@@ -307,16 +307,16 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         appended = []
         for req, token, logprob in self._draw(reqs, logits, row_of):
             req.output_ids.append(token)
-            self._record_token_logprob(req, token, logprob)
+            if logprob is not None:
+                self._record_token_logprob(req, token, logprob)
             appended.append(req)
         return appended
 
     @staticmethod
-    def _record_token_logprob(req: Req, token: int, logprob: TokenLogprob | None) -> None:
-        if logprob is not None:
-            req.output_token_logprobs.append(req.logprob_entry(logprob[0], token))
-            if req.top_logprobs_num:
-                req.output_top_logprobs.append(req.logprob_entries(logprob[1]))
+    def _record_token_logprob(req: Req, token: int, logprob: TokenLogprob) -> None:
+        req.output_token_logprobs.append(req.logprob_entry(logprob[0], token))
+        if req.top_logprobs_num:
+            req.output_top_logprobs.append(req.logprob_entries(logprob[1]))
 
     def _draw(
         self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]

@@ -272,7 +272,8 @@ class OverlapLoop:
         appended = []
         for req, token, logprob in self._drawn(reqs, ids, errors, logprobs):
             req.output_ids[-1] = token  # its placeholder
-            self._record_token_logprob(req, token, logprob)
+            if logprob is not None:
+                self._record_token_logprob(req, token, logprob)
             appended.append(req)
         return appended
 

@@ -82,6 +82,9 @@ class Req:
         # end_outside_pattern: the tokens the pattern took at the last draw, which was
         # unmasked (the output was a full match); None when it was masked or unconstrained.
         self.end_words: torch.Tensor | None = None
+        # `sampling.sample_rows`' row for it, once nothing in it changes from draw to draw
+        # (greedy, unconstrained, no penalties, min_new_tokens reached); None until then.
+        self.plain_sample_row: Any = None
         self.char_fsm = char_fsm  # jump-forward: None when off or not applicable
         # Token healing: the prompt's last token was backed up (`input_ids` ends before it)
         # and the output's text starts after its text; None when not healed.
@@ -140,6 +143,7 @@ class Req:
         self._scanned = 0  # characters of the decoded text searched for stop strings
         self._min_text = 0  # characters of it before the min_new_tokens-th token's
         self._stop_regex = StopRegexScanner(params.stop_regex) if params.stop_regex else None
+        self._has_stops = bool(params.stop or params.stop_regex)  # (read at every token)
         # Jump-forward: characters of the decoded text the char FSM has read, and its state
         # (healed: after the backed-up text its pattern starts with, which is not in the text).
         self.fsm_position: tuple[int, Any] = (0, None)
@@ -213,21 +217,22 @@ class Req:
             self.matcher.advance(token_id)
             if self.grammar is None:
                 self.matcher = None  # token healing: the first token only
-        if self.can_stop:
+        n = len(self.output_ids)
+        if n >= self.min_new_tokens:  # (`can_stop`)
             if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
                 self.finished_reason = {"type": "stop", "matched": token_id}
                 self._mark_incomplete_constraint()
                 return
-            if self.params.stop or self.params.stop_regex:
+            if self._has_stops:
                 matched = self._scan_stops()
                 if matched is not None:
                     self.finished_reason = {"type": "stop", "matched": matched}
                     self._mark_incomplete_constraint()
                     return
-        elif self.params.stop or self.params.stop_regex:
+        elif self._has_stops:
             self._skip_stops()
-        if len(self.output_ids) >= self.max_new_tokens:
-            self.finished_reason = {"type": "length", "length": len(self.output_ids)}
+        if n >= self.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": n}
             self._mark_incomplete_constraint()
 
     def _mark_incomplete_constraint(self) -> None:

@@ -74,6 +74,10 @@ def sample_rows(
     words = iter(mask_words([req.matcher for req in constrained], vocab)) if constrained else None
     rows = []
     for req in reqs:
+        row = req.plain_sample_row
+        if row is not None:
+            rows.append(row)
+            continue
         params = req.params
         banned: list[int] = []
         if not req.can_stop:
@@ -88,8 +92,14 @@ def sample_rows(
         ends = mask is not None and params.end_outside_pattern and req.grammar is not None
         if ends and req.matcher.is_complete():
             req.end_words, mask = mask, None
-        key = 0 if params.is_greedy else race_key(req.seed, len(req.output_ids))
-        rows.append(SampleRow(req.rid, params, req.generator, key, penalty, banned, mask))
+        greedy = params.is_greedy
+        key = 0 if greedy else race_key(req.seed, len(req.output_ids))
+        row = SampleRow(req.rid, params, req.generator, key, penalty, banned, mask)
+        if greedy and penalty is None and req.matcher is None and not banned and req.can_stop:
+            # Nothing of it changes at later draws (can_stop stays reached; no grammar,
+            # counts or keys): taken once, as the loop takes up to hundreds a step.
+            req.plain_sample_row = row
+        rows.append(row)
     return rows
 
 

@@ -174,7 +174,7 @@ class Scheduler:
 
         if self.chunked_req is not None:
             req = self.chunked_req
-            n = min(len(req.fill_ids) - req.kv_len, budget, chunk_size or budget)
+            n = min(req.seq_len - req.kv_len, budget, chunk_size or budget)
             entries.append((req, n))
             budget -= n
             num_active += 1
@@ -187,8 +187,10 @@ class Scheduler:
         for req in self.policy.order(waiting):
             if id(req) in admitted:
                 continue
-            members = req.group.members if req.group is not None else [req]
-            members = [m for m in members if m in self.waiting]
+            # (a lone request is in `waiting` still: only its own admission refuses it)
+            members = [req]
+            if req.group is not None:
+                members = [m for m in req.group.members if m in self.waiting]
             if len(members) == 1 and req.kv_len == 0 and self._shares_uncached_prefix(req, blocks):
                 continue  # compute the shared prefix once: this one reuses it next step
             room = min(cfg.max_running_requests - num_active, self.req_to_token.num_free)
@@ -246,14 +248,17 @@ class Scheduler:
         available = self.allocator.num_free + self.req_cache.evictable_size - used
         plan = []
         for req in members:
-            extend = len(req.fill_ids) - req.kv_len
+            extend = req.seq_len - req.kv_len
             # One request at a time is partly prefilled: not if one already is, or if an
             # entry planned this step already is (chunked_req is set only at allocation).
+            # (Asked only of a request too long to go whole: it reads every entry.)
+            too_long = extend > budget or (chunk_size is not None and extend > chunk_size)
             can_chunk = (
-                chunk_size is not None
+                too_long
+                and chunk_size is not None
                 and len(members) == 1
                 and self.chunked_req is None
-                and all(r.kv_len + n >= len(r.fill_ids) for r, n in entries)
+                and all(r.kv_len + n >= r.seq_len for r, n in entries)
                 and (req.logprob_start_len < 0 or req.input_logprobs_done)
             )
             if extend > budget:
@@ -311,7 +316,7 @@ class Scheduler:
             reqs.append(req)
             prefix_lens.append(req.kv_len)
             extend_lens.append(n)
-            if req is not self.chunked_req and req.kv_len + n < len(req.fill_ids):
+            if req is not self.chunked_req and req.kv_len + n < req.seq_len:
                 self.chunked_req = req
         if not reqs:
             return None  # type: ignore[return-value]
@@ -506,7 +511,7 @@ class Scheduler:
         for req, n in zip(batch.reqs[:num_extends], batch.extend_lens):
             req.kv_len += n
             self.req_cache.cache_unfinished(req)
-            if req.kv_len < len(req.fill_ids):
+            if req.kv_len < req.seq_len:
                 continue  # more chunks to come
             if req is self.chunked_req:
                 self.chunked_req = None

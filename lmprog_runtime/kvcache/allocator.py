@@ -32,8 +32,9 @@ class TokenSlotAllocator:
             raise ValueError(f"num_slots ({num_slots}) must be >= page_size ({page_size})")
         self.page_size = page_size
         self.num_pages = num_slots // page_size
+        # Page 0 reads as free: it is never handed out, and freeing it is refused with the
+        # double frees, by the one check `free` makes.
         self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device="cpu")
-        self._page_is_free[0] = False
         self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device="cpu")
         # Freed pages wait here, in order, until an allocation needs them: a free costs
         # O(freed), never a copy of the whole free list.
@@ -103,18 +104,21 @@ class TokenSlotAllocator:
         return slots
 
     def free(self, slots: torch.Tensor) -> None:
-        """Free the pages holding `slots` (an owner frees whole pages: it owns them all)."""
+        """Free the pages holding `slots` (an owner frees whole pages: it owns them all).
+        Keeps nothing of `slots`: a view of a table row may be freed and the row reused."""
         if slots.device.type != "cpu":
             raise ValueError(f"the allocator frees host slot indices, got a {slots.device} tensor")
         if slots.numel() == 0:
             return
         slots = slots.to(torch.int64).flatten()
-        pages = torch.unique(slots // self.page_size)
-        if self.page_size == 1 and pages.numel() != slots.numel():
-            raise RuntimeError("double free of KV slots")
-        if bool((pages == 0).any()):
-            raise RuntimeError("slot 0 is reserved and never allocated")
-        if bool(self._page_is_free[pages].any()):
+        ps = self.page_size
+        pages = torch.unique(slots // ps if ps > 1 else slots)
+        repeated = ps == 1 and pages.numel() != slots.numel()
+        # One check for both errors (a request's finish frees up to six times, and each
+        # CPU op costs the loop microseconds); which one it is is told apart only then.
+        if repeated or bool(self._page_is_free[pages].any()):
+            if not repeated and bool((pages == 0).any()):
+                raise RuntimeError("slot 0 is reserved and never allocated")
             raise RuntimeError("double free of KV slots")
         self._page_is_free[pages] = True
         self._freed.append(pages)

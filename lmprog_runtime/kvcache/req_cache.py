@@ -64,7 +64,7 @@ class ReqCache:
         if n <= req.tree_len:
             return
         key = req.fill_ids[:n]
-        value = self.req_to_token.host_table[req.req_pool_idx, :n].clone()
+        value = self.req_to_token.host_table[req.req_pool_idx, :n]  # (insert keeps a copy)
         already = self.tree.insert(key, value)
         # Slots we computed for tokens the tree already had are duplicates: drop ours.
         self.allocator.free(value[req.tree_len : already])
@@ -86,11 +86,11 @@ class ReqCache:
         if self.tree is not None and insert:
             n = kv_len // self.page_size * self.page_size
             if n > req.tree_len:
-                value = row[:n].clone()
+                value = row[:n]  # (a view: `insert` copies what it keeps, `free` reads it)
                 already = self.tree.insert(req.fill_ids[:n], value)
                 self.allocator.free(value[req.tree_len : already])
                 start = n
-        self.allocator.free(row[start:kv_len].clone())
+        self.allocator.free(row[start:kv_len])
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)
         self.req_to_token.free(req.req_pool_idx)

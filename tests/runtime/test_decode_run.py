@@ -259,6 +259,9 @@ def test_streamed_chunks_are_identical_in_order_and_content(engines):
             meta = {k: v for k, v in chunk["meta_info"].items() if k != "id"}
             seen[i].append((chunk["text"], chunk["output_ids"], meta))
 
+        # (each engine from an empty cache: `cached_tokens` is in every chunk's meta_info,
+        # and `stop_inside` ran a prompt on `single` only)
+        assert engine.flush_cache()
         futures = engine.submit(prompts, mix, on_chunk=on_chunk)
         for future in futures:
             future.result(timeout=60)

@@ -38,14 +38,23 @@ def test_allocator_matches_a_set_model(ops):
     assert alloc.num_free == num_slots
 
 
-def test_double_free_and_slot_zero_are_refused():
-    alloc = TokenSlotAllocator(4)
-    slots = alloc.alloc(2)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_double_free_and_slot_zero_are_refused(page_size):
+    alloc = TokenSlotAllocator(16, page_size)
+    slots = alloc.alloc(2 * page_size)
     alloc.free(slots)
     with pytest.raises(RuntimeError, match="double free"):
         alloc.free(slots)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="slot 0 is reserved"):
         alloc.free(torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="slot 0 is reserved"):
+        alloc.free(torch.tensor([0, page_size]))  # (page 1 not freed either)
+    again = alloc.alloc(page_size)
+    if page_size == 1:  # one slot twice in one call
+        with pytest.raises(RuntimeError, match="double free"):
+            alloc.free(torch.cat([again, again]))
+    alloc.free(again)  # nothing of the refused frees was done
+    assert alloc.num_free == 16 and alloc.alloc(16) is not None
 
 
 def test_req_to_token_rows():

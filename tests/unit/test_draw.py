@@ -286,3 +286,43 @@ def test_the_accelerator_path_reads_nothing_back():
     rows[4] = rows[4]._replace(penalty=PenaltyRow(counts, 2, None))
     token_ids, errors = sample_each(logits, rows)
     assert token_ids.shape == (len(rows),) and errors == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    temperature=st.sampled_from([0.0, 0.7]),
+    top_k=st.sampled_from([-1, 1]),
+    min_new=st.integers(0, 4),
+    penalty=st.sampled_from([0.0, 0.5]),
+    tokens=st.lists(st.integers(0, 40), max_size=8),
+)
+def test_a_requests_sample_row_is_taken_again_whenever_it_may_differ(
+    temperature, top_k, min_new, penalty, tokens
+):
+    """`sample_rows` keeps a request's row once nothing in it can change (greedy, no
+    penalties, no grammar, min_new_tokens reached); at every token, what it returns is what
+    taking the row afresh gives."""
+    from lmprog_runtime.request import Req
+    from lmprog_runtime.sampling import sample_rows
+
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        min_new_tokens=min_new,
+        frequency_penalty=penalty,
+        stop_token_ids=[7],
+        seed=3,
+    )
+    req = Req(0, [1, 2], params, tokenizer=None, eos_token_ids=frozenset({0}), context_len=99)
+    counts = PenaltyCounts()
+    for token in [*tokens, None]:
+        (got,) = sample_rows([req], 50, counts)
+        kept, req.plain_sample_row = req.plain_sample_row, None
+        (fresh,) = sample_rows([req], 50, counts)
+        req.plain_sample_row = kept
+        assert got[:4] == fresh[:4] and sorted(got.banned) == sorted(fresh.banned)
+        assert (got.penalty is None) == (fresh.penalty is None) and got.mask_words is None
+        plain = params.is_greedy and not penalty and len(req.output_ids) >= min_new
+        assert (req.plain_sample_row is not None) == plain
+        if token is not None:
+            req.output_ids.append(token)
