@@ -384,7 +384,7 @@ def _rows_ahead(rows: list[SampleRow], reqs: list[Req], k: int) -> list[SampleRo
     them, EOS and stop tokens are banned while they leave `min_new_tokens` unreached, and
     penalty counts are not counted again (the first draw did; nothing else of a row that
     runs ahead changes)."""
-    if k == 0:
+    if k == 0 or getattr(rows, "plain", False):  # (plain rows: nothing of them changes)
         return rows
     ahead = []
     for row, req in zip(rows, reqs):

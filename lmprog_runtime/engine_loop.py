@@ -244,12 +244,16 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
     def _to_draw(self, ready: list[Req]) -> list[Req]:
         """Of the requests whose prompt is done, finish the prefill-only ones; returns
         those that draw a token now."""
-        ready = [r for r in ready if not r.done.is_set()]
+        draw = []
         for req in ready:
+            if req.done.is_set():
+                continue
             if req.max_new_tokens == 0:
                 req.finish_prefill_only()
                 self._finish(req)
-        return [r for r in ready if r.max_new_tokens > len(r.output_ids)]
+            elif req.max_new_tokens > len(req.output_ids):
+                draw.append(req)
+        return draw
 
     def _check(self, reqs: list[Req]) -> None:
         """Check each request's new token: it finishes the request (slots freed, caller
@@ -260,9 +264,11 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
                 continue
             try:
                 req.check_last_token()
-                if req.char_fsm is not None and not req.is_finished:
+                finished = req.finished_reason is not None  # (`is_finished`)
+                if req.char_fsm is not None and not finished:
                     self._jump_forward(req)
-                if req.is_finished:
+                    finished = req.finished_reason is not None
+                if finished:
                     self._finish(req)
                 elif req.is_streamed:
                     chunk = req.stream_delta()

@@ -16,6 +16,8 @@ decode graph does so inside its replay.
 
 from __future__ import annotations
 
+import array
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -248,7 +250,7 @@ class ModelRunner:
         # [ids; positions; table rows; seq_lens; KV slots; logits rows; the request table's
         # writes]: one int64 tensor, one copy to the device, split into views there.
         fields = (ids, positions, req_rows, seq_lens)
-        parts = [host_ints([v for field in fields for v in field]), batch.out_cache_loc]
+        parts = [host_ints(array.array("q", itertools.chain(*fields))), batch.out_cache_loc]
         parts.append(host_ints(logits_rows))
         sizes = [len(field) for field in fields] + [batch.out_cache_loc.numel(), len(logits_rows)]
         table_writes = self.req_to_token.take_writes()

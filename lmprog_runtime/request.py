@@ -63,6 +63,7 @@ class Req:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids)
+        self._ends_on = self.eos_token_ids | self.stop_token_ids  # (read at every token)
         # Generation ends at the context length even if max_new_tokens allows more. A healed
         # prompt's backed-up token is generated again on top of max_ and min_new_tokens.
         healed = 1 if heal is not None else 0
@@ -219,7 +220,7 @@ class Req:
                 self.matcher = None  # token healing: the first token only
         n = len(self.output_ids)
         if n >= self.min_new_tokens:  # (`can_stop`)
-            if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
+            if token_id in self._ends_on:  # EOS or a stop token
                 self.finished_reason = {"type": "stop", "matched": token_id}
                 self._mark_incomplete_constraint()
                 return

@@ -64,15 +64,24 @@ class SampleRow(NamedTuple):
     mask_words: torch.Tensor | None  # int32 [ceil(vocab / 32)] on the host
 
 
+class SampleRows(list):
+    """`sample_rows`' rows. `plain`: every row is greedy, with no penalties, no banned
+    tokens and no grammar mask, so that drawing them is their argmax and nothing else
+    (`sample_each` then skips the per-row work; a decode batch's usual case)."""
+
+    plain = False
+
+
 def sample_rows(
     reqs: list[Req], vocab: int, counts: PenaltyCounts, offset: int = 0, draws: int = 1
-) -> list[SampleRow]:
+) -> SampleRows:
     """Each request's `SampleRow` now (on the thread that owns the requests), for `draws`
     draws from it when the requests have `offset` tokens more than they hold (a decode
     run's; `counts` keeps the penalised requests' counts)."""
     constrained = [req for req in reqs if req.matcher is not None]
     words = iter(mask_words([req.matcher for req in constrained], vocab)) if constrained else None
-    rows = []
+    rows = SampleRows()
+    plain = True
     for req in reqs:
         row = req.plain_sample_row
         if row is not None:
@@ -95,11 +104,14 @@ def sample_rows(
         greedy = params.is_greedy
         key = 0 if greedy else race_key(req.seed, len(req.output_ids))
         row = SampleRow(req.rid, params, req.generator, key, penalty, banned, mask)
-        if greedy and penalty is None and req.matcher is None and not banned and req.can_stop:
+        row_plain = greedy and penalty is None and mask is None and not banned
+        if row_plain and req.matcher is None and req.can_stop:
             # Nothing of it changes at later draws (can_stop stays reached; no grammar,
             # counts or keys): taken once, as the loop takes up to hundreds a step.
             req.plain_sample_row = row
+        plain = plain and row_plain
         rows.append(row)
+    rows.plain = plain
     return rows
 
 
@@ -115,6 +127,8 @@ def sample_token_ids(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     the logits' device; -1 for a row whose distribution has no mass (`NO_MASS`). On an
     accelerator nothing is read back from the device (`on_accelerator`). The penalties'
     counts are read, not counted (`sample_each` counts the tokens it returns)."""
+    if getattr(rows, "plain", False):
+        return argmax_rows(logits)
     logits = _apply_penalties_and_masks(logits, rows)
     token_ids = argmax_rows(logits)  # [batch]
     sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -142,9 +156,10 @@ def sample_each(
     generators rewound first, so the others draw what they would have). Returns the token
     ids (-1 where a row failed or had no mass) and each failed row's error, by row index;
     the penalised rows' counts then count their tokens."""
+    plain = getattr(rows, "plain", False)  # (greedy rows only: no generator, no counts)
     seeded = (
         []
-        if on_accelerator(logits.device)
+        if plain or on_accelerator(logits.device)
         else [r.generator for r in rows if not r.params.is_greedy]
     )
     states = [generator.get_state() for generator in seeded]
@@ -161,7 +176,8 @@ def sample_each(
                 token_ids[i : i + 1] = sample_token_ids(logits[i : i + 1], [row])
             except Exception as error:  # noqa: BLE001 - this row fails, the rest go on
                 errors[i] = error
-    _count_drawn(rows, token_ids, errors)
+    if not plain:
+        _count_drawn(rows, token_ids, errors)
     return token_ids, errors
 
 

@@ -326,3 +326,46 @@ def test_a_requests_sample_row_is_taken_again_whenever_it_may_differ(
         assert (req.plain_sample_row is not None) == plain
         if token is not None:
             req.output_ids.append(token)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kinds=st.lists(
+        st.sampled_from(["greedy", "top_k_1", "sampled", "penalty", "min_new"]), max_size=6
+    ),
+    seed=st.integers(0, 2**31),
+)
+def test_plain_rows_draw_what_the_general_path_draws(kinds, seed):
+    """`sample_rows` marks its rows plain exactly when every row is greedy with no penalty,
+    ban or mask; `sample_each` then takes their argmax, which is what drawing the same rows
+    through the general path gives."""
+    from lmprog_runtime.request import Req
+    from lmprog_runtime.sampling import sample_rows
+
+    settings_of = {
+        "greedy": {"temperature": 0.0},
+        "top_k_1": {"top_k": 1},
+        "sampled": {"temperature": 0.8, "seed": 1},
+        "penalty": {"temperature": 0.0, "frequency_penalty": 0.5},
+        "min_new": {"temperature": 0.0, "min_new_tokens": 3},
+    }
+    reqs = [
+        Req(
+            i,
+            [1, 2],
+            SamplingParams(**settings_of[kind]),
+            tokenizer=None,
+            eos_token_ids=frozenset({0}),
+            context_len=99,
+        )
+        for i, kind in enumerate(kinds)
+    ]
+    rows = sample_rows(reqs, 64, PenaltyCounts())
+    expected = all(k in ("greedy", "top_k_1") for k in kinds)
+    assert rows.plain == expected
+    logits = torch.randn(len(reqs), 64, generator=torch.Generator().manual_seed(seed))
+    if expected:
+        fast, errors = sample_each(logits, rows)
+        general, general_errors = sample_each(logits, list(rows))  # (not marked plain)
+        assert fast.tolist() == general.tolist() == argmax_rows(logits).tolist()
+        assert errors == general_errors == {}

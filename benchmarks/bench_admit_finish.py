@@ -1,0 +1,98 @@
+"""The loop's fixed costs per request: its CPU time admitting a batch of requests
+(`Scheduler._schedule_extend`) and finishing them (`EngineLoop._finish`), on the CPU
+(tiny model, 8-token prompts, 2 new tokens, greedy; best of 5). A benchmark of N new
+tokens pays them in every step's average, divided by N. `--baseline COMMIT` times that
+commit's runtime too, the two alternated, each run in its own process.
+
+    .venv/bin/python benchmarks/bench_admit_finish.py [--batch 64,256] [--baseline ab94d64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_loop_opcodes import baseline_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(root: Path, batch: int) -> dict:
+    """(run in a process of its own, `root`'s runtime first on the path)"""
+    sys.path.insert(0, str(root))
+    from lmprog_runtime import Engine, default_model_path, engine_loop, scheduler
+
+    spent = {"admit": 0.0, "finish": 0.0}
+
+    def timed(owner, name: str, key: str, only_batches: bool = False) -> None:
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.thread_time()
+            out = fn(*args, **kwargs)
+            if not only_batches or out is not None:
+                spent[key] += time.thread_time() - start
+            return out
+
+        setattr(owner, name, wrapper)
+
+    timed(scheduler.Scheduler, "_schedule_extend", "admit", only_batches=True)
+    timed(engine_loop.EngineLoop, "_finish", "finish")
+    prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]
+    params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    best = {"admit": float("inf"), "finish": float("inf")}
+    path = default_model_path("tiny")
+    with Engine(path, max_running_requests=batch, max_prefill_tokens=16384) as engine:
+        engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
+        for _ in range(5):
+            engine.flush_cache()
+            spent.update(admit=0.0, finish=0.0)
+            engine.generate(input_ids=prompts, sampling_params=params)
+            best = {k: min(best[k], spent[k]) for k in best}
+    runtime = str(Path(engine_loop.__file__).resolve().parent)
+    return {"runtime": runtime, **{f"{k}_ms": 1e3 * v for k, v in best.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", default="64,256", help="comma-separated batch sizes")
+    parser.add_argument("--baseline", default=None, help="a commit to compare against")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of the sides")
+    parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    if args.side:
+        print(json.dumps({b: measure(Path(args.side), b) for b in batches}))
+        return
+    sides = {"this tree": (ROOT, dict(os.environ))}
+    if args.baseline:
+        sides[args.baseline] = baseline_tree(args.baseline)
+    seen: dict[str, list[dict]] = {name: [] for name in sides}
+    for round_ in range(args.rounds):
+        order = list(sides) if round_ % 2 == 0 else list(sides)[::-1]
+        for name in order:
+            root, env = sides[name]
+            cmd = [sys.executable, __file__, "--side", str(root), "--batch", args.batch]
+            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            for b in batches:
+                if not Path(result[str(b)]["runtime"]).is_relative_to(root):
+                    raise RuntimeError(f"timed {result[str(b)]['runtime']}, not {root}'s")
+            seen[name].append(result)
+    print("loop CPU time (ms), range over the rounds, best of 5 within each")
+    for b in batches:
+        for what in ("admit", "finish"):
+            cells = []
+            for name, results in seen.items():
+                values = [r[str(b)][f"{what}_ms"] for r in results]
+                cells.append(f"{name} {min(values):.2f}-{max(values):.2f}")
+            print(f"  {what} {b:4} requests: " + "; ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The engine loop's Python work per iteration, counted exactly: the bytecode instructions
+`lmprog_runtime` runs on the loop thread (`sys.settrace` with opcode events), on
+`bench_host_path.py`'s emulated device (tiny model, greedy, everything but the forward
+real). A count does not move with the machine's load, so two trees compare exactly on a
+shared, noisy machine, where their timings differ by less than the noise.
+
+Per loop: the median iteration (a steady decode step at batch 64; with decode runs, a run)
+and the total over one generate (admission and finishes included). `--baseline COMMIT`
+counts that commit's runtime too (a git worktree under /tmp, its own model cache), each
+side in its own process.
+
+    .venv/bin/python benchmarks/bench_loop_opcodes.py [--batch 64] [--tokens 32] [--baseline ab94d64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# name -> (overlap, threaded worker, decode_steps), as bench_host_path's loops
+LOOPS = {
+    "synchronous": (False, True, 1),
+    "overlapped, one thread": (True, False, 1),
+    "decode runs of 8": (False, True, 8),
+}
+
+
+def count(root: Path, loop: str, batch: int, tokens: int) -> dict:
+    """Opcodes per loop iteration of `root`'s runtime (run in a process of its own)."""
+    sys.path[:0] = [str(root / "benchmarks"), str(root)]
+    import bench_host_path
+
+    import lmprog_runtime.engine as engine_module
+    from lmprog_runtime import engine_loop
+
+    package = str(root / "lmprog_runtime")
+    per_iteration: list[int] = []
+    counting = [False]
+
+    def tracer(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(package):
+            return None
+        frame.f_trace_opcodes = True
+        return local
+
+    def local(frame, event, arg):
+        if event == "opcode":
+            per_iteration[-1] += 1
+        return local
+
+    run_once = engine_loop.EngineLoop._run_once
+
+    def counted_run_once(self):
+        if not counting[0]:
+            return run_once(self)
+        per_iteration.append(0)
+        sys.settrace(tracer)
+        try:
+            return run_once(self)
+        finally:
+            sys.settrace(None)
+
+    flush = engine_module.Engine.flush_cache
+
+    def flush_then_count(self, *args, **kwargs):  # (called once the warm-up is over)
+        counting[0] = True
+        return flush(self, *args, **kwargs)
+
+    engine_loop.EngineLoop._run_once = counted_run_once
+    engine_module.Engine.flush_cache = flush_then_count
+    overlap, threaded, steps = LOOPS[loop]
+    bench_host_path.host_path(batch, 3e-4, 1e-4, tokens, 1, overlap, threaded, steps)
+    return {
+        "runtime": str(Path(engine_loop.__file__).resolve().parent),
+        "median": statistics.median(per_iteration),
+        "total": sum(per_iteration),
+        "iterations": len(per_iteration),
+    }
+
+
+def side(root: Path, loop: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", str(root), "--loop", loop]
+    cmd += ["--batch", str(args.batch), "--tokens", str(args.tokens)]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if not Path(result["runtime"]).is_relative_to(root):
+        raise RuntimeError(f"counted {result['runtime']}, not {root}'s runtime")
+    return result
+
+
+def baseline_tree(commit: str) -> tuple[Path, dict[str, str]]:
+    path = Path(tempfile.gettempdir()) / f"lmprog-{commit}"
+    if not (path / "lmprog_runtime").is_dir():
+        git = ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), commit]
+        subprocess.run(git, check=True)
+    # Its own cache: the native kernels' build directory is keyed by their sources, and a
+    # second tree's absolute paths would rebuild them at every switch.
+    cache = Path(tempfile.gettempdir()) / f"lmprog-cache-{commit}"
+    return path, {**os.environ, "LMPROG_CACHE_DIR": str(cache)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per request")
+    parser.add_argument("--baseline", default=None, help="a commit to compare against")
+    parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--loop", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        print(json.dumps(count(Path(args.side), args.loop, args.batch, args.tokens)))
+        return
+    sides = {"this tree": (ROOT, dict(os.environ))}
+    if args.baseline:
+        sides = {args.baseline: baseline_tree(args.baseline), **sides}
+    print(f"batch {args.batch}, {args.tokens} new tokens, greedy; opcodes on the loop thread")
+    for loop in LOOPS:
+        counted = {name: side(root, loop, args, env) for name, (root, env) in sides.items()}
+        cells = [f"{name} {c['median']:,.0f} / {c['total']:,}" for name, c in counted.items()]
+        line = f"  {loop:24}: median iteration / generate: " + "; ".join(cells)
+        if args.baseline:
+            base, ours = counted[args.baseline], counted["this tree"]
+            line += f" ({base['median'] / ours['median']:.2f}x fewer per iteration)"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
