@@ -361,7 +361,8 @@ def _overhead_run(
             entry["wall_s_profiled"] = wall
             entry["gpu_busy_s"] = busy_us / 1e6
             entry["fraction_outside_gpu"] = 1 - busy_us / 1e6 / wall
-            # The same GPU work over the wall of the run without the profiler.
+            # The same GPU work over the wall of the run without the profiler (two runs'
+            # figures: their difference is noise, so it may read a little below 0).
             entry["fraction_outside_gpu_unprofiled"] = 1 - busy_us / 1e6 / entry["wall_s"]
         entry["forward_passes"] = stats["forward_passes"]
         entry["decode_runs"] = stats["decode_runs"]

@@ -369,3 +369,55 @@ def test_plain_rows_draw_what_the_general_path_draws(kinds, seed):
         general, general_errors = sample_each(logits, list(rows))  # (not marked plain)
         assert fast.tolist() == general.tolist() == argmax_rows(logits).tolist()
         assert errors == general_errors == {}
+
+
+class _CompleteMatcher:
+    """A grammar's matcher whose match is complete and may go on with any token (the
+    case where `end_outside_pattern` draws unmasked)."""
+
+    def fill_mask_words(self, row: torch.Tensor) -> None:
+        row.fill_(-1)  # every bit: every token allowed
+
+    def is_complete(self) -> bool:
+        return True
+
+    def advance(self, token: int) -> None:
+        pass
+
+
+def test_a_constrained_requests_row_is_never_kept(monkeypatch):
+    """A complete match draws unmasked, so its row reads plain; it is still taken afresh
+    at every draw (its grammar decides the next mask), and a plain batch is drawn as its
+    argmax without the per-row work."""
+    from lmprog_runtime import sampling
+    from lmprog_runtime.request import Req
+    from lmprog_runtime.sampling import sample_rows
+
+    params = SamplingParams(temperature=0.0, end_outside_pattern=True)
+    matcher = _CompleteMatcher()
+    req = Req(
+        0,
+        [1, 2],
+        params,
+        tokenizer=None,
+        eos_token_ids=frozenset(),
+        context_len=99,
+        matcher=matcher,
+        grammar=object(),
+        grammar_eos=63,
+    )
+    plain_req = Req(1, [1, 2], params, tokenizer=None, eos_token_ids=frozenset(), context_len=99)
+    for token in (5, 6, 7):
+        rows = sample_rows([req, plain_req], 64, PenaltyCounts())
+        assert rows.plain and rows[0].mask_words is None and req.end_words is not None
+        assert req.plain_sample_row is None and plain_req.plain_sample_row is rows[1]
+        req.output_ids.append(token)
+        plain_req.output_ids.append(token)
+
+    def per_row_work(*args):
+        raise AssertionError("a plain batch went through the per-row work")
+
+    monkeypatch.setattr(sampling, "_apply_penalties_and_masks", per_row_work)
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    tokens, errors = sample_each(logits, rows)
+    assert tokens.tolist() == argmax_rows(logits).tolist() and errors == {}
