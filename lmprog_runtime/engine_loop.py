@@ -375,9 +375,12 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
     ) -> list[tuple[Req, int, TokenLogprob | None]]:
         """Fail the requests whose row failed or had no mass (token -1); (request, token,
         logprob) for the others (row i of each list is reqs[i]'s)."""
-        for i, token in enumerate(ids):
-            if token < 0 and i not in errors:
-                errors[i] = ValueError(f"request {reqs[i].rid}: {NO_MASS}")
+        if ids and min(ids) < 0:
+            for i, token in enumerate(ids):
+                if token < 0 and i not in errors:
+                    errors[i] = ValueError(f"request {reqs[i].rid}: {NO_MASS}")
+        if not errors:
+            return list(zip(reqs, ids, logprobs))
         for i, error in errors.items():
             self._finish(reqs[i], error)
         return [row for i, row in enumerate(zip(reqs, ids, logprobs)) if i not in errors]
