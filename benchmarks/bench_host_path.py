@@ -41,6 +41,11 @@ shorter than the sum; two threads hand it over at every torch op, which costs CP
 its own.
 
     .venv/bin/python benchmarks/bench_host_path.py [--batch 64] [--device-ms 1] [--tokens 128]
+        [--baseline COMMIT [--rounds 3]] [--loop synchronous --loop "decode runs of 8"]
+
+`--baseline COMMIT` runs each loop on that commit's runtime too (a git worktree under /tmp,
+its own model cache), each run in its own process, the two sides alternated `--rounds`
+times; it reports each side's best step and loop CPU time and their ratios.
 
 (`time.sleep` overshoots by some tens of microseconds each time it waits.)
 """
@@ -49,6 +54,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -277,13 +285,49 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=8, help="steps per decode run")
     parser.add_argument("--workload", choices=list(WORKLOADS), help="only this one")
+    parser.add_argument("--baseline", default=None, help="a commit to compare against")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations with --baseline")
+    parser.add_argument("--loop", action="append", help="only this loop (its label; repeatable)")
+    parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.side:  # one loop of one workload, on the runtime under `args.side`
+        sys.path.insert(0, args.side)
+        (label,) = args.loop
+        result = _run_loop(args, args.workload, _loops(args.decode_steps)[label])
+        import lmprog_runtime
+
+        print(json.dumps({**result, "runtime": lmprog_runtime.__file__}))
+        return
     print(
         f"batch {args.batch}, emulated device step {args.device_ms:g} ms after "
         f"{args.launch_ms:g} ms of launching, greedy"
     )
-    n = args.decode_steps
-    loops = {
+    loops = _loops(args.decode_steps)
+    if args.loop:
+        unknown = [label for label in args.loop if label not in loops]
+        if unknown:
+            parser.error(f"--loop: unknown {unknown}; the loops are {list(loops)}")
+        loops = {label: loops[label] for label in args.loop}
+    for workload, title in WORKLOADS.items():
+        if args.workload not in (None, workload):
+            continue
+        print(f"{title}:")
+        for label, loop in loops.items():
+            if args.baseline:
+                _compare(args, workload, label)
+                continue
+            r = _run_loop(args, workload, loop)
+            share = r["host_ms"] / r["step_ms"]
+            print(
+                f"  {label:36}: step {r['step_ms']:.3f} ms, host {r['host_ms']:.3f} ms "
+                f"({share:.0%}); CPU per step: loop {r['loop_cpu_us']:.0f} us, launch "
+                f"{r['forward_cpu_us']:.0f} us, draw {r['draw_cpu_us']:.0f} us"
+            )
+
+
+def _loops(n: int) -> dict[str, tuple]:
+    """label -> (overlap, threaded worker, decode_steps[, held])"""
+    return {
         "synchronous": (False, True, 1),
         "overlapped, worker thread": (True, True, 1),
         "overlapped, one thread (CUDA)": (True, False, 1),
@@ -291,29 +335,45 @@ def main(argv: list[str] | None = None) -> None:
         f"decode runs of {n}, overlapped (CUDA)": (True, False, n),
         f"decode runs of {n}, overlapped, held": (True, False, n, True),
     }
-    for workload, title in WORKLOADS.items():
-        if args.workload not in (None, workload):
-            continue
-        print(f"{title}:")
-        for label, (overlap, threaded, steps, *hold) in loops.items():
-            r = host_path(
-                args.batch,
-                args.device_ms / 1e3,
-                args.launch_ms / 1e3,
-                args.tokens,
-                args.repeats,
-                overlap,
-                threaded,
-                steps,
-                workload,
-                bool(hold),
-            )
-            share = r["host_ms"] / r["step_ms"]
-            print(
-                f"  {label:36}: step {r['step_ms']:.3f} ms, host {r['host_ms']:.3f} ms "
-                f"({share:.0%}); CPU per step: loop {r['loop_cpu_us']:.0f} us, launch "
-                f"{r['forward_cpu_us']:.0f} us, draw {r['draw_cpu_us']:.0f} us"
-            )
+
+
+def _run_loop(args: argparse.Namespace, workload: str, loop: tuple) -> dict:
+    overlap, threaded, steps, *hold = loop
+    device_s, launch_s = args.device_ms / 1e3, args.launch_ms / 1e3
+    return host_path(
+        args.batch, device_s, launch_s, args.tokens, args.repeats, overlap, threaded, steps,
+        workload, bool(hold),
+    )  # fmt: skip
+
+
+def _compare(args: argparse.Namespace, workload: str, label: str) -> None:
+    """`label`'s loop on this tree and on `args.baseline`, alternated, each run in a process
+    of its own; each side's best step and loop CPU time, and this tree's speed-up."""
+    from bench_loop_opcodes import baseline_tree
+
+    sides = {"this tree": (ROOT, dict(os.environ)), args.baseline: baseline_tree(args.baseline)}
+    best: dict[str, dict] = {}
+    for round_ in range(args.rounds):
+        for name in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
+            root, env = sides[name]
+            cmd = [sys.executable, __file__, "--side", str(root), "--loop", label]
+            cmd += ["--workload", workload, "--batch", str(args.batch)]
+            cmd += ["--device-ms", str(args.device_ms), "--launch-ms", str(args.launch_ms)]
+            cmd += ["--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+            cmd += ["--decode-steps", str(args.decode_steps)]
+            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            if not Path(r["runtime"]).resolve().is_relative_to(root):
+                raise RuntimeError(f"ran {r['runtime']}, not {root}'s runtime")
+            kept = best.setdefault(name, {"step_ms": r["step_ms"], "loop_cpu_us": 1e9})
+            kept["step_ms"] = min(kept["step_ms"], r["step_ms"])
+            kept["loop_cpu_us"] = min(kept["loop_cpu_us"], r["loop_cpu_us"])
+    ours, base = best["this tree"], best[args.baseline]
+    print(
+        f"  {label:36}: step {base['step_ms']:.3f} -> {ours['step_ms']:.3f} ms "
+        f"({base['step_ms'] / ours['step_ms']:.2f}x); loop CPU {base['loop_cpu_us']:.0f} -> "
+        f"{ours['loop_cpu_us']:.0f} us ({base['loop_cpu_us'] / ours['loop_cpu_us']:.2f}x)"
+    )
 
 
 if __name__ == "__main__":
