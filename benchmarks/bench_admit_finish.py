@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench_loop_opcodes import baseline_tree
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,8 +53,7 @@ def measure(root: Path, batch: int) -> dict:
             spent.update(admit=0.0, finish=0.0)
             engine.generate(input_ids=prompts, sampling_params=params)
             best = {k: min(best[k], spent[k]) for k in best}
-    runtime = str(Path(engine_loop.__file__).resolve().parent)
-    return {"runtime": runtime, **{f"{k}_ms": 1e3 * v for k, v in best.items()}}
+    return {f"{k}_ms": 1e3 * v for k, v in best.items()}
 
 
 def main() -> None:
@@ -67,23 +65,21 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     if args.side:
-        print(json.dumps({b: measure(Path(args.side), b) for b in batches}))
+        results = {b: measure(Path(args.side), b) for b in batches}
+        from lmprog_runtime import engine_loop
+
+        print(json.dumps({**results, "runtime": engine_loop.__file__}))
         return
     sides = {"this tree": (ROOT, dict(os.environ))}
     if args.baseline:
-        sides[args.baseline] = baseline_tree(args.baseline)
+        sides[args.baseline] = harness.baseline_worktree(args.baseline)
     seen: dict[str, list[dict]] = {name: [] for name in sides}
     for round_ in range(args.rounds):
         order = list(sides) if round_ % 2 == 0 else list(sides)[::-1]
         for name in order:
             root, env = sides[name]
             cmd = [sys.executable, __file__, "--side", str(root), "--batch", args.batch]
-            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            for b in batches:
-                if not Path(result[str(b)]["runtime"]).is_relative_to(root):
-                    raise RuntimeError(f"timed {result[str(b)]['runtime']}, not {root}'s")
-            seen[name].append(result)
+            seen[name].append(harness.run_side(cmd, root, env))
     print("loop CPU time (ms), range over the rounds, best of 5 within each")
     for b in batches:
         for what in ("admit", "finish"):

@@ -114,17 +114,9 @@ def buckets(steps: list[list[float]]) -> dict[int, tuple[float, float, int]]:
     return out
 
 
-def prepare_baseline(commit: str) -> Path:
-    path = Path(tempfile.gettempdir()) / f"lmprog-{commit}"
-    if not (path / "lmprog_runtime").is_dir():
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), commit],
-            check=True,
-        )
-    return path
-
-
-def run_side(root: Path, batch: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def run_side(
+    root: Path, env: dict[str, str], batch: int, args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
     out = tmp / f"side-{time.monotonic_ns()}.json"
     cmd = [
         sys.executable,
@@ -142,7 +134,7 @@ def run_side(root: Path, batch: int, args: argparse.Namespace, tmp: Path) -> dic
     ]
     if args.sampled:
         cmd.append("--sampled")
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**env, "PYTHONPATH": str(root)}
     subprocess.run(cmd, env=env, check=True, cwd=str(ROOT / "benchmarks"))
     result = json.loads(out.read_text(encoding="utf-8"))
     if not Path(result["lmprog_runtime"]).resolve().is_relative_to(root):
@@ -164,14 +156,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker_batch:
         return worker(args)
-    sides = {"this tree": ROOT}
+    sides = {"this tree": (ROOT, dict(os.environ))}
     if args.baseline:
-        sides = {args.baseline: prepare_baseline(args.baseline), **sides}
+        sides = {args.baseline: harness.baseline_worktree(args.baseline), **sides}
     rows, raw = [], {}
     with tempfile.TemporaryDirectory(prefix="bench_decode_overhead-") as tmpdir:
         for batch in [int(b) for b in args.batch.split(",")]:
-            for name, root in sides.items():
-                result = run_side(root, batch, args, Path(tmpdir))
+            for name, (root, env) in sides.items():
+                result = run_side(root, env, batch, args, Path(tmpdir))
                 table = buckets(result["steps"])
                 raw[f"{name} batch {batch}"] = {
                     "seconds": result["seconds"],

@@ -56,7 +56,6 @@ import argparse
 import itertools
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -65,6 +64,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import harness  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -349,9 +349,8 @@ def _run_loop(args: argparse.Namespace, workload: str, loop: tuple) -> dict:
 def _compare(args: argparse.Namespace, workload: str, label: str) -> None:
     """`label`'s loop on this tree and on `args.baseline`, alternated, each run in a process
     of its own; each side's best step and loop CPU time, and this tree's speed-up."""
-    from bench_loop_opcodes import baseline_tree
-
-    sides = {"this tree": (ROOT, dict(os.environ)), args.baseline: baseline_tree(args.baseline)}
+    baseline = harness.baseline_worktree(args.baseline)
+    sides = {"this tree": (ROOT, dict(os.environ)), args.baseline: baseline}
     best: dict[str, dict] = {}
     for round_ in range(args.rounds):
         for name in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
@@ -361,10 +360,7 @@ def _compare(args: argparse.Namespace, workload: str, label: str) -> None:
             cmd += ["--device-ms", str(args.device_ms), "--launch-ms", str(args.launch_ms)]
             cmd += ["--tokens", str(args.tokens), "--repeats", str(args.repeats)]
             cmd += ["--decode-steps", str(args.decode_steps)]
-            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            if not Path(r["runtime"]).resolve().is_relative_to(root):
-                raise RuntimeError(f"ran {r['runtime']}, not {root}'s runtime")
+            r = harness.run_side(cmd, root, env)
             kept = best.setdefault(name, {"step_ms": r["step_ms"], "loop_cpu_us": 1e9})
             kept["step_ms"] = min(kept["step_ms"], r["step_ms"])
             kept["loop_cpu_us"] = min(kept["loop_cpu_us"], r["loop_cpu_us"])

@@ -18,10 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 # name -> (overlap, threaded worker, decode_steps), as bench_host_path's loops
@@ -88,22 +88,7 @@ def count(root: Path, loop: str, batch: int, tokens: int) -> dict:
 def side(root: Path, loop: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", str(root), "--loop", loop]
     cmd += ["--batch", str(args.batch), "--tokens", str(args.tokens)]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    if not Path(result["runtime"]).is_relative_to(root):
-        raise RuntimeError(f"counted {result['runtime']}, not {root}'s runtime")
-    return result
-
-
-def baseline_tree(commit: str) -> tuple[Path, dict[str, str]]:
-    path = Path(tempfile.gettempdir()) / f"lmprog-{commit}"
-    if not (path / "lmprog_runtime").is_dir():
-        git = ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), commit]
-        subprocess.run(git, check=True)
-    # Its own cache: the native kernels' build directory is keyed by their sources, and a
-    # second tree's absolute paths would rebuild them at every switch.
-    cache = Path(tempfile.gettempdir()) / f"lmprog-cache-{commit}"
-    return path, {**os.environ, "LMPROG_CACHE_DIR": str(cache)}
+    return harness.run_side(cmd, root, env)
 
 
 def main() -> None:
@@ -119,7 +104,7 @@ def main() -> None:
         return
     sides = {"this tree": (ROOT, dict(os.environ))}
     if args.baseline:
-        sides = {args.baseline: baseline_tree(args.baseline), **sides}
+        sides = {args.baseline: harness.baseline_worktree(args.baseline), **sides}
     print(f"batch {args.batch}, {args.tokens} new tokens, greedy; opcodes on the loop thread")
     for loop in LOOPS:
         counted = {name: side(root, loop, args, env) for name, (root, env) in sides.items()}

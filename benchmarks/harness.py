@@ -316,3 +316,32 @@ def throughput_row(
         "vs transformers (best / median)": speedup(base, phase),
         "outputs": outputs,
     }
+
+
+def baseline_worktree(commit: str) -> tuple[Path, dict[str, str]]:
+    """A git worktree of `commit` under the temp directory (made once) and the environment
+    to run it in: a model cache of its own, since the native kernels' build directory is
+    keyed by their sources and a second tree's absolute paths would rebuild them at every
+    switch between the trees."""
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    path = Path(tempfile.gettempdir()) / f"lmprog-{commit}"
+    if not (path / "lmprog_runtime").is_dir():
+        git = ["git", "-C", str(root), "worktree", "add", "--detach", str(path), commit]
+        subprocess.run(git, check=True)
+    cache = Path(tempfile.gettempdir()) / f"lmprog-cache-{commit}"
+    return path, {**os.environ, "LMPROG_CACHE_DIR": str(cache)}
+
+
+def run_side(cmd: list[str], root: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Run one side of a comparison (`cmd`, a process of its own, printing a JSON object
+    last) and return that object, checked to have run `root`'s runtime (its "runtime")."""
+    import subprocess
+
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if not Path(result["runtime"]).resolve().is_relative_to(root):
+        raise RuntimeError(f"ran {result['runtime']}, not {root}'s runtime")
+    return result
