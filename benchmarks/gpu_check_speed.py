@@ -368,9 +368,11 @@ def _overhead_run(
         entry["decode_runs"] = stats["decode_runs"]
         entry["ms_per_step"] = 1e3 * stats["step_seconds"] / max(1, stats["forward_passes"])
         share = 1 - stats["forward_seconds"] / max(stats["step_seconds"], 1e-9)
-        if check.device == "cuda" and not (entry["overlap"] and entry["decode_steps"] == 1):
+        timed_on_device = entry["worker_thread"] and entry["decode_steps"] == 1
+        if check.device == "cuda" and not timed_on_device:
             # There the forward's time is its host call (the launches: CUDA returns before
-            # the kernels end); only the overlapped loop times the device, with events.
+            # the kernels end); only a threaded worker (its own stream) times the device,
+            # with events.
             # `fraction_outside_gpu` (the profiler's) is the figure to compare.
             entry["fraction_of_step_outside_forward_call"] = None
             entry["forward_call_host_share"] = share

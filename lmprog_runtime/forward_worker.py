@@ -1,14 +1,21 @@
 """The forward worker of overlap scheduling (`overlap.py`): it runs forwards and draws one
 at a time, in the order they are queued, and hands back futures of their results.
 
-On CUDA the worker queues its jobs, in order, on a stream of its own, behind the loop
-thread's copies of the inputs, and it does so on the loop thread (`threaded=False`, an
-`InlineExecutor`): queuing a forward or a draw never waits for the device, so the loop
-goes on at once, and one thread leaves nothing to hand over. A second Python thread would
-only take turns with the loop at the GIL (torch drops it around each op), and each turn
-costs a hand-over (SGLang's scheduler, too, now overlaps with a CUDA stream and no
-thread: sgl-project/sglang#11210). On a CPU the worker is a thread that computes its
-jobs (overlap is off there by default: the forward and the loop share the cores).
+On CUDA the worker queues its jobs on the loop thread (`threaded=False`, an
+`InlineExecutor`), on the loop's own stream: queuing a forward or a draw never waits for
+the device, so the loop goes on at once, and the stream keeps everything in the order it
+was queued (the loop's input copies, the forwards, the draws, the copies back), with no
+events, stream switches or waits between them to queue on the host (each costs the host
+some 15 us a step there: `gpu_check.py`'s `host_costs`). A second Python thread would only
+take turns with the loop at the GIL (torch drops it around each op), and each turn costs a
+hand-over (SGLang's scheduler, too, now overlaps with a CUDA stream and no thread:
+sgl-project/sglang#11210). On a CPU the worker is a thread that computes its jobs (overlap
+is off there by default: the forward and the loop share the cores); a threaded worker on
+CUDA queues on a stream of its own, behind an event after the loop's input copies.
+
+A forward's seconds are its device time where a stream of the worker's own holds it (CUDA
+events around it), else what its call took on the host (on CUDA: queuing its kernels, as
+the synchronous loop and decode runs time theirs).
 
 The worker touches tensors only; what a forward or a draw reads of the requests is read
 on the loop thread before it is queued.
@@ -81,6 +88,7 @@ class ForwardWorker:
         they are queued (None: a thread on a CPU, where a forward computes; none on CUDA,
         where queuing one returns at once; see the module docstring)."""
         self._runner = runner  # `runner.run` is looked up at each forward (tests wrap it)
+        self._device = runner.device
         is_cuda = runner.device.type == "cuda"
         if threaded is None:
             threaded = not is_cuda
@@ -94,7 +102,8 @@ class ForwardWorker:
             if threaded
             else InlineExecutor()
         )
-        self._stream = torch.cuda.Stream(runner.device) if is_cuda else None
+        # A stream of its own for a thread queuing on CUDA; inline, the loop's stream.
+        self._stream = torch.cuda.Stream(runner.device) if is_cuda and threaded else None
 
     def launch(self, fb: ForwardBatch) -> Future:
         """Queue `fb`'s forward; returns a future of (logits, its `ForwardTimer`), set once
@@ -134,8 +143,9 @@ class ForwardWorker:
 
     @staticmethod
     def wait_forward(launched: Future) -> tuple[torch.Tensor, ForwardTimer]:
-        """A launched forward's (logits, timer), once its kernels are done (to read the
-        logits on the loop thread's stream, as prompt logprobs do)."""
+        """A launched forward's (logits, timer), readable on the loop thread's stream (as
+        prompt logprobs read them): once its kernels are done where the worker has a stream
+        of its own; where it queues on the loop's, at once (the stream orders the reads)."""
         logits, timer = launched.result()
         if timer.end is not None:
             timer.end.synchronize()
@@ -147,6 +157,8 @@ class ForwardWorker:
         self._executor.submit(lambda: None).result()
         if self._stream is not None:
             self._stream.synchronize()
+        elif self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
 
     def hand_over(self) -> None:
         """The loop thread runs forwards itself from now on (a decode run takes over from

@@ -40,13 +40,15 @@ back), fails its own request only, when the tokens are read (`sampling.sample_ea
 Everything a forward reads from the requests is read on the loop thread, in step 2
 (`ModelRunner.prepare`); the worker touches tensors only. The K/V pool is written by
 forwards alone, queued in order on the worker. The request table's device copy is
-written by `prepare` (on the loop's stream, so on a GPU while the forward before may run):
+written by `prepare` (on the loop's stream; with a worker on a stream of its own, while the
+forward before may run):
 only entries that forward does not read (new positions, rows of requests admitted since),
 rows of requests that left it (their results are dropped), or entries the prefix cache
 points at other slots holding the same K/V.
 
 The forwards and draws are queued on `forward_worker.ForwardWorker`: on CUDA from the loop
-thread, on a stream of its own; on a CPU on a thread of its own.
+thread, on the loop's stream (the stream keeps them in order with the loop's copies, with
+no events or stream switches to queue); on a CPU on a thread of its own.
 
 With decode runs (`decode_steps` > 1, `decode_run.py`), a decode batch whose requests can
 all run ahead is not launched on the worker in step 2: it runs as decode runs on the loop
