@@ -10,6 +10,7 @@ Faults, aborts, pool pressure and shutdown are in `test_overlap_faults.py`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -32,7 +33,7 @@ from overlap_engines import (
 from lmprog_runtime import Engine
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.forward_batch import ForwardMode
-from lmprog_runtime.forward_worker import InlineExecutor
+from lmprog_runtime.forward_worker import ForwardWorker, InlineExecutor
 
 
 @pytest.fixture(scope="module", params=list(WORKERS))
@@ -389,6 +390,45 @@ def test_on_the_loop_thread_the_worker_starts_no_thread(tiny_path, engines):
     assert started == {loop_thread}
     assert ran_on == {"forward": {loop_thread.name}, "draw": {loop_thread.name}}
     assert out["output_ids"] == sync.generate(PROMPTS[3], params)["output_ids"]
+
+
+def test_on_cuda_the_inline_worker_queues_on_the_loops_stream_alone(
+    tiny_path, engines, monkeypatch
+):
+    """An inline worker on a CUDA runner makes no stream of its own and queues no event,
+    stream switch or wait per step (each ~15 us of host time on an H200): the loop's stream
+    keeps its copies, forwards and draws in order. Here the runner only says CUDA (its
+    tensors stay on the CPU), and every stream and event call of torch.cuda is recorded."""
+    sync, _ = engines
+    calls: list[str] = []
+
+    def recorder(name):
+        def record(*args, **kwargs):
+            calls.append(name)
+            return contextlib.nullcontext()
+
+        return record
+
+    class CudaLooking:  # the engine's runner, as one on a GPU would say where it runs
+        def __init__(self, runner):
+            self._runner, self.device = runner, torch.device("cuda", 0)
+
+        def __getattr__(self, name):
+            return getattr(self._runner, name)
+
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with Engine(tiny_path, overlap_schedule=True, **POOL) as engine:
+        for name in ("Stream", "Event", "stream", "current_stream", "set_device"):
+            monkeypatch.setattr(torch.cuda, name, recorder(name))
+        engine._worker.close()
+        engine._worker = ForwardWorker(CudaLooking(engine.runner), threaded=False)
+        out = engine.generate(PROMPTS[:2], params)
+        monkeypatch.undo()
+        assert engine.stats()["forward_seconds"] > 0  # (timed on the host, as it was queued)
+    assert calls == []
+    assert [o["output_ids"] for o in out] == [
+        o["output_ids"] for o in sync.generate(PROMPTS[:2], params)
+    ]
 
 
 def test_the_inline_executor_runs_each_job_as_it_is_submitted():
