@@ -14,6 +14,13 @@ are copied into static buffers that the graph reads:
 - padded requests write their K/V to the padding slot 0, read the request table's padding
   row (every entry slot 0) with a sequence length of 1, and their logits are dropped.
 
+The graph also draws greedily: each row's argmax, stored at `future_tokens[table row]`
+(padded rows store to the padding row's, which no placeholder reads). A batch whose rows
+are all plain greedy ones (`SampleRows.plain`), drawn whole, takes these tokens
+(`greedy_tokens`) instead of an argmax, a clamp and a store of its own: three eager ops
+fewer a step. Any other draw runs as before and stores its own tokens after the graph's,
+so what the next forward reads is always the draw's.
+
 The attention backend must support it (`BaseAttentionBackend.supports_cuda_graph`): given a
 batch with `is_cuda_graph` set, it plans from `seq_lens_device` and `req_pool_indices` alone
 with launch shapes that depend on the batch size only (e.g. a fixed split count).
@@ -34,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode, resolve_future_ids
+from lmprog_runtime.sampling import argmax_rows
 
 if TYPE_CHECKING:
     from lmprog_runtime.model_runner import ModelRunner
@@ -86,7 +94,11 @@ class DecodeGraphRunner:
         self._inputs = self._padding.clone()
         self._logits_indices = torch.arange(self.max_batch, dtype=torch.int64, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}  # each graph's logits [bucket, vocab]
+        # each graph's (logits [bucket, vocab], argmax tokens [bucket])
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the last run's (logits handed out, its rows' argmax tokens: a view of the graph's
+        # output, valid until the next run)
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         if capture:
             self._capture_all()
 
@@ -119,13 +131,24 @@ class DecodeGraphRunner:
             )
         if size > num_reqs:
             self._inputs[:, num_reqs:size] = self._padding[:, num_reqs:size]
+        self._last = None
         if self.is_captured:
             self._graphs[size].replay()
-            logits = self._outputs[size]
+            logits, tokens = self._outputs[size]
         else:
-            logits = self._forward(self._eager_batch(size, fb))
+            logits, tokens = self._forward(self._eager_batch(size, fb))
         # A copy: the graph's output buffer is overwritten by the next replay.
-        return logits[:num_reqs].clone()
+        out = logits[:num_reqs].clone()
+        self._last = (out, tokens[:num_reqs])
+        return out
+
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The argmax of each row of `logits`, drawn (and stored as future tokens for the
+        batch's table rows) by the graph run that returned them, while no run has followed
+        it; else None. A view of the graph's output: read it (queue its copy) before the
+        next run."""
+        last = self._last
+        return last[1] if last is not None and last[0] is logits else None
 
     def _eager_batch(self, size: int, fb: ForwardBatch) -> ForwardBatch:
         """What an eager run forwards. A capturable backend gets what a capture saw: the
@@ -152,14 +175,19 @@ class DecodeGraphRunner:
             is_cuda_graph=True,  # eager runs plan as captured ones do (the CPU tests see it)
         )
 
-    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """The model on `fb` (the static batch), its placeholder ids resolved first, inside
-        the graph. `fb` itself is left as it is: the capture reuses the warm-ups' batch, and a
-        batch rebound to a warm-up's resolved ids would have the graph read freed memory."""
+    def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model on `fb` (the static batch), its placeholder ids resolved first, and the
+        greedy draw after it, inside the graph: (logits, argmax tokens), the tokens also
+        stored as the rows' future tokens. `fb` itself is left as it is: the capture reuses
+        the warm-ups' batch, and a batch rebound to a warm-up's resolved ids would have the
+        graph read freed memory."""
         resolved = resolve_future_ids(fb.input_ids, self._future_tokens)
         step = dataclasses.replace(fb, input_ids=resolved)
         self.attention.init_forward_metadata(step)
-        return self.model(step, self.attention)
+        logits = self.model(step, self.attention)
+        tokens = argmax_rows(logits)
+        self._future_tokens.index_copy_(0, fb.req_pool_indices, tokens)
+        return logits, tokens
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

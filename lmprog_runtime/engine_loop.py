@@ -332,8 +332,12 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         reqs, rows = self._rows_to_draw(reqs, logits.shape[-1])
         if not reqs:
             return []
-        logits = take_rows(logits, [row_of[id(r)][-1] for r in reqs])
-        token_ids, errors = sample_each(logits, rows)
+        index = [row_of[id(r)][-1] for r in reqs]
+        token_ids = self.runner.greedy_tokens(logits, index, rows)
+        errors: dict[int, Exception] = {}
+        if token_ids is None:  # (else drawn in the decode graph)
+            logits = take_rows(logits, index)
+            token_ids, errors = sample_each(logits, rows)
         logprobs = token_logprobs(logits, token_ids, reqs)
         return self._drawn(reqs, token_ids.tolist(), errors, logprobs)
 

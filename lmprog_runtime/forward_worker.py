@@ -204,9 +204,12 @@ class ForwardWorker:
         logits, timer = launched.result()  # done: jobs run in order
         on_stream = self._stream is not None
         with torch.cuda.stream(self._stream) if on_stream else contextlib.nullcontext():
-            logits = take_rows(logits, index)
-            token_ids, errors = sample_each(logits, rows)
-            self._runner.store_future_tokens(table_rows, token_ids)
+            token_ids = self._runner.greedy_tokens(logits, index, rows)
+            errors: dict[int, Exception] = {}
+            if token_ids is None:  # (else drawn and stored in the decode graph)
+                logits = take_rows(logits, index)
+                token_ids, errors = sample_each(logits, rows)
+                self._runner.store_future_tokens(table_rows, token_ids)
             token_ids, logprobs, ready = ask.gather_to_host(logits, token_ids)
         return Sampled(token_ids, logprobs, ready, errors, timer)
 

@@ -34,6 +34,7 @@ from lmprog_runtime.models.cpu import cpu_has_native_bf16
 from lmprog_runtime.models.loader import read_torch_dtype
 from lmprog_runtime.models.quantization import quantize_linears
 from lmprog_runtime.request import Req
+from lmprog_runtime.sampling import SampleRow
 from lmprog_runtime.scheduler import ScheduledBatch
 from lmprog_runtime.transfer import device_with_index, host_ints, index_tensor, to_device
 
@@ -167,6 +168,21 @@ class ModelRunner:
         """`input_ids` with each placeholder `-(row + 1)` replaced by `future_tokens[row]`
         (on the device: nothing is read back)."""
         return resolve_future_ids(input_ids, self.future_tokens)
+
+    def greedy_tokens(
+        self, logits: torch.Tensor, index: list[int], rows: list[SampleRow]
+    ) -> torch.Tensor | None:
+        """The tokens of a draw the decode graph has made already: when `rows` are all plain
+        greedy ones (`SampleRows.plain`) drawn from all of `logits`' rows in order (`index`),
+        the argmax the graph run that returned `logits` drew, and stored as its rows' future
+        tokens (`DecodeGraphRunner.greedy_tokens`: read them before the next forward);
+        else None, and the draw runs as usual."""
+        if self.graphs is None or not getattr(rows, "plain", False):
+            return None
+        tokens = self.graphs.greedy_tokens(logits)
+        if tokens is None or index != list(range(logits.shape[0])):
+            return None
+        return tokens
 
     def store_future_tokens(self, rows: list[int] | torch.Tensor, token_ids: torch.Tensor) -> None:
         """`future_tokens[rows[i]] = token_ids[i]`: drawn tokens, for the placeholders of

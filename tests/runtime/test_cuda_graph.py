@@ -15,6 +15,7 @@ from helpers import forbid_host_syncs
 
 from lmprog_runtime import Engine
 from lmprog_runtime.cuda_graph import MAX_GRAPH_BATCH, DecodeGraphRunner, batch_buckets
+from lmprog_runtime.forward_worker import ForwardWorker
 
 PROMPTS = [
     "Hi",
@@ -213,3 +214,125 @@ def test_capture_needs_cuda_and_a_capturable_backend(engine):
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraphRunner(engine.runner, capture=True)
     assert engine.runner.graphs is None  # CPU engines decode eagerly
+
+
+# The overlapped loop's forward worker both ways (`ForwardWorker`'s `threaded`), and the
+# synchronous loop.
+LOOPS = {"synchronous": None, "worker_thread": True, "loop_thread": False}
+
+
+def _graph_engine(tiny_path: str, loop: str) -> Engine:
+    engine = Engine(
+        tiny_path,
+        attention_backend="torch",
+        max_running_requests=12,
+        overlap_schedule=LOOPS[loop] is not None,
+    )
+    if LOOPS[loop] is not None:
+        engine._worker.close()
+        engine._worker = ForwardWorker(engine.runner, threaded=LOOPS[loop])
+    engine.runner.graphs = DecodeGraphRunner(engine.runner, capture=False)
+    return engine
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_a_plain_greedy_batch_takes_the_tokens_the_graph_drew(tiny_path, loop):
+    """A decode batch of plain greedy rows drawn whole takes the graph's argmax, which the
+    graph also stored as the rows' future tokens: no eager draw or store. Every decode step
+    here is such a batch (all requests decode together to the end); the tokens equal the
+    plain engine's, so the overlapped loop's next forwards read the right future tokens."""
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    with Engine(tiny_path, attention_backend="torch", max_running_requests=12) as plain:
+        expected = [o["output_ids"] for o in plain.generate(PROMPTS, params)]
+    with _graph_engine(tiny_path, loop) as engine:
+        runner, graphs = engine.runner, engine.runner.graphs
+        graph_run, greedy, store = graphs.run, runner.greedy_tokens, runner.store_future_tokens
+        counts = {"graph runs": 0, "graph draws": 0, "eager stores": 0}
+
+        def counted_run(fb):
+            counts["graph runs"] += 1
+            return graph_run(fb)
+
+        def counted_greedy(logits, index, rows):
+            tokens = greedy(logits, index, rows)
+            if tokens is not None:
+                torch.testing.assert_close(tokens, logits.argmax(dim=-1), rtol=0, atol=0)
+                counts["graph draws"] += 1
+            return tokens
+
+        def counted_store(rows, token_ids):
+            counts["eager stores"] += 1
+            return store(rows, token_ids)
+
+        graphs.run, runner.greedy_tokens = counted_run, counted_greedy
+        runner.store_future_tokens = counted_store
+        got = [o["output_ids"] for o in engine.generate(PROMPTS, params)]
+        state = engine.memory_state()
+    assert got == expected
+    assert counts["graph runs"] == 9 and counts["graph draws"] == 9  # (10 tokens: 1 prefill)
+    # The overlapped loop stores the prefill's tokens alone; the synchronous loop none.
+    assert counts["eager stores"] == (0 if loop == "synchronous" else 1)
+    assert state["num_running"] == 0 and state["req_slots_free"] == state["req_slots_total"]
+
+
+@pytest.mark.parametrize("loop", ["worker_thread", "loop_thread"])
+def test_a_batch_with_other_rows_draws_itself_and_its_store_wins(tiny_path, loop):
+    """A decode batch with a sampled or penalised row is drawn as before, after the graph
+    stored its argmax as every row's future token: the draw's own store must be what the
+    next forward reads. Tokens equal the synchronous plain engine's, and no draw took the
+    graph's tokens."""
+    greedy = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    params = [dict(greedy) for _ in PROMPTS]
+    params[1] = {**greedy, "temperature": 0.9, "top_k": 20, "seed": 5}
+    params[4] = {**greedy, "frequency_penalty": 1.5}
+    with Engine(tiny_path, attention_backend="torch", max_running_requests=12) as plain:
+        expected = [o["output_ids"] for o in plain.generate(PROMPTS, params)]
+    with _graph_engine(tiny_path, loop) as engine:
+        runner = engine.runner
+        greedy_tokens, taken = runner.greedy_tokens, []
+
+        def counted_greedy(logits, index, rows):
+            tokens = greedy_tokens(logits, index, rows)
+            taken.append(tokens is not None)
+            return tokens
+
+        runner.greedy_tokens = counted_greedy
+        got = [o["output_ids"] for o in engine.generate(PROMPTS, params)]
+    assert got == expected
+    assert taken and not any(taken)
+    # the argmax differs from the sampled request's tokens: a lost store would show
+    assert got[1] != plain_greedy_tokens(tiny_path, PROMPTS[1], greedy)
+
+
+def plain_greedy_tokens(tiny_path: str, prompt: str, params: dict) -> list[int]:
+    with Engine(tiny_path, attention_backend="torch") as engine:
+        return engine.generate(prompt, params)["output_ids"]
+
+
+def test_the_graphs_tokens_are_the_last_runs_alone(tiny_path):
+    """`greedy_tokens` answers for the logits of the last graph run only (a later run
+    overwrites the graph's output), for all of their rows in order, and for plain rows."""
+    from lmprog_runtime.sampling import SampleRows
+
+    with _graph_engine(tiny_path, "synchronous") as engine:
+        runner, graphs = engine.runner, engine.runner.graphs
+        graph_run, checked = graphs.run, []
+
+        def run_twice(fb):
+            first, second = graph_run(fb), graph_run(fb)  # (same inputs: same K/V written)
+            n = second.shape[0]
+            plain = SampleRows([None] * n)
+            plain.plain = True
+            assert graphs.greedy_tokens(first) is None
+            assert runner.greedy_tokens(first, list(range(n)), plain) is None
+            tokens = runner.greedy_tokens(second, list(range(n)), plain)
+            assert tokens.tolist() == second.argmax(dim=-1).tolist()
+            assert runner.future_tokens[fb.req_pool_indices].tolist() == tokens.tolist()
+            assert runner.greedy_tokens(second, list(range(n)), SampleRows([None] * n)) is None
+            assert runner.greedy_tokens(second, list(range(n))[::-1], plain) is None
+            checked.append(n)
+            return second
+
+        graphs.run = run_twice
+        engine.generate(PROMPTS[:3], {"max_new_tokens": 3, "temperature": 0})
+    assert checked and set(checked) == {3}
