@@ -19,7 +19,8 @@ The graph also draws greedily: each row's argmax, stored at `future_tokens[table
 are all plain greedy ones (`SampleRows.plain`), drawn whole, takes these tokens
 (`greedy_tokens`) instead of an argmax, a clamp and a store of its own: three eager ops
 fewer a step. Any other draw runs as before and stores its own tokens after the graph's,
-so what the next forward reads is always the draw's.
+so what the next forward reads is always the draw's. On a CPU an eager run keeps its
+outputs where a replay would (`_as_replayed`), so the tests see what outlives a replay.
 
 The attention backend must support it (`BaseAttentionBackend.supports_cuda_graph`): given a
 batch with `is_cuda_graph` set, it plans from `seq_lens_device` and `req_pool_indices` alone
@@ -99,6 +100,7 @@ class DecodeGraphRunner:
         # the last run's (logits handed out, its rows' argmax tokens: a view of the graph's
         # output, valid until the next run)
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._eager_outputs: tuple[torch.Tensor, torch.Tensor] | None = None  # (`_as_replayed`)
         if capture:
             self._capture_all()
 
@@ -136,7 +138,7 @@ class DecodeGraphRunner:
             self._graphs[size].replay()
             logits, tokens = self._outputs[size]
         else:
-            logits, tokens = self._forward(self._eager_batch(size, fb))
+            logits, tokens = self._as_replayed(*self._forward(self._eager_batch(size, fb)))
         # A copy: the graph's output buffer is overwritten by the next replay.
         out = logits[:num_reqs].clone()
         self._last = (out, tokens[:num_reqs])
@@ -149,6 +151,23 @@ class DecodeGraphRunner:
         next run."""
         last = self._last
         return last[1] if last is not None and last[0] is logits else None
+
+    def _as_replayed(
+        self, logits: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An eager run's outputs where a replay leaves them: in buffers that every bucket
+        shares (the graphs share one memory pool) and the next run overwrites, so that
+        the CPU tests see what outlives a replay."""
+        size, vocab = logits.shape
+        kept = self._eager_outputs
+        if kept is None or kept[0].shape[1] != vocab or kept[0].dtype != logits.dtype:
+            kept = self._eager_outputs = (
+                torch.empty(self.max_batch, vocab, dtype=logits.dtype, device=logits.device),
+                torch.empty(self.max_batch, dtype=tokens.dtype, device=tokens.device),
+            )
+        kept[0][:size].copy_(logits)
+        kept[1][:size].copy_(tokens)
+        return kept[0][:size], kept[1][:size]
 
     def _eager_batch(self, size: int, fb: ForwardBatch) -> ForwardBatch:
         """What an eager run forwards. A capturable backend gets what a capture saw: the

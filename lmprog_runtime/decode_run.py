@@ -265,12 +265,20 @@ class DecodeRunLoop:
             rows = sample_rows(reqs, vocab, self.penalty_counts, offset, len(ahead) + 1)
             ask = LogprobAsk.of(reqs)
             drawn, tables, errors = [], [], []
-            token_ids = first_ids
+            token_ids, from_graph, whole = first_ids, False, list(range(len(reqs)))
             for k, fb in enumerate(self.runner.prepare_run(batch, ahead)):
-                if token_ids is not None:  # (a row that drew none: its request fails)
-                    fb.input_ids = token_ids.clamp(min=0)
+                if token_ids is not None:  # (a row that drew none, -1: its request fails)
+                    fb.input_ids = token_ids if from_graph else token_ids.clamp(min=0)
                 logits = self.runner.run(fb)
-                token_ids, failed = sample_each(logits, _rows_ahead(rows, reqs, offset + k))
+                step_rows = _rows_ahead(rows, reqs, offset + k)
+                # The decode graph's draw where it made it, but not at the last step: its
+                # tokens (the first inputs of a run launched after it) are kept past this
+                # run, and the graph's next replay overwrites its outputs.
+                last = k == len(ahead)
+                token_ids = None if last else self.runner.greedy_tokens(logits, whole, step_rows)
+                from_graph, failed = token_ids is not None, {}
+                if not from_graph:
+                    token_ids, failed = sample_each(logits, step_rows)
                 host, table, ready = ask.gather_to_host(logits, token_ids)
                 drawn.append((host, ready))
                 tables.append(table)

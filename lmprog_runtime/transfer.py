@@ -55,14 +55,16 @@ def index_tensor(values: Sequence[int], device: torch.device | str) -> torch.Ten
 def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """`tensor` copied to the host without waiting: on CUDA the copy (into pinned memory)
     is queued on the current stream and an event recorded after it; read the copy once
-    the event has passed. Elsewhere the tensor itself, and no event.
+    the event has passed. Elsewhere a copy made now, and no event: either way the copy
+    holds `tensor` as it is now, whatever writes it later (a decode graph's next run
+    overwrites its outputs).
 
     Example:
         >>> to_host_async(torch.tensor([1, 2]))
         (tensor([1, 2]), None)
     """
     if tensor.device.type != "cuda":
-        return tensor, None
+        return tensor.to("cpu", copy=True), None
     host = tensor.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited for
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(tensor.device))  # the stream the copy is on

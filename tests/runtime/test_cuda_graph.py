@@ -336,3 +336,41 @@ def test_the_graphs_tokens_are_the_last_runs_alone(tiny_path):
         graphs.run = run_twice
         engine.generate(PROMPTS[:3], {"max_new_tokens": 3, "temperature": 0})
     assert checked and set(checked) == {3}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_runs_take_the_graphs_tokens_but_at_each_runs_last_step(tiny_path, overlap):
+    """Decode runs (launched ahead, as on a GPU) through the graph path: a step's plain
+    greedy tokens are the graph's, the next step's inputs as they are (but at a run's
+    last step: its tokens, the first inputs of a run launched after it, are drawn apart
+    from the graph's outputs, which the next replay overwrites; the eager runner keeps
+    them where a replay would, `_as_replayed`). The tokens equal the plain engine's;
+    lengths differ, so runs stop and continue."""
+    params = [
+        {"max_new_tokens": 5 + 3 * i, "temperature": 0, "ignore_eos": True}
+        for i in range(len(PROMPTS))
+    ]
+    config = dict(attention_backend="torch", max_running_requests=12)
+    with Engine(tiny_path, **config) as plain:
+        expected = [o["output_ids"] for o in plain.generate(PROMPTS, params)]
+    with Engine(tiny_path, overlap_schedule=overlap, decode_steps=4, **config) as engine:
+        engine._launches_ahead = True
+        if overlap:
+            engine._worker.close()
+            engine._worker = ForwardWorker(engine.runner, threaded=False)
+        runner = engine.runner
+        runner.graphs = DecodeGraphRunner(runner, capture=False)
+        greedy, taken = runner.greedy_tokens, []
+
+        def counted_greedy(logits, index, rows):
+            tokens = greedy(logits, index, rows)
+            taken.append(tokens is not None)
+            return tokens
+
+        runner.greedy_tokens = counted_greedy
+        got = [o["output_ids"] for o in engine.generate(PROMPTS, params)]
+        runs = engine.stats()["decode_runs"]
+        state = engine.memory_state()
+    assert got == expected
+    assert runs > 1 and sum(taken) >= 2 * runs
+    assert state["num_running"] == 0 and state["req_slots_free"] == state["req_slots_total"]
