@@ -114,7 +114,10 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def run(self, fb: ForwardBatch) -> torch.Tensor:
         """The decode forward of `fb`: logits [batch, vocab] (float32), equal to the plain
-        forward's up to the rounding of a larger matmul."""
+        forward's up to the rounding of a larger matmul. A view of the graph's output,
+        valid until the next run (of any bucket: the graphs share one memory pool): read
+        it, or queue what reads it, before the next forward (the loops draw from it at
+        once; a caller that keeps logits across forwards copies them)."""
         num_reqs = fb.batch_size
         size = self.bucket(num_reqs)
         assert fb.seq_lens_device is not None, "the runner's batches carry device lengths"
@@ -139,8 +142,7 @@ class DecodeGraphRunner:
             logits, tokens = self._outputs[size]
         else:
             logits, tokens = self._as_replayed(*self._forward(self._eager_batch(size, fb)))
-        # A copy: the graph's output buffer is overwritten by the next replay.
-        out = logits[:num_reqs].clone()
+        out = logits[:num_reqs]  # (no copy: a [batch, vocab] launch a step saved)
         self._last = (out, tokens[:num_reqs])
         return out
 

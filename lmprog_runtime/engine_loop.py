@@ -299,7 +299,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
                 self._finish(req, error)
                 continue
             kept.append(i)
-            parts.append(logits)
+            parts.append(logits.clone())  # (a decode graph's: its next run overwrites it)
             rows.append([num_rows + r for r in req_rows])
             num_rows += logits.shape[0]
         batch.narrow(kept)

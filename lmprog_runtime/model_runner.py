@@ -155,7 +155,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, fb: ForwardBatch) -> torch.Tensor:
         """`forward` on prepared inputs: logits [num_rows, vocab] (float32). Reads tensors
-        only, never a request: the overlap loop runs it on its forward worker."""
+        only, never a request: the overlap loop runs it on its forward worker. A decode
+        graph's logits are valid until the next forward (`DecodeGraphRunner.run`)."""
         if self.graphs is not None and self.graphs.can_run(fb):
             return self.graphs.run(fb)  # (the graph resolves placeholder ids itself)
         if fb.has_future_ids:

@@ -240,10 +240,13 @@ def test_a_plain_greedy_batch_takes_the_tokens_the_graph_drew(tiny_path, loop):
     """A decode batch of plain greedy rows drawn whole takes the graph's argmax, which the
     graph also stored as the rows' future tokens: no eager draw or store. Every decode step
     here is such a batch (all requests decode together to the end); the tokens equal the
-    plain engine's, so the overlapped loop's next forwards read the right future tokens."""
+    plain engine's, so the overlapped loop's next forwards read the right future tokens,
+    and so do their logprobs (read from the graph's logits as they are drawn)."""
     params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    asks = {"return_logprob": True, "top_logprobs_num": 2}
     with Engine(tiny_path, attention_backend="torch", max_running_requests=12) as plain:
-        expected = [o["output_ids"] for o in plain.generate(PROMPTS, params)]
+        want = plain.generate(PROMPTS, params, **asks)
+        expected = [o["output_ids"] for o in want]
     with _graph_engine(tiny_path, loop) as engine:
         runner, graphs = engine.runner, engine.runner.graphs
         graph_run, greedy, store = graphs.run, runner.greedy_tokens, runner.store_future_tokens
@@ -266,13 +269,25 @@ def test_a_plain_greedy_batch_takes_the_tokens_the_graph_drew(tiny_path, loop):
 
         graphs.run, runner.greedy_tokens = counted_run, counted_greedy
         runner.store_future_tokens = counted_store
-        got = [o["output_ids"] for o in engine.generate(PROMPTS, params)]
+        outs = engine.generate(PROMPTS, params, **asks)
+        got = [o["output_ids"] for o in outs]
         state = engine.memory_state()
     assert got == expected
+    for g, w in zip(outs, want):
+        for name in ("output_token_logprobs", "output_top_logprobs"):
+            g_lps, w_lps = _logprobs(g["meta_info"][name]), _logprobs(w["meta_info"][name])
+            assert len(g_lps) == len(w_lps) >= 10
+            torch.testing.assert_close(g_lps, w_lps, atol=1e-4, rtol=0)
     assert counts["graph runs"] == 9 and counts["graph draws"] == 9  # (10 tokens: 1 prefill)
     # The overlapped loop stores the prefill's tokens alone; the synchronous loop none.
     assert counts["eager stores"] == (0 if loop == "synchronous" else 1)
     assert state["num_running"] == 0 and state["req_slots_free"] == state["req_slots_total"]
+
+
+def _logprobs(entries: list) -> torch.Tensor:
+    """The logprobs of `output_token_logprobs` entries, or of each step's top list."""
+    flat = [e for step in entries for e in step] if isinstance(entries[0], list) else entries
+    return torch.tensor([logprob for logprob, *_ in flat])
 
 
 @pytest.mark.parametrize("loop", ["worker_thread", "loop_thread"])
@@ -374,3 +389,27 @@ def test_decode_runs_take_the_graphs_tokens_but_at_each_runs_last_step(tiny_path
     assert got == expected
     assert runs > 1 and sum(taken) >= 2 * runs
     assert state["num_running"] == 0 and state["req_slots_free"] == state["req_slots_total"]
+
+
+def test_a_decode_step_run_request_by_request_keeps_each_requests_logits(tiny_path):
+    """A decode forward that raises is run again one request at a time (`_forward_alone`),
+    each through the graph (bucket 1), whose next run overwrites the logits it handed out:
+    the loop keeps a copy of each. The request that raises fails; the others' tokens are
+    the plain engine's."""
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with Engine(tiny_path, attention_backend="torch", max_running_requests=12) as plain:
+        expected = [o["output_ids"] for o in plain.generate(PROMPTS[:4], params)]
+    with _graph_engine(tiny_path, "synchronous") as engine:
+        culprit = engine.encode(PROMPTS[2])
+
+        def hook(at, req):  # (decode steps only: the prompt's forward goes through)
+            if at == "forward" and req.input_ids == culprit and len(req.output_ids) >= 3:
+                raise RuntimeError("injected at a decode step")
+
+        engine.fault_hook = hook
+        futures = engine.submit(PROMPTS[:4], params)
+        with pytest.raises(RuntimeError, match="injected at a decode step"):
+            futures[2].result(timeout=60)
+        got = {i: futures[i].result(timeout=60)["output_ids"] for i in (0, 1, 3)}
+        engine.fault_hook = None
+    assert got == {i: expected[i] for i in (0, 1, 3)}
