@@ -46,7 +46,7 @@ def count(root: Path, loop: str, batch: int, tokens: int) -> dict:
     sys.path.insert(0, str(root))
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lmprog_runtime import Engine, default_model_path, engine_loop, logprobs
+    from lmprog_runtime import Engine, decode_run, default_model_path, engine_loop, logprobs
     from lmprog_runtime.cuda_graph import DecodeGraphRunner
     from lmprog_runtime.forward_worker import ForwardWorker
 
@@ -78,11 +78,17 @@ def count(root: Path, loop: str, batch: int, tokens: int) -> dict:
         return wrapped
 
     graph_run = DecodeGraphRunner.run
+    run_greedy = getattr(DecodeGraphRunner, "run_greedy", None)  # (a whole run's graph)
 
     def counted_run(self, fb):
         if counting[0]:
             replays[-1] += 1
         return graph_run(self, fb)
+
+    def counted_run_greedy(self, first, ahead, *args):
+        if counting[0]:
+            replays[-1] += 1 + ahead.shape[0]  # (its steps)
+        return run_greedy(self, first, ahead, *args)
 
     run_once = engine_loop.EngineLoop._run_once
 
@@ -98,10 +104,15 @@ def count(root: Path, loop: str, batch: int, tokens: int) -> dict:
     # keeps its outputs (`_as_replayed`, where a tree has it).
     DecodeGraphRunner._forward = uncounted(DecodeGraphRunner._forward)
     DecodeGraphRunner._eager_batch = uncounted(DecodeGraphRunner._eager_batch)
-    if hasattr(DecodeGraphRunner, "_as_replayed"):
-        DecodeGraphRunner._as_replayed = uncounted(DecodeGraphRunner._as_replayed)
+    for name in ("_as_replayed", "_forward_run", "_eager_run_batches", "_as_replayed_run"):
+        if hasattr(DecodeGraphRunner, name):  # (where a tree has them)
+            setattr(DecodeGraphRunner, name, uncounted(getattr(DecodeGraphRunner, name)))
+    if run_greedy is not None:
+        DecodeGraphRunner.run_greedy = counted_run_greedy
     # A copy to the host: one op on CUDA (a CPU makes one or none): counted as one.
-    logprobs.to_host_async = uncounted(logprobs.to_host_async, "to host (copy)")
+    for module in (logprobs, decode_run):
+        if hasattr(module, "to_host_async"):
+            module.to_host_async = uncounted(module.to_host_async, "to host (copy)")
     DecodeGraphRunner.run = counted_run
     engine_loop.EngineLoop._run_once = counted_run_once
     overlap, steps = LOOPS[loop]

@@ -19,7 +19,13 @@ The graph also draws greedily: each row's argmax, stored at `future_tokens[table
 are all plain greedy ones (`SampleRows.plain`), drawn whole, takes these tokens
 (`greedy_tokens`) instead of an argmax, a clamp and a store of its own: three eager ops
 fewer a step. Any other draw runs as before and stores its own tokens after the graph's,
-so what the next forward reads is always the draw's. On a CPU an eager run keeps its
+so what the next forward reads is always the draw's.
+
+With decode runs (`decode_steps` = K > 1), each bucket also gets a graph of a whole run of
+plain greedy steps (`run_greedy`): K forwards, each step's argmax the next one's input, on
+a `[K, 6, max_batch]` static buffer (each step's row block as above). A run of K steps is then one input copy, one replay and one copy of its
+`[K, batch]` tokens to the host, where the step-by-step path queues some six eager ops a
+step (`decode_run.py` takes it when every row is plain greedy and none asks for logprobs). On a CPU an eager run keeps its
 outputs where a replay would (`_as_replayed`), so the tests see what outlives a replay.
 
 The attention backend must support it (`BaseAttentionBackend.supports_cuda_graph`): given a
@@ -101,6 +107,13 @@ class DecodeGraphRunner:
         # output, valid until the next run)
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self._eager_outputs: tuple[torch.Tensor, torch.Tensor] | None = None  # (`_as_replayed`)
+        # Whole decode runs of plain greedy steps: K steps' inputs [K, 6, max_batch], and
+        # each bucket's graph and its tokens [K, bucket].
+        self.run_steps = runner.config.decode_steps if runner.config.decode_steps > 1 else 0
+        self._run_inputs = self._padding.expand(max(self.run_steps, 1), -1, -1).clone()
+        self._run_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._run_outputs: dict[int, torch.Tensor] = {}
+        self._eager_run_tokens: torch.Tensor | None = None  # (`_as_replayed`'s, for runs)
         if capture:
             self._capture_all()
 
@@ -146,6 +159,43 @@ class DecodeGraphRunner:
         self._last = (out, tokens[:num_reqs])
         return out
 
+    def can_run_greedy(self, batch_size: int, steps: int) -> bool:
+        """Whether a run of `steps` plain greedy steps of `batch_size` requests has a graph."""
+        return steps == self.run_steps and batch_size <= self.max_batch
+
+    @torch.inference_mode()
+    def run_greedy(
+        self,
+        first: torch.Tensor,
+        ahead: torch.Tensor,
+        first_ids: torch.Tensor | None,
+        seq_lens: list[int],
+    ) -> torch.Tensor:
+        """A decode run of plain greedy steps: `first` [6, n] the first step's inputs (a
+        batch's packed block; its ids may be placeholders), `ahead` [K - 1, 6, n] the
+        steps' after it (their ids unused: each step takes the tokens the step before
+        drew), `first_ids` [n] the first step's ids when they are on the device already
+        (else None), `seq_lens` the first step's lengths (an eager run's, for a backend
+        that plans from them). Returns each step's argmax tokens [K, n], a view of the
+        graph's output, valid until the next run."""
+        num_reqs = first.shape[1]
+        size = self.bucket(num_reqs)
+        inputs = self._run_inputs
+        inputs[0, :, :num_reqs] = first
+        inputs[1:, :, :num_reqs] = ahead
+        if first_ids is not None:
+            inputs[0, _IDS, :num_reqs] = first_ids
+        if size > num_reqs:
+            inputs[:, :, num_reqs:size] = self._padding[:, num_reqs:size]
+        self._last = None  # (the replay overwrites the single steps' outputs too)
+        if self.is_captured:
+            self._run_graphs[size].replay()
+            tokens = self._run_outputs[size]
+        else:
+            tokens = self._forward_run(self._eager_run_batches(size, seq_lens))
+            tokens = self._as_replayed_run(tokens)
+        return tokens[:, :num_reqs]
+
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The argmax of each row of `logits`, drawn (and stored as future tokens for the
         batch's table rows) by the graph run that returned them, while no run has followed
@@ -171,6 +221,29 @@ class DecodeGraphRunner:
         kept[1][:size].copy_(tokens)
         return kept[0][:size], kept[1][:size]
 
+    def _as_replayed_run(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`_as_replayed` for a run's tokens [K, size]: kept in one buffer, which the next
+        run overwrites (and a run's replay overwrites a single step's outputs: `run_greedy`
+        forgets them)."""
+        kept = self._eager_run_tokens
+        if kept is None:
+            kept = self._eager_run_tokens = torch.empty(
+                self.run_steps, self.max_batch, dtype=tokens.dtype, device=tokens.device
+            )
+        kept[:, : tokens.shape[1]].copy_(tokens)
+        return kept[:, : tokens.shape[1]]
+
+    def _eager_run_batches(self, size: int, seq_lens: list[int]) -> list[ForwardBatch]:
+        """What an eager run of K steps forwards (see `_eager_batch`): a capturable
+        backend gets capture's placeholder lengths, others the requests' lengths at each
+        step (`seq_lens` the first step's, one more each step; padded rows' 1)."""
+        padded = [1] * (size - len(seq_lens))
+        if self.attention.supports_cuda_graph:
+            lens = [[1] * size] * self.run_steps
+        else:
+            lens = [[n + k for n in seq_lens] + padded for k in range(self.run_steps)]
+        return [self._static_batch(size, lens[k], self._run_inputs[k]) for k in range(len(lens))]
+
     def _eager_batch(self, size: int, fb: ForwardBatch) -> ForwardBatch:
         """What an eager run forwards. A capturable backend gets what a capture saw: the
         placeholder Python lengths, this step's values only in the static buffers (so the
@@ -180,9 +253,12 @@ class DecodeGraphRunner:
             return self._static_batch(size, [1] * size)
         return self._static_batch(size, fb.seq_lens + [1] * (size - fb.batch_size))
 
-    def _static_batch(self, size: int, seq_lens: list[int]) -> ForwardBatch:
-        """A decode batch of `size` requests over the static buffers."""
-        inputs = self._inputs[:, :size]
+    def _static_batch(
+        self, size: int, seq_lens: list[int], buffer: torch.Tensor | None = None
+    ) -> ForwardBatch:
+        """A decode batch of `size` requests over the static buffers (`buffer`, [6,
+        max_batch]: a run step's; the single step's by default)."""
+        inputs = (self._inputs if buffer is None else buffer)[:, :size]
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=inputs[_IDS],
@@ -210,11 +286,26 @@ class DecodeGraphRunner:
         self._future_tokens.index_copy_(0, fb.req_pool_indices, tokens)
         return logits, tokens
 
+    def _forward_run(self, steps: list[ForwardBatch]) -> torch.Tensor:
+        """A run's K forwards on its static batches (`steps`), each step's ids the argmax
+        of the one before (the first step's resolved from placeholders), as `_forward`
+        does one. Returns the tokens [K, size]. (No future tokens stored: after a run the
+        requests hold its tokens, and a run launched after it takes its last ones.)"""
+        ids = resolve_future_ids(steps[0].input_ids, self._future_tokens)
+        drawn = []
+        for fb in steps:
+            step = dataclasses.replace(fb, input_ids=ids)
+            self.attention.init_forward_metadata(step)
+            ids = argmax_rows(self.model(step, self.attention))
+            drawn.append(ids)
+        return torch.stack(drawn)
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         """One graph per bucket, the largest first, all in one memory pool (a replay uses
         the pool alone, so the graphs can share it)."""
         self._inputs.copy_(self._padding)  # capture on padded requests: valid, harmless
+        self._run_inputs.copy_(self._padding.expand_as(self._run_inputs))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())  # the buffers' writes come first
         pool = None
@@ -229,4 +320,16 @@ class DecodeGraphRunner:
                 self._outputs[size] = self._forward(fb)
             pool = graph.pool()
             self._graphs[size] = graph
+            if self.run_steps:
+                steps = [
+                    self._static_batch(size, [1] * size, self._run_inputs[k])
+                    for k in range(self.run_steps)
+                ]
+                with torch.cuda.stream(stream):
+                    self._forward_run(steps)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._run_outputs[size] = self._forward_run(steps)
+                self._run_graphs[size] = graph
         torch.cuda.synchronize()

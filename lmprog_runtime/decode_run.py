@@ -45,6 +45,12 @@ to `decode_steps=1` (`tests/runtime/test_decode_run.py`, float32 on a CPU; in bf
 the batch's shape, which keeps a finished request to the end of its run, can move a
 token, as any batching can).
 
+On CUDA a run of plain greedy steps (`SampleRows.plain`) that asks for no logprobs, of
+the full `decode_steps`, is one replay of a graph of the whole run
+(`DecodeGraphRunner.run_greedy`: each step's argmax the next one's input, inside the
+graph): one copy of its inputs, one replay, one copy of its [K, batch] tokens to the host
+(`_queue_as_graph`). Other runs queue step by step (`_queue_step_by_step`).
+
 With overlap scheduling, the batches that cannot run ahead (prompts, a grammar's) are
 overlapped (`overlap.py`), and a decode batch that can runs as a run on the loop thread:
 off a CPU launched before the step before it is checked, from the tokens that step
@@ -75,7 +81,7 @@ from lmprog_runtime.keyed_race import race_key
 from lmprog_runtime.logprobs import LogprobAsk
 from lmprog_runtime.sampling import NO_MASS, SampleRow, on_accelerator, sample_each, sample_rows
 from lmprog_runtime.scheduler import ScheduledBatch
-from lmprog_runtime.transfer import host_ints, index_tensor
+from lmprog_runtime.transfer import host_ints, index_tensor, to_host_async
 
 if TYPE_CHECKING:
     from lmprog_runtime.request import Req
@@ -264,25 +270,15 @@ class DecodeRunLoop:
             vocab = self.runner.model_config.vocab_size
             rows = sample_rows(reqs, vocab, self.penalty_counts, offset, len(ahead) + 1)
             ask = LogprobAsk.of(reqs)
-            drawn, tables, errors = [], [], []
-            token_ids, from_graph, whole = first_ids, False, list(range(len(reqs)))
-            for k, fb in enumerate(self.runner.prepare_run(batch, ahead)):
-                if token_ids is not None:  # (a row that drew none, -1: its request fails)
-                    fb.input_ids = token_ids if from_graph else token_ids.clamp(min=0)
-                logits = self.runner.run(fb)
-                step_rows = _rows_ahead(rows, reqs, offset + k)
-                # The decode graph's draw where it made it, but not at the last step: its
-                # tokens (the first inputs of a run launched after it) are kept past this
-                # run, and the graph's next replay overwrites its outputs.
-                last = k == len(ahead)
-                token_ids = None if last else self.runner.greedy_tokens(logits, whole, step_rows)
-                from_graph, failed = token_ids is not None, {}
-                if not from_graph:
-                    token_ids, failed = sample_each(logits, step_rows)
-                host, table, ready = ask.gather_to_host(logits, token_ids)
-                drawn.append((host, ready))
-                tables.append(table)
-                errors.append(failed)
+            graphs, steps = self.runner.graphs, len(ahead) + 1
+            as_graph = (
+                graphs is not None
+                and getattr(rows, "plain", False)
+                and not ask.rows
+                and graphs.can_run_greedy(len(reqs), steps)
+            )
+            queue = self._queue_as_graph if as_graph else self._queue_step_by_step
+            drawn, tables, errors, token_ids = queue(batch, ahead, first_ids, rows, ask, offset)
         except BaseException:
             for generator, state in zip(seeded, states):
                 generator.set_state(state)
@@ -294,6 +290,62 @@ class DecodeRunLoop:
         slots = RunSlots(batch, ahead, self.scheduler.free_started_pages)
         self._runs.append(slots)
         return Run(batch, ahead, drawn, tables, ask, errors, token_ids, slots, seconds)
+
+    def _queue_as_graph(
+        self,
+        batch: ScheduledBatch,
+        ahead: list[torch.Tensor],
+        first_ids: torch.Tensor | None,
+        rows: list[SampleRow],
+        ask: LogprobAsk,
+        offset: int,
+    ) -> tuple[list[HostTokens], list[None], list[dict[int, Exception]], torch.Tensor]:
+        """A run of plain greedy steps that asks for no logprobs, as one graph replay
+        (`ModelRunner.run_greedy`): its tokens [K, n] go to the host in one copy. Returns
+        (each step's tokens on their way to the host, no logprobs, no failed rows, the last
+        step's tokens on the device)."""
+        steps = len(ahead) + 1
+        tokens = self.runner.run_greedy(batch, ahead, first_ids)
+        host, ready = to_host_async(tokens)
+        drawn = [(host[k], ready) for k in range(steps)]
+        return drawn, [None] * steps, [{} for _ in range(steps)], tokens[-1].clone()
+
+    def _queue_step_by_step(
+        self,
+        batch: ScheduledBatch,
+        ahead: list[torch.Tensor],
+        first_ids: torch.Tensor | None,
+        rows: list[SampleRow],
+        ask: LogprobAsk,
+        offset: int,
+    ) -> tuple[
+        list[HostTokens], list[torch.Tensor | None], list[dict[int, Exception]], torch.Tensor
+    ]:
+        """Each step's forward and draw queued in turn, the tokens a step drew the next
+        one's inputs (on the device), each step's tokens and logprobs copied to the host
+        as soon as they are drawn. Returns what `_queue_as_graph` does, with each step's
+        logprobs table and failed rows."""
+        reqs = batch.reqs
+        drawn, tables, errors = [], [], []
+        token_ids, from_graph, whole = first_ids, False, list(range(len(reqs)))
+        for k, fb in enumerate(self.runner.prepare_run(batch, ahead)):
+            if token_ids is not None:  # (a row that drew none, -1: its request fails)
+                fb.input_ids = token_ids if from_graph else token_ids.clamp(min=0)
+            logits = self.runner.run(fb)
+            step_rows = _rows_ahead(rows, reqs, offset + k)
+            # The decode graph's draw where it made it, but not at the last step: its
+            # tokens (the first inputs of a run launched after it) are kept past this run,
+            # and the graph's next replay overwrites its outputs.
+            last = k == len(ahead)
+            token_ids = None if last else self.runner.greedy_tokens(logits, whole, step_rows)
+            from_graph, failed = token_ids is not None, {}
+            if not from_graph:
+                token_ids, failed = sample_each(logits, step_rows)
+            host, table, ready = ask.gather_to_host(logits, token_ids)
+            drawn.append((host, ready))
+            tables.append(table)
+            errors.append(failed)
+        return drawn, tables, errors, token_ids
 
     @staticmethod
     def _read_step(tokens: HostTokens) -> list[int]:

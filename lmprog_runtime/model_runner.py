@@ -254,6 +254,32 @@ class ModelRunner:
             )
         return steps
 
+    def run_greedy(
+        self, batch: ScheduledBatch, ahead: list[torch.Tensor], first_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A decode run of plain greedy steps as one graph replay (`DecodeGraphRunner.
+        run_greedy`; the caller checked `can_run_greedy`): `batch`'s step and one step per
+        `ahead` (as `prepare_run`), `first_ids` the first step's ids when they are on the
+        device (else the requests' last tokens). The first step's inputs go as `prepare`
+        sends them, the steps ahead's as one block built on the host. Returns each step's
+        tokens [K, n] on the device (valid until the next forward)."""
+        assert self.graphs is not None
+        first, _ = self.prepare(batch)
+        packed = first.packed_inputs()
+        assert packed is not None, "a decode batch's inputs come packed"
+        n = len(batch.reqs)
+        steps = torch.arange(1, len(ahead) + 1, dtype=torch.int64, device="cpu")[:, None]
+        positions = host_ints(batch.prefix_lens) + steps  # [K - 1, n]
+        rows = host_ints([req.req_pool_idx for req in batch.reqs]).expand_as(positions)
+        logits_rows = torch.arange(n, dtype=torch.int64, device="cpu").expand_as(positions)
+        fields = [torch.zeros_like(positions), positions, rows, positions + 1]
+        block = torch.stack([*fields, torch.stack(ahead), logits_rows], dim=1)  # [K - 1, 6, n]
+        if first_ids is not None:
+            first_ids = first_ids.clamp(min=0)  # (a row that drew none: its request fails)
+        return self.graphs.run_greedy(
+            packed, to_device(block, self.device), first_ids, first.seq_lens
+        )
+
     def _send(
         self,
         batch: ScheduledBatch,

@@ -353,41 +353,57 @@ def test_the_graphs_tokens_are_the_last_runs_alone(tiny_path):
     assert checked and set(checked) == {3}
 
 
+@pytest.mark.parametrize("logprobs", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_decode_runs_take_the_graphs_tokens_but_at_each_runs_last_step(tiny_path, overlap):
-    """Decode runs (launched ahead, as on a GPU) through the graph path: a step's plain
-    greedy tokens are the graph's, the next step's inputs as they are (but at a run's
-    last step: its tokens, the first inputs of a run launched after it, are drawn apart
-    from the graph's outputs, which the next replay overwrites; the eager runner keeps
-    them where a replay would, `_as_replayed`). The tokens equal the plain engine's;
-    lengths differ, so runs stop and continue."""
+def test_decode_runs_through_the_graphs(tiny_path, overlap, logprobs):
+    """Decode runs of 4 (launched ahead, as on a GPU) through the graph path. A run of
+    plain greedy steps that asks for no logprobs is one replay of the run's graph
+    (`run_greedy`: each step's argmax the next one's input); a shorter run, or one that
+    asks for logprobs, runs step by step, each step's tokens the graph's, the next step's
+    inputs as they are (but at the run's last step: its tokens, the first inputs of a run
+    launched after it, are drawn apart from the graph's outputs, which the next replay
+    overwrites; the eager runner keeps them where a replay would, `_as_replayed`). Tokens
+    (and logprobs) equal the plain engine's; lengths differ, so runs stop and continue."""
     params = [
         {"max_new_tokens": 5 + 3 * i, "temperature": 0, "ignore_eos": True}
         for i in range(len(PROMPTS))
     ]
+    asks = {"return_logprob": True, "top_logprobs_num": 2} if logprobs else {}
     config = dict(attention_backend="torch", max_running_requests=12)
     with Engine(tiny_path, **config) as plain:
-        expected = [o["output_ids"] for o in plain.generate(PROMPTS, params)]
+        want = plain.generate(PROMPTS, params, **asks)
     with Engine(tiny_path, overlap_schedule=overlap, decode_steps=4, **config) as engine:
         engine._launches_ahead = True
         if overlap:
             engine._worker.close()
             engine._worker = ForwardWorker(engine.runner, threaded=False)
         runner = engine.runner
-        runner.graphs = DecodeGraphRunner(runner, capture=False)
-        greedy, taken = runner.greedy_tokens, []
+        graphs = runner.graphs = DecodeGraphRunner(runner, capture=False)
+        greedy, run_greedy, taken, replays = runner.greedy_tokens, graphs.run_greedy, [], []
 
         def counted_greedy(logits, index, rows):
             tokens = greedy(logits, index, rows)
             taken.append(tokens is not None)
             return tokens
 
-        runner.greedy_tokens = counted_greedy
-        got = [o["output_ids"] for o in engine.generate(PROMPTS, params)]
+        def counted_run_greedy(*args):
+            replays.append(args[0].shape[1])  # (the run's batch size)
+            return run_greedy(*args)
+
+        runner.greedy_tokens, graphs.run_greedy = counted_greedy, counted_run_greedy
+        outs = engine.generate(PROMPTS, params, **asks)
         runs = engine.stats()["decode_runs"]
         state = engine.memory_state()
-    assert got == expected
-    assert runs > 1 and sum(taken) >= 2 * runs
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in want]
+    if logprobs:
+        for g, w in zip(outs, want):
+            for name in ("output_token_logprobs", "output_top_logprobs"):
+                g_lps, w_lps = _logprobs(g["meta_info"][name]), _logprobs(w["meta_info"][name])
+                torch.testing.assert_close(g_lps, w_lps, atol=1e-4, rtol=0)
+        assert replays == [] and sum(taken) >= 2 * runs
+    else:
+        assert len(replays) >= 3 and sum(taken) >= 1  # (a shorter run: step by step)
+    assert runs > len(replays)
     assert state["num_running"] == 0 and state["req_slots_free"] == state["req_slots_total"]
 
 
@@ -413,3 +429,37 @@ def test_a_decode_step_run_request_by_request_keeps_each_requests_logits(tiny_pa
         got = {i: futures[i].result(timeout=60)["output_ids"] for i in (0, 1, 3)}
         engine.fault_hook = None
     assert got == {i: expected[i] for i in (0, 1, 3)}
+
+
+def test_a_run_graph_on_the_capturable_backend_reads_each_steps_buffers(tiny_path):
+    """The run graph on the Triton backend with the fused Triton ops (the CUDA set,
+    interpreted here): each step plans from its own rows of the run's static buffer alone
+    (capture's placeholder lengths), so every step's positions, lengths and slots must be
+    there, and the run's forward reads no device value on the host nor builds a tensor
+    from Python data (`forbid_host_syncs`), as a capture needs. Tokens equal the plain
+    engine's."""
+    from lmprog_runtime.models.triton_ops import TritonOps
+
+    params = {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}
+    config = dict(attention_backend="triton", max_running_requests=4)
+    with Engine(tiny_path, **config) as plain:
+        plain.runner.model.ops = TritonOps()
+        expected = [o["output_ids"] for o in plain.generate(PROMPTS[:3], params)]
+    with Engine(tiny_path, decode_steps=4, **config) as engine:
+        engine.runner.model.ops = TritonOps()  # as the runner sets them on CUDA
+        graphs = engine.runner.graphs = DecodeGraphRunner(engine.runner, capture=False)
+        run_greedy, forward_run, replays = graphs.run_greedy, graphs._forward_run, []
+
+        def counted_run_greedy(*args):
+            replays.append(args[0].shape[1])
+            return run_greedy(*args)
+
+        def guarded_forward_run(steps):
+            assert all(fb.seq_lens == [1] * fb.batch_size for fb in steps)
+            with forbid_host_syncs():
+                return forward_run(steps)
+
+        graphs.run_greedy, graphs._forward_run = counted_run_greedy, guarded_forward_run
+        got = [o["output_ids"] for o in engine.generate(PROMPTS[:3], params)]
+    assert got == expected
+    assert replays == [3, 3]  # (8 decode steps: two runs of 4)
