@@ -103,14 +103,21 @@ def greedy_equality(check: Check) -> dict[str, Any]:
     groups = 2 if check.smoke else 4
     shared = corpus_prompts(name, groups, 64 if check.smoke else 256)
     tails = corpus_prompts(name, groups * 4, 8, offset=5000)
-    prompts = [shared[i // 4] + tails[i] for i in range(groups * 4)]
-    params = {"max_new_tokens": 8 if check.smoke else 32, **GREEDY}
+    # 13 of 16 (no bucket size: the graphs pad), of three lengths (not all multiples of
+    # the decode runs' 4: runs stop and continue, the last ones shorter, step by step).
+    prompts = [shared[i // 4] + tails[i] for i in range(groups * 4)][:13]
+    longest = 8 if check.smoke else 32
+    params = [{"max_new_tokens": longest - 3 * (i % 3), **GREEDY} for i in range(len(prompts))]
     # float32: the identity holds there by design (in bfloat16 a graph's padded batch or a
     # cache hit's extend shape may pick other kernel tiles and move a token).
     base = {"dtype": "float32"}
     variants = {"cache_on": base, "cache_off": {**base, "disable_radix_cache": True}}
     if not check.smoke:
         variants["cuda_graphs_off"] = {**base, "disable_cuda_graph": True}
+    # Decode runs of 4 (on a GPU, full runs of plain greedy steps are one replay of the
+    # run's graph), overlapped and synchronous.
+    variants["decode_runs"] = {**base, "decode_steps": 4}
+    variants["decode_runs_synchronous"] = {**base, "decode_steps": 4, "overlap_schedule": False}
     tokens: dict[str, list[list[int]]] = {}
     out: dict[str, Any] = {"dtype": "float32"}
     for label, config in variants.items():
@@ -123,6 +130,10 @@ def greedy_equality(check: Check) -> dict[str, Any]:
                 tokens["cache_on_warm"] = [r["output_ids"] for r in warm]
                 out["cached_tokens_warm"] = sum(r["meta_info"]["cached_tokens"] for r in warm)
                 out["cuda_graphs"] = engine.runner.graphs is not None
+            if label.startswith("decode_runs"):
+                graphs = engine.runner.graphs
+                out[f"{label}_run_graphs"] = graphs is not None and graphs.run_steps > 0
+                out[f"{label}_runs"] = engine.stats()["decode_runs"]
     base = tokens["cache_on"]
     for label, got in tokens.items():
         if label != "cache_on":
@@ -132,8 +143,8 @@ def greedy_equality(check: Check) -> dict[str, Any]:
 
 
 def overlap_equality(check: Check) -> dict[str, Any]:
-    """The overlapped loop (the next tokens kept on the device, drawn on the forward
-    worker's stream) against the synchronous one, on the same requests: greedy and seeded
+    """The overlapped loop (the next tokens kept on the device, drawn by the forward
+    worker, queued on the loop's stream) against the synchronous one, on the same requests: greedy and seeded
     draws, top-k / top-p, penalties, min_new_tokens, stop strings, logprobs and (with
     outlines-core) regexes; float32, so that a batch's shape moves no token. Figures: the
     outputs identical between the loops, the largest logprob difference on identical

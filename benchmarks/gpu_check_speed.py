@@ -330,7 +330,9 @@ def _overhead_run(
     prompts = corpus_prompts(name, n, 8)
     config = dict(config)
     threaded = config.pop("worker_thread", None)
+    started = time.perf_counter()
     with check.engine(name, max_running_requests=n, **config) as engine:
+        startup_s = time.perf_counter() - started  # (graph captures included)
         if threaded is not None:
             engine._worker.close()
             engine._worker = ForwardWorker(engine.runner, threaded=threaded)
@@ -344,6 +346,8 @@ def _overhead_run(
             "cuda_graphs": engine.runner.graphs is not None,
             "overlap": engine._worker is not None,
             "decode_steps": engine.config.decode_steps,
+            "startup_s": startup_s,
+            "run_graphs": engine.runner.graphs is not None and engine.runner.graphs.run_steps > 0,
             "worker_thread": engine._worker is not None
             and not isinstance(engine._worker._executor, InlineExecutor),
         }

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +54,7 @@ from lmprog_runtime.sampling import argmax_rows
 if TYPE_CHECKING:
     from lmprog_runtime.model_runner import ModelRunner
 
+logger = logging.getLogger(__name__)
 # Padded decode batch sizes with a graph of their own.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MAX_GRAPH_BATCH = BATCH_BUCKETS[-1]
@@ -155,6 +157,8 @@ class DecodeGraphRunner:
             logits, tokens = self._outputs[size]
         else:
             logits, tokens = self._as_replayed(*self._forward(self._eager_batch(size, fb)))
+            if self._eager_run_tokens is not None:  # (one pool: a run's tokens are gone)
+                self._eager_run_tokens.fill_(-1)
         out = logits[:num_reqs]  # (no copy: a [batch, vocab] launch a step saved)
         self._last = (out, tokens[:num_reqs])
         return out
@@ -194,6 +198,9 @@ class DecodeGraphRunner:
         else:
             tokens = self._forward_run(self._eager_run_batches(size, seq_lens))
             tokens = self._as_replayed_run(tokens)
+            if self._eager_outputs is not None:  # (one pool: a single step's are gone)
+                self._eager_outputs[0].fill_(float("nan"))
+                self._eager_outputs[1].fill_(-1)
         return tokens[:, :num_reqs]
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -223,8 +230,9 @@ class DecodeGraphRunner:
 
     def _as_replayed_run(self, tokens: torch.Tensor) -> torch.Tensor:
         """`_as_replayed` for a run's tokens [K, size]: kept in one buffer, which the next
-        run overwrites (and a run's replay overwrites a single step's outputs: `run_greedy`
-        forgets them)."""
+        run overwrites. The graphs share one memory pool, so a run's replay may overwrite
+        a single step's outputs and the other way round: an eager run of one kind spoils
+        the other's outputs (NaN, -1), so that the CPU tests see a read across them."""
         kept = self._eager_run_tokens
         if kept is None:
             kept = self._eager_run_tokens = torch.empty(
@@ -320,16 +328,29 @@ class DecodeGraphRunner:
                 self._outputs[size] = self._forward(fb)
             pool = graph.pool()
             self._graphs[size] = graph
-            if self.run_steps:
-                steps = [
-                    self._static_batch(size, [1] * size, self._run_inputs[k])
-                    for k in range(self.run_steps)
-                ]
-                with torch.cuda.stream(stream):
-                    self._forward_run(steps)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._run_outputs[size] = self._forward_run(steps)
-                self._run_graphs[size] = graph
+        if self.run_steps:
+            try:
+                self._capture_runs(stream, pool)
+            except Exception as error:  # noqa: BLE001 - runs then go step by step
+                logger.warning(
+                    "capturing decode-run graphs failed, runs go step by step: %r", error
+                )
+                self.run_steps = 0
+                self._run_graphs, self._run_outputs = {}, {}
         torch.cuda.synchronize()
+
+    def _capture_runs(self, stream: torch.cuda.Stream, pool: tuple[int, int]) -> None:
+        """One graph of a whole run of `run_steps` greedy steps per bucket, in the single
+        steps' memory pool (after them: a failure here leaves them be)."""
+        for size in reversed(self.buckets):
+            steps = [
+                self._static_batch(size, [1] * size, self._run_inputs[k])
+                for k in range(self.run_steps)
+            ]
+            with torch.cuda.stream(stream):  # warm up
+                self._forward_run(steps)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._run_outputs[size] = self._forward_run(steps)
+            self._run_graphs[size] = graph

@@ -49,7 +49,10 @@ On CUDA a run of plain greedy steps (`SampleRows.plain`) that asks for no logpro
 the full `decode_steps`, is one replay of a graph of the whole run
 (`DecodeGraphRunner.run_greedy`: each step's argmax the next one's input, inside the
 graph): one copy of its inputs, one replay, one copy of its [K, batch] tokens to the host
-(`_queue_as_graph`). Other runs queue step by step (`_queue_step_by_step`).
+(`_queue_as_graph`). Its steps reach the host together, when the whole replay is over, so
+the checks of its first step (a stop, a streamed chunk) come up to K - 1 steps later than
+step by step; throughput does not suffer, since the next run is queued before the run is
+checked. Other runs queue step by step (`_queue_step_by_step`).
 
 With overlap scheduling, the batches that cannot run ahead (prompts, a grammar's) are
 overlapped (`overlap.py`), and a decode batch that can runs as a run on the loop thread:
@@ -349,8 +352,9 @@ class DecodeRunLoop:
 
     @staticmethod
     def _read_step(tokens: HostTokens) -> list[int]:
-        """One step's tokens on the host, once they are there (on a GPU the later steps
-        of the run still compute meanwhile)."""
+        """One step's tokens on the host, once they are there (on a GPU, for a run queued
+        step by step, the later steps of the run still compute meanwhile; a run's graph
+        hands all its steps over at once)."""
         host, ready = tokens
         if ready is not None:
             ready.synchronize()

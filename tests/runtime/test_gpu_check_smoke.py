@@ -39,6 +39,9 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
     equality = report["greedy_equality"]
     assert equality["identical_cache_off_vs_cache_on"] == "8/8"
     assert equality["identical_cache_on_warm_vs_cache_on"] == "8/8"
+    assert equality["identical_decode_runs_vs_cache_on"] == "8/8"
+    assert equality["identical_decode_runs_synchronous_vs_cache_on"] == "8/8"
+    assert equality["decode_runs_runs"] > 0 and equality["decode_runs_synchronous_runs"] > 0
     assert equality["cached_tokens_warm"] > 0
     overlap = report["overlap_equality"]
     same, total = overlap["decode_runs_identical_outputs"].split("/")
