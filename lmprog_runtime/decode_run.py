@@ -37,11 +37,10 @@ request runs alone). Penalties do not stop a run: each draw counts its tokens on
 device, where the next reads them (`penalties.py`). Neither do logprobs: each step's are
 gathered with its draw, on the device, and copied to the host with its tokens
 (`LogprobAsk`). What else a draw ahead depends on is counted for its step
-(`_rows_ahead`): EOS and stop tokens stay banned while `min_new_tokens` is not reached by
-that step, and seeded draws stay identical: a CPU generator draws once per token, in
-order, and an accelerator's race is keyed by the request's seed and how many tokens it
-has. Greedy and seeded outputs are token-identical
-to `decode_steps=1` (`tests/runtime/test_decode_run.py`, float32 on a CPU; in bfloat16
+(`run_plan.rows_ahead`): EOS and stop tokens stay banned while `min_new_tokens` is not
+reached by that step, and seeded draws stay identical: a CPU generator draws once per
+token, in order, and an accelerator's race is keyed by the request's seed and how many
+tokens it has. Greedy and seeded outputs are token-identical to `decode_steps=1` (`tests/runtime/test_decode_run.py`, float32 on a CPU; in bfloat16
 the batch's shape, which keeps a finished request to the end of its run, can move a
 token, as any batching can).
 
@@ -73,15 +72,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from lmprog_runtime.forward_batch import ForwardMode
-from lmprog_runtime.keyed_race import race_key
 from lmprog_runtime.logprobs import LogprobAsk
+from lmprog_runtime.run_plan import (
+    RunSlots,
+    generators_of,
+    rows_ahead,
+    run_length,
+    runs_ahead,
+    step_ahead,
+    tokens_left,
+)
 from lmprog_runtime.sampling import NO_MASS, SampleRow, on_accelerator, sample_each, sample_rows
 from lmprog_runtime.scheduler import ScheduledBatch
 from lmprog_runtime.transfer import host_ints, index_tensor, to_host_async
@@ -92,11 +98,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("lmprog_runtime.engine")
 # A step's drawn tokens on their way to the host: the copy, and (CUDA) when it is there.
 HostTokens = tuple[torch.Tensor, "torch.cuda.Event | None"]
-
-
-def runs_ahead(req: Req) -> bool:
-    """Whether `req`'s next draws depend on nothing its earlier tokens tell the host."""
-    return req.matcher is None and req.char_fsm is None
 
 
 @dataclass
@@ -135,7 +136,7 @@ class DecodeRunLoop:
             return 1
         if not all(runs_ahead(req) for req in batch.reqs):
             return 1
-        return _length(steps, batch.reqs, batch.prefix_lens, 0, self.runner.context_len)
+        return run_length(steps, batch.reqs, batch.prefix_lens, 0, self.runner.context_len)
 
     def _step_run(self, batch: ScheduledBatch, steps: int) -> None:
         """Run `batch` and `steps - 1` decode steps after it, and while nothing waits, the
@@ -165,7 +166,7 @@ class DecodeRunLoop:
     def _launch_or_step(self, batch: ScheduledBatch, steps: int) -> Run | None:
         """Launch `batch` as a run of `steps`; if that fails, or no slots are left for a
         step ahead, run its first step alone (which finds the failing request)."""
-        ahead = self.scheduler.extend_decode_run(batch, steps, _tokens_left(batch.reqs))
+        ahead = self.scheduler.extend_decode_run(batch, steps, tokens_left(batch.reqs))
         if not ahead:
             self._step(batch)
             return None
@@ -185,7 +186,7 @@ class DecodeRunLoop:
         if not self._launches_ahead:
             return None
         try:
-            ahead = self.scheduler.extend_decode_run(batch, steps, _tokens_left(batch.reqs))
+            ahead = self.scheduler.extend_decode_run(batch, steps, tokens_left(batch.reqs))
             return self._launch_run(batch, ahead) if ahead else None
         except Exception:  # noqa: BLE001 - the batch runs after the check instead
             logger.exception("launching a decode run before the check failed")
@@ -212,13 +213,13 @@ class DecodeRunLoop:
         there is nothing to continue, no room, or launching failed (the loop then
         schedules as usual once `run` is committed)."""
         reqs, n = run.batch.reqs, run.steps
-        left = _tokens_left(reqs)
+        left = tokens_left(reqs)
         keep = [i for i, req in enumerate(reqs) if not req.done.is_set() and left[i] > n]
         if not keep:
             return None
         sub = [reqs[i] for i in keep]
         positions = [run.batch.prefix_lens[i] + n for i in keep]
-        steps = _length(self.config.decode_steps, sub, positions, n, self.runner.context_len)
+        steps = run_length(self.config.decode_steps, sub, positions, n, self.runner.context_len)
         if steps < 2:
             return None
         first = None
@@ -230,7 +231,7 @@ class DecodeRunLoop:
             if first is None:
                 return None
             batch = ScheduledBatch(ForwardMode.DECODE, sub, first, positions, [1] * len(sub))
-            ahead = self.scheduler.extend_decode_run(batch, steps, _tokens_left(sub, n))
+            ahead = self.scheduler.extend_decode_run(batch, steps, tokens_left(sub, n))
             if not ahead:
                 self.scheduler.free_started_pages(first)
                 return None
@@ -263,7 +264,7 @@ class DecodeRunLoop:
         (The fault hook, a test hook, runs once per run, at its start.)"""
         start = time.perf_counter()
         reqs = batch.reqs
-        seeded = [] if on_accelerator(self.runner.device) else _generators(reqs)
+        seeded = [] if on_accelerator(self.runner.device) else generators_of(reqs)
         states = [generator.get_state() for generator in seeded]
         try:
             if self.fault_hook is not None:
@@ -335,7 +336,7 @@ class DecodeRunLoop:
             if token_ids is not None:  # (a row that drew none, -1: its request fails)
                 fb.input_ids = token_ids if from_graph else token_ids.clamp(min=0)
             logits = self.runner.run(fb)
-            step_rows = _rows_ahead(rows, reqs, offset + k)
+            step_rows = rows_ahead(rows, reqs, offset + k)
             # The decode graph's draw where it made it, but not at the last step: its
             # tokens (the first inputs of a run launched after it) are kept past this run,
             # and the graph's next replay overwrites its outputs.
@@ -375,7 +376,7 @@ class DecodeRunLoop:
             for i in live:
                 reqs[i].kv_len += 1
                 run.slots.used[i] += 1
-            step = _step_ahead(batch, run.slots.slots[k], k)
+            step = step_ahead(batch, run.slots.slots[k], k)
             if len(live) < len(reqs):
                 step.narrow(live)
             self._stats.record_step(
@@ -395,85 +396,3 @@ class DecodeRunLoop:
                     self._record_token_logprob(req, token, logprobs[i])
                 appended.append(req)
             self._check(appended)
-
-
-class RunSlots:
-    """A decode run's slots while it is committed: each step's ([n] each), how many steps
-    each request has kept the K/V of, and `free` (`Scheduler.free_started_pages`)."""
-
-    def __init__(
-        self,
-        batch: ScheduledBatch,
-        ahead: list[torch.Tensor],
-        free: Callable[[torch.Tensor], None],
-    ) -> None:
-        self.slots = [batch.out_cache_loc, *ahead]
-        self.index = {id(req): i for i, req in enumerate(batch.reqs)}
-        self.used = [0] * len(batch.reqs)
-        self._free = free
-        self._left = [False] * len(batch.reqs)
-
-    def leave(self, req: Req) -> None:
-        """`req` finished: free the pages its steps past the last one it kept started."""
-        i = self.index.get(id(req))
-        if i is not None:
-            self._leave(i)
-
-    def free_unused(self) -> None:
-        """After the run: the same for every request still in it (one that goes on has
-        kept every step; one the loop fails after a commit that raised has not)."""
-        for i in range(len(self.used)):
-            self._leave(i)
-
-    def _leave(self, i: int) -> None:
-        if not self._left[i]:
-            self._left[i] = True
-            for later in self.slots[self.used[i] :]:
-                self._free(later[i : i + 1])
-
-
-def _generators(reqs: list[Req]) -> list[torch.Generator]:
-    return [req.generator for req in reqs if not req.params.is_greedy]
-
-
-def _step_ahead(batch: ScheduledBatch, slots: torch.Tensor, k: int) -> ScheduledBatch:
-    """Step k of a run that starts with `batch` (a batch of its own): its requests, one
-    position further each step, on `slots`."""
-    prefix_lens = [p + k for p in batch.prefix_lens]
-    return ScheduledBatch(ForwardMode.DECODE, batch.reqs, slots, prefix_lens, batch.extend_lens)
-
-
-def _rows_ahead(rows: list[SampleRow], reqs: list[Req], k: int) -> list[SampleRow]:
-    """The sample rows of a draw k tokens past what `reqs` hold: a keyed draw counts
-    them, EOS and stop tokens are banned while they leave `min_new_tokens` unreached, and
-    penalty counts are not counted again (the first draw did; nothing else of a row that
-    runs ahead changes)."""
-    if k == 0 or getattr(rows, "plain", False):  # (plain rows: nothing of them changes)
-        return rows
-    ahead = []
-    for row, req in zip(rows, reqs):
-        held = len(req.output_ids) + k
-        if not row.params.is_greedy:
-            row = row._replace(key=race_key(req.seed, held))
-        if row.banned and held >= req.min_new_tokens:
-            row = row._replace(banned=[])
-        if row.penalty is not None and row.penalty.reset is not None:
-            row = row._replace(penalty=row.penalty._replace(reset=None))
-        ahead.append(row)
-    return ahead
-
-
-def _length(
-    steps: int, reqs: list[Req], positions: list[int], offset: int, context_len: int
-) -> int:
-    """A run's steps: at most `steps`, no more than its requests' longest remaining output
-    needs (they hold `offset` tokens more than `output_ids` says) and their shortest
-    remaining context allows (`positions`: each one's first step's)."""
-    remaining = max(_tokens_left(reqs, offset))
-    return max(1, min(steps, remaining, context_len - max(positions)))
-
-
-def _tokens_left(reqs: list[Req], offset: int = 0) -> list[int]:
-    """The tokens each of `reqs` may still draw, when it holds `offset` more than
-    `output_ids` says."""
-    return [req.max_new_tokens - len(req.output_ids) - offset for req in reqs]

@@ -25,7 +25,6 @@ import torch
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.constrained.jump_forward import jump_forward
 from lmprog_runtime.constrained.outlines_backend import is_byte_level
-from lmprog_runtime.decode_run import RunSlots
 from lmprog_runtime.engine_inputs import normalize_generate_inputs
 from lmprog_runtime.engine_loop import EngineLoop, serve, wake
 from lmprog_runtime.engine_view import engine_html, engine_repr
@@ -38,6 +37,7 @@ from lmprog_runtime.models.registry import local_model_dir, resolve_model_path
 from lmprog_runtime.overlap import InFlight
 from lmprog_runtime.penalties import PenaltyCounts
 from lmprog_runtime.request import Req
+from lmprog_runtime.run_plan import RunSlots
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, Scheduler
 from lmprog_runtime.server_args import from_sglang

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmprog_runtime import penalties
-from lmprog_runtime.decode_run import _rows_ahead
 from lmprog_runtime.penalties import PenaltyCounts, PenaltyRow
 from lmprog_runtime.request import Req
+from lmprog_runtime.run_plan import rows_ahead
 from lmprog_runtime.sampling import SampleRow, _apply_penalties_and_masks, sample_each
 from lmprog_runtime.sampling_params import SamplingParams
 
@@ -175,7 +175,7 @@ def follow_requests(ops: list[tuple], vocab: int) -> None:
         ]
         drawn: list[list[int]] = [[] for _ in reqs]
         for k in range(steps):
-            step_rows = _rows_ahead(rows, reqs, offset + k)
+            step_rows = rows_ahead(rows, reqs, offset + k)
             logits = torch.randn(len(reqs), vocab, generator=gen)
             got = _apply_penalties_and_masks(logits, step_rows)
             for i, req in enumerate(reqs):
