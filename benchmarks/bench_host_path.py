@@ -14,7 +14,9 @@ be queued while the device is still busy.
 
 Decode runs (`decode_steps`) queue their forwards without waiting and read each step's
 tokens when the device clock has passed its forward (`_read_step`), as on a GPU; with
-overlap on, the batches that cannot run ahead take the overlapped loop meanwhile.
+overlap on, the batches that cannot run ahead take the overlapped loop meanwhile. The
+loops "one graph each" launch a run of plain greedy steps as one graph, as on CUDA
+(`EmulatedRunGraphs`: one launch, every step's tokens on the host at the run's end).
 
 Five workloads: "plain"; "penalties half the time" (every fourth request has a
 frequency penalty and stops halfway; these run ahead, their counts kept on the device);
@@ -98,12 +100,14 @@ def host_path(
     decode_steps: int = 1,
     workload: str = "plain",
     hold: bool = False,
+    graph_runs: bool = False,
 ) -> dict:
     """`threaded`: with overlap, the forward worker is a thread (as on a CPU), or it runs
     its jobs on the loop thread (as on CUDA, where queuing them returns at once).
     `decode_steps`: decode runs of that many steps. `workload`: a key of `WORKLOADS`.
     `hold`: overlapped runs wait for the check of the step before them (as on a CPU)
-    instead of being launched before it."""
+    instead of being launched before it. `graph_runs`: a run of plain greedy steps is one
+    launch of a graph of the whole run, as on CUDA (`EmulatedRunGraphs`)."""
     from lmprog_runtime import Engine, decode_run, default_model_path
     from lmprog_runtime.forward_worker import ForwardWorker
 
@@ -140,6 +144,11 @@ def host_path(
         cpu.loop_thread = engine._thread.ident
         runner.run = cpu.timed("forward", runner.run)
         engine._draw = cpu.timed("draw", engine._draw)
+        if graph_runs:
+            graphs = EmulatedRunGraphs(runner, table, device, ends, launch_s, device_s)
+            graphs.steps = decode_steps
+            graphs.run_greedy = cpu.timed("forward", graphs.run_greedy)
+            runner.graphs = graphs
         run_sample_each = decode_run.sample_each
         decode_run.sample_each = cpu.timed("draw", run_sample_each)
         engine._launches_ahead = True  # (as on a GPU: launching only queues)
@@ -230,10 +239,49 @@ def host_path(
             per_step["loop"] -= per_step.pop("on_loop")  # the forwards and draws it ran
             best_cpu = min(best_cpu, per_step, key=lambda d: sum(d.values()) if d else 1e9)
         del runner.run
+        runner.graphs = None
         decode_run.sample_each = run_sample_each
     out = {"step_ms": 1e3 * best, "host_ms": 1e3 * (best - device_s)}
     out.update({f"{k}_cpu_us": 1e6 * v for k, v in best_cpu.items()})
     return out
+
+
+class EmulatedRunGraphs:
+    """A decode run's graph on the emulated device (`DecodeGraphRunner.run_greedy`'s part):
+    one launch (`launch_s` of Python holding the GIL), the run's K forwards queued back to
+    back on the device clock, each step's tokens the argmax of the table rows its inputs
+    pick (as the emulated forward's logits and draw would give; each row's argmax found
+    once: in a graph it is device work, not the host's), all K on the host when the last
+    forward has ended (one event after the replay). Single steps have no graph."""
+
+    def __init__(self, runner, table, device, ends, launch_s: float, device_s: float) -> None:
+        from lmprog_runtime.sampling import argmax_rows
+
+        self.runner, self.device, self.ends = runner, device, ends
+        self.argmax = argmax_rows(table)  # [table rows]
+        self.launch_s, self.device_s = launch_s, device_s
+        self.steps = 0
+
+    def can_run_greedy(self, batch_size: int, steps: int) -> bool:
+        return steps == self.steps
+
+    @staticmethod
+    def greedy_tokens(logits: torch.Tensor) -> None:
+        return None
+
+    def run_greedy(self, first, ahead, first_ids, seq_lens) -> torch.Tensor:
+        end = time.perf_counter() + self.launch_s
+        while time.perf_counter() < end:  # launching: Python holding the GIL
+            pass
+        ids = self.runner.resolve_future_ids(first[0]) if first_ids is None else first_ids
+        drawn = []
+        for _ in range(ahead.shape[0] + 1):
+            ids = self.argmax[ids % self.argmax.shape[0]]
+            drawn.append(ids)
+        for _ in drawn:
+            last = self.device.queue(self.device_s)
+        self.ends.extend([last] * len(drawn))  # (every step's tokens: at the run's end)
+        return torch.stack(drawn)
 
 
 class _CpuClock:
@@ -326,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _loops(n: int) -> dict[str, tuple]:
-    """label -> (overlap, threaded worker, decode_steps[, held])"""
+    """label -> (overlap, threaded worker, decode_steps[, held[, a graph per run]])"""
     return {
         "synchronous": (False, True, 1),
         "overlapped, worker thread": (True, True, 1),
@@ -334,15 +382,18 @@ def _loops(n: int) -> dict[str, tuple]:
         f"decode runs of {n}": (False, True, n),
         f"decode runs of {n}, overlapped (CUDA)": (True, False, n),
         f"decode runs of {n}, overlapped, held": (True, False, n, True),
+        f"decode runs of {n}, one graph each (CUDA)": (False, True, n, False, True),
+        f"decode runs of {n}, one graph each, overlapped (CUDA)": (True, False, n, False, True),
     }
 
 
 def _run_loop(args: argparse.Namespace, workload: str, loop: tuple) -> dict:
-    overlap, threaded, steps, *hold = loop
+    overlap, threaded, steps, *rest = loop
+    hold, graph_runs = (*rest, False, False)[:2]
     device_s, launch_s = args.device_ms / 1e3, args.launch_ms / 1e3
     return host_path(
         args.batch, device_s, launch_s, args.tokens, args.repeats, overlap, threaded, steps,
-        workload, bool(hold),
+        workload, hold, graph_runs,
     )  # fmt: skip
 
 
