@@ -337,10 +337,11 @@ def _overhead_run(
             engine._worker.close()
             engine._worker = ForwardWorker(engine.runner, threaded=threaded)
         run = functools.partial(engine.generate, input_ids=prompts, sampling_params=params)
-        run()  # warm-up
+        paths = _graph_paths(engine, run)  # (the warm-up, counted)
         engine.flush_cache()
         engine.reset_stats()
         entry: dict[str, Any] = {
+            "graph_paths_in_warm_up": paths,
             "model": name,
             "batch": n,
             "cuda_graphs": engine.runner.graphs is not None,
@@ -383,6 +384,36 @@ def _overhead_run(
         else:
             entry["fraction_of_step_outside_forward_call"] = share
         return entry
+
+
+def _graph_paths(engine: Any, run: Callable[[], Any]) -> dict[str, int] | None:
+    """`run()` with the decode graphs' fast paths counted (None without graphs): draws,
+    those that took the graph's own tokens, and decode runs replayed as one graph. (Only
+    for a run that is not timed: the counting wraps calls of the loop.)"""
+    runner = engine.runner
+    graphs = runner.graphs
+    if graphs is None:
+        run()
+        return None
+    counts = {"draws_asked": 0, "draws_from_graph": 0, "runs_as_one_graph": 0}
+    greedy_tokens, run_greedy = runner.greedy_tokens, graphs.run_greedy
+
+    def counted_greedy_tokens(*args):
+        tokens = greedy_tokens(*args)
+        counts["draws_asked"] += 1
+        counts["draws_from_graph"] += tokens is not None
+        return tokens
+
+    def counted_run_greedy(*args):
+        counts["runs_as_one_graph"] += 1
+        return run_greedy(*args)
+
+    runner.greedy_tokens, graphs.run_greedy = counted_greedy_tokens, counted_run_greedy
+    try:
+        run()
+    finally:
+        del runner.greedy_tokens, graphs.run_greedy
+    return counts
 
 
 def _device_us(event: Any) -> float:
