@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -156,9 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker_batch:
         return worker(args)
-    sides = {"this tree": (ROOT, dict(os.environ))}
-    if args.baseline:
-        sides = {args.baseline: harness.baseline_worktree(args.baseline), **sides}
+    sides = harness.sides(args.baseline)
     rows, raw = [], {}
     with tempfile.TemporaryDirectory(prefix="bench_decode_overhead-") as tmpdir:
         for batch in [int(b) for b in args.batch.split(",")]:

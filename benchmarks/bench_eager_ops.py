@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
 import sys
 import threading
@@ -31,7 +30,6 @@ from pathlib import Path
 
 import harness
 
-ROOT = Path(__file__).resolve().parents[1]
 # name -> (overlap, decode_steps)
 LOOPS = {
     "synchronous": (False, 1),
@@ -133,6 +131,8 @@ def count(root: Path, loop: str, batch: int, tokens: int) -> dict:
         counting[0] = False
     # Steady decode iterations: one graph run each (a run of K steps: K graph runs).
     steady = [c for c, n in zip(iterations, replays) if n == (1 if steps == 1 else steps)]
+    if not steady:
+        raise ValueError(f"--tokens {tokens}: too few for a steady step of {loop!r}")
     totals = [sum(n for op, n in c.items() if not op.endswith("(view)")) for c in steady]
     median = statistics.median(totals)
     typical = steady[totals.index(min(totals, key=lambda t: abs(t - median)))]
@@ -146,6 +146,12 @@ def count(root: Path, loop: str, batch: int, tokens: int) -> dict:
     }
 
 
+def side(root: Path, loop: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", str(root), "--loop", loop]
+    cmd += ["--batch", str(args.batch), "--tokens", str(args.tokens)]
+    return harness.run_side(cmd, root, env)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -157,18 +163,12 @@ def main() -> None:
     if args.side:
         print(json.dumps(count(Path(args.side), args.loop, args.batch, args.tokens)))
         return
-    sides = {"this tree": (ROOT, dict(os.environ))}
-    if args.baseline:
-        sides = {args.baseline: harness.baseline_worktree(args.baseline), **sides}
+    sides = harness.sides(args.baseline)
     print(f"batch {args.batch}, {args.tokens} new tokens, greedy; aten ops per decode step")
     print("outside the graph's forward, on the loop thread (median of the steady steps),")
     print("views (no kernel, only the dispatcher's time) counted apart")
     for loop in LOOPS:
-        counted = {}
-        for name, (root, env) in sides.items():
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--side", str(root)]
-            cmd += ["--loop", loop, "--batch", str(args.batch), "--tokens", str(args.tokens)]
-            counted[name] = harness.run_side(cmd, root, env)
+        counted = {name: side(root, loop, args, env) for name, (root, env) in sides.items()}
         cells = [f"{name} {c['median']:g} (+{c['views']:g} views)" for name, c in counted.items()]
         print(f"  {loop:36}: " + "; ".join(cells))
         for name, c in counted.items():

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
 import harness
 
-ROOT = Path(__file__).resolve().parents[1]
 # name -> (overlap, threaded worker, decode_steps), as bench_host_path's loops
 LOOPS = {
     "synchronous": (False, True, 1),
@@ -102,9 +100,7 @@ def main() -> None:
     if args.side:
         print(json.dumps(count(Path(args.side), args.loop, args.batch, args.tokens)))
         return
-    sides = {"this tree": (ROOT, dict(os.environ))}
-    if args.baseline:
-        sides = {args.baseline: harness.baseline_worktree(args.baseline), **sides}
+    sides = harness.sides(args.baseline)
     print(f"batch {args.batch}, {args.tokens} new tokens, greedy; opcodes on the loop thread")
     for loop in LOOPS:
         counted = {name: side(root, loop, args, env) for name, (root, env) in sides.items()}

@@ -335,6 +335,13 @@ def baseline_worktree(commit: str) -> tuple[Path, dict[str, str]]:
     return path, {**os.environ, "LMPROG_CACHE_DIR": str(cache)}
 
 
+def sides(baseline: str | None) -> dict[str, tuple[Path, dict[str, str]]]:
+    """The trees a comparison runs, name -> (root, environment): `baseline`'s worktree
+    (`baseline_worktree`) first when given, then this tree."""
+    this = {"this tree": (Path(__file__).resolve().parents[1], dict(os.environ))}
+    return {baseline: baseline_worktree(baseline), **this} if baseline else this
+
+
 def run_side(cmd: list[str], root: Path, env: dict[str, str]) -> dict[str, Any]:
     """Run one side of a comparison (`cmd`, a process of its own, printing a JSON object
     last) and return that object, checked to have run `root`'s runtime (its "runtime")."""

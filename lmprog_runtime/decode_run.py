@@ -281,8 +281,12 @@ class DecodeRunLoop:
                 and not ask.rows
                 and graphs.can_run_greedy(len(reqs), steps)
             )
-            queue = self._queue_as_graph if as_graph else self._queue_step_by_step
-            drawn, tables, errors, token_ids = queue(batch, ahead, first_ids, rows, ask, offset)
+            if as_graph:
+                drawn, tables, errors, token_ids = self._queue_as_graph(batch, ahead, first_ids)
+            else:
+                drawn, tables, errors, token_ids = self._queue_step_by_step(
+                    batch, ahead, first_ids, rows, ask, offset
+                )
         except BaseException:
             for generator, state in zip(seeded, states):
                 generator.set_state(state)
@@ -296,13 +300,7 @@ class DecodeRunLoop:
         return Run(batch, ahead, drawn, tables, ask, errors, token_ids, slots, seconds)
 
     def _queue_as_graph(
-        self,
-        batch: ScheduledBatch,
-        ahead: list[torch.Tensor],
-        first_ids: torch.Tensor | None,
-        rows: list[SampleRow],
-        ask: LogprobAsk,
-        offset: int,
+        self, batch: ScheduledBatch, ahead: list[torch.Tensor], first_ids: torch.Tensor | None
     ) -> tuple[list[HostTokens], list[None], list[dict[int, Exception]], torch.Tensor]:
         """A run of plain greedy steps that asks for no logprobs, as one graph replay
         (`ModelRunner.run_greedy`): its tokens [K, n] go to the host in one copy. Returns
