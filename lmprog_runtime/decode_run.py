@@ -361,15 +361,67 @@ class DecodeRunLoop:
 
     def _commit_run(self, run: Run) -> None:
         """Each step in turn, as a synchronous step commits and checks it, as soon as its
-        tokens reach the host. The counters count what single steps would: the tokens of
-        the requests still running at each step, the steps up to the last one's finish."""
+        tokens reach the host; or the whole run at once where that commits the same
+        (`_commit_whole`). The counters count what single steps would: the tokens of the
+        requests still running at each step, the steps up to the last one's finish."""
+        run.batch.kv_committed = True  # (kv_len grows below)
+        read = None
+        if self._checks_whole(run):
+            read = [self._read_step(tokens) for tokens in run.drawn]
+            if self._commit_whole(run, read):
+                return
+        self._commit_steps(run, read)
+
+    @staticmethod
+    def _checks_whole(run: Run) -> bool:
+        """Whether `run` may be committed at once: no step asked for logprobs or failed a
+        row, and each request still in it is checked by its last token and length alone
+        (`Req.checks_last_token_alone`) and not streamed (a stream gets a chunk a step)."""
+        if run.ask.rows or any(run.errors):
+            return False
+        return all(
+            req.done.is_set() or (req.checks_last_token_alone and not req.is_streamed)
+            for req in run.batch.reqs
+        )
+
+    def _commit_whole(self, run: Run, read: list[list[int]]) -> bool:
+        """Commit `run` at once from each step's tokens (`read`): each request takes its
+        tokens up to the one that finishes it (`Req.append_run`) and is checked once,
+        after the counters of all the steps are recorded. Its tokens, K/V, slots and
+        counters are what committing step by step gives; only the order in which its
+        requests finish differs. False, with nothing done, if a row drew none (-1: its
+        request fails at that step, step by step)."""
+        reqs = run.batch.reqs
+        live = [i for i, req in enumerate(reqs) if not req.done.is_set()]
+        if not live:
+            return True
+        columns = list(zip(*read))  # [n][K]: each request's tokens
+        if any(min(columns[i]) < 0 for i in live):
+            return False
+        still = [0] * len(read)  # requests still running at each step
+        for i in live:
+            req = reqs[i]
+            took = req.append_run(columns[i])
+            req.kv_len += took
+            run.slots.used[i] += took
+            still[took - 1] += 1
+        for k in range(len(still) - 2, -1, -1):
+            still[k] += still[k + 1]
+        still = still[: next((k for k, n in enumerate(still) if n == 0), len(still))]
+        self._stats.record_decode_steps(
+            still, num_running=len(self.scheduler.running), forward_seconds=run.seconds
+        )
+        self._check([reqs[i] for i in live])
+        return True
+
+    def _commit_steps(self, run: Run, read: list[list[int]] | None) -> None:
+        """`_commit_run` step by step (`read`: each step's tokens, if read already)."""
         batch, reqs = run.batch, run.batch.reqs
-        batch.kv_committed = True  # (kv_len grows step by step below)
         for k, tokens in enumerate(run.drawn):
             live = [i for i, req in enumerate(reqs) if not req.done.is_set()]
             if not live:
                 break
-            step_ids = self._read_step(tokens)
+            step_ids = read[k] if read is not None else self._read_step(tokens)
             logprobs = run.ask.unpack(run.logprobs[k])
             for i in live:
                 reqs[i].kv_len += 1

@@ -13,7 +13,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -235,6 +235,29 @@ class Req:
         if n >= self.max_new_tokens:
             self.finished_reason = {"type": "length", "length": n}
             self._mark_incomplete_constraint()
+
+    @property
+    def checks_last_token_alone(self) -> bool:
+        """Whether `check_last_token` reads nothing but the last token and the output's
+        length (no grammar, no stop strings or regexes): then tokens drawn in a row are
+        checked by where they end (`append_run`)."""
+        return self.matcher is None and not self._has_stops
+
+    def append_run(self, tokens: Sequence[int]) -> int:
+        """Append `tokens` (drawn one after the other) up to the first that finishes the
+        request, for a request that `checks_last_token_alone`: what appending and
+        checking them one by one would append. Returns how many it appended; check the
+        last one (`check_last_token`) after."""
+        held = len(self.output_ids)
+        take = max(1, min(len(tokens), self.max_new_tokens - held))  # (the last by length)
+        ends = self._ends_on
+        if ends and not ends.isdisjoint(tokens[:take]):
+            for k in range(max(0, self.min_new_tokens - held - 1), take):  # (`can_stop`)
+                if tokens[k] in ends:
+                    take = k + 1
+                    break
+        self.output_ids.extend(tokens[:take])
+        return take
 
     def _mark_incomplete_constraint(self) -> None:
         """An output cut short of a full match (length, stop string): never present it as

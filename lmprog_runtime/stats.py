@@ -65,3 +65,16 @@ class EngineStats:
                 v["max_running_requests_seen"], num_running, len(batch.reqs)
             )
             v["forward_seconds"] += forward_seconds
+
+    def record_decode_steps(
+        self, tokens: list[int], *, num_running: int, forward_seconds: float
+    ) -> None:
+        """Decode forwards of `tokens[k]` requests each (a decode run's steps, committed
+        together), counted as `record_step` counts each."""
+        with self._lock:
+            v = self._values
+            v["forward_passes"] += len(tokens)
+            v["decode_tokens"] += sum(tokens)
+            most = max(tokens, default=0)
+            v["max_running_requests_seen"] = max(v["max_running_requests_seen"], num_running, most)
+            v["forward_seconds"] += forward_seconds * len(tokens)

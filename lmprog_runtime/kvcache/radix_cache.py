@@ -109,6 +109,10 @@ class RadixCache:
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Add `key` (page-aligned length) with its slots; return how many leading tokens
         were already cached (the caller still owns, and must free, those of its slots)."""
+        return self.insert_node(key, value)[0]
+
+    def insert_node(self, key: list[int], value: torch.Tensor) -> tuple[int, TreeNode]:
+        """`insert`, and the node whose path is all of `key` (lock it to keep it)."""
         if len(key) % self.page_size or len(key) != value.numel():
             raise ValueError("insert needs a page-aligned key and one slot per token")
         node, prefix_len, now = self.root, 0, next(self._clock)
@@ -121,7 +125,8 @@ class RadixCache:
             leaf.last_access = now
             node.children[self._child_key(key)] = leaf
             self.evictable_size += len(key)
-        return prefix_len
+            node = leaf
+        return prefix_len, node
 
     def _descend(self, node: TreeNode, key: list[int], now: int) -> tuple[TreeNode, int] | None:
         """The child of `node` that `key` continues into, cut at the end of the match (only

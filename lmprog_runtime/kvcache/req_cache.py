@@ -65,16 +65,18 @@ class ReqCache:
             return
         key = req.fill_ids[:n]
         value = self.req_to_token.host_table[req.req_pool_idx, :n]  # (insert keeps a copy)
-        already = self.tree.insert(key, value)
-        # Slots we computed for tokens the tree already had are duplicates: drop ours.
-        self.allocator.free(value[req.tree_len : already])
-        match = self.tree.match_prefix(key)
-        assert match.slots.numel() == n
-        self.req_to_token.write(req.req_pool_idx, 0, match.slots)
-        self.tree.inc_lock_ref(match.node)
+        already, node = self.tree.insert_node(key, value)
+        if already > req.tree_len:
+            # Slots we computed for tokens the tree already had are duplicates: drop ours,
+            # and read the tree's instead (past them the tree holds our own).
+            self.allocator.free(value[req.tree_len : already])
+            match = self.tree.match_prefix(key)
+            assert match.slots.numel() == n and match.node is node
+            self.req_to_token.write(req.req_pool_idx, 0, match.slots)
+        self.tree.inc_lock_ref(node)
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)
-        req.last_node, req.tree_len = match.node, n
+        req.last_node, req.tree_len = node, n
 
     def cache_finished(self, req: Req, insert: bool = True) -> None:
         """Give a leaving request's KV to the tree (unless `insert` is False), free the rest."""

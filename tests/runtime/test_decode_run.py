@@ -492,6 +492,50 @@ def test_a_caller_wakes_to_free_slots_and_the_single_steps_counters(engines):
     assert stats[1] == {k: v for k, v in stats[0].items() if k != "decode_runs"}
 
 
+def test_a_run_committed_whole_counts_and_finishes_as_single_steps(engines):
+    """Runs whose requests are checked by their last token alone are committed at once
+    (`_commit_whole`). Stop tokens end the requests inside the second run, before its
+    last step, which then is not counted; EOS and max_new_tokens end others. Outputs,
+    finish reasons, counters and free slots equal single steps'."""
+    single, runs = engines
+    free = {"max_new_tokens": 14, "temperature": 0, "ignore_eos": True}
+    mix = []
+    for prompt in PROMPTS:  # (runs of 4 from the 2nd token: the 7th and 8th are inside)
+        drawn = single.generate(prompt, free)["output_ids"]
+        at = next((j for j in (6, 7) if drawn[j] not in drawn[:j]), None)
+        if at is not None:
+            mix.append((prompt, {**free, "stop_token_ids": [drawn[at]]}))
+    assert len(mix) >= 2
+    mix += [
+        (PROMPTS[0], {**free, "max_new_tokens": 7}),
+        (PROMPTS[1], {"max_new_tokens": 8, "temperature": 0}),
+    ]
+    prompts, params = [p for p, _ in mix], [q for _, q in mix]
+    whole, commit_whole = [], runs._commit_whole
+
+    def counted(run, read):
+        done = commit_whole(run, read)
+        whole.append(done)
+        return done
+
+    outs, stats = [], []
+    runs._commit_whole = counted
+    try:
+        for engine in (single, runs):
+            assert engine.flush_cache()
+            engine.reset_stats()
+            outs.append([result_key(o) for o in engine.generate(prompts, params)])
+            assert_slots_free(engine)
+            stats.append({k: v for k, v in engine.stats().items() if not k.endswith("seconds")})
+    finally:
+        del runs._commit_whole
+    assert outs[1] == outs[0]
+    assert {key[2]["type"] for key in outs[0]} == {"stop", "length"}
+    assert len(whole) >= 2 and all(whole)
+    assert stats[1].pop("decode_runs") > 0
+    assert stats[1] == {k: v for k, v in stats[0].items() if k != "decode_runs"}
+
+
 @pytest.mark.parametrize("point", ["forward", "sample"])
 def test_a_fault_in_one_request_fails_it_alone(engines, point):
     single, runs = engines

@@ -3,14 +3,17 @@ and the text it builds is the full decode's, checked against `tokenizer.decode` 
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from lmprog_runtime import SamplingParams, default_model_path
+from lmprog_runtime.engine import backend_decode
 from lmprog_runtime.request import Req
 
 
@@ -240,3 +243,40 @@ def _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params):
     full = tokenizer.decode(ids + out["output_ids"], skip_special_tokens=True)
     assert out["text"] == full[len(before) :] == streamed
     return out
+
+
+@pytest.mark.parametrize("model", ["tiny", "instruct"])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_engines_decode_is_the_tokenizers(model, data):
+    """`Engine.decode` takes the Rust tokenizer's decode where the tokenizer's adds nothing
+    to it (`backend_decode`): the same text as `tokenizer.decode`, special tokens skipped
+    or kept, for the built-in tokenizer and the GGUF one."""
+    tokenizer = _tokenizer_of(model)
+    assert backend_decode(tokenizer) is not None  # (else this checks nothing new)
+    special = sorted(tokenizer.all_special_ids)
+    ids = data.draw(
+        st.lists(st.integers(0, tokenizer.vocab_size - 1) | st.sampled_from(special), max_size=40)
+    )
+    decode = backend_decode(tokenizer)
+    for skip in (True, False):
+        assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+            ids, skip_special_tokens=skip
+        )
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer):
+    cleaning = copy.deepcopy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert backend_decode(cleaning) is None
+    assert backend_decode(object()) is None
+
+
+@functools.cache
+def _tokenizer_of(model: str):
+    if model == "tiny":
+        return AutoTokenizer.from_pretrained(default_model_path("tiny"))
+    # (as the engine loads a GGUF's: the tokenizer.json built from its metadata)
+    return PreTrainedTokenizerFast.from_pretrained(
+        default_model_path("instruct"), local_files_only=True
+    )
