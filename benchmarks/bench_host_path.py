@@ -248,7 +248,8 @@ def host_path(
 
 class EmulatedRunGraphs:
     """A decode run's graph on the emulated device (`DecodeGraphRunner.run_greedy`'s part):
-    one launch (`launch_s` of Python holding the GIL), the run's K forwards queued back to
+    one launch (`launch_s` of Python holding the GIL; a shorter run one per graph of its
+    pieces, `cuda_graph.pieces`), the run's forwards queued back to
     back on the device clock, each step's tokens the argmax of the table rows its inputs
     pick (as the emulated forward's logits and draw would give; each row's argmax found
     once: in a graph it is device work, not the host's), all K on the host when the last
@@ -261,18 +262,26 @@ class EmulatedRunGraphs:
         self.argmax = argmax_rows(table)  # [table rows]
         self.launch_s, self.device_s = launch_s, device_s
         self.steps = 0
+        try:  # the graphs of shorter runs (a --baseline's runtime may have none: full only)
+            from lmprog_runtime.cuda_graph import pieces, run_lengths
+        except ImportError:
+            pieces = run_lengths = None
+        self.pieces, self.run_lengths = pieces, run_lengths
 
     def can_run_greedy(self, batch_size: int, steps: int) -> bool:
-        return steps == self.steps
+        return steps == self.steps or (self.pieces is not None and 1 < steps < self.steps)
 
     @staticmethod
     def greedy_tokens(logits: torch.Tensor) -> None:
         return None
 
     def run_greedy(self, first, ahead, first_ids, seq_lens) -> torch.Tensor:
-        end = time.perf_counter() + self.launch_s
-        while time.perf_counter() < end:  # launching: Python holding the GIL
-            pass
+        steps = ahead.shape[0] + 1
+        cut = [steps] if self.pieces is None else self.pieces(steps, self.run_lengths(self.steps))
+        for _ in cut:  # (a graph each)
+            end = time.perf_counter() + self.launch_s
+            while time.perf_counter() < end:  # launching: Python holding the GIL
+                pass
         ids = self.runner.resolve_future_ids(first[0]) if first_ids is None else first_ids
         drawn = []
         for _ in range(ahead.shape[0] + 1):

@@ -23,10 +23,14 @@ so what the next forward reads is always the draw's.
 
 With decode runs (`decode_steps` = K > 1), each bucket also gets a graph of a whole run of
 plain greedy steps (`run_greedy`): K forwards, each step's argmax the next one's input, on
-a `[K, 6, max_batch]` static buffer (each step's row block as above). A run of K steps is then one input copy, one replay and one copy of its
-`[K, batch]` tokens to the host, where the step-by-step path queues some six eager ops a
-step (`decode_run.py` takes it when every row is plain greedy and none asks for logprobs). On a CPU an eager run keeps its
-outputs where a replay would (`_as_replayed`), so the tests see what outlives a replay.
+a `[K, 6, max_batch]` static buffer (each step's row block as above). A run of K steps is
+then one input copy, one replay and one copy of its `[K, batch]` tokens to the host, where
+the step-by-step path queues some six eager ops a step (`decode_run.py` takes it when every
+row is plain greedy and none asks for logprobs). A shorter run (the last of its requests'
+tokens) replays graphs of the powers of two below K (`run_lengths`: 8 = [8], 7 = [4, 2,
+1]), captured too, each piece's first ids the last tokens of the piece before, on the
+device. On a CPU an eager run keeps its outputs where a replay would (`_as_replayed`), so
+the tests see what outlives a replay.
 
 The attention backend must support it (`BaseAttentionBackend.supports_cuda_graph`): given a
 batch with `is_cuda_graph` set, it plans from `seq_lens_device` and `req_pool_indices` alone
@@ -74,6 +78,34 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
 
 
+def run_lengths(steps: int) -> list[int]:
+    """The run lengths with a graph when runs are `steps` long (0: none): `steps` and the
+    powers of two below it, longest first, so that any shorter run is a few of them.
+
+    Example:
+        >>> run_lengths(8), run_lengths(6), run_lengths(0)
+        ([8, 4, 2, 1], [6, 4, 2, 1], [])
+    """
+    if steps < 2:
+        return []
+    return [steps] + [1 << j for j in range((steps - 1).bit_length() - 1, -1, -1)]
+
+
+def pieces(steps: int, lengths: list[int]) -> list[int]:
+    """A run of `steps` cut into the fewest `lengths` (longest first, ending in 1).
+
+    Example:
+        >>> pieces(8, [8, 4, 2, 1]), pieces(7, [8, 4, 2, 1]), pieces(5, [6, 4, 2, 1])
+        ([8], [4, 2, 1], [4, 1])
+    """
+    out = []
+    for length in lengths:
+        while steps >= length:
+            out.append(length)
+            steps -= length
+    return out
+
+
 class DecodeGraphRunner:
     """Runs decode forwards of up to `max_batch` requests on padded static buffers, replaying
     one CUDA graph per bucket (`capture=True`, CUDA only) or eagerly (`capture=False`).
@@ -112,9 +144,15 @@ class DecodeGraphRunner:
         # Whole decode runs of plain greedy steps: K steps' inputs [K, 6, max_batch], and
         # each bucket's graph and its tokens [K, bucket].
         self.run_steps = runner.config.decode_steps if runner.config.decode_steps > 1 else 0
+        self.run_lengths = run_lengths(self.run_steps)
         self._run_inputs = self._padding.expand(max(self.run_steps, 1), -1, -1).clone()
-        self._run_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._run_outputs: dict[int, torch.Tensor] = {}
+        # each (bucket, length)'s graph and its tokens [length, bucket]
+        self._run_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._run_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # a run's tokens, its pieces' put together (outside the graphs' pool)
+        self._run_tokens = torch.zeros(
+            max(self.run_steps, 1), self.max_batch, dtype=torch.int64, device=device
+        )
         self._eager_run_tokens: torch.Tensor | None = None  # (`_as_replayed`'s, for runs)
         if capture:
             self._capture_all()
@@ -164,8 +202,9 @@ class DecodeGraphRunner:
         return out
 
     def can_run_greedy(self, batch_size: int, steps: int) -> bool:
-        """Whether a run of `steps` plain greedy steps of `batch_size` requests has a graph."""
-        return steps == self.run_steps and batch_size <= self.max_batch
+        """Whether a run of `steps` plain greedy steps of `batch_size` requests runs as
+        graphs (`run_greedy`)."""
+        return 1 < steps <= self.run_steps and batch_size <= self.max_batch
 
     @torch.inference_mode()
     def run_greedy(
@@ -176,32 +215,44 @@ class DecodeGraphRunner:
         seq_lens: list[int],
     ) -> torch.Tensor:
         """A decode run of plain greedy steps: `first` [6, n] the first step's inputs (a
-        batch's packed block; its ids may be placeholders), `ahead` [K - 1, 6, n] the
+        batch's packed block; its ids may be placeholders), `ahead` [steps - 1, 6, n] the
         steps' after it (their ids unused: each step takes the tokens the step before
         drew), `first_ids` [n] the first step's ids when they are on the device already
         (else None), `seq_lens` the first step's lengths (an eager run's, for a backend
-        that plans from them). Returns each step's argmax tokens [K, n], a view of the
-        graph's output, valid until the next run."""
-        num_reqs = first.shape[1]
+        that plans from them). Returns each step's argmax tokens [steps, n], valid until
+        the next run (a view of the graph's output, or of the pieces' put together).
+
+        A run of K = `run_steps` steps is one replay; a shorter one (its requests' last
+        tokens) is cut into pieces of the lengths captured (`run_lengths`: K and the powers
+        of two below it), each piece's first ids the tokens the piece before drew."""
+        num_reqs, steps = first.shape[1], ahead.shape[0] + 1
         size = self.bucket(num_reqs)
-        inputs = self._run_inputs
-        inputs[0, :, :num_reqs] = first
-        inputs[1:, :, :num_reqs] = ahead
-        if first_ids is not None:
-            inputs[0, _IDS, :num_reqs] = first_ids
-        if size > num_reqs:
-            inputs[:, :, num_reqs:size] = self._padding[:, num_reqs:size]
         self._last = None  # (the replay overwrites the single steps' outputs too)
-        if self.is_captured:
-            self._run_graphs[size].replay()
-            tokens = self._run_outputs[size]
-        else:
-            tokens = self._forward_run(self._eager_run_batches(size, seq_lens))
-            tokens = self._as_replayed_run(tokens)
-            if self._eager_outputs is not None:  # (one pool: a single step's are gone)
-                self._eager_outputs[0].fill_(float("nan"))
-                self._eager_outputs[1].fill_(-1)
-        return tokens[:, :num_reqs]
+        inputs, tokens = self._run_inputs, self._run_tokens
+        start, cut = 0, pieces(steps, self.run_lengths)
+        for length in cut:
+            inputs[0, :, :num_reqs] = first if start == 0 else ahead[start - 1]
+            inputs[1:length, :, :num_reqs] = ahead[start : start + length - 1]
+            if first_ids is not None:
+                inputs[0, _IDS, :num_reqs] = first_ids
+            if size > num_reqs:
+                inputs[:length, :, num_reqs:size] = self._padding[:, num_reqs:size]
+            if self.is_captured:
+                self._run_graphs[size, length].replay()
+                drawn = self._run_outputs[size, length]
+            else:
+                lens = [n + start for n in seq_lens]
+                drawn = self._forward_run(self._eager_run_batches(size, lens, length))
+                drawn = self._as_replayed_run(drawn)
+                if self._eager_outputs is not None:  # (one pool: a single step's are gone)
+                    self._eager_outputs[0].fill_(float("nan"))
+                    self._eager_outputs[1].fill_(-1)
+            if len(cut) == 1:  # (a whole run: its graph's tokens, no copy)
+                return drawn[:, :num_reqs]
+            tokens[start : start + length, :num_reqs] = drawn[:, :num_reqs]
+            first_ids = tokens[start + length - 1, :num_reqs]
+            start += length
+        return tokens[:steps, :num_reqs]
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The argmax of each row of `logits`, drawn (and stored as future tokens for the
@@ -238,19 +289,20 @@ class DecodeGraphRunner:
             kept = self._eager_run_tokens = torch.empty(
                 self.run_steps, self.max_batch, dtype=tokens.dtype, device=tokens.device
             )
-        kept[:, : tokens.shape[1]].copy_(tokens)
-        return kept[:, : tokens.shape[1]]
+        kept[:, : tokens.shape[1]].fill_(-1)  # (a piece's other rows: as a replay's, unknown)
+        kept[: tokens.shape[0], : tokens.shape[1]].copy_(tokens)
+        return kept[: tokens.shape[0], : tokens.shape[1]]
 
-    def _eager_run_batches(self, size: int, seq_lens: list[int]) -> list[ForwardBatch]:
-        """What an eager run of K steps forwards (see `_eager_batch`): a capturable
+    def _eager_run_batches(self, size: int, seq_lens: list[int], steps: int) -> list[ForwardBatch]:
+        """What an eager run of `steps` steps forwards (see `_eager_batch`): a capturable
         backend gets capture's placeholder lengths, others the requests' lengths at each
         step (`seq_lens` the first step's, one more each step; padded rows' 1)."""
         padded = [1] * (size - len(seq_lens))
         if self.attention.supports_cuda_graph:
-            lens = [[1] * size] * self.run_steps
+            lens = [[1] * size] * steps
         else:
-            lens = [[n + k for n in seq_lens] + padded for k in range(self.run_steps)]
-        return [self._static_batch(size, lens[k], self._run_inputs[k]) for k in range(len(lens))]
+            lens = [[n + k for n in seq_lens] + padded for k in range(steps)]
+        return [self._static_batch(size, lens[k], self._run_inputs[k]) for k in range(steps)]
 
     def _eager_batch(self, size: int, fb: ForwardBatch) -> ForwardBatch:
         """What an eager run forwards. A capturable backend gets what a capture saw: the
@@ -335,22 +387,22 @@ class DecodeGraphRunner:
                 logger.warning(
                     "capturing decode-run graphs failed, runs go step by step: %r", error
                 )
-                self.run_steps = 0
+                self.run_steps, self.run_lengths = 0, []
                 self._run_graphs, self._run_outputs = {}, {}
         torch.cuda.synchronize()
 
     def _capture_runs(self, stream: torch.cuda.Stream, pool: tuple[int, int]) -> None:
-        """One graph of a whole run of `run_steps` greedy steps per bucket, in the single
-        steps' memory pool (after them: a failure here leaves them be)."""
-        for size in reversed(self.buckets):
-            steps = [
-                self._static_batch(size, [1] * size, self._run_inputs[k])
-                for k in range(self.run_steps)
-            ]
-            with torch.cuda.stream(stream):  # warm up
-                self._forward_run(steps)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._run_outputs[size] = self._forward_run(steps)
-            self._run_graphs[size] = graph
+        """One graph of a run of each of `run_lengths` greedy steps per bucket, in the
+        single steps' memory pool (after them: a failure here leaves them be)."""
+        for length in self.run_lengths:
+            for size in reversed(self.buckets):
+                steps = [
+                    self._static_batch(size, [1] * size, self._run_inputs[k]) for k in range(length)
+                ]
+                with torch.cuda.stream(stream):  # warm up
+                    self._forward_run(steps)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._run_outputs[size, length] = self._forward_run(steps)
+                self._run_graphs[size, length] = graph

@@ -44,14 +44,22 @@ tokens it has. Greedy and seeded outputs are token-identical to `decode_steps=1`
 the batch's shape, which keeps a finished request to the end of its run, can move a
 token, as any batching can).
 
-On CUDA a run of plain greedy steps (`SampleRows.plain`) that asks for no logprobs, of
-the full `decode_steps`, is one replay of a graph of the whole run
-(`DecodeGraphRunner.run_greedy`: each step's argmax the next one's input, inside the
-graph): one copy of its inputs, one replay, one copy of its [K, batch] tokens to the host
-(`_queue_as_graph`). Its steps reach the host together, when the whole replay is over, so
-the checks of its first step (a stop, a streamed chunk) come up to K - 1 steps later than
-step by step; throughput does not suffer, since the next run is queued before the run is
-checked. Other runs queue step by step (`_queue_step_by_step`).
+On CUDA a run of plain greedy steps (`SampleRows.plain`) that asks for no logprobs is one
+replay of a graph of the whole run (`DecodeGraphRunner.run_greedy`: each step's argmax the
+next one's input, inside the graph): one copy of its inputs, one replay, one copy of its
+[K, batch] tokens to the host (`_queue_as_graph`); a run shorter than `decode_steps` (its
+requests' last tokens) replays a few graphs of shorter runs (7 steps of 8: 4, 2 and 1),
+each from the tokens the one before drew. Its steps reach the host together, when the
+whole replay is over, so the checks of its first step (a stop, a streamed chunk) come up
+to K - 1 steps later than step by step; throughput does not suffer, since the next run
+is queued before the run is checked. Other runs queue step by step
+(`_queue_step_by_step`).
+
+A run whose requests are all checked by their last token alone (`Req.
+checks_last_token_alone`: no stop strings; not streamed) and that asks for no logprobs is
+committed at once (`_commit_whole`): each request takes its tokens up to the one that
+finishes it (`Req.append_run`) and is checked once, a request's work per run instead of
+per token.
 
 With overlap scheduling, the batches that cannot run ahead (prompts, a grammar's) are
 overlapped (`overlap.py`), and a decode batch that can runs as a run on the loop thread:
@@ -302,7 +310,7 @@ class DecodeRunLoop:
     def _queue_as_graph(
         self, batch: ScheduledBatch, ahead: list[torch.Tensor], first_ids: torch.Tensor | None
     ) -> tuple[list[HostTokens], list[None], list[dict[int, Exception]], torch.Tensor]:
-        """A run of plain greedy steps that asks for no logprobs, as one graph replay
+        """A run of plain greedy steps that asks for no logprobs, as graph replays
         (`ModelRunner.run_greedy`): its tokens [K, n] go to the host in one copy. Returns
         (each step's tokens on their way to the host, no logprobs, no failed rows, the last
         step's tokens on the device)."""

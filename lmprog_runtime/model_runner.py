@@ -257,12 +257,12 @@ class ModelRunner:
     def run_greedy(
         self, batch: ScheduledBatch, ahead: list[torch.Tensor], first_ids: torch.Tensor | None
     ) -> torch.Tensor:
-        """A decode run of plain greedy steps as one graph replay (`DecodeGraphRunner.
+        """A decode run of plain greedy steps as graph replays (`DecodeGraphRunner.
         run_greedy`; the caller checked `can_run_greedy`): `batch`'s step and one step per
         `ahead` (as `prepare_run`), `first_ids` the first step's ids when they are on the
         device (else the requests' last tokens). The first step's inputs go as `prepare`
         sends them, the steps ahead's as one block built on the host. Returns each step's
-        tokens [K, n] on the device (valid until the next forward)."""
+        tokens [steps, n] on the device (valid until the next forward)."""
         assert self.graphs is not None
         first, _ = self.prepare(batch)
         packed = first.packed_inputs()
