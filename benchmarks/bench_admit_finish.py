@@ -1,5 +1,6 @@
 """The loop's fixed costs per request: its CPU time admitting a batch of requests
-(`Scheduler._schedule_extend`) and finishing them (`EngineLoop._finish`), on the CPU
+(`Scheduler._schedule_extend`), putting their prompts in the prefix cache after the
+prefill (`Scheduler.on_forward_done`) and finishing them (`EngineLoop._finish`), on the CPU
 (tiny model, 8-token prompts, 2 new tokens, greedy; best of 5). A benchmark of N new
 tokens pays them in every step's average, divided by N. `--baseline COMMIT` times that
 commit's runtime too, the two alternated, each run in its own process.
@@ -21,36 +22,43 @@ import harness
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# admitting a batch; after its prefill, putting the prompts in the prefix cache (each
+# request's row then reads the tree's slots); finishing each request.
+WHAT = ("admit", "cache_prompt", "finish")
+
+
 def measure(root: Path, batch: int) -> dict:
     """(run in a process of its own, `root`'s runtime first on the path)"""
     sys.path.insert(0, str(root))
     from lmprog_runtime import Engine, default_model_path, engine_loop, scheduler
 
-    spent = {"admit": 0.0, "finish": 0.0}
+    spent = dict.fromkeys(WHAT, 0.0)
 
-    def timed(owner, name: str, key: str, only_batches: bool = False) -> None:
+    def timed(owner, name: str, key: str, counts=lambda args, out: True) -> None:
         fn = getattr(owner, name)
 
         def wrapper(*args, **kwargs):
             start = time.thread_time()
             out = fn(*args, **kwargs)
-            if not only_batches or out is not None:
+            if counts(args, out):
                 spent[key] += time.thread_time() - start
             return out
 
         setattr(owner, name, wrapper)
 
-    timed(scheduler.Scheduler, "_schedule_extend", "admit", only_batches=True)
+    timed(scheduler.Scheduler, "_schedule_extend", "admit", lambda args, out: out is not None)
+    prefill = lambda args, out: args[1].mode.name == "EXTEND"  # noqa: E731
+    timed(scheduler.Scheduler, "on_forward_done", "cache_prompt", prefill)
     timed(engine_loop.EngineLoop, "_finish", "finish")
     prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]
     params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
-    best = {"admit": float("inf"), "finish": float("inf")}
+    best = dict.fromkeys(WHAT, float("inf"))
     path = default_model_path("tiny")
     with Engine(path, max_running_requests=batch, max_prefill_tokens=16384) as engine:
         engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
         for _ in range(5):
             engine.flush_cache()
-            spent.update(admit=0.0, finish=0.0)
+            spent.update(dict.fromkeys(WHAT, 0.0))
             engine.generate(input_ids=prompts, sampling_params=params)
             best = {k: min(best[k], spent[k]) for k in best}
     return {f"{k}_ms": 1e3 * v for k, v in best.items()}
@@ -82,7 +90,7 @@ def main() -> None:
             seen[name].append(harness.run_side(cmd, root, env))
     print("loop CPU time (ms), range over the rounds, best of 5 within each")
     for b in batches:
-        for what in ("admit", "finish"):
+        for what in WHAT:
             cells = []
             for name, results in seen.items():
                 values = [r[str(b)][f"{what}_ms"] for r in results]
