@@ -59,7 +59,9 @@ A run whose requests are all checked by their last token alone (`Req.
 checks_last_token_alone`: no stop strings; not streamed) and that asks for no logprobs is
 committed at once (`_commit_whole`): each request takes its tokens up to the one that
 finishes it (`Req.append_run`) and is checked once, a request's work per run instead of
-per token.
+per token. Its outputs and counters are the step-by-step commit's; a request that
+finishes inside it is told when the run's last step has reached the host (as every step
+of a graph's run does), not at its own step.
 
 With overlap scheduling, the batches that cannot run ahead (prompts, a grammar's) are
 overlapped (`overlap.py`), and a decode batch that can runs as a run on the loop thread:
