@@ -161,6 +161,8 @@ def host_path(
                 run = launch_run(*args, **kwargs)
             finally:
                 queued.on = False
+            if len(set(ends[first:])) > 1:  # queued step by step: an event a step, as on CUDA
+                run.drawn = [(host, _StepEvent()) for host, _ in run.drawn]
             ready_at.update((id(t), end) for t, end in zip(run.drawn, ends[first:]))
             return run
 
@@ -244,6 +246,15 @@ def host_path(
     out = {"step_ms": 1e3 * best, "host_ms": 1e3 * (best - device_s)}
     out.update({f"{k}_cpu_us": 1e6 * v for k, v in best_cpu.items()})
     return out
+
+
+class _StepEvent:
+    """A step's "tokens are on the host" event of a run queued step by step (the clock's
+    wait is `waiting_read`'s): each step its own, as on CUDA, so the loop checks each step
+    as it comes (a run's steps that come together are committed at once)."""
+
+    def synchronize(self) -> None:
+        pass
 
 
 class EmulatedRunGraphs:

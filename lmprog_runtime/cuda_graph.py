@@ -204,7 +204,9 @@ class DecodeGraphRunner:
     def can_run_greedy(self, batch_size: int, steps: int) -> bool:
         """Whether a run of `steps` plain greedy steps of `batch_size` requests runs as
         graphs (`run_greedy`)."""
-        return 1 < steps <= self.run_steps and batch_size <= self.max_batch
+        if not 1 < steps <= self.run_steps or batch_size > self.max_batch:
+            return False
+        return sum(pieces(steps, self.run_lengths)) == steps  # (lengths whose capture failed)
 
     @torch.inference_mode()
     def run_greedy(
@@ -381,28 +383,37 @@ class DecodeGraphRunner:
             pool = graph.pool()
             self._graphs[size] = graph
         if self.run_steps:
-            try:
-                self._capture_runs(stream, pool)
-            except Exception as error:  # noqa: BLE001 - runs then go step by step
-                logger.warning(
-                    "capturing decode-run graphs failed, runs go step by step: %r", error
-                )
-                self.run_steps, self.run_lengths = 0, []
-                self._run_graphs, self._run_outputs = {}, {}
+            self._capture_runs(stream, pool)
         torch.cuda.synchronize()
 
     def _capture_runs(self, stream: torch.cuda.Stream, pool: tuple[int, int]) -> None:
         """One graph of a run of each of `run_lengths` greedy steps per bucket, in the
-        single steps' memory pool (after them: a failure here leaves them be)."""
+        single steps' memory pool (after them: a failure here leaves them be). A length
+        whose capture fails is dropped, its graphs with it, and the others are kept: a run
+        that the lengths left cannot make goes step by step (`can_run_greedy`)."""
+        captured = []
         for length in self.run_lengths:
-            for size in reversed(self.buckets):
-                steps = [
-                    self._static_batch(size, [1] * size, self._run_inputs[k]) for k in range(length)
-                ]
-                with torch.cuda.stream(stream):  # warm up
-                    self._forward_run(steps)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._run_outputs[size, length] = self._forward_run(steps)
-                self._run_graphs[size, length] = graph
+            try:
+                for size in reversed(self.buckets):
+                    steps = [
+                        self._static_batch(size, [1] * size, self._run_inputs[k])
+                        for k in range(length)
+                    ]
+                    if not captured:  # warm up (shorter runs then launch the same kernels)
+                        with torch.cuda.stream(stream):
+                            self._forward_run(steps)
+                        stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self._run_outputs[size, length] = self._forward_run(steps)
+                    self._run_graphs[size, length] = graph
+            except Exception as error:  # noqa: BLE001 - those runs then go step by step
+                logger.warning("capturing decode-run graphs of %d steps failed: %r", length, error)
+                for size in self.buckets:
+                    self._run_graphs.pop((size, length), None)
+                    self._run_outputs.pop((size, length), None)
+                continue
+            captured.append(length)
+        self.run_lengths = captured
+        if not captured:
+            self.run_steps = 0

@@ -55,13 +55,13 @@ to K - 1 steps later than step by step; throughput does not suffer, since the ne
 is queued before the run is checked. Other runs queue step by step
 (`_queue_step_by_step`).
 
-A run whose requests are all checked by their last token alone (`Req.
-checks_last_token_alone`: no stop strings; not streamed) and that asks for no logprobs is
-committed at once (`_commit_whole`): each request takes its tokens up to the one that
-finishes it (`Req.append_run`) and is checked once, a request's work per run instead of
-per token. Its outputs and counters are the step-by-step commit's; a request that
-finishes inside it is told when the run's last step has reached the host (as every step
-of a graph's run does), not at its own step.
+A run whose steps' tokens reach the host together (a graph's run; any run on a CPU),
+whose requests are all checked by their last token alone (`Req.checks_last_token_alone`:
+no stop strings; not streamed) and that asks for no logprobs is committed at once
+(`_commit_whole`): each request takes its tokens up to the one that finishes it
+(`Req.append_run`) and is checked once, a request's work per run instead of per token.
+Its outputs and counters are the step-by-step commit's (the counters of all its steps are
+recorded before any of its requests is told).
 
 With overlap scheduling, the batches that cannot run ahead (prompts, a grammar's) are
 overlapped (`overlap.py`), and a decode batch that can runs as a run on the loop thread:
@@ -384,9 +384,14 @@ class DecodeRunLoop:
 
     @staticmethod
     def _checks_whole(run: Run) -> bool:
-        """Whether `run` may be committed at once: no step asked for logprobs or failed a
-        row, and each request still in it is checked by its last token and length alone
+        """Whether `run` may be committed at once: its steps' tokens reach the host
+        together (a graph's run; on a CPU, where a run computes as it is launched: else
+        each step is checked as soon as it is there), no step asked for logprobs or failed
+        a row, and each request still in it is checked by its last token and length alone
         (`Req.checks_last_token_alone`) and not streamed (a stream gets a chunk a step)."""
+        ready = run.drawn[-1][1]
+        if any(other is not ready for _, other in run.drawn):
+            return False
         if run.ask.rows or any(run.errors):
             return False
         return all(

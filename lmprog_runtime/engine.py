@@ -490,7 +490,7 @@ class Engine(EngineLoop):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:
-            if self._backend_decode is not None and type(ids) is list:
+            if self._backend_decode is not None and type(ids) is list and _flat(ids):
                 return self._backend_decode(ids, skip_special_tokens=skip_special_tokens)
             return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -623,6 +623,11 @@ def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
         and not tokenizer.clean_up_tokenization_spaces
     )
     return tokenizer._tokenizer.decode if stock else None
+
+
+def _flat(ids: list[Any]) -> bool:
+    """Whether `ids` is one sequence (`tokenizer.decode` takes a batch of them too)."""
+    return not ids or type(ids[0]) is int
 
 
 def _no_fault(point: str, req: Req) -> None:

@@ -465,3 +465,40 @@ def test_a_run_graph_on_the_capturable_backend_reads_each_steps_buffers(tiny_pat
         got = [o["output_ids"] for o in engine.generate(PROMPTS[:3], params)]
     assert got == expected
     assert replays == [3, 3]  # (8 decode steps: two runs of 4)
+
+
+def test_a_shorter_run_replays_the_graphs_of_its_pieces(tiny_path):
+    """Runs of 8: a run of 7 (the requests' last tokens) replays the graphs of 4, 2 and 1
+    steps, in that order, each from the tokens the one before drew (on the device); the
+    tokens equal the plain engine's. Requests of different lengths, so the run is padded
+    past the shorter ones' last tokens."""
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (8, 5, 8, 2, 6)]
+    config = dict(attention_backend="torch", max_running_requests=8)
+    with Engine(tiny_path, **config) as plain:
+        want = [o["output_ids"] for o in plain.generate(PROMPTS[:5], params)]
+    with Engine(tiny_path, decode_steps=8, **config) as engine:
+        engine._launches_ahead = True
+        graphs = engine.runner.graphs = DecodeGraphRunner(engine.runner, capture=False)
+        forward_run, pieces = graphs._forward_run, []
+
+        def counted_forward_run(steps):
+            pieces.append(len(steps))
+            return forward_run(steps)
+
+        graphs._forward_run = counted_forward_run
+        got = [o["output_ids"] for o in engine.generate(PROMPTS[:5], params)]
+    assert got == want
+    assert pieces == [4, 2, 1]  # (7 steps after the prefill's token)
+
+
+def test_a_run_goes_step_by_step_when_its_pieces_have_no_graphs(engine):
+    """If capturing one length of run graphs failed (dropped from `run_lengths`), the runs
+    that the lengths left cannot make exactly go step by step; the others still run as
+    graphs."""
+    with Engine(engine.config.model_path, attention_backend="torch", decode_steps=8) as runs:
+        graphs = DecodeGraphRunner(runs.runner, capture=False)
+        assert graphs.run_lengths == [8, 4, 2, 1]
+        assert all(graphs.can_run_greedy(3, steps) for steps in range(2, 9))
+        assert not graphs.can_run_greedy(3, 1) and not graphs.can_run_greedy(3, 9)
+        graphs.run_lengths = [8, 4, 2]  # (the 1-step graphs failed)
+        assert [s for s in range(2, 9) if graphs.can_run_greedy(3, s)] == [2, 4, 6, 8]

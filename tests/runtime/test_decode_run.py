@@ -536,6 +536,35 @@ def test_a_run_committed_whole_counts_and_finishes_as_single_steps(engines):
     assert stats[1] == {k: v for k, v in stats[0].items() if k != "decode_runs"}
 
 
+def test_only_a_run_whose_steps_come_together_is_committed_whole():
+    """A run queued step by step on CUDA has an event a step: each step is checked as
+    soon as it is on the host (a request that stops at its first step is told then), so
+    it is committed step by step. A graph's run (one event) or a CPU's (none) may be
+    committed at once; not one that asks for logprobs, failed a row, or has a request
+    checked token by token or streamed."""
+    from types import SimpleNamespace
+
+    from lmprog_runtime.decode_run import DecodeRunLoop
+
+    def run(events, rows=(), errors=None, **req):
+        plain = {"done": threading.Event(), "checks_last_token_alone": True, "is_streamed": False}
+        batch = SimpleNamespace(reqs=[SimpleNamespace(**{**plain, **req})])
+        drawn = [(torch.zeros(1), event) for event in events]
+        errors = errors or [{} for _ in events]
+        return SimpleNamespace(
+            drawn=drawn, ask=SimpleNamespace(rows=list(rows)), errors=errors, batch=batch
+        )
+
+    event, other = object(), object()
+    whole = DecodeRunLoop._checks_whole
+    assert whole(run([event, event, event])) and whole(run([None, None]))
+    assert not whole(run([event, other, event]))
+    assert not whole(run([None, None], rows=[0]))
+    assert not whole(run([None, None], errors=[{}, {0: ValueError()}]))
+    assert not whole(run([None], checks_last_token_alone=False))
+    assert not whole(run([None], is_streamed=True))
+
+
 @pytest.mark.parametrize("point", ["forward", "sample"])
 def test_a_fault_in_one_request_fails_it_alone(engines, point):
     single, runs = engines

@@ -8,6 +8,7 @@ import functools
 import re
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -280,3 +281,12 @@ def _tokenizer_of(model: str):
     return PreTrainedTokenizerFast.from_pretrained(
         default_model_path("instruct"), local_files_only=True
     )
+
+
+def test_the_engines_decode_of_a_batch_or_a_tensor_is_the_tokenizers(engine):
+    """What `tokenizer.decode` takes besides one list of ids (a batch of lists, a tensor)
+    goes to it, not to the Rust decode."""
+    ids = engine.encode("Once upon a time")
+    assert engine.decode([ids, ids[:2]]) == engine.tokenizer.decode([ids, ids[:2]])
+    assert engine.decode(torch.tensor(ids)) == engine.tokenizer.decode(ids)
+    assert engine.decode([]) == ""
