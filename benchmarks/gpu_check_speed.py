@@ -388,15 +388,23 @@ def _overhead_run(
 
 def _graph_paths(engine: Any, run: Callable[[], Any]) -> dict[str, int] | None:
     """`run()` with the decode graphs' fast paths counted (None without graphs): draws,
-    those that took the graph's own tokens, and decode runs replayed as one graph. (Only
+    those that took the graph's own tokens, decode runs replayed as graphs (those shorter
+    than `decode_steps` in pieces) and runs committed at once. (Only
     for a run that is not timed: the counting wraps calls of the loop.)"""
     runner = engine.runner
     graphs = runner.graphs
     if graphs is None:
         run()
         return None
-    counts = {"draws_asked": 0, "draws_from_graph": 0, "runs_as_one_graph": 0}
+    counts = {
+        "draws_asked": 0,
+        "draws_from_graph": 0,
+        "runs_as_one_graph": 0,  # (a shorter run's pieces counted as one)
+        "shorter_runs_in_pieces": 0,
+        "runs_committed_whole": 0,
+    }
     greedy_tokens, run_greedy = runner.greedy_tokens, graphs.run_greedy
+    commit_whole = engine._commit_whole
 
     def counted_greedy_tokens(*args):
         tokens = greedy_tokens(*args)
@@ -406,13 +414,20 @@ def _graph_paths(engine: Any, run: Callable[[], Any]) -> dict[str, int] | None:
 
     def counted_run_greedy(*args):
         counts["runs_as_one_graph"] += 1
+        counts["shorter_runs_in_pieces"] += args[1].shape[0] + 1 < graphs.run_steps
         return run_greedy(*args)
 
+    def counted_commit_whole(*args):
+        done = commit_whole(*args)
+        counts["runs_committed_whole"] += done
+        return done
+
     runner.greedy_tokens, graphs.run_greedy = counted_greedy_tokens, counted_run_greedy
+    engine._commit_whole = counted_commit_whole
     try:
         run()
     finally:
-        del runner.greedy_tokens, graphs.run_greedy
+        del runner.greedy_tokens, graphs.run_greedy, engine._commit_whole
     return counts
 
 

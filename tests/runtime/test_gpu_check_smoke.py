@@ -114,3 +114,30 @@ def test_the_large_models_builder_writes_a_checkpoint_both_sides_read_alike(
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     with Engine(str(path), dtype="float32") as engine:
         assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == expected
+
+
+def test_the_graph_paths_count_what_a_decode_run_took(tiny_path):
+    """`decode_overhead`'s `graph_paths_in_warm_up` on the eager graph path: every decode
+    run replayed as graphs (the last, of 2 steps after runs of 4, in pieces) and committed
+    at once; the plain engine's draws never took a graph's tokens."""
+    import sys
+
+    from lmprog_runtime import Engine
+    from lmprog_runtime.cuda_graph import DecodeGraphRunner
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_check_speed
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with Engine(tiny_path, attention_backend="torch", decode_steps=4) as engine:
+        engine._launches_ahead = True  # (as on a GPU)
+        engine.runner.graphs = DecodeGraphRunner(engine.runner, capture=False)
+        counts = gpu_check_speed._graph_paths(
+            engine, lambda: engine.generate(["Hi", "Once upon a time"], params)
+        )
+        runs = engine.stats()["decode_runs"]
+    assert counts["runs_as_one_graph"] == counts["runs_committed_whole"] == runs == 3
+    assert counts["shorter_runs_in_pieces"] == 1  # (11 tokens after the first: 4, 4, 3)
+    assert counts["draws_from_graph"] == 0
