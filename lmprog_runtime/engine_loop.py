@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmprog_runtime.decode_run import DecodeRunLoop, Run
-from lmprog_runtime.forward_batch import ForwardMode
+from lmprog_runtime.forward_batch import ForwardMode, RowsOf
 from lmprog_runtime.kvcache.radix_view import snapshot
 from lmprog_runtime.logprobs import (
     TokenLogprob,
@@ -232,14 +232,14 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
 
     def _account(
         self, batch: ScheduledBatch, rows: list[list[int]], forward_seconds: float
-    ) -> tuple[list[Req], dict[int, list[int]]]:
+    ) -> tuple[list[Req], RowsOf]:
         """A forward's K/V to its requests and its counters to the stats. Returns the
         requests whose prompt is now done, and each request's logits rows by id()."""
         ready = self.scheduler.on_forward_done(batch)
         batch.kv_committed = True
         num_running = len(self.scheduler.running)
         self._stats.record_step(batch, num_running=num_running, forward_seconds=forward_seconds)
-        return ready, {id(req): req_rows for req, req_rows in zip(batch.reqs, rows)}
+        return ready, RowsOf(batch.reqs, rows)
 
     def _to_draw(self, ready: list[Req]) -> list[Req]:
         """Of the requests whose prompt is done, finish the prefill-only ones; returns
@@ -305,9 +305,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         batch.narrow(kept)
         return (torch.cat(parts) if parts else torch.empty(0, device=self.runner.device)), rows
 
-    def _sample(
-        self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
-    ) -> list[Req]:
+    def _sample(self, reqs: list[Req], logits: torch.Tensor, row_of: RowsOf) -> list[Req]:
         """Draw each request's next token and append it, unchecked; a request whose
         sampling raises fails alone. Returns the requests that got a token."""
         appended = []
@@ -325,14 +323,14 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
             req.output_top_logprobs.append(req.logprob_entries(logprob[1]))
 
     def _draw(
-        self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
+        self, reqs: list[Req], logits: torch.Tensor, row_of: RowsOf
     ) -> list[tuple[Req, int, TokenLogprob | None]]:
         """(request, token, logprob) for each request, sampled as one batch; a request whose
         row raises fails alone (`sample_each`)."""
         reqs, rows = self._rows_to_draw(reqs, logits.shape[-1])
         if not reqs:
             return []
-        index = [row_of[id(r)][-1] for r in reqs]
+        index = row_of.last_rows(reqs)
         token_ids = self.runner.greedy_tokens(logits, index, rows)
         errors: dict[int, Exception] = {}
         if token_ids is None:  # (else drawn in the decode graph)
@@ -390,7 +388,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         return [row for i, row in enumerate(zip(reqs, ids, logprobs)) if i not in errors]
 
     def _record_prompt_logprobs(
-        self, reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
+        self, reqs: list[Req], logits: torch.Tensor, row_of: RowsOf
     ) -> None:
         for req in reqs:
             try:

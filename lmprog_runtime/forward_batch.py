@@ -9,8 +9,11 @@ lengths, for backends that plan on the host.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
@@ -107,3 +110,27 @@ def resolve_future_ids(input_ids: torch.Tensor, future_tokens: torch.Tensor) -> 
     """
     rows = (-input_ids - 1).clamp_(min=0)
     return torch.where(input_ids < 0, future_tokens[rows], input_ids)
+
+
+class RowsOf:
+    """A forward's logits rows of each of its requests (`rows[i]` request i's, in the
+    batch's order), by `id(request)`. The dict by id is built only when a request is asked
+    for out of that order: a decode step reads its batch's last rows in order
+    (`last_rows`), which costs a pass over the rows and no dict."""
+
+    __slots__ = ("reqs", "rows", "_by_id")
+
+    def __init__(self, reqs: Sequence[Any], rows: Sequence[list[int]]) -> None:
+        self.reqs, self.rows = reqs, rows
+        self._by_id: dict[int, list[int]] | None = None
+
+    def __getitem__(self, key: int) -> list[int]:
+        if self._by_id is None:
+            self._by_id = {id(req): rows for req, rows in zip(self.reqs, self.rows)}
+        return self._by_id[key]
+
+    def last_rows(self, reqs: Sequence[Any]) -> list[int]:
+        """Each of `reqs`' last row (the row its next token is drawn from)."""
+        if len(reqs) == len(self.reqs) and all(map(operator.is_, reqs, self.reqs)):
+            return [rows[-1] for rows in self.rows]
+        return [self[id(req)][-1] for req in reqs]

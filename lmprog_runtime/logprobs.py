@@ -17,6 +17,8 @@ import torch
 from lmprog_runtime.transfer import index_tensor, to_host_async
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from lmprog_runtime.request import Req
 
 # A drawn token's logprob and its top alternatives' (logprob, token), best first.
@@ -84,7 +86,7 @@ def token_logprobs(
 
 
 def record_prompt_logprobs(
-    reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
+    reqs: list[Req], logits: torch.Tensor, row_of: Mapping[int, list[int]]
 ) -> None:
     """Prompt-token logprobs of requests whose prefill just finished (from their rows)."""
     for req in reqs:
@@ -111,7 +113,7 @@ def record_prompt_logprobs(
 
 
 def record_next_token_alternatives(
-    reqs: list[Req], logits: torch.Tensor, row_of: dict[int, list[int]]
+    reqs: list[Req], logits: torch.Tensor, row_of: Mapping[int, list[int]]
 ) -> None:
     """A prefill-only request (`max_new_tokens=0`) that asks for top logprobs gets the next
     token's `top_logprobs_num` most likely alternatives as `output_top_logprobs[0]`, no

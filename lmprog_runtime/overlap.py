@@ -92,12 +92,21 @@ class InFlight:
     batch: ScheduledBatch
     rows: list[list[int]]
     future: Future
-    index: dict[int, int] = field(init=False)  # id(request) -> its index in `batch`
     left: set[int] = field(default_factory=set)  # indices of the requests that left
     table_rows: torch.Tensor | None = None  # the batch's table rows on the device, as sent
+    launched: list[Req] = field(init=False)  # the batch's requests as launched
+    _index: dict[int, int] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.index = {id(req): i for i, req in enumerate(self.batch.reqs)}
+        self.launched = self.batch.reqs  # (narrowing rebinds `batch.reqs`: this stays)
+
+    @property
+    def index(self) -> dict[int, int]:
+        """id(request) -> its index in the batch as launched; built at the first request
+        that leaves (most forwards have none)."""
+        if self._index is None:
+            self._index = {id(req): i for i, req in enumerate(self.launched)}
+        return self._index
 
     def slots_of(self, i: int) -> torch.Tensor:
         """Request i's new KV slots (a view; `i` as launched, before `drop_left`)."""
@@ -242,7 +251,7 @@ class OverlapLoop:
             self._stats.add("forward_seconds", timer.seconds())
             self._record_prompt_logprobs(ready, logits, row_of)
         to_sample, rows = self._rows_to_draw(self._to_draw(ready), logits.shape[-1])
-        index = [row_of[id(req)][-1] for req in to_sample]
+        index = row_of.last_rows(to_sample)
         table_rows: list[int] | torch.Tensor = [req.req_pool_idx for req in to_sample]
         if flight.table_rows is not None and _all_of(to_sample, flight):
             table_rows = flight.table_rows  # (already on the device: no copy)
@@ -265,12 +274,13 @@ class OverlapLoop:
             return []
         if not drawing.forward_counted:
             self._stats.add("forward_seconds", seconds)
-        keep = [i for i, req in enumerate(drawing.reqs) if not req.done.is_set()]
-        if len(keep) < len(drawing.reqs):
+        reqs = drawing.reqs
+        keep = [i for i, req in enumerate(reqs) if not req.done.is_set()]
+        if len(keep) < len(reqs):
             position = {i: j for j, i in enumerate(keep)}
             errors = {position[i]: e for i, e in errors.items() if i in position}
             ids, logprobs = [ids[i] for i in keep], [logprobs[i] for i in keep]
-        reqs = [drawing.reqs[i] for i in keep]
+            reqs = [reqs[i] for i in keep]
         appended = []
         for req, token, logprob in self._drawn(reqs, ids, errors, logprobs):
             req.output_ids[-1] = token  # its placeholder
