@@ -46,8 +46,10 @@ def measure(root: Path, batch: int) -> dict:
 
         setattr(owner, name, wrapper)
 
+    def prefill(args, out) -> bool:  # (a decode step's commit caches no prompt)
+        return args[1].mode.name == "EXTEND"
+
     timed(scheduler.Scheduler, "_schedule_extend", "admit", lambda args, out: out is not None)
-    prefill = lambda args, out: args[1].mode.name == "EXTEND"  # noqa: E731
     timed(scheduler.Scheduler, "on_forward_done", "cache_prompt", prefill)
     timed(engine_loop.EngineLoop, "_finish", "finish")
     prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]

@@ -20,7 +20,6 @@ runtime too (a git worktree under /tmp, its own model cache), each side in its o
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import statistics
@@ -146,20 +145,8 @@ def count(root: Path, loop: str, batch: int, tokens: int) -> dict:
     }
 
 
-def side(root: Path, loop: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", str(root), "--loop", loop]
-    cmd += ["--batch", str(args.batch), "--tokens", str(args.tokens)]
-    return harness.run_side(cmd, root, env)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=16, help="new tokens per request")
-    parser.add_argument("--baseline", default=None, help="a commit to compare against")
-    parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--loop", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = harness.loop_count_args(__doc__.split("\n\n")[0], tokens=16)
     if args.side:
         print(json.dumps(count(Path(args.side), args.loop, args.batch, args.tokens)))
         return
@@ -168,7 +155,10 @@ def main() -> None:
     print("outside the graph's forward, on the loop thread (median of the steady steps),")
     print("views (no kernel, only the dispatcher's time) counted apart")
     for loop in LOOPS:
-        counted = {name: side(root, loop, args, env) for name, (root, env) in sides.items()}
+        counted = {
+            name: harness.run_loop_side(__file__, root, loop, args, env)
+            for name, (root, env) in sides.items()
+        }
         cells = [f"{name} {c['median']:g} (+{c['views']:g} views)" for name, c in counted.items()]
         print(f"  {loop:36}: " + "; ".join(cells))
         for name, c in counted.items():

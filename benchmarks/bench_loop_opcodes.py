@@ -14,7 +14,6 @@ side in its own process.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -83,27 +82,18 @@ def count(root: Path, loop: str, batch: int, tokens: int) -> dict:
     }
 
 
-def side(root: Path, loop: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", str(root), "--loop", loop]
-    cmd += ["--batch", str(args.batch), "--tokens", str(args.tokens)]
-    return harness.run_side(cmd, root, env)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=32, help="new tokens per request")
-    parser.add_argument("--baseline", default=None, help="a commit to compare against")
-    parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--loop", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = harness.loop_count_args(__doc__.split("\n\n")[0], tokens=32)
     if args.side:
         print(json.dumps(count(Path(args.side), args.loop, args.batch, args.tokens)))
         return
     sides = harness.sides(args.baseline)
     print(f"batch {args.batch}, {args.tokens} new tokens, greedy; opcodes on the loop thread")
     for loop in LOOPS:
-        counted = {name: side(root, loop, args, env) for name, (root, env) in sides.items()}
+        counted = {
+            name: harness.run_loop_side(__file__, root, loop, args, env)
+            for name, (root, env) in sides.items()
+        }
         cells = [f"{name} {c['median']:,.0f} / {c['total']:,}" for name, c in counted.items()]
         line = f"  {loop:24}: median iteration / generate: " + "; ".join(cells)
         if args.baseline:

@@ -352,3 +352,26 @@ def run_side(cmd: list[str], root: Path, env: dict[str, str]) -> dict[str, Any]:
     if not Path(result["runtime"]).resolve().is_relative_to(root):
         raise RuntimeError(f"ran {result['runtime']}, not {root}'s runtime")
     return result
+
+
+def loop_count_args(description: str, tokens: int) -> argparse.Namespace:
+    """The arguments of a benchmark that counts a loop's work per iteration, each tree's
+    in a process of its own (`bench_loop_opcodes.py`, `bench_eager_ops.py`): --batch,
+    --tokens (`tokens` by default), --baseline, and the hidden --side and --loop that one
+    side's process runs with (`run_loop_side`)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=tokens, help="new tokens per request")
+    parser.add_argument("--baseline", default=None, help="a commit to compare against")
+    parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--loop", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def run_loop_side(
+    script: str, root: Path, loop: str, args: argparse.Namespace, env: dict[str, str]
+) -> dict[str, Any]:
+    """`script` counting `loop` on `root`'s runtime (`run_side`), with `args`' sizes."""
+    cmd = [sys.executable, str(Path(script).resolve()), "--side", str(root), "--loop", loop]
+    cmd += ["--batch", str(args.batch), "--tokens", str(args.tokens)]
+    return run_side(cmd, root, env)

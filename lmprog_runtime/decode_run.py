@@ -413,16 +413,18 @@ class DecodeRunLoop:
         columns = list(zip(*read))  # [n][K]: each request's tokens
         if any(min(columns[i]) < 0 for i in live):
             return False
-        still = [0] * len(read)  # requests still running at each step
+        taken = []
         for i in live:
             req = reqs[i]
             took = req.append_run(columns[i])
             req.kv_len += took
             run.slots.used[i] += took
+            taken.append(took)
+        still = [0] * max(taken)  # requests still running at each step up to the last finish
+        for took in taken:
             still[took - 1] += 1
         for k in range(len(still) - 2, -1, -1):
             still[k] += still[k + 1]
-        still = still[: next((k for k, n in enumerate(still) if n == 0), len(still))]
         self._stats.record_decode_steps(
             still, num_running=len(self.scheduler.running), forward_seconds=run.seconds
         )
