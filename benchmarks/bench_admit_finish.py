@@ -1,7 +1,9 @@
-"""The loop's fixed costs per request: its CPU time admitting a batch of requests
-(`Scheduler._schedule_extend`), putting their prompts in the prefix cache after the
-prefill (`Scheduler.on_forward_done`) and finishing them (`EngineLoop._finish`), on the CPU
-(tiny model, 8-token prompts, 2 new tokens, greedy; best of 5). A benchmark of N new
+"""The engine's fixed costs per request: the caller's CPU time building the requests
+(`Engine._make_reqs`: checking the arguments, reading the sampling parameters), and the
+loop's admitting them (`Scheduler._schedule_extend`), putting their prompts in the prefix
+cache after the prefill (`Scheduler.on_forward_done`) and finishing them
+(`EngineLoop._finish`), on the CPU (tiny model, 8-token prompts, 2 new tokens, greedy;
+best of 5; each on the thread it runs on). A benchmark of N new
 tokens pays them in every step's average, divided by N. `--baseline COMMIT` times that
 commit's runtime too, the two alternated, each run in its own process.
 
@@ -22,15 +24,16 @@ import harness
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# admitting a batch; after its prefill, putting the prompts in the prefix cache (each
-# request's row then reads the tree's slots); finishing each request.
-WHAT = ("admit", "cache_prompt", "finish")
+# building the requests (the caller's thread); admitting a batch; after its prefill,
+# putting the prompts in the prefix cache (each request's row then reads the tree's
+# slots); finishing each request.
+WHAT = ("make", "admit", "cache_prompt", "finish")
 
 
 def measure(root: Path, batch: int) -> dict:
     """(run in a process of its own, `root`'s runtime first on the path)"""
     sys.path.insert(0, str(root))
-    from lmprog_runtime import Engine, default_model_path, engine_loop, scheduler
+    from lmprog_runtime import Engine, default_model_path, engine, engine_loop, scheduler
 
     spent = dict.fromkeys(WHAT, 0.0)
 
@@ -49,6 +52,7 @@ def measure(root: Path, batch: int) -> dict:
     def prefill(args, out) -> bool:  # (a decode step's commit caches no prompt)
         return args[1].mode.name == "EXTEND"
 
+    timed(engine.Engine, "_make_reqs", "make")
     timed(scheduler.Scheduler, "_schedule_extend", "admit", lambda args, out: out is not None)
     timed(scheduler.Scheduler, "on_forward_done", "cache_prompt", prefill)
     timed(engine_loop.EngineLoop, "_finish", "finish")
@@ -56,12 +60,12 @@ def measure(root: Path, batch: int) -> dict:
     params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
     best = dict.fromkeys(WHAT, float("inf"))
     path = default_model_path("tiny")
-    with Engine(path, max_running_requests=batch, max_prefill_tokens=16384) as engine:
-        engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
+    with Engine(path, max_running_requests=batch, max_prefill_tokens=16384) as running:
+        running.generate(input_ids=prompts, sampling_params=params)  # warm-up
         for _ in range(5):
-            engine.flush_cache()
+            running.flush_cache()
             spent.update(dict.fromkeys(WHAT, 0.0))
-            engine.generate(input_ids=prompts, sampling_params=params)
+            running.generate(input_ids=prompts, sampling_params=params)
             best = {k: min(best[k], spent[k]) for k in best}
     return {f"{k}_ms": 1e3 * v for k, v in best.items()}
 
@@ -90,7 +94,8 @@ def main() -> None:
             root, env = sides[name]
             cmd = [sys.executable, __file__, "--side", str(root), "--batch", args.batch]
             seen[name].append(harness.run_side(cmd, root, env))
-    print("loop CPU time (ms), range over the rounds, best of 5 within each")
+    print("CPU time (ms; make on the caller's thread, the rest on the loop's), range over")
+    print("the rounds, best of 5 within each")
     for b in batches:
         for what in WHAT:
             cells = []

@@ -54,11 +54,9 @@ def normalize_generate_inputs(
         ids_list = [input_ids] if is_single else input_ids
         vocab = engine.runner.model_config.vocab_size
         for ids in ids_list:
-            if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids
-            ):
+            if not isinstance(ids, list) or not _all_ints(ids):
                 raise TypeError("input_ids must be a list of ints or a list of lists of ints")
-            if any(not 0 <= t < vocab for t in ids):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise ValueError(f"input_ids contain a token id outside [0, {vocab})")
     if not ids_list:
         raise ValueError("prompt list is empty")
@@ -71,10 +69,15 @@ def normalize_generate_inputs(
     texts = _per_request("return_text_in_logprobs", return_text_in_logprobs, num, bool, False)
 
     items = []
+    # Each distinct dict is read once (the requests of one call share what it says, which
+    # nothing changes later): one dict for a whole batch is the usual case.
+    parsed: dict[int, SamplingParams] = {}
     for ids, raw, want_lp, start, top, text in zip(
         ids_list, params, logprob_flags, starts, tops, texts
     ):
-        sp = SamplingParams.from_dict(raw)
+        sp = parsed.get(id(raw))
+        if sp is None:
+            sp = parsed[id(raw)] = SamplingParams.from_dict(raw)
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
         if start < -1:
@@ -99,6 +102,13 @@ def normalize_generate_inputs(
     return items, is_single
 
 
+def _all_ints(ids: list[Any]) -> bool:
+    """Whether every entry is an int (not a bool); a list of plain ints is told in C."""
+    if set(map(type, ids)) <= {int}:
+        return True
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+
+
 def _per_request(name: str, value: Any, num: int, kind: type, default: Any = None) -> list[Any]:
     """Broadcast a scalar argument to every request, or check a per-request list's length;
     None (the argument's, or an entry's) stands for `default`."""
@@ -107,7 +117,7 @@ def _per_request(name: str, value: Any, num: int, kind: type, default: Any = Non
             raise ValueError(f"{name} has {len(value)} entries for {num} prompts")
         values = value
     else:
-        values = [value] * num
+        values = [value]  # (checked once, then broadcast)
     for v in values:
         if v is None:
             continue
@@ -117,4 +127,6 @@ def _per_request(name: str, value: Any, num: int, kind: type, default: Any = Non
             raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
         if kind is dict and not isinstance(v, dict):
             raise TypeError(f"{name} must be a dict, got {type(v).__name__}")
+    if values is not value:
+        return [default if value is None else value] * num
     return [default if v is None else v for v in values]

@@ -65,6 +65,7 @@ loop's stream, as each does.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import operator
 import time
@@ -96,6 +97,7 @@ class InFlight:
     table_rows: torch.Tensor | None = None  # the batch's table rows on the device, as sent
     launched: list[Req] = field(init=False)  # the batch's requests as launched
     _index: dict[int, int] | None = field(default=None, init=False)
+    _starts: list[int] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.launched = self.batch.reqs  # (narrowing rebinds `batch.reqs`: this stays)
@@ -110,8 +112,9 @@ class InFlight:
 
     def slots_of(self, i: int) -> torch.Tensor:
         """Request i's new KV slots (a view; `i` as launched, before `drop_left`)."""
-        start = sum(self.batch.extend_lens[:i])
-        return self.batch.out_cache_loc[start : start + self.batch.extend_lens[i]]
+        if self._starts is None:  # (at the first request that leaves, as `index`)
+            self._starts = list(itertools.accumulate(self.batch.extend_lens, initial=0))
+        return self.batch.out_cache_loc[self._starts[i] : self._starts[i + 1]]
 
     def drop_left(self) -> None:
         """Narrow the batch (and its rows) to the requests that stayed."""

@@ -76,7 +76,7 @@ class Req:
         # Its draws on a CPU come from its generator, on an accelerator from its seed
         # (`sampling.draw`).
         self.seed = params.seed if params.seed is not None else seed
-        self.generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        self._generator: torch.Generator | None = None  # (`generator`, made when first asked)
         self.matcher = matcher  # constrained decoding: which tokens may come next
         self.grammar_eos = grammar_eos
         self.grammar = grammar  # the compiled constraint (a new matcher after a jump)
@@ -160,6 +160,15 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The generator its draws on a CPU come from, seeded with `seed`; made at its first
+        use (a greedy request never draws from one, and making one costs microseconds a
+        request)."""
+        if self._generator is None:
+            self._generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        return self._generator
 
     @property
     def is_streamed(self) -> bool:

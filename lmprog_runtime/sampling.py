@@ -50,14 +50,14 @@ NO_MASS = (
 
 class SampleRow(NamedTuple):
     """What sampling reads of one request, taken when its row is drawn: its parameters,
-    generator and race key (`keyed_race.race_key` of its seed and the tokens it has so far;
-    0 when greedy), its row of penalty counts (when it has penalties), the tokens it may
+    generator (None when greedy: a greedy row draws from none) and race key
+    (`keyed_race.race_key` of its seed and the tokens it has so far; 0 when greedy), its row of penalty counts (when it has penalties), the tokens it may
     not draw yet (EOS and stop tokens under min_new_tokens) and its grammar's allowed
     tokens as bits."""
 
     rid: int
     params: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator | None
     key: int
     penalty: PenaltyRow | None
     banned: list[int]
@@ -102,8 +102,10 @@ def sample_rows(
         if ends and req.matcher.is_complete():
             req.end_words, mask = mask, None
         greedy = params.is_greedy
-        key = 0 if greedy else race_key(req.seed, len(req.output_ids))
-        row = SampleRow(req.rid, params, req.generator, key, penalty, banned, mask)
+        key, generator = 0, None
+        if not greedy:
+            key, generator = race_key(req.seed, len(req.output_ids)), req.generator
+        row = SampleRow(req.rid, params, generator, key, penalty, banned, mask)
         row_plain = greedy and penalty is None and mask is None and not banned
         if row_plain and req.matcher is None and req.can_stop:
             # Nothing of it changes at later draws (can_stop stays reached; no grammar,

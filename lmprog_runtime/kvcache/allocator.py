@@ -11,7 +11,12 @@ bookkeeping: slot indices live in CPU tensors, whatever device holds the K/V.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
+
+from lmprog_runtime.transfer import host_ints
 
 
 class TokenSlotAllocator:
@@ -89,6 +94,24 @@ class TokenSlotAllocator:
         assert last_slot is not None
         tail = torch.arange(last_slot + 1, last_slot + 1 + room, device="cpu")
         return torch.cat([tail, fresh])
+
+    def alloc_fresh(self, counts: Sequence[int]) -> torch.Tensor | None:
+        """`alloc(n)` for each n of `counts` (owners that each start on a fresh page), from
+        one take of the free list: their slots one after another, in order; None if the
+        pages run short (then nothing is taken)."""
+        ps = self.page_size
+        pages_each = [-(-n // ps) for n in counts]
+        pages = self._take(sum(pages_each))
+        if pages is None or ps == 1:
+            return pages
+        slots = (pages[:, None] * ps + torch.arange(ps, device="cpu")).reshape(-1)
+        if all(n % ps == 0 for n in counts):
+            return slots
+        # Each owner's first n slots of its pages (the rest of its last page stays its own).
+        blocks = host_ints([p * ps for p in pages_each])
+        starts = host_ints(list(itertools.accumulate(pages_each, initial=0))[:-1]) * ps
+        within = torch.arange(slots.numel(), device="cpu") - starts.repeat_interleave(blocks)
+        return slots[within < host_ints(counts).repeat_interleave(blocks)]
 
     def alloc_decode(self, last_slots: torch.Tensor) -> torch.Tensor | None:
         """One new slot after each of `last_slots` ([batch] int64); None if pages run out."""

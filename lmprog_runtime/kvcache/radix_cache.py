@@ -25,6 +25,10 @@ from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
 _node_ids = itertools.count()
 
 
+# A match of nothing (read only: a miss costs no new tensor).
+_NO_SLOTS = torch.empty(0, dtype=torch.int64, device="cpu")
+
+
 class TreeNode:
     __slots__ = (
         "children",
@@ -103,8 +107,7 @@ class RadixCache:
             child.hit_count += 1
             values.append(child.value)
             node, key = child, key[n:]
-        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device="cpu")
-        return MatchResult(slots, node)
+        return MatchResult(torch.cat(values) if values else _NO_SLOTS, node)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Add `key` (page-aligned length) with its slots; return how many leading tokens

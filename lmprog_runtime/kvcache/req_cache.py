@@ -82,17 +82,19 @@ class ReqCache:
         """Give a leaving request's KV to the tree (unless `insert` is False), free the rest."""
         if req.req_pool_idx is None:
             return
-        row = self.req_to_token.host_table[req.req_pool_idx]
+        table, row = self.req_to_token.host_table, req.req_pool_idx
         kv_len = req.kv_len
         start = req.tree_len
         if self.tree is not None and insert:
             n = kv_len // self.page_size * self.page_size
             if n > req.tree_len:
-                value = row[:n]  # (a view: `insert` copies what it keeps, `free` reads it)
+                value = table[row, :n]  # (a view: `insert` copies what it keeps)
                 already = self.tree.insert(req.fill_ids[:n], value)
-                self.allocator.free(value[req.tree_len : already])
+                if already > req.tree_len:
+                    self.allocator.free(value[req.tree_len : already])
                 start = n
-        self.allocator.free(row[start:kv_len])
+        if kv_len > start:  # (each CPU op costs the loop microseconds a request)
+            self.allocator.free(table[row, start:kv_len])
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)
         self.req_to_token.free(req.req_pool_idx)

@@ -42,6 +42,7 @@ NAN, INF = float("nan"), float("inf")
         ({"prompt": "hi", "sampling_params": {"stop": [""]}}, "stop"),
         ({"prompt": ["a", "b"], "sampling_params": [OK]}, "sampling_params has 1 entries"),
         ({"input_ids": [1, 2, 10**6]}, "outside"),
+        ({"input_ids": [[1, 2], [3, -1]]}, "outside"),
         ({"prompt": "hi", "input_ids": [1]}, "exactly one"),
         ({"prompt": "hi", "logprob_start_len": -2}, "logprob_start_len"),
     ],
@@ -82,6 +83,11 @@ def test_none_stands_for_the_default_of_the_logprob_arguments(engine):
         {"prompt": "hi", "sampling_params": {"max_new_tokens": 2.5}},
         {"prompt": "hi", "sampling_params": "greedy"},
         {"input_ids": ["a"]},
+        {"input_ids": [1, True]},  # (a bool is an int to Python, never a token)
+        {"input_ids": [[1, 2], [3, 2.0]]},
+        {"prompt": ["a", "b"], "return_logprob": "yes"},
+        {"prompt": ["a", "b"], "top_logprobs_num": [1, "2"]},
+        {"prompt": ["a", "b"], "sampling_params": [OK, "greedy"]},
     ],
 )
 def test_wrong_types_are_type_errors(engine, kwargs):

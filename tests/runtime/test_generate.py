@@ -301,3 +301,24 @@ def test_generation_stops_at_the_context_length(tiny_path):
         )
         assert len(out["output_ids"]) == 12
         assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_one_sampling_dict_for_a_batch_draws_as_one_dict_per_request(engine):
+    """The requests of one call read a shared dict once; each still draws from its own
+    seed (a seeded one as the same dict alone), and a greedy request makes no generator."""
+    sampled = {"max_new_tokens": 6, "temperature": 0.9, "seed": 5}
+    together = engine.generate(PROMPTS[:3], sampled)
+    alone = [engine.generate(p, dict(sampled)) for p in PROMPTS[:3]]
+    assert [o["output_ids"] for o in together] == [o["output_ids"] for o in alone]
+    unseeded = {"max_new_tokens": 6, "temperature": 0.9}
+    reqs, _ = engine._make_reqs(None, unseeded, [[5, 6], [5, 6]], False, -1, 0, False, stream=False)
+    assert reqs[0].params is reqs[1].params and reqs[0].seed != reqs[1].seed
+    greedy = {"max_new_tokens": 4, "temperature": 0}
+    (req,), _ = engine._make_reqs(None, greedy, [5, 6, 7], False, -1, 0, False, stream=False)
+    assert engine.generate(input_ids=[5, 6, 7], sampling_params=greedy)["output_ids"]
+    from lmprog_runtime.sampling import sample_rows
+
+    rows = sample_rows([req, *reqs], engine.runner.model_config.vocab_size, engine.penalty_counts)
+    assert rows[0].generator is None and req._generator is None  # greedy: none made
+    state = torch.Generator().manual_seed(reqs[0].seed).get_state()
+    assert torch.equal(rows[1].generator.get_state(), state)

@@ -68,3 +68,46 @@ def test_req_to_token_rows():
         pool.free(a)
     pool.free(b)
     assert pool.num_free == 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 4]),
+    churn=st.lists(st.integers(1, 9), max_size=6),
+    counts=st.lists(st.integers(1, 11), min_size=1, max_size=6),
+)
+def test_alloc_fresh_equals_one_alloc_per_owner(page_size, churn, counts):
+    """`alloc_fresh(counts)` hands out exactly what `alloc(n)` for each count, in order,
+    would have (on an allocator in the same state, its free list shuffled by frees), or
+    None with nothing taken."""
+    one, each = TokenSlotAllocator(48, page_size), TokenSlotAllocator(48, page_size)
+    for allocator in (one, each):  # the same history on both: freed pages reordered
+        taken = [allocator.alloc(n) for n in churn]
+        for slots in reversed(taken[::2]):
+            if slots is not None:
+                allocator.free(slots)
+    before = one.num_free
+    got = one.alloc_fresh(counts)
+    pages = sum(-(-n // page_size) for n in counts)
+    if pages * page_size > before:
+        assert got is None and one.num_free == before
+        return
+    want = [each.alloc(n) for n in counts]
+    assert got is not None and got.dtype == torch.int64
+    assert got.tolist() == torch.cat(want).tolist()
+    assert one.num_free == each.num_free == before - pages * page_size
+    for slots in want:  # the slots are the allocator's to free, each once
+        one.free(slots)
+    with pytest.raises(RuntimeError, match="double free"):
+        one.free(want[0])
+
+
+def test_a_request_row_is_freed_once_and_only_in_range():
+    pool = ReqToTokenPool(3, 8, "cpu")
+    row = pool.alloc()
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free(pool._free_rows[0])  # never handed out
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free(3)  # the padding row
+    pool.free(row)
+    assert pool.num_free == 3 and sorted(pool.alloc() for _ in range(3)) == [0, 1, 2]
