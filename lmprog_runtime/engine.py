@@ -113,6 +113,7 @@ class Engine(EngineLoop):
         self._worker = ForwardWorker(runner) if self.config.is_overlapped else None
         self._in_flight: InFlight | None = None
         self._runs: list[RunSlots] = []  # the decode runs launched and not yet committed
+        self._released = 0  # requests the loop has finished (`_finish`), counted
         self.penalty_counts = PenaltyCounts()  # penalised requests' token counts
         # Decode runs are launched ahead of the commit before them where launching queues
         # work and returns (off a CPU; the tests and bench_host_path.py turn it on there).

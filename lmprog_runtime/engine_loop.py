@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -218,7 +218,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         self,
         batch: ScheduledBatch,
         logits: torch.Tensor,
-        rows: list[list[int]],
+        rows: Sequence[list[int]],
         forward_seconds: float,
     ) -> list[Req]:
         """After the forward: its K/V go to the requests and its counters to the stats, those
@@ -231,7 +231,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         return self._sample(to_sample, logits, row_of) if to_sample else []
 
     def _account(
-        self, batch: ScheduledBatch, rows: list[list[int]], forward_seconds: float
+        self, batch: ScheduledBatch, rows: Sequence[list[int]], forward_seconds: float
     ) -> tuple[list[Req], RowsOf]:
         """A forward's K/V to its requests and its counters to the stats. Returns the
         requests whose prompt is now done, and each request's logits rows by id()."""
@@ -246,13 +246,13 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         those that draw a token now."""
         draw = []
         for req in ready:
-            if req.done.is_set():
+            if req.released:
                 continue
-            if req.max_new_tokens == 0:
+            if req.max_new_tokens > len(req.output_ids):
+                draw.append(req)
+            elif req.max_new_tokens == 0:
                 req.finish_prefill_only()
                 self._finish(req)
-            elif req.max_new_tokens > len(req.output_ids):
-                draw.append(req)
         return draw
 
     def _check(self, reqs: list[Req]) -> None:
@@ -260,7 +260,8 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         told), or a constrained request jumps forward, or a streamed one gets its chunk. A
         request whose check raises fails alone."""
         for req in reqs:
-            if req.done.is_set():  # aborted since its token was drawn (overlap scheduling)
+            # (released: aborted since its token was drawn, with overlap scheduling)
+            if req.released or req.continues_plainly():
                 continue
             try:
                 req.check_last_token()
@@ -278,7 +279,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
                 logger.exception("request %d failed after its step", req.rid)
                 self._finish(req, error)
 
-    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[list[int]]]:
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, Sequence[list[int]]]:
         if self.fault_hook is not None:
             for req in batch.reqs:
                 self.fault_hook("forward", req)
@@ -406,6 +407,8 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         failure while finishing fails the request instead."""
         if req.done.is_set():
             return
+        req.released = True
+        self._released += 1
         self._live.pop(req.rid, None)
         if req.output_ids and req.output_ids[-1] < 0:  # (overlap) a token still being drawn
             req.output_ids.pop()

@@ -112,6 +112,26 @@ def resolve_future_ids(input_ids: torch.Tensor, future_tokens: torch.Tensor) -> 
     return torch.where(input_ids < 0, future_tokens[rows], input_ids)
 
 
+class OneRowEach(Sequence[list[int]]):
+    """A decode forward's logits rows by request: request i's is row i alone, as the list
+    `[[0], [1], ...]` reads, without building it (a decode step would, every step)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):  # (an int; a slice gives a list)
+        if isinstance(i, slice):
+            return [[j] for j in range(self.n)[i]]
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return [i % self.n]
+
+
 class RowsOf:
     """A forward's logits rows of each of its requests (`rows[i]` request i's, in the
     batch's order), by `id(request)`. The dict by id is built only when a request is asked
@@ -132,5 +152,7 @@ class RowsOf:
     def last_rows(self, reqs: Sequence[Any]) -> list[int]:
         """Each of `reqs`' last row (the row its next token is drawn from)."""
         if len(reqs) == len(self.reqs) and all(map(operator.is_, reqs, self.reqs)):
+            if type(self.rows) is OneRowEach:
+                return list(range(len(reqs)))
             return [rows[-1] for rows in self.rows]
         return [self[id(req)][-1] for req in reqs]

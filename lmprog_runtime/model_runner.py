@@ -20,6 +20,7 @@ import array
 import itertools
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ import torch
 from lmprog_runtime.attention import create_attention_backend
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.cuda_graph import DecodeGraphRunner
-from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode, resolve_future_ids
+from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode, OneRowEach, resolve_future_ids
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool, TokenSlotAllocator
 from lmprog_runtime.models import load_model
 from lmprog_runtime.models.cpu import cpu_has_native_bf16
@@ -145,7 +146,7 @@ class ModelRunner:
         budget = int(_available_host_memory() * self.config.mem_fraction) // per_token
         return max(16, min(budget, DEFAULT_CPU_MAX_TOTAL_TOKENS))
 
-    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[list[int]]]:
+    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, Sequence[list[int]]]:
         """Run one forward. Returns logits [num_rows, vocab] (float32, on the model's device)
         and, per request, the logits rows that belong to it (the last one is the next-token
         distribution)."""
@@ -195,7 +196,7 @@ class ModelRunner:
                 rows = index_tensor(rows, self.device)
             self.future_tokens[rows] = token_ids.clamp(min=0)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[list[int]]]:
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, Sequence[list[int]]]:
         """`forward`'s inputs, read from the requests now (on the thread that owns them),
         and each request's logits rows."""
         if batch.mode is ForwardMode.DECODE:
@@ -218,13 +219,13 @@ class ModelRunner:
             rows_per_req.append(mine)
         return self._send(batch, ids, positions, seq_lens, logits_rows), rows_per_req
 
-    def _prepare_decode(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[list[int]]]:
+    def _prepare_decode(self, batch: ScheduledBatch) -> tuple[ForwardBatch, Sequence[list[int]]]:
         """`prepare` for a decode batch: one token per request, its logits row its own."""
         ids = [req.output_ids[-1] for req in batch.reqs]
         positions = batch.prefix_lens
         logits_rows = list(range(len(ids)))
         fb = self._send(batch, ids, positions, [p + 1 for p in positions], logits_rows)
-        return fb, [[i] for i in logits_rows]
+        return fb, OneRowEach(len(ids))
 
     def prepare_run(self, batch: ScheduledBatch, ahead: list[torch.Tensor]) -> list[ForwardBatch]:
         """The inputs of a decode run (`decode_run.py`): `batch`'s step, then one step per

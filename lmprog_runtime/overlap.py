@@ -69,6 +69,7 @@ import itertools
 import logging
 import operator
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -91,7 +92,7 @@ class InFlight:
     future, and the requests that left it while it ran (finished or jumped forward)."""
 
     batch: ScheduledBatch
-    rows: list[list[int]]
+    rows: Sequence[list[int]]
     future: Future
     left: set[int] = field(default_factory=set)  # indices of the requests that left
     table_rows: torch.Tensor | None = None  # the batch's table rows on the device, as sent
@@ -133,6 +134,7 @@ class Pending:
     future: Future
     ask: LogprobAsk  # the logprobs drawn with the tokens
     forward_counted: bool = False  # its forward's seconds are in the stats already
+    released: int = 0  # the loop's count of finished requests when it was queued
 
 
 class OverlapLoop:
@@ -184,7 +186,7 @@ class OverlapLoop:
     def _launch(self, batch: ScheduledBatch) -> None:
         """Read `batch`'s inputs from the requests now, then queue its forward on the
         worker. A failure here counts as the forward's: it shows when `batch` is committed."""
-        rows: list[list[int]] = []
+        rows: Sequence[list[int]] = []
         try:
             if self.fault_hook is not None:
                 for req in batch.reqs:
@@ -246,8 +248,9 @@ class OverlapLoop:
         ready, row_of = self._account(batch, flight.rows, 0.0)
         # Requests told now (prefill-only ones), or prompt logprobs to read: the forward
         # must be over first, and its seconds counted before any caller wakes.
-        waits = any(r.max_new_tokens == 0 for r in ready) or (
-            batch.mode is ForwardMode.EXTEND and any(_wants_prompt_logprobs(r) for r in ready)
+        # (A decode batch has neither: it holds no prefill-only request.)
+        waits = batch.mode is ForwardMode.EXTEND and any(
+            r.max_new_tokens == 0 or _wants_prompt_logprobs(r) for r in ready
         )
         if waits:
             logits, timer = self._worker.wait_forward(flight.future)
@@ -255,14 +258,16 @@ class OverlapLoop:
             self._record_prompt_logprobs(ready, logits, row_of)
         to_sample, rows = self._rows_to_draw(self._to_draw(ready), logits.shape[-1])
         index = row_of.last_rows(to_sample)
-        table_rows: list[int] | torch.Tensor = [req.req_pool_idx for req in to_sample]
+        table_rows: list[int] | torch.Tensor
         if flight.table_rows is not None and _all_of(to_sample, flight):
             table_rows = flight.table_rows  # (already on the device: no copy)
+        else:
+            table_rows = [req.req_pool_idx for req in to_sample]
         ask = LogprobAsk.of(to_sample)
         future = self._worker.sample(flight.future, index, rows, table_rows, ask)
         for req in to_sample:
             req.output_ids.append(-(req.req_pool_idx + 1))  # what the next forward reads
-        return Pending(to_sample, future, ask, forward_counted=waits)
+        return Pending(to_sample, future, ask, waits, released=self._released)
 
     def _collect(self, drawing: Pending) -> list[Req]:
         """Wait for a queued draw and put its tokens in place of the placeholders, for the
@@ -278,12 +283,8 @@ class OverlapLoop:
         if not drawing.forward_counted:
             self._stats.add("forward_seconds", seconds)
         reqs = drawing.reqs
-        keep = [i for i, req in enumerate(reqs) if not req.done.is_set()]
-        if len(keep) < len(reqs):
-            position = {i: j for j, i in enumerate(keep)}
-            errors = {position[i]: e for i, e in errors.items() if i in position}
-            ids, logprobs = [ids[i] for i in keep], [logprobs[i] for i in keep]
-            reqs = [reqs[i] for i in keep]
+        if drawing.released != self._released:  # (most steps none finished meanwhile)
+            reqs, ids, errors, logprobs = _still_running(reqs, ids, errors, logprobs)
         appended = []
         for req, token, logprob in self._drawn(reqs, ids, errors, logprobs):
             req.output_ids[-1] = token  # its placeholder
@@ -307,6 +308,19 @@ class OverlapLoop:
         for req, n in zip(flight.batch.reqs, flight.batch.extend_lens):
             req.kv_len += n
             self._finish(req, error)
+
+
+def _still_running(
+    reqs: list[Req], ids: list[int], errors: dict[int, Exception], logprobs: list
+) -> tuple[list[Req], list[int], dict[int, Exception], list]:
+    """A draw's rows of the requests not finished since it was queued (their errors keyed
+    by their new rows)."""
+    keep = [i for i, req in enumerate(reqs) if not req.released]
+    if len(keep) == len(reqs):
+        return reqs, ids, errors, logprobs
+    position = {i: j for j, i in enumerate(keep)}
+    errors = {position[i]: e for i, e in errors.items() if i in position}
+    return [reqs[i] for i in keep], [ids[i] for i in keep], errors, [logprobs[i] for i in keep]
 
 
 def _all_of(reqs: list[Req], flight: InFlight) -> bool:

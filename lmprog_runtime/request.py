@@ -115,6 +115,9 @@ class Req:
         self.output_top_logprobs: list[list[LogprobEntry]] = []
 
         self.done = threading.Event()
+        # Set on the loop thread as it finishes the request (`done` is set at the end of
+        # it): the loop's checks each step read this attribute, not the event.
+        self.released = False
         timeout = params.timeout_s
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.stream_queue: queue.Queue[dict[str, Any] | None] | None = (
@@ -244,6 +247,19 @@ class Req:
         if n >= self.max_new_tokens:
             self.finished_reason = {"type": "length", "length": n}
             self._mark_incomplete_constraint()
+
+    def continues_plainly(self) -> bool:
+        """Whether the last token's check has nothing to do: the request is checked by that
+        token alone (`checks_last_token_alone`), jumps nowhere, is not streamed, and the
+        token does not finish it. (The loop's check of most requests at most steps: cheaper
+        than `check_last_token`'s, which it equals there.)"""
+        if self.matcher is not None or self._has_stops or self.char_fsm is not None:
+            return False
+        if self.stream_queue is not None or self.on_chunk is not None:
+            return False
+        out = self.output_ids
+        n = len(out)
+        return n < self.max_new_tokens and (n < self.min_new_tokens or out[-1] not in self._ends_on)
 
     @property
     def checks_last_token_alone(self) -> bool:

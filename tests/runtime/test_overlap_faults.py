@@ -289,3 +289,36 @@ def test_an_unreferenced_overlapped_engine_is_collected_with_its_threads(tiny_pa
     worker.join(30)
     assert engine_ref() is None
     assert not loop_thread.is_alive() and not worker.is_alive()
+
+
+def test_a_request_finished_while_its_token_is_drawn_keeps_its_output(engines):
+    """A request that finishes between the queuing of its draw and the draw's collection
+    (aborted when the loop takes its callers' inputs, as an abort or a timeout is) gets
+    nothing of that draw: its output stays what it was when it finished, and the others'
+    tokens are the synchronous loop's."""
+    sync, engine = engines
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    want = sync.generate(PROMPTS[:4], params)
+    seen: dict[str, list[int]] = {}
+    take_inputs = engine._take_inputs
+
+    def finishing_one(*args):
+        take_inputs(*args)
+        for req in list(engine._live.values()):
+            pending = req.output_ids and req.output_ids[-1] < 0  # (its token is drawn now)
+            if req.input_ids == engine.encode(PROMPTS[1]) and pending and len(req.output_ids) > 4:
+                engine._finish(req, RequestAborted("finished while drawn"), keep_prefix=True)
+                seen["at_finish"] = list(req.output_ids)
+                seen["req"] = req
+
+    engine._take_inputs = finishing_one
+    try:
+        futures = engine.submit(PROMPTS[:4], params)
+        results = [f.exception() or f.result() for f in futures]
+    finally:
+        del engine._take_inputs
+    assert isinstance(results[1], RequestAborted)
+    assert seen["req"].output_ids == seen["at_finish"]
+    assert seen["at_finish"] == want[1]["output_ids"][: len(seen["at_finish"])]
+    for i in (0, 2, 3):
+        assert results[i]["output_ids"] == want[i]["output_ids"]

@@ -63,3 +63,40 @@ def test_stop_strings_and_grammars_are_checked_token_by_token():
     grammar = make_req({}, frozenset(), [])
     grammar.matcher = object()
     assert not grammar.checks_last_token_alone
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    eos=st.frozensets(TOKENS, max_size=2),
+    stops=st.lists(TOKENS, max_size=2),
+    ignore_eos=st.booleans(),
+    min_new=st.integers(0, 8),
+    max_new=st.integers(1, 12),
+    held=st.lists(TOKENS, min_size=1, max_size=12),
+)
+def test_continues_plainly_is_a_check_that_finds_nothing(
+    eos, stops, ignore_eos, min_new, max_new, held
+):
+    """`continues_plainly` (the loop's shortcut) is true exactly when `check_last_token`
+    would leave the request going on, for requests checked by their last token alone."""
+    params = {
+        "max_new_tokens": max_new,
+        "min_new_tokens": min(min_new, max_new),
+        "stop_token_ids": stops,
+        "ignore_eos": ignore_eos,
+    }
+    req = make_req(params, eos, held)
+    plainly = req.continues_plainly()
+    req.check_last_token()
+    assert plainly == (req.finished_reason is None)
+
+
+def test_what_a_check_does_besides_finishing_is_never_skipped():
+    """Stop strings, grammars, jump-forward and streams need the full check every token."""
+    going_on = {"max_new_tokens": 9}
+    assert make_req(going_on, frozenset(), [4]).continues_plainly()
+    assert not make_req({**going_on, "stop": ["ab"]}, frozenset(), [4]).continues_plainly()
+    for name in ("matcher", "char_fsm", "stream_queue", "on_chunk"):
+        req = make_req(going_on, frozenset(), [4])
+        setattr(req, name, object())
+        assert not req.continues_plainly(), name
