@@ -18,7 +18,7 @@ overlap on, the batches that cannot run ahead take the overlapped loop meanwhile
 loops "one graph each" launch a run of plain greedy steps as one graph, as on CUDA
 (`EmulatedRunGraphs`: one launch, every step's tokens on the host at the run's end).
 
-Five workloads: "plain"; "penalties half the time" (every fourth request has a
+Six workloads: "plain"; "penalties half the time" (every fourth request has a
 frequency penalty and stops halfway; these run ahead, their counts kept on the device);
 "a grammar half the time" (the same with a regex instead: those cannot run ahead, so
 half the steps cannot run as decode runs); "logprobs" (every request asks for its
@@ -27,7 +27,9 @@ would run it as kernels); "arrivals" (four times the batch, of lengths spread ov
 quarter of `--tokens` to all of it, `batch` at a time: a request finishes, and another is
 admitted, at nearly every step, so the loop goes from an overlapped prompt step to runs
 again and again; the loop "held" then waits for the check of that step before it
-launches the run, as on a CPU).
+launches the run, as on a CPU); "queue" (sixteen times the batch, submitted at once, as a
+dataset's rows are: `batch` run while the rest wait, and each step must not pay for the
+waiting ones).
 
 Per step, wall time minus the device time is the host's critical path: what a GPU would
 sit idle for. It is measured for the synchronous loop and the overlapped one, in one run,
@@ -210,7 +212,7 @@ def host_path(
             )
         if hold:
             engine._launch_before_check = lambda batch, steps: None
-        num = 4 * batch if workload == "arrivals" else batch
+        num = {"arrivals": 4 * batch, "queue": 16 * batch}.get(workload, batch)
         prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(num)]
         plain = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
         half = {**plain, "max_new_tokens": tokens // 2}
@@ -341,6 +343,7 @@ WORKLOADS = {
     "grammar": "a grammar half the time",
     "logprobs": "logprobs (each token's and its top 5)",
     "arrivals": "arrivals (4 x batch requests of spread lengths, batch at a time)",
+    "queue": "a queue (16 x batch requests submitted at once, batch at a time)",
 }
 
 

@@ -179,6 +179,10 @@ class Scheduler:
             entries.append((req, n))
             budget -= n
             num_active += 1
+        if min(cfg.max_running_requests - num_active, self.req_to_token.num_free) <= 0:
+            # A full batch admits nothing: the queue is not read (a dataset's may hold
+            # thousands; as SGLang's scheduler, which tries no prefill then either).
+            return self._alloc_extend(entries) if entries else None
         waiting = [r for r in self.waiting if r.group is None or r.group.is_ready]
         if not waiting and not entries:
             return None  # (every decode step: nothing is computed for it)
@@ -556,12 +560,13 @@ class Scheduler:
 
     def release(self, req: Req, insert: bool = True) -> None:
         """A finished (or failed) request leaves: its KV goes to the cache, the rest is freed."""
-        if req in self.running:
-            self.running.remove(req)
         if req is self.chunked_req:
             self.chunked_req = None
-        if req in self.waiting:
-            self.waiting.remove(req)
+        try:
+            self.running.remove(req)
+        except ValueError:  # not running: it may be waiting (never both)
+            if req in self.waiting:
+                self.waiting.remove(req)
         self.req_cache.cache_finished(req, insert=insert)
 
     def _refuse(self, members: list[Req], error: Exception) -> None:

@@ -122,9 +122,12 @@ class RadixCache:
         while key and (step := self._descend(node, key, now)) is not None:
             child, n = step
             prefix_len += n
-            node, key, value = child, key[n:], value[n:]
+            node, key = child, key[n:]
         if key:
-            leaf = TreeNode(node, list(key), value.clone())
+            # (the new edge's own copies: of the caller's list, or of the slice made above;
+            # the slots sliced once, at the end)
+            edge = key[:] if prefix_len == 0 else key
+            leaf = TreeNode(node, edge, value[prefix_len:].clone())
             leaf.last_access = now
             node.children[self._child_key(key)] = leaf
             self.evictable_size += len(key)

@@ -322,3 +322,27 @@ def test_one_sampling_dict_for_a_batch_draws_as_one_dict_per_request(engine):
     assert rows[0].generator is None and req._generator is None  # greedy: none made
     state = torch.Generator().manual_seed(reqs[0].seed).get_state()
     assert torch.equal(rows[1].generator.get_state(), state)
+
+
+def test_a_full_batch_does_not_read_the_queue(tiny_path):
+    """While `max_running_requests` run, scheduling does not order (prefix-match) the
+    waiting requests: a dataset's queue costs the steps nothing. The outputs are the
+    same as each request's alone."""
+    from lmprog_runtime import Engine
+
+    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    with Engine(tiny_path, max_running_requests=2) as engine:
+        sched = engine.scheduler
+        order, room_when_ordered = sched.policy.order, []
+
+        def watched(waiting):
+            room_when_ordered.append(sched.config.max_running_requests - len(sched.running))
+            return order(waiting)
+
+        sched.policy.order = watched
+        outs = engine.generate(PROMPTS[:6], params)
+        passes = engine.stats()["forward_passes"]
+        alone = [engine.generate(p, params)["output_ids"] for p in PROMPTS[:6]]
+    assert [o["output_ids"] for o in outs] == alone
+    assert room_when_ordered and min(room_when_ordered) > 0
+    assert len(room_when_ordered) < passes  # (not at every step)
