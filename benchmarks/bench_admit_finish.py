@@ -3,11 +3,14 @@
 loop's admitting them (`Scheduler._schedule_extend`), putting their prompts in the prefix
 cache after the prefill (`Scheduler.on_forward_done`) and finishing them
 (`EngineLoop._finish`), on the CPU (tiny model, 8-token prompts, 2 new tokens, greedy;
-best of 5; each on the thread it runs on). A benchmark of N new
+best of 5; each on the thread it runs on). `--prompt N` makes the prompts N tokens long,
+each its own (putting a prompt in the cache and finishing should not cost more for a
+longer one, beyond its new tokens). A benchmark of N new
 tokens pays them in every step's average, divided by N. `--baseline COMMIT` times that
 commit's runtime too, the two alternated, each run in its own process.
 
-    .venv/bin/python benchmarks/bench_admit_finish.py [--batch 64,256] [--baseline ab94d64]
+    .venv/bin/python benchmarks/bench_admit_finish.py [--batch 64,256] [--prompt 8]
+        [--baseline ab94d64]
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WHAT = ("make", "admit", "cache_prompt", "finish")
 
 
-def measure(root: Path, batch: int) -> dict:
+def measure(root: Path, batch: int, prompt: int = 8) -> dict:
     """(run in a process of its own, `root`'s runtime first on the path)"""
     sys.path.insert(0, str(root))
     from lmprog_runtime import Engine, default_model_path, engine, engine_loop, scheduler
@@ -56,7 +59,7 @@ def measure(root: Path, batch: int) -> dict:
     timed(scheduler.Scheduler, "_schedule_extend", "admit", lambda args, out: out is not None)
     timed(scheduler.Scheduler, "on_forward_done", "cache_prompt", prefill)
     timed(engine_loop.EngineLoop, "_finish", "finish")
-    prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]
+    prompts = [[5 + (i * 7 + j) % 1000 for j in range(prompt)] for i in range(batch)]
     params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
     best = dict.fromkeys(WHAT, float("inf"))
     path = default_model_path("tiny")
@@ -73,13 +76,14 @@ def measure(root: Path, batch: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", default="64,256", help="comma-separated batch sizes")
+    parser.add_argument("--prompt", type=int, default=8, help="tokens per prompt")
     parser.add_argument("--baseline", default=None, help="a commit to compare against")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the sides")
     parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     if args.side:
-        results = {b: measure(Path(args.side), b) for b in batches}
+        results = {b: measure(Path(args.side), b, args.prompt) for b in batches}
         from lmprog_runtime import engine_loop
 
         print(json.dumps({**results, "runtime": engine_loop.__file__}))
@@ -93,9 +97,10 @@ def main() -> None:
         for name in order:
             root, env = sides[name]
             cmd = [sys.executable, __file__, "--side", str(root), "--batch", args.batch]
+            cmd += ["--prompt", str(args.prompt)]
             seen[name].append(harness.run_side(cmd, root, env))
-    print("CPU time (ms; make on the caller's thread, the rest on the loop's), range over")
-    print("the rounds, best of 5 within each")
+    print("CPU time (ms; make on the caller's thread, the rest on the loop's), prompts of")
+    print(f"{args.prompt} tokens, range over the rounds, best of 5 within each")
     for b in batches:
         for what in WHAT:
             cells = []

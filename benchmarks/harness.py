@@ -327,6 +327,10 @@ def baseline_worktree(commit: str) -> tuple[Path, dict[str, str]]:
     import tempfile
 
     root = Path(__file__).resolve().parents[1]
+    # (named by the commit's hash: a name such as HEAD moves, and a worktree made for it
+    # once would be reused after it moved)
+    rev = ["git", "-C", str(root), "rev-parse", "--short=12", f"{commit}^{{commit}}"]
+    commit = subprocess.run(rev, check=True, capture_output=True, text=True).stdout.strip()
     path = Path(tempfile.gettempdir()) / f"lmprog-{commit}"
     if not (path / "lmprog_runtime").is_dir():
         git = ["git", "-C", str(root), "worktree", "add", "--detach", str(path), commit]

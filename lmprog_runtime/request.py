@@ -200,6 +200,17 @@ class Req:
         """Every token that has or will get K/V: prompt plus output so far."""
         return self.input_ids + self.output_ids
 
+    def fill_ids_between(self, start: int, end: int) -> list[int]:
+        """`fill_ids[start:end]`, without building all of `fill_ids` (the prefix cache
+        reads a request's new tokens: O(them), not O(its prompt))."""
+        prompt = self.input_ids
+        m = len(prompt)
+        if start >= m:
+            return self.output_ids[start - m : end - m]
+        if end <= m:
+            return prompt[start:end]
+        return prompt[start:] + self.output_ids[: end - m]
+
     def max_prefix_len(self) -> int:
         """Longest prefix that may come from the cache: the last token is always computed
         (its logits are needed), and so is every position whose prompt logprob is asked."""

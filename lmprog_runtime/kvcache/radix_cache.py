@@ -39,6 +39,7 @@ class TreeNode:
         "last_access",
         "hit_count",
         "node_id",
+        "depth",
     )
 
     def __init__(self, parent: TreeNode | None, key: list[int], value: torch.Tensor) -> None:
@@ -47,6 +48,8 @@ class TreeNode:
         self.parent = parent
         self.key = key  # token ids of the edge into this node
         self.value = value  # [len(key)] int64 KV slots
+        # Tokens on its path from the root (a split keeps the lower node's: its path's end).
+        self.depth = (parent.depth if parent is not None else 0) + len(key)
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
@@ -114,25 +117,38 @@ class RadixCache:
         were already cached (the caller still owns, and must free, those of its slots)."""
         return self.insert_node(key, value)[0]
 
-    def insert_node(self, key: list[int], value: torch.Tensor) -> tuple[int, TreeNode]:
-        """`insert`, and the node whose path is all of `key` (lock it to keep it)."""
+    def insert_node(
+        self, key: list[int], value: torch.Tensor, below: TreeNode | None = None
+    ) -> tuple[int, TreeNode]:
+        """`insert`, and the node whose path is all of `key` (lock it to keep it).
+
+        `below`: a node whose path is the tokens before `key` (a request's locked prefix):
+        the walk starts there, not at the root (O(the new tokens), not O(the whole
+        sequence); the count returned includes its path). Its path gets the recency a walk
+        from the root gives it."""
         if len(key) % self.page_size or len(key) != value.numel():
             raise ValueError("insert needs a page-aligned key and one slot per token")
-        node, prefix_len, now = self.root, 0, next(self._clock)
+        now = next(self._clock)
+        node = self.root if below is None else below
+        up = node
+        while up.parent is not None:  # (below's path: as a walk from the root would)
+            up.last_access = now
+            up = up.parent
+        matched = 0  # tokens of `key` the tree had
         while key and (step := self._descend(node, key, now)) is not None:
             child, n = step
-            prefix_len += n
+            matched += n
             node, key = child, key[n:]
         if key:
             # (the new edge's own copies: of the caller's list, or of the slice made above;
             # the slots sliced once, at the end)
-            edge = key[:] if prefix_len == 0 else key
-            leaf = TreeNode(node, edge, value[prefix_len:].clone())
+            edge = key[:] if matched == 0 else key
+            leaf = TreeNode(node, edge, value[matched:].clone())
             leaf.last_access = now
             node.children[self._child_key(key)] = leaf
             self.evictable_size += len(key)
             node = leaf
-        return prefix_len, node
+        return matched + (below.depth if below is not None else 0), node
 
     def _descend(self, node: TreeNode, key: list[int], now: int) -> tuple[TreeNode, int] | None:
         """The child of `node` that `key` continues into, cut at the end of the match (only

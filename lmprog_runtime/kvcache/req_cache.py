@@ -63,14 +63,16 @@ class ReqCache:
         n = req.kv_len // self.page_size * self.page_size
         if n <= req.tree_len:
             return
-        key = req.fill_ids[:n]
-        value = self.req_to_token.host_table[req.req_pool_idx, :n]  # (insert keeps a copy)
-        already, node = self.tree.insert_node(key, value)
-        if already > req.tree_len:
+        start = req.tree_len  # (the tree has the first ones: the walk starts past them)
+        assert req.last_node is None or req.last_node.depth == start
+        key = req.fill_ids_between(start, n)
+        value = self.req_to_token.host_table[req.req_pool_idx, start:n]  # (insert copies)
+        already, node = self.tree.insert_node(key, value, below=req.last_node)
+        if already > start:
             # Slots we computed for tokens the tree already had are duplicates: drop ours,
             # and read the tree's instead (past them the tree holds our own).
-            self.allocator.free(value[req.tree_len : already])
-            match = self.tree.match_prefix(key)
+            self.allocator.free(value[: already - start])
+            match = self.tree.match_prefix(req.fill_ids[:n])
             assert match.slots.numel() == n and match.node is node
             self.req_to_token.write(req.req_pool_idx, 0, match.slots)
         self.tree.inc_lock_ref(node)
@@ -87,11 +89,13 @@ class ReqCache:
         start = req.tree_len
         if self.tree is not None and insert:
             n = kv_len // self.page_size * self.page_size
-            if n > req.tree_len:
-                value = table[row, :n]  # (a view: `insert` copies what it keeps)
-                already = self.tree.insert(req.fill_ids[:n], value)
-                if already > req.tree_len:
-                    self.allocator.free(value[req.tree_len : already])
+            if n > start:  # (the walk starts past the tree's own first tokens)
+                assert req.last_node is None or req.last_node.depth == start
+                value = table[row, start:n]  # (a view: `insert` copies what it keeps)
+                key = req.fill_ids_between(start, n)
+                already, _ = self.tree.insert_node(key, value, below=req.last_node)
+                if already > start:
+                    self.allocator.free(value[: already - start])
                 start = n
         if kv_len > start:  # (each CPU op costs the loop microseconds a request)
             self.allocator.free(table[row, start:kv_len])

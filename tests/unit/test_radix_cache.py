@@ -104,6 +104,31 @@ class RadixModel(RuleBasedStateMachine):
             self.cached[pg[: j + 1]] = tuple(value[start : start + self.PAGE_SIZE].tolist())
 
     @rule(data=st.data())
+    def insert_below(self, data):
+        """Past a locked node (a request's prefix, as ReqCache inserts): the same outcome
+        as inserting the whole sequence from the root."""
+        if not self.locks:
+            return
+        node, prefix = self.locks[data.draw(st.integers(0, len(self.locks) - 1), label="lock")]
+        head = [t for page in prefix for t in page]
+        assert node.depth == len(head)
+        tail = data.draw(self.key_strategy(aligned=True), label="tail")
+        value = self.alloc.alloc(len(tail))
+        if value is None:
+            self.do_evict(len(tail) - self.alloc.num_free)
+            value = self.alloc.alloc(len(tail))
+            if value is None:
+                return
+        pg = pages_of(head + tail, self.PAGE_SIZE)
+        hit = self.hit_pages(pg)
+        already, leaf = self.cache.insert_node(tail, value, below=node)
+        assert already == hit * self.PAGE_SIZE and leaf.depth == len(head) + len(tail)
+        self.alloc.free(value[: already - len(head)])
+        for j in range(hit, len(pg)):
+            start = j * self.PAGE_SIZE - len(head)
+            self.cached[pg[: j + 1]] = tuple(value[start : start + self.PAGE_SIZE].tolist())
+
+    @rule(data=st.data())
     def match(self, data):
         self.check_match(data.draw(self.key_strategy(aligned=False), label="key"))
 
@@ -320,3 +345,33 @@ def test_eviction_walkthrough(locked, evicted, total):
     assert cache.insert(S + D, torch.cat([res.slots, new])) == 2000
     assert cache.total_size == total  # 3,000 or 3,300 cached + D's 500
     assert hit(cache, S + D) == 2500
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_inserting_below_a_node_equals_inserting_from_the_root(page_size):
+    """The same tree, slots, recency and returned counts either way, splits included."""
+    trees = []
+    for below in (False, True):
+        cache = RadixCache(TokenSlotAllocator(64, page_size), page_size)
+        fill(cache, [1, 2, 3, 4, 5, 6])
+        fill(cache, [1, 2, 7, 8])  # (splits [1..6] after 2)
+        prefix = cache.match_prefix([1, 2, 3, 4])
+        node = prefix.node
+        cache.match_prefix([9, 9])  # (moves the clock on)
+        tail = [5, 6, 7, 8]
+        value = cache.allocator.alloc(len(tail))
+        if below:
+            got = cache.insert_node(tail, value, below=node)
+        else:
+            got = cache.insert_node([1, 2, 3, 4, *tail], torch.cat([prefix.slots, value]))
+        trees.append((got[0], got[1].depth, _shape(cache.root)))
+        cache.allocator.free(value[: got[0] - 4])
+    assert trees[0] == trees[1] and trees[0][:2] == (6, 8)
+
+
+def _shape(node):
+    """A node's subtree: each edge's tokens, slots, recency and depth, by first token."""
+    return sorted(
+        (tuple(c.key), tuple(c.value.tolist()), c.last_access, c.depth, _shape(c))
+        for c in node.children.values()
+    )
