@@ -136,10 +136,12 @@ class Engine(EngineLoop):
         self._inbox: list[Req] = []
         self._aborts: list[tuple[int, BaseException]] = []
         self._num_unfinished = 0  # submitted and not finished (guarded by `_cv`)
-        # Loop thread only: every submitted request not yet finished, by id; those with a
-        # deadline; how many scheduling attempts in a row have raised.
+        # Loop thread only: every submitted request not yet finished, by id; a heap of the
+        # deadlines (deadline, id, request; finished ones are dropped when they come up, or
+        # in bulk when they outnumber the live requests); how many scheduling attempts in a
+        # row have raised.
         self._live: dict[int, Req] = {}
-        self._deadlines: list[Req] = []
+        self._deadlines: list[tuple[float, int, Req]] = []
         self._schedule_failures = 0
         self._fault_hook: Callable[[str, Req], None] | None = None
         # Reentrant (the default RLock): the finalizer may run on the loop thread inside `cv`.

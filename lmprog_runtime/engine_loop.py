@@ -15,6 +15,7 @@ pool, and its finalizer wakes the thread to exit.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -91,7 +92,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         for req in new:
             self._live[req.rid] = req
             if req.deadline is not None:
-                self._deadlines.append(req)
+                heapq.heappush(self._deadlines, (req.deadline, req.rid, req))
             self.scheduler.add(req)
         for name, args, done, result in commands:
             try:
@@ -121,19 +122,14 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
     def _cancel(self, aborts: list[tuple[int, BaseException]]) -> None:
         """Finish aborted requests and those past their deadline, between steps: their
         slots are freed, their computed prefix stays in the cache."""
-        now = time.monotonic()
-        if self._deadlines:
-            keep = []
-            for req in self._deadlines:
-                if req.done.is_set():
-                    continue
-                if now >= req.deadline:
-                    timeout = req.params.timeout_s
-                    message = f"request {req.rid} ran past its timeout_s={timeout:g}"
-                    aborts.append((req.rid, TimeoutError(message)))
-                else:
-                    keep.append(req)
-            self._deadlines = keep
+        now, deadlines = time.monotonic(), self._deadlines
+        while deadlines and deadlines[0][0] <= now:  # (each step looks at the first only)
+            _, rid, req = heapq.heappop(deadlines)  # (a finished one is not live: skipped)
+            message = f"request {rid} ran past its timeout_s={req.params.timeout_s:g}"
+            aborts.append((rid, TimeoutError(message)))
+        if len(deadlines) > 2 * len(self._live) + 64:  # finished ones, let go (amortised)
+            self._deadlines = [entry for entry in deadlines if not entry[2].released]
+            heapq.heapify(self._deadlines)
         for rid, error in aborts:
             req = self._live.get(rid)
             if req is not None and not req.done.is_set():

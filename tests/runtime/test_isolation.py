@@ -263,3 +263,16 @@ def test_a_loop_iteration_that_raises_fails_its_requests_and_the_loop_goes_on(
         monkeypatch.setattr(engine, "_cancel", real)
         assert engine._thread.is_alive()
         assert len(engine.generate("hello", GREEDY)["output_ids"]) == 12
+
+
+def test_deadlines_fire_among_many_and_finished_ones_are_let_go(engine):
+    """Requests with deadlines far off and near, in one batch: the near ones time out, the
+    others finish; the loop keeps no entry of a finished request for long (it looks at
+    the nearest deadline each step, not at every request that has one)."""
+    near, far = {**LONG, "timeout_s": 0.05}, {**GREEDY, "timeout_s": 3600}
+    futures = engine.submit(["slow"] * 2 + ["fast"] * 2, [near, near, far, far])
+    assert all(isinstance(f.exception(timeout=60), TimeoutError) for f in futures[:2])
+    assert all(len(f.result(timeout=60)["output_ids"]) == 12 for f in futures[2:])
+    engine.generate(["fast"] * 150, far)
+    engine.generate("fast", GREEDY)  # (an iteration after those finished)
+    assert len(engine._deadlines) <= 64
