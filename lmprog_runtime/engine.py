@@ -198,10 +198,11 @@ class Engine(EngineLoop):
         )
         if stream and not is_single:
             raise ValueError("stream=True takes a single prompt")
+        woken = None if stream else _wake_once(reqs)
         self._submit(self._make_group(reqs) if group and len(reqs) > 1 else reqs)
         if stream:
             return RequestStream(self, reqs[0])
-        outputs = self._wait_all(reqs)
+        outputs = self._wait_all(reqs, woken)
         return outputs[0] if is_single else outputs
 
     def submit(
@@ -529,10 +530,15 @@ class Engine(EngineLoop):
             self._inbox.extend(reqs)
             self._cv.notify_all()
 
-    def _wait_all(self, reqs: list[Req]) -> list[dict[str, Any]]:
-        """Wait for every request; if the wait is interrupted (Ctrl-C), abort the ones still
-        running before the interrupt goes on."""
+    def _wait_all(
+        self, reqs: list[Req], woken: threading.Event | None = None
+    ) -> list[dict[str, Any]]:
+        """Wait for every request (`woken`, from `_wake_once`: first until all are done or
+        one failed); if the wait is interrupted (Ctrl-C), abort the ones still running
+        before the interrupt goes on."""
         try:
+            if woken is not None:
+                self._wait_for(woken)
             return [self._wait(req) for req in reqs]
         except BaseException:
             for req in reqs:
@@ -541,12 +547,32 @@ class Engine(EngineLoop):
             raise
 
     def _wait(self, req: Req) -> dict[str, Any]:
-        while not req.done.wait(0.5):
-            if not self._thread.is_alive():
-                raise RuntimeError("the engine loop has stopped")
+        self._wait_for(req.done)
         if req.error is not None:
             raise _request_error(req)
         return req.to_output()
+
+    def _wait_for(self, event: threading.Event) -> None:
+        while not event.wait(0.5):
+            if not self._thread.is_alive():
+                raise RuntimeError("the engine loop has stopped")
+
+
+def _wake_once(reqs: list[Req]) -> threading.Event:
+    """An event set when all of `reqs` are done, or one of them failed (set on the loop
+    thread, by their `on_done`: set it before they are submitted). A caller waiting for
+    a batch wakes once, not at each request: at every wake it takes the GIL from the loop,
+    which finishes the others meanwhile (each torch op of the loop hands the GIL over)."""
+    woken, left = threading.Event(), [len(reqs)]
+
+    def done(req: Req) -> None:
+        left[0] -= 1
+        if not left[0] or req.error is not None:
+            woken.set()
+
+    for req in reqs:
+        req.on_done = done
+    return woken
 
 
 class RequestAborted(RuntimeError):

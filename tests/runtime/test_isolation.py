@@ -276,3 +276,37 @@ def test_deadlines_fire_among_many_and_finished_ones_are_let_go(engine):
     engine.generate(["fast"] * 150, far)
     engine.generate("fast", GREEDY)  # (an iteration after those finished)
     assert len(engine._deadlines) <= 64
+
+
+def test_a_batch_wakes_its_caller_once_and_at_once_for_a_failure(engine):
+    """`generate` of a batch waits for all of it or for one failure, not request by
+    request: the first request failing at its first forward is raised while the others
+    still run (and they are aborted then), and every request is told on the loop thread
+    before the caller wakes."""
+    from lmprog_runtime.engine import _wake_once
+
+    class Done:
+        error = None
+
+    reqs = [Done() for _ in range(3)]
+    woken = _wake_once(reqs)
+    reqs[0].on_done(reqs[0])
+    reqs[2].on_done(reqs[2])
+    assert not woken.is_set()
+    reqs[1].on_done(reqs[1])
+    assert woken.is_set()
+
+    first = engine.encode("doomed")
+
+    def hook(point, req):
+        if point == "forward" and req.input_ids == first:
+            raise RuntimeError("this request fails at its first forward")
+
+    engine.reset_stats()
+    engine.fault_hook = hook
+    try:
+        with pytest.raises(RuntimeError, match="first forward"):
+            engine.generate(["doomed", "slow", "slower"], LONG)
+    finally:
+        engine.fault_hook = None
+    assert engine.stats()["forward_passes"] < LONG["max_new_tokens"]  # the others aborted
