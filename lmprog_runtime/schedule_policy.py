@@ -14,6 +14,7 @@ arrival order: matching every waiting prompt each step would cost more than it s
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 
 from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.request import Req
@@ -29,17 +30,21 @@ class SchedulePolicy:
         self.policy = policy
         self.req_cache = req_cache
 
-    def order(self, waiting: list[Req]) -> list[Req]:
-        """Waiting requests in admission order; each has a fresh prefix match."""
+    def order(self, waiting: list[Req]) -> Iterable[Req]:
+        """Waiting requests in admission order; each has a fresh prefix match by the time
+        it comes (in arrival order, each is matched only then: admission stops at the
+        first that does not fit, most steps after one or two)."""
         if self.policy == "fcfs" or len(waiting) > MAX_CACHE_AWARE_QUEUE:
-            head = waiting[:MAX_CACHE_AWARE_QUEUE]
-            for req in head:
-                self.req_cache.match(req)
-            return head
+            return self._matched(waiting[:MAX_CACHE_AWARE_QUEUE])
         lens = {id(req): self.req_cache.match(req) for req in waiting}
         if self.policy == "lpm":
             return sorted(waiting, key=lambda r: -lens[id(r)])
         return self._dfs_weight(waiting)
+
+    def _matched(self, reqs: list[Req]) -> Iterator[Req]:
+        for req in reqs:
+            self.req_cache.match(req)  # (no admission changes the tree's tokens meanwhile)
+            yield req
 
     def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
         tree = self.req_cache.tree

@@ -346,3 +346,23 @@ def test_a_full_batch_does_not_read_the_queue(tiny_path):
     assert [o["output_ids"] for o in outs] == alone
     assert room_when_ordered and min(room_when_ordered) > 0
     assert len(room_when_ordered) < passes  # (not at every step)
+
+
+def test_arrival_order_matches_a_waiting_request_only_when_it_comes_up(tiny_path):
+    """In arrival order (`fcfs`, or a queue past `MAX_CACHE_AWARE_QUEUE`) admission stops at
+    the first request that does not fit: the ones behind it are not prefix-matched that
+    step. The outputs are each request's alone."""
+    from lmprog_runtime import Engine
+
+    lengths = [3, 9, 4, 8, 5, 7, 6, 2]
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in lengths]
+    with Engine(tiny_path, max_running_requests=2, schedule_policy="fcfs") as engine:
+        req_cache, matched = engine.scheduler.req_cache, []
+        match = req_cache.match
+        req_cache.match = lambda req: matched.append(req.rid) or match(req)
+        outs = engine.generate(PROMPTS[:8], params)
+        del req_cache.match
+        alone = [engine.generate(p, q)["output_ids"] for p, q in zip(PROMPTS[:8], params)]
+    assert [o["output_ids"] for o in outs] == alone
+    # Each is matched when admitted, and at most once more (as the first that did not fit).
+    assert len(set(matched)) == 8 and len(matched) <= 2 * 8
