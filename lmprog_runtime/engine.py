@@ -137,11 +137,11 @@ class Engine(EngineLoop):
         self._aborts: list[tuple[int, BaseException]] = []
         self._num_unfinished = 0  # submitted and not finished (guarded by `_cv`)
         # Loop thread only: every submitted request not yet finished, by id; a heap of the
-        # deadlines (deadline, id, request; finished ones are dropped when they come up, or
-        # in bulk when they outnumber the live requests); how many scheduling attempts in a
-        # row have raised.
+        # deadlines (deadline, id; a finished one's is dropped when it comes up, or in bulk
+        # when they outnumber the live requests); how many scheduling attempts in a row
+        # have raised.
         self._live: dict[int, Req] = {}
-        self._deadlines: list[tuple[float, int, Req]] = []
+        self._deadlines: list[tuple[float, int]] = []
         self._schedule_failures = 0
         self._fault_hook: Callable[[str, Req], None] | None = None
         # Reentrant (the default RLock): the finalizer may run on the loop thread inside `cv`.

@@ -92,7 +92,7 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         for req in new:
             self._live[req.rid] = req
             if req.deadline is not None:
-                heapq.heappush(self._deadlines, (req.deadline, req.rid, req))
+                heapq.heappush(self._deadlines, (req.deadline, req.rid))
             self.scheduler.add(req)
         for name, args, done, result in commands:
             try:
@@ -122,13 +122,15 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
     def _cancel(self, aborts: list[tuple[int, BaseException]]) -> None:
         """Finish aborted requests and those past their deadline, between steps: their
         slots are freed, their computed prefix stays in the cache."""
-        now, deadlines = time.monotonic(), self._deadlines
+        now, deadlines, live = time.monotonic(), self._deadlines, self._live
         while deadlines and deadlines[0][0] <= now:  # (each step looks at the first only)
-            _, rid, req = heapq.heappop(deadlines)  # (a finished one is not live: skipped)
-            message = f"request {rid} ran past its timeout_s={req.params.timeout_s:g}"
-            aborts.append((rid, TimeoutError(message)))
-        if len(deadlines) > 2 * len(self._live) + 64:  # finished ones, let go (amortised)
-            self._deadlines = [entry for entry in deadlines if not entry[2].released]
+            _, rid = heapq.heappop(deadlines)
+            req = live.get(rid)
+            if req is not None:  # (a finished one is not live)
+                message = f"request {rid} ran past its timeout_s={req.params.timeout_s:g}"
+                aborts.append((rid, TimeoutError(message)))
+        if len(deadlines) > 2 * len(live) + 64:  # finished ones' entries, dropped (amortised)
+            self._deadlines = [entry for entry in deadlines if entry[1] in live]
             heapq.heapify(self._deadlines)
         for rid, error in aborts:
             req = self._live.get(rid)
@@ -256,10 +258,11 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         told), or a constrained request jumps forward, or a streamed one gets its chunk. A
         request whose check raises fails alone."""
         for req in reqs:
-            # (released: aborted since its token was drawn, with overlap scheduling)
-            if req.released or req.continues_plainly():
+            if req.released:  # aborted since its token was drawn (overlap scheduling)
                 continue
             try:
+                if req.continues_plainly():
+                    continue
                 req.check_last_token()
                 finished = req.finished_reason is not None  # (`is_finished`)
                 if req.char_fsm is not None and not finished:

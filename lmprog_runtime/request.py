@@ -115,8 +115,8 @@ class Req:
         self.output_top_logprobs: list[list[LogprobEntry]] = []
 
         self.done = threading.Event()
-        # Set on the loop thread as it finishes the request (`done` is set at the end of
-        # it): the loop's checks each step read this attribute, not the event.
+        # Set as the loop finishes the request (`EngineLoop._finish`; `done` is set at its
+        # end): the loop's checks each step read this attribute, not the event.
         self.released = False
         timeout = params.timeout_s
         self.deadline = None if timeout is None else time.monotonic() + timeout

@@ -51,9 +51,9 @@ NO_MASS = (
 class SampleRow(NamedTuple):
     """What sampling reads of one request, taken when its row is drawn: its parameters,
     generator (None when greedy: a greedy row draws from none) and race key
-    (`keyed_race.race_key` of its seed and the tokens it has so far; 0 when greedy), its row of penalty counts (when it has penalties), the tokens it may
-    not draw yet (EOS and stop tokens under min_new_tokens) and its grammar's allowed
-    tokens as bits."""
+    (`keyed_race.race_key` of its seed and the tokens it has so far; 0 when greedy), its
+    row of penalty counts (when it has penalties), the tokens it may not draw yet (EOS and
+    stop tokens under min_new_tokens) and its grammar's allowed tokens as bits."""
 
     rid: int
     params: SamplingParams

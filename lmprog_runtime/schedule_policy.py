@@ -33,7 +33,8 @@ class SchedulePolicy:
     def order(self, waiting: list[Req]) -> Iterable[Req]:
         """Waiting requests in admission order; each has a fresh prefix match by the time
         it comes (in arrival order, each is matched only then: admission stops at the
-        first that does not fit, most steps after one or two)."""
+        first that does not fit, most steps after one or two). A group's other members
+        are matched by the scheduler when it claims them with it."""
         if self.policy == "fcfs" or len(waiting) > MAX_CACHE_AWARE_QUEUE:
             return self._matched(waiting[:MAX_CACHE_AWARE_QUEUE])
         lens = {id(req): self.req_cache.match(req) for req in waiting}
@@ -43,7 +44,7 @@ class SchedulePolicy:
 
     def _matched(self, reqs: list[Req]) -> Iterator[Req]:
         for req in reqs:
-            self.req_cache.match(req)  # (no admission changes the tree's tokens meanwhile)
+            self.req_cache.match(req)  # (admission adds no tokens to the tree meanwhile)
             yield req
 
     def _dfs_weight(self, waiting: list[Req]) -> list[Req]:

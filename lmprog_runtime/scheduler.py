@@ -211,6 +211,8 @@ class Scheduler:
                 claimed = {}
                 for member in members:
                     self.fault("schedule", member)
+                    if member is not req:  # (the order matches only the request it gives)
+                        self.req_cache.match(member)
                     claimed[id(member)] = self._claim(member)
                 plan = self._plan_admission(members, entries, budget, chunk_size, used)
             except Exception as error:  # noqa: BLE001 - these fail, the others are admitted

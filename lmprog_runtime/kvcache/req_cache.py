@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
-from lmprog_runtime.kvcache.radix_cache import MatchResult, RadixCache
+from lmprog_runtime.kvcache.radix_cache import MatchResult, RadixCache, TreeNode
 from lmprog_runtime.kvcache.req_to_token import ReqToTokenPool
 
 if TYPE_CHECKING:
@@ -64,10 +64,9 @@ class ReqCache:
         if n <= req.tree_len:
             return
         start = req.tree_len  # (the tree has the first ones: the walk starts past them)
-        assert req.last_node is None or req.last_node.depth == start
         key = req.fill_ids_between(start, n)
         value = self.req_to_token.host_table[req.req_pool_idx, start:n]  # (insert copies)
-        already, node = self.tree.insert_node(key, value, below=req.last_node)
+        already, node = self.tree.insert_node(key, value, below=_prefix_node(req, start))
         if already > start:
             # Slots we computed for tokens the tree already had are duplicates: drop ours,
             # and read the tree's instead (past them the tree holds our own).
@@ -90,10 +89,9 @@ class ReqCache:
         if self.tree is not None and insert:
             n = kv_len // self.page_size * self.page_size
             if n > start:  # (the walk starts past the tree's own first tokens)
-                assert req.last_node is None or req.last_node.depth == start
                 value = table[row, start:n]  # (a view: `insert` copies what it keeps)
                 key = req.fill_ids_between(start, n)
-                already, _ = self.tree.insert_node(key, value, below=req.last_node)
+                already, _ = self.tree.insert_node(key, value, below=_prefix_node(req, start))
                 if already > start:
                     self.allocator.free(value[: already - start])
                 start = n
@@ -106,3 +104,14 @@ class ReqCache:
 
     def evict(self, num_tokens: int) -> int:
         return self.tree.evict(num_tokens) if self.tree is not None and num_tokens > 0 else 0
+
+
+def _prefix_node(req: Req, start: int) -> TreeNode | None:
+    """The node `req`'s cached prefix (its first `start` tokens) ends at, where putting its
+    next tokens in the tree starts; None if it holds none."""
+    node = req.last_node
+    if node is not None and node.depth != start:  # (a bug: never inserted off its path)
+        raise RuntimeError(
+            f"request {req.rid}: its cached prefix is {node.depth} tokens, its row says {start}"
+        )
+    return node
