@@ -23,7 +23,9 @@ Sections, each recorded on its own (an error or a skip is written down, the rest
   with decode runs of 8 steps, while the budget allows);
 - `decode_overhead`: the fraction of decode time the GPU sits idle (kernel time from the
   profiler against wall time), with CUDA graphs on and off, overlap off, decode runs of
-  8 steps, a worker thread, and a larger model; and where the engine loop's thread spends
+  8 steps, a worker thread, and a larger model; when the GPU sits idle (`gpu_idle`:
+  before the first kernel and after the last, a generate's ends, or between kernels,
+  with the longest gaps and where they fall); and where the engine loop's thread spends
   that time (its stack sampled every 0.5 ms);
 - `host_costs`: the host's microseconds per call of what a decode step queues, and the
   aten ops of a decode run ranked by host time;

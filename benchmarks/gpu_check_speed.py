@@ -365,6 +365,7 @@ def _overhead_run(
             busy_us = sum(_device_us(e) for e in prof.key_averages())
             entry["wall_s_profiled"] = wall
             entry["gpu_busy_s"] = busy_us / 1e6
+            entry["gpu_idle"] = gpu_idle(_kernel_spans(prof), wall)
             entry["fraction_outside_gpu"] = 1 - busy_us / 1e6 / wall
             # The same GPU work over the wall of the run without the profiler (two runs'
             # figures: their difference is noise, so it may read a little below 0).
@@ -429,6 +430,49 @@ def _graph_paths(engine: Any, run: Callable[[], Any]) -> dict[str, int] | None:
     finally:
         del runner.greedy_tokens, graphs.run_greedy, engine._commit_whole
     return counts
+
+
+def _kernel_spans(prof: Any) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of each device event the profiler recorded."""
+    spans = []
+    for event in prof.events():
+        if getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            spans.append((float(event.time_range.start), float(event.time_range.end)))
+    return spans
+
+
+def gpu_idle(spans: list[tuple[float, float]], wall_s: float) -> dict[str, Any]:
+    """Where a profiled run's GPU sat idle, from its kernels' (start, end) microseconds and
+    the run's wall seconds: outside the kernels' span (the run's ends: building, admitting,
+    the first forward's launch; finishing, waking the caller) or inside it (between
+    kernels: steps whose host work outlasted the device's), the gaps of 100 us or more
+    inside it, and the five longest with where they fall in the span (0 its start, 1 its
+    end)."""
+    if not spans:
+        return {"kernels": 0}
+    spans = sorted(spans)
+    first, last = spans[0][0], max(end for _, end in spans)
+    busy, gaps, reach = 0.0, [], first
+    for start, end in spans:
+        if start > reach:
+            gaps.append((start - reach, reach))
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = last - first
+    long = sorted((g for g in gaps if g[0] >= 100), reverse=True)
+    return {
+        "kernels": len(spans),
+        "span_s": span / 1e6,
+        "busy_s": busy / 1e6,
+        "idle_in_span_s": (span - busy) / 1e6,
+        "idle_outside_span_s": max(0.0, wall_s - span / 1e6),
+        "gaps_of_100us_or_more": len(long),
+        "their_seconds": sum(g for g, _ in long) / 1e6,
+        "longest_gaps": [
+            {"us": round(g, 1), "at": round((at - first) / span, 3) if span else 0.0}
+            for g, at in long[:5]
+        ],
+    }
 
 
 def _device_us(event: Any) -> float:

@@ -141,3 +141,25 @@ def test_the_graph_paths_count_what_a_decode_run_took(tiny_path):
     assert counts["runs_as_one_graph"] == counts["runs_committed_whole"] == runs == 3
     assert counts["shorter_runs_in_pieces"] == 1  # (11 tokens after the first: 4, 4, 3)
     assert counts["draws_from_graph"] == 0
+
+
+def test_gpu_idle_splits_a_runs_ends_from_the_gaps_between_kernels():
+    """`decode_overhead`'s `gpu_idle` from kernels' (start, end) microseconds: overlapping
+    kernels count once, the idle time inside their span is the gaps, the rest of the wall
+    is the run's ends, and the longest gaps are placed in the span."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from gpu_check_speed import gpu_idle
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    spans = [(1000, 1300), (1200, 1400), (1450, 1500), (2500, 2600), (1400, 1450)]
+    got = gpu_idle(spans, wall_s=0.004)
+    assert got["kernels"] == 5 and got["span_s"] == 1600e-6
+    assert abs(got["busy_s"] - 600e-6) < 1e-12 and abs(got["idle_in_span_s"] - 1000e-6) < 1e-12
+    assert abs(got["idle_outside_span_s"] - 2400e-6) < 1e-12
+    assert got["gaps_of_100us_or_more"] == 1 and len(got["longest_gaps"]) == 1
+    gap = got["longest_gaps"][0]  # (1500 -> 2500: 500 us into the 1600 us span)
+    assert gap["us"] == 1000 and abs(gap["at"] - 500 / 1600) < 1e-3
+    assert gpu_idle([], 1.0) == {"kernels": 0}
