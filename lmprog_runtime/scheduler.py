@@ -179,7 +179,7 @@ class Scheduler:
             entries.append((req, n))
             budget -= n
             num_active += 1
-        if min(cfg.max_running_requests - num_active, self.req_to_token.num_free) <= 0:
+        if self._room(num_active) <= 0:
             # A full batch admits nothing: the queue is not read (a dataset's may hold
             # thousands; as SGLang's scheduler, which tries no prefill then either).
             return self._alloc_extend(entries) if entries else None
@@ -198,7 +198,7 @@ class Scheduler:
                 members = [m for m in req.group.members if m in self.waiting]
             if len(members) == 1 and req.kv_len == 0 and self._shares_uncached_prefix(req, blocks):
                 continue  # compute the shared prefix once: this one reuses it next step
-            room = min(cfg.max_running_requests - num_active, self.req_to_token.num_free)
+            room = self._room(num_active)
             if len(members) > room:
                 if req.group is not None and not entries and not self.running and room > 0:
                     members = members[:room]  # a group too big to ever fit goes in parts
@@ -241,6 +241,16 @@ class Scheduler:
             return None
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         return self._alloc_extend(entries)
+
+    def _room(self, num_active: int) -> int:
+        """How many more requests may run next to `num_active`."""
+        return min(self.config.max_running_requests - num_active, self.req_to_token.num_free)
+
+    def _note_chunked(self, req: Req, n: int) -> None:
+        """`req` computes `n` tokens now: if that leaves part of its prompt, it is the
+        request prefilled in chunks."""
+        if req is not self.chunked_req and req.kv_len + n < req.seq_len:
+            self.chunked_req = req
 
     def _plan_admission(
         self,
@@ -331,8 +341,7 @@ class Scheduler:
             reqs.append(req)
             prefix_lens.append(req.kv_len)
             extend_lens.append(n)
-            if req is not self.chunked_req and req.kv_len + n < req.seq_len:
-                self.chunked_req = req
+            self._note_chunked(req, n)
         if not reqs:
             return None  # type: ignore[return-value]
         return ScheduledBatch(
@@ -353,8 +362,7 @@ class Scheduler:
         positions = torch.arange(slots.numel(), device="cpu") + shift.repeat_interleave(repeats)
         self.req_to_token.write_tokens(rows, positions, slots)
         for req, n in entries:
-            if req is not self.chunked_req and req.kv_len + n < req.seq_len:
-                self.chunked_req = req
+            self._note_chunked(req, n)
         return ScheduledBatch(ForwardMode.EXTEND, reqs, slots, prefix_lens, counts)
 
     def _schedule_decode(self, decoding: list[Req]) -> ScheduledBatch | None:

@@ -25,7 +25,7 @@ from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
 _node_ids = itertools.count()
 
 
-# A match of nothing (read only: a miss costs no new tensor).
+# No slots (read only: a miss costs no new tensor).
 _NO_SLOTS = torch.empty(0, dtype=torch.int64, device="cpu")
 
 
@@ -91,7 +91,7 @@ class RadixCache:
         self.reset()
 
     def reset(self) -> None:
-        self.root = TreeNode(None, [], torch.empty(0, dtype=torch.int64, device="cpu"))
+        self.root = TreeNode(None, [], _NO_SLOTS)
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
@@ -255,4 +255,4 @@ class RadixCache:
     def owned_slots(self) -> torch.Tensor:
         """Every slot the tree owns (for invariant checks)."""
         values = [n.value for n in self._all_nodes()]
-        return torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device="cpu")
+        return torch.cat(values) if values else _NO_SLOTS

@@ -20,13 +20,29 @@ def make_req(params: dict, eos: frozenset[int], held: list[int]) -> Req:
     return req
 
 
+# What ends a request checked by its last token alone: EOS, stop tokens, ignore_eos,
+# min_new_tokens and max_new_tokens (hypothesis strategies, by argument).
+ENDINGS = {
+    "eos": st.frozensets(TOKENS, max_size=2),
+    "stops": st.lists(TOKENS, max_size=2),
+    "ignore_eos": st.booleans(),
+    "min_new": st.integers(0, 8),
+    "max_new": st.integers(1, 12),
+}
+
+
+def ending_params(stops: list[int], ignore_eos: bool, min_new: int, max_new: int) -> dict:
+    return {
+        "max_new_tokens": max_new,
+        "min_new_tokens": min(min_new, max_new),
+        "stop_token_ids": stops,
+        "ignore_eos": ignore_eos,
+    }
+
+
 @settings(max_examples=300, deadline=None)
 @given(
-    eos=st.frozensets(TOKENS, max_size=2),
-    stops=st.lists(TOKENS, max_size=2),
-    ignore_eos=st.booleans(),
-    min_new=st.integers(0, 8),
-    max_new=st.integers(1, 12),
+    **ENDINGS,
     held=st.lists(TOKENS, max_size=6),
     run=st.lists(TOKENS, min_size=1, max_size=8),
 )
@@ -37,12 +53,7 @@ def test_a_run_appends_and_finishes_as_its_tokens_one_by_one(
     max_new_tokens inside it or past it. The output and finish reason equal the one-by-one
     reference's, which stops at the first token that finishes the request."""
     max_new = max(max_new, len(held) + 1)  # (a request in a run has a token left)
-    params = {
-        "max_new_tokens": max_new,
-        "min_new_tokens": min(min_new, max_new),
-        "stop_token_ids": stops,
-        "ignore_eos": ignore_eos,
-    }
+    params = ending_params(stops, ignore_eos, min_new, max_new)
     want = make_req(params, eos, held)
     for token in run:
         want.append_token(token)
@@ -66,26 +77,13 @@ def test_stop_strings_and_grammars_are_checked_token_by_token():
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    eos=st.frozensets(TOKENS, max_size=2),
-    stops=st.lists(TOKENS, max_size=2),
-    ignore_eos=st.booleans(),
-    min_new=st.integers(0, 8),
-    max_new=st.integers(1, 12),
-    held=st.lists(TOKENS, min_size=1, max_size=12),
-)
+@given(**ENDINGS, held=st.lists(TOKENS, min_size=1, max_size=12))
 def test_continues_plainly_is_a_check_that_finds_nothing(
     eos, stops, ignore_eos, min_new, max_new, held
 ):
     """`continues_plainly` (the loop's shortcut) is true exactly when `check_last_token`
     would leave the request going on, for requests checked by their last token alone."""
-    params = {
-        "max_new_tokens": max_new,
-        "min_new_tokens": min(min_new, max_new),
-        "stop_token_ids": stops,
-        "ignore_eos": ignore_eos,
-    }
-    req = make_req(params, eos, held)
+    req = make_req(ending_params(stops, ignore_eos, min_new, max_new), eos, held)
     plainly = req.continues_plainly()
     req.check_last_token()
     assert plainly == (req.finished_reason is None)
