@@ -3,14 +3,16 @@
 loop's admitting them (`Scheduler._schedule_extend`), putting their prompts in the prefix
 cache after the prefill (`Scheduler.on_forward_done`) and finishing them
 (`EngineLoop._finish`), on the CPU (tiny model, 8-token prompts, 2 new tokens, greedy;
-best of 5; each on the thread it runs on). `--prompt N` makes the prompts N tokens long,
+best of 5; each on the thread it runs on). With `--tokens N` (N > 2) it also times the
+check of a decode step's new tokens (`EngineLoop._check`) at the steps that finish no
+request, in microseconds a step. `--prompt N` makes the prompts N tokens long,
 each its own (putting a prompt in the cache and finishing should not cost more for a
 longer one, beyond its new tokens). A benchmark of N new
 tokens pays them in every step's average, divided by N. `--baseline COMMIT` times that
 commit's runtime too, the two alternated, each run in its own process.
 
     .venv/bin/python benchmarks/bench_admit_finish.py [--batch 64,256] [--prompt 8]
-        [--baseline ab94d64]
+        [--tokens 2] [--baseline ab94d64]
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WHAT = ("make", "admit", "cache_prompt", "finish")
 
 
-def measure(root: Path, batch: int, prompt: int = 8) -> dict:
+def measure(root: Path, batch: int, prompt: int = 8, tokens: int = 2) -> dict:
     """(run in a process of its own, `root`'s runtime first on the path)"""
     sys.path.insert(0, str(root))
     from lmprog_runtime import Engine, default_model_path, engine, engine_loop, scheduler
@@ -59,31 +61,44 @@ def measure(root: Path, batch: int, prompt: int = 8) -> dict:
     timed(scheduler.Scheduler, "_schedule_extend", "admit", lambda args, out: out is not None)
     timed(scheduler.Scheduler, "on_forward_done", "cache_prompt", prefill)
     timed(engine_loop.EngineLoop, "_finish", "finish")
+    checks: list[float] = []  # a decode step's check of the whole batch, finishing none
+    check = engine_loop.EngineLoop._check
+
+    def timed_check(self, reqs):
+        released, start = self._released, time.thread_time()
+        check(self, reqs)
+        if len(reqs) == batch and self._released == released:
+            checks.append(time.thread_time() - start)
+
+    engine_loop.EngineLoop._check = timed_check
     prompts = [[5 + (i * 7 + j) % 1000 for j in range(prompt)] for i in range(batch)]
-    params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
     best = dict.fromkeys(WHAT, float("inf"))
     path = default_model_path("tiny")
     with Engine(path, max_running_requests=batch, max_prefill_tokens=16384) as running:
         running.generate(input_ids=prompts, sampling_params=params)  # warm-up
+        checks.clear()
         for _ in range(5):
             running.flush_cache()
             spent.update(dict.fromkeys(WHAT, 0.0))
             running.generate(input_ids=prompts, sampling_params=params)
             best = {k: min(best[k], spent[k]) for k in best}
-    return {f"{k}_ms": 1e3 * v for k, v in best.items()}
+    out = {f"{k}_ms": 1e3 * v for k, v in best.items()}
+    return out | {"check_us": 1e6 * sum(checks) / len(checks) if checks else None}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", default="64,256", help="comma-separated batch sizes")
     parser.add_argument("--prompt", type=int, default=8, help="tokens per prompt")
+    parser.add_argument("--tokens", type=int, default=2, help="new tokens per request")
     parser.add_argument("--baseline", default=None, help="a commit to compare against")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the sides")
     parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     if args.side:
-        results = {b: measure(Path(args.side), b, args.prompt) for b in batches}
+        results = {b: measure(Path(args.side), b, args.prompt, args.tokens) for b in batches}
         from lmprog_runtime import engine_loop
 
         print(json.dumps({**results, "runtime": engine_loop.__file__}))
@@ -97,7 +112,7 @@ def main() -> None:
         for name in order:
             root, env = sides[name]
             cmd = [sys.executable, __file__, "--side", str(root), "--batch", args.batch]
-            cmd += ["--prompt", str(args.prompt)]
+            cmd += ["--prompt", str(args.prompt), "--tokens", str(args.tokens)]
             seen[name].append(harness.run_side(cmd, root, env))
     print("CPU time (ms; make on the caller's thread, the rest on the loop's), prompts of")
     print(f"{args.prompt} tokens, range over the rounds, best of 5 within each")
@@ -108,6 +123,12 @@ def main() -> None:
                 values = [r[str(b)][f"{what}_ms"] for r in results]
                 cells.append(f"{name} {min(values):.2f}-{max(values):.2f}")
             print(f"  {what} {b:4} requests: " + "; ".join(cells))
+        if args.tokens > 2:
+            cells = []
+            for name, results in seen.items():
+                values = [r[str(b)]["check_us"] for r in results]
+                cells.append(f"{name} {min(values):.1f}-{max(values):.1f}")
+            print(f"  check of a step (us, mean) {b:4} requests: " + "; ".join(cells))
 
 
 if __name__ == "__main__":

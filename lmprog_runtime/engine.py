@@ -42,6 +42,7 @@ from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, Scheduler
 from lmprog_runtime.server_args import from_sglang
 from lmprog_runtime.stats import EngineStats
+from lmprog_runtime.steady_check import SteadyCheck
 from lmprog_runtime.token_healing import (
     CONTEXT_TOKENS,
     Heal,
@@ -114,6 +115,7 @@ class Engine(EngineLoop):
         self._in_flight: InFlight | None = None
         self._runs: list[RunSlots] = []  # the decode runs launched and not yet committed
         self._released = 0  # requests the loop has finished (`_finish`), counted
+        self._steady: SteadyCheck | None = None  # the last check's batch, if it may settle
         self.penalty_counts = PenaltyCounts()  # penalised requests' token counts
         # Decode runs are launched ahead of the commit before them where launching queues
         # work and returns (off a CPU; the tests and bench_host_path.py turn it on there).

@@ -38,6 +38,7 @@ from lmprog_runtime.overlap import OverlapLoop
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling import NO_MASS, SampleRow, sample_each, sample_rows, take_rows
 from lmprog_runtime.scheduler import ScheduledBatch
+from lmprog_runtime.steady_check import SteadyCheck
 from lmprog_runtime.transfer import use_device
 
 if TYPE_CHECKING:
@@ -256,7 +257,12 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
     def _check(self, reqs: list[Req]) -> None:
         """Check each request's new token: it finishes the request (slots freed, caller
         told), or a constrained request jumps forward, or a streamed one gets its chunk. A
-        request whose check raises fails alone."""
+        request whose check raises fails alone. A batch checked unchanged, step after
+        step, is checked as a whole while it finishes none (`SteadyCheck`)."""
+        steady = self._steady
+        if steady is not None and steady.settles(reqs):
+            return
+        released = self._released
         for req in reqs:
             if req.released:  # aborted since its token was drawn (overlap scheduling)
                 continue
@@ -277,6 +283,8 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
             except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
                 logger.exception("request %d failed after its step", req.rid)
                 self._finish(req, error)
+        plain = bool(reqs) and released == self._released and all(r.checks_plainly for r in reqs)
+        self._steady = SteadyCheck(reqs) if plain else None
 
     def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, Sequence[list[int]]]:
         if self.fault_hook is not None:

@@ -259,14 +259,20 @@ class Req:
             self.finished_reason = {"type": "length", "length": n}
             self._mark_incomplete_constraint()
 
-    def continues_plainly(self) -> bool:
-        """Whether the last token's check has nothing to do: the request is checked by that
-        token alone (`checks_last_token_alone`), jumps nowhere, is not streamed, and the
-        token does not finish it. (The loop's check of most requests at most steps: cheaper
-        than `check_last_token`'s, which it equals there.)"""
+    @property
+    def checks_plainly(self) -> bool:
+        """Whether its check reads its last token and its length, nothing else: it is
+        checked by that token alone (`checks_last_token_alone`), jumps nowhere and is not
+        streamed."""
         if self.matcher is not None or self._has_stops or self.char_fsm is not None:
             return False
-        if self.stream_queue is not None or self.on_chunk is not None:
+        return self.stream_queue is None and self.on_chunk is None
+
+    def continues_plainly(self) -> bool:
+        """Whether the last token's check has nothing to do: the request `checks_plainly`
+        and the token does not finish it. (The loop's check of most requests at most
+        steps: cheaper than `check_last_token`'s, which it equals there.)"""
+        if not self.checks_plainly:
             return False
         out = self.output_ids
         n = len(out)
