@@ -60,7 +60,20 @@ def measure(root: Path, batch: int, prompt: int = 8, tokens: int = 2) -> dict:
     timed(engine.Engine, "_make_reqs", "make")
     timed(scheduler.Scheduler, "_schedule_extend", "admit", lambda args, out: out is not None)
     timed(scheduler.Scheduler, "on_forward_done", "cache_prompt", prefill)
-    timed(engine_loop.EngineLoop, "_finish", "finish")
+    stopping = [False]  # inside `_finish_stopped`, timed as a whole (the texts decoded first)
+    timed(engine_loop.EngineLoop, "_finish", "finish", lambda args, out: not stopping[0])
+    finish_stopped = getattr(engine_loop.EngineLoop, "_finish_stopped", None)
+    if finish_stopped is not None:
+
+        def timed_finish_stopped(self, reqs):
+            stopping[0], start = True, time.thread_time()
+            try:
+                finish_stopped(self, reqs)
+            finally:
+                stopping[0] = False
+                spent["finish"] += time.thread_time() - start
+
+        engine_loop.EngineLoop._finish_stopped = timed_finish_stopped
     checks: list[float] = []  # a decode step's check of the whole batch, finishing none
     check = engine_loop.EngineLoop._check
 

@@ -310,3 +310,28 @@ def test_a_batch_wakes_its_caller_once_and_at_once_for_a_failure(engine):
     finally:
         engine.fault_hook = None
     assert engine.stats()["forward_passes"] < LONG["max_new_tokens"]  # the others aborted
+
+
+def test_a_text_that_fails_to_decode_fails_its_request_alone(engine, clean, monkeypatch):
+    """The requests a step stops have their texts decoded together before they finish: one
+    whose decode raises fails, and the others of its step get their own text."""
+    from lmprog_runtime.request import Req
+
+    culprit = engine.encode(PROMPTS[3])
+    visible_text = Req._visible_text
+
+    def failing(req):
+        if req.input_ids == culprit:
+            raise RuntimeError("injected in the decode")
+        return visible_text(req)
+
+    monkeypatch.setattr(Req, "_visible_text", failing)
+    futures = engine.submit(PROMPTS, GREEDY)  # (all stop at the same step, by length)
+    for i, future in enumerate(futures):
+        if i == 3:
+            with pytest.raises(RuntimeError, match="injected in the decode"):
+                future.result(timeout=60)
+            continue
+        out = future.result(timeout=60)
+        assert out["output_ids"] == clean[0][i]
+        assert out["text"] == engine.decode(out["output_ids"])
