@@ -13,28 +13,11 @@ from typing import Any
 
 import torch
 
+from lmprog_runtime.byte_decode import unicode_to_byte
 from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar, Matcher
 from lmprog_runtime.constrained.json_schema import schema_to_regex
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-def _unicode_to_byte() -> dict[str, int]:
-    """Inverse of the GPT-2 byte-level table: printable bytes map to themselves, the rest
-    to code points from 256 on, in byte order."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
 
 
 def token_bytes(tokenizer: Any) -> dict[int, bytes]:
@@ -46,7 +29,7 @@ def token_bytes(tokenizer: Any) -> dict[int, bytes]:
     special |= {token_id for token_id, token in added.items() if token.special}
     vocab = tokenizer.get_vocab()
     byte_level = is_byte_level(tokenizer)
-    table = _unicode_to_byte() if byte_level else None
+    table = unicode_to_byte() if byte_level else None
     out = {}
     for piece, token_id in vocab.items():
         if token_id in special:

