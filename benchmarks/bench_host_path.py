@@ -18,12 +18,13 @@ overlap on, the batches that cannot run ahead take the overlapped loop meanwhile
 loops "one graph each" launch a run of plain greedy steps as one graph, as on CUDA
 (`EmulatedRunGraphs`: one launch, every step's tokens on the host at the run's end).
 
-Six workloads: "plain"; "penalties half the time" (every fourth request has a
+Seven workloads: "plain"; "penalties half the time" (every fourth request has a
 frequency penalty and stops halfway; these run ahead, their counts kept on the device);
 "a grammar half the time" (the same with a regex instead: those cannot run ahead, so
 half the steps cannot run as decode runs); "logprobs" (every request asks for its
 tokens' logprobs and their top 5; gathered with each draw, on the CPU here, where a GPU
-would run it as kernels); "arrivals" (four times the batch, of lengths spread over a
+would run it as kernels); "stops" (every request has a stop string it never meets: its
+text is decoded and scanned at each token); "arrivals" (four times the batch, of lengths spread over a
 quarter of `--tokens` to all of it, `batch` at a time: a request finishes, and another is
 admitted, at nearly every step, so the loop goes from an overlapped prompt step to runs
 again and again; the loop "held" then waits for the check of that step before it
@@ -221,6 +222,8 @@ def host_path(
             "grammar": {**half, "regex": "[a-z]+( [a-z]+)*"},
         }.get(workload)
         params = [quarter if quarter and i % 4 == 0 else plain for i in range(num)]
+        if workload == "stops":  # (its text decoded and scanned at every token)
+            params = [{**plain, "stop": ["<never met>"]}] * num
         if workload == "arrivals":  # (lengths from a quarter of `tokens` to all of it)
             params = [{**plain, "max_new_tokens": _length(i, tokens)} for i in range(num)]
         asks = {"return_logprob": True, "top_logprobs_num": 5} if workload == "logprobs" else {}
@@ -342,6 +345,7 @@ WORKLOADS = {
     "penalties": "penalties half the time",
     "grammar": "a grammar half the time",
     "logprobs": "logprobs (each token's and its top 5)",
+    "stops": "a stop string on every request (never met)",
     "arrivals": "arrivals (4 x batch requests of spread lengths, batch at a time)",
     "queue": "a queue (16 x batch requests submitted at once, batch at a time)",
 }

@@ -96,6 +96,10 @@ class Engine(EngineLoop):
         self.tokenizer = loader.from_pretrained(model_dir, local_files_only=True)
         self._tokenizer_lock = threading.Lock()
         self._backend_decode = backend_decode(self.tokenizer)
+        # A byte-level tokenizer's decode, by table (None: the tokenizer's own decode)
+        self._byte_table = (
+            ByteLevelTable.of(self.tokenizer._tokenizer) if self._backend_decode else None
+        )
         with device_scope(torch.device(self.config.device)):  # (its graphs are captured)
             self.runner = ModelRunner(self.config, model_dir, self.tokenizer)
         self.context_len = self.runner.context_len
@@ -496,6 +500,10 @@ class Engine(EngineLoop):
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._byte_table is not None and type(ids) is list:  # (read-only: no lock)
+            text = self._byte_table.decode(ids, skip_special_tokens)
+            if text is not None:
+                return text
         with self._tokenizer_lock:
             if self._backend_decode is not None and type(ids) is list and _flat(ids):
                 return self._backend_decode(ids, skip_special_tokens=skip_special_tokens)
@@ -643,9 +651,8 @@ def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
     """The Rust tokenizer's own `decode`, where the tokenizer's `decode` adds nothing to it
     for a list of ids (a stock fast tokenizer that cleans up no spaces): the same text, at
     a fifth of the cost (`decode` converts and checks each id in Python first; the loop
-    decodes at every finish, and twice a token for stop strings and streams). For a
-    byte-level BPE tokenizer, the same decode by table (`ByteLevelTable`, half the Rust
-    decode's cost again). None for any other tokenizer."""
+    decodes at every finish, and twice a token for stop strings and streams). None for
+    any other tokenizer."""
     from transformers import PreTrainedTokenizerFast
 
     cls = type(tokenizer)
@@ -655,9 +662,7 @@ def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
         and cls._decode is PreTrainedTokenizerFast._decode
         and not tokenizer.clean_up_tokenization_spaces
     )
-    if not stock:
-        return None
-    return ByteLevelTable.of(tokenizer._tokenizer) or tokenizer._tokenizer.decode
+    return tokenizer._tokenizer.decode if stock else None
 
 
 def _flat(ids: list[Any]) -> bool:

@@ -55,9 +55,13 @@ def test_the_table_decodes_as_the_tokenizer(backend, data, skip):
     assert table is not None
     size = backend.get_vocab_size(with_added_tokens=True)
     added = sorted(backend.get_added_tokens_decoder())
-    ids = st.one_of(st.integers(0, size + 2), st.sampled_from(added))
+    ids = st.one_of(st.integers(-1, size + 2), st.sampled_from(added))
     tokens = data.draw(st.lists(ids, max_size=24))
-    assert table(tokens, skip_special_tokens=skip) == backend.decode(tokens, skip)
+    text = table.decode(tokens, skip_special_tokens=skip)
+    if any(t < 0 or backend.id_to_token(t) is None for t in tokens):
+        assert text is None  # (the tokenizer's to decode: nothing, or an error)
+    else:
+        assert text == backend.decode(tokens, skip)
 
 
 def test_other_decoders_keep_the_tokenizers_decode():
@@ -67,10 +71,16 @@ def test_other_decoders_keep_the_tokenizers_decode():
     assert ByteLevelTable.of(backend) is None
 
 
-def test_what_the_table_cannot_read_goes_to_the_tokenizer():
-    """A negative id, or an empty list: the tokenizer's own answer (an error, or "")."""
-    backend = _hand_made()
-    table = ByteLevelTable.of(backend)
-    assert table([], skip_special_tokens=True) == ""
-    with pytest.raises(OverflowError):
-        table([0, -1])
+def test_engine_decode_takes_the_table_and_the_tokenizer_past_it(tiny_path):
+    """The engine decodes by table (a byte-level tokenizer), and an id past the vocabulary
+    as the tokenizer does (nothing); a negative one is the tokenizer's error."""
+    from lmprog_runtime import Engine
+
+    with Engine(tiny_path) as engine:
+        assert engine._byte_table is not None
+        ids = engine.encode("Hello world, again")
+        size = engine.tokenizer._tokenizer.get_vocab_size(with_added_tokens=True)
+        assert engine.decode(ids + [size + 5]) == engine.tokenizer.decode(ids)
+        assert engine.decode([]) == ""
+        with pytest.raises(OverflowError):
+            engine.decode([ids[0], -1])
