@@ -148,6 +148,7 @@ class Req:
         self._min_text = 0  # characters of it before the min_new_tokens-th token's
         self._stop_regex = StopRegexScanner(params.stop_regex) if params.stop_regex else None
         self._has_stops = bool(params.stop or params.stop_regex)  # (read at every token)
+        self._longest_stop = max((len(stop) for stop in params.stop), default=1)
         # Jump-forward: characters of the decoded text the char FSM has read, and its state
         # (healed: after the backed-up text its pattern starts with, which is not in the text).
         self.fsm_position: tuple[int, Any] = (0, None)
@@ -377,8 +378,7 @@ class Req:
         O(new text): stop strings are searched only where a new match can be, stop regexes
         by their incremental scanner (the whole text only once one has matched)."""
         text = self.decoded_text()
-        longest = max((len(stop) for stop in self.params.stop), default=1)
-        start = max(0, self._scanned - longest + 1)
+        start = max(0, self._scanned - self._longest_stop + 1)
         self._scanned = len(text)
         regex = self._stop_regex is not None and self._stop_regex.feed(text)
         return self._first_stop(text, start, regex)[1]
