@@ -651,8 +651,8 @@ def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
     """The Rust tokenizer's own `decode`, where the tokenizer's `decode` adds nothing to it
     for a list of ids (a stock fast tokenizer that cleans up no spaces): the same text, at
     a fifth of the cost (`decode` converts and checks each id in Python first; the loop
-    decodes at every finish, and twice a token for stop strings and streams). None for
-    any other tokenizer."""
+    decodes at every finish, and twice a token for stop strings and streams). None for any
+    other tokenizer."""
     from transformers import PreTrainedTokenizerFast
 
     cls = type(tokenizer)
