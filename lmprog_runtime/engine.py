@@ -314,6 +314,7 @@ class Engine(EngineLoop):
                 char_fsm=self._char_fsm(item),
                 heal=heal,
                 detok_context=self._detok_context(item) if heal is None else None,
+                context_free_decode=self._byte_table is not None,
             )
             for item, seed, heal in zip(items, seeds, heals)
         ]

@@ -54,6 +54,7 @@ class Req:
         char_fsm: Any = None,
         heal: Heal | None = None,
         detok_context: tuple[list[int], int] | None = None,
+        context_free_decode: bool = False,
         on_chunk: Callable[[dict[str, Any]], None] | None = None,
         on_done: Callable[[Req], None] | None = None,
     ) -> None:
@@ -144,6 +145,12 @@ class Req:
         self._prefix_offset = 0
         self._read_offset = len(self._detok_context)
         self._tried = self._read_offset  # tokens tried as the end of a decode with the window
+        # The tokenizer decodes tokens that start at a character alone as after the tokens
+        # before them (byte-level BPE), and nothing comes before the output's text (no
+        # prompt tokens, no healed text): each window of new tokens is decoded alone,
+        # without the window before it (`decoded_text`).
+        before_output = self._detok_context or self._detok_cut or self._detok_skip
+        self._decodes_alone = context_free_decode and not before_output
         self._scanned = 0  # characters of the decoded text searched for stop strings
         self._min_text = 0  # characters of it before the min_new_tokens-th token's
         self._stop_regex = StopRegexScanner(params.stop_regex) if params.stop_regex else None
@@ -323,6 +330,8 @@ class Req:
         tokens came since the last call (a trailing incomplete sequence holds back only
         itself, not the complete tokens before it)."""
         skip = self.params.skip_special_tokens
+        if self._decodes_alone:
+            return self._decoded_text_alone(skip)
         start, read, before = self._prefix_offset, self._read_offset, None
         # (an end tried with this window gives what it gave: tried once only)
         for end in range(max(read, self._tried) + 1, self._detok_len() + 1):
@@ -338,6 +347,20 @@ class Req:
                 self._prefix_offset, self._read_offset = start, read
         if self._detok_skip:  # (the first token's text begins with the healed text)
             return self._decoded_text[self._detok_skip :]
+        return self._decoded_text
+
+    def _decoded_text_alone(self, skip: bool) -> str:
+        """`decoded_text` for a tokenizer whose windows decode alone: the window read so
+        far ends at a character (its text does not end in an incomplete one), so the text
+        of the tokens after it is their decode alone, one decode per token, not two."""
+        read = self._read_offset
+        for end in range(max(read, self._tried) + 1, self._detok_len() + 1):
+            new = self.tokenizer.decode(self._detok_ids(read, end), skip_special_tokens=skip)
+            self._tried = end
+            if new and not new.endswith("\ufffd"):
+                self._decoded_text += new
+                read = end
+        self._prefix_offset = self._read_offset = read
         return self._decoded_text
 
     def _detok_len(self) -> int:

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from lmprog_runtime import SamplingParams, default_model_path
 from lmprog_runtime.engine import backend_decode
 from lmprog_runtime.request import Req
+from lmprog_runtime.token_healing import Heal
 
 
 class CountingCodec:
@@ -35,9 +36,24 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(default_model_path("tiny"))
 
 
-def _req(codec, **params) -> Req:
+@pytest.fixture(scope="module", params=[False, True], ids=["windows", "alone"])
+def alone(request) -> bool:
+    """Whether new tokens decode alone (`context_free_decode`: the tiny model's byte-level
+    tokenizer allows it), or after the window before them (any tokenizer)."""
+    return request.param
+
+
+def _req(codec, alone: bool = False, **params) -> Req:
     sampling = SamplingParams.from_dict({"max_new_tokens": 10_000, **params})
-    return Req(0, [1], sampling, tokenizer=codec, eos_token_ids=frozenset(), context_len=20_000)
+    return Req(
+        0,
+        [1],
+        sampling,
+        tokenizer=codec,
+        eos_token_ids=frozenset(),
+        context_len=20_000,
+        context_free_decode=alone,
+    )
 
 
 def _texts(tokenizer) -> st.SearchStrategy[list[int]]:
@@ -50,10 +66,10 @@ def _texts(tokenizer) -> st.SearchStrategy[list[int]]:
 
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
-def test_the_incremental_text_is_the_full_decode(tokenizer, data):
+def test_the_incremental_text_is_the_full_decode(tokenizer, alone, data):
     ids = data.draw(_texts(tokenizer))
     ids += data.draw(st.lists(st.integers(0, tokenizer.vocab_size - 1), max_size=8))
-    req = _req(CountingCodec(tokenizer))
+    req = _req(CountingCodec(tokenizer), alone)
     for n in range(1, len(ids) + 1):
         req.output_ids.append(ids[n - 1])
         text = req.decoded_text()
@@ -67,12 +83,12 @@ def test_the_incremental_text_is_the_full_decode(tokenizer, data):
 
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
-def test_the_incremental_text_does_not_depend_on_when_it_is_read(tokenizer, data):
+def test_the_incremental_text_does_not_depend_on_when_it_is_read(tokenizer, alone, data):
     """Read after some tokens only, the text is what reading after every token gives: a
     trailing incomplete character holds back itself, not the tokens before it."""
     ids = data.draw(_texts(tokenizer))
     reads = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
-    every, some = _req(tokenizer), _req(tokenizer)
+    every, some = _req(tokenizer, alone), _req(tokenizer, alone)
     for token, read in zip(ids, reads):
         every.output_ids.append(token)
         some.output_ids.append(token)
@@ -82,35 +98,36 @@ def test_the_incremental_text_does_not_depend_on_when_it_is_read(tokenizer, data
     assert some.decoded_text() == every.decoded_text()
 
 
-def test_decoding_costs_a_window_per_token_not_the_whole_output(tokenizer):
+def test_decoding_costs_a_window_per_token_not_the_whole_output(tokenizer, alone):
     ids = tokenizer.encode("word " * 1500, add_special_tokens=False)
     codec = CountingCodec(tokenizer)
-    req = _req(codec, stop=["never appears"])
+    req = _req(codec, alone, stop=["never appears"])
     for token in ids:
         req.append_token(token)
     assert not req.is_finished
     assert req.decoded_text() == tokenizer.decode(ids)
-    # A full decode per token would decode len(ids)^2 / 2 ids; a window, a few per token.
-    assert codec.decoded_ids <= 4 * len(ids)
+    # A full decode per token would decode len(ids)^2 / 2 ids; a window, a few per token;
+    # alone, each token once.
+    assert codec.decoded_ids <= (len(ids) if alone else 4 * len(ids))
 
 
-def test_a_stop_string_in_the_text_before_min_new_tokens_does_not_count(tokenizer):
+def test_a_stop_string_in_the_text_before_min_new_tokens_does_not_count(tokenizer, alone):
     """Whatever other stops are given: each may only end in the text of the
     min_new_tokens-th token or later."""
     ids = tokenizer.encode("xa yz", add_special_tokens=False)
     assert len(ids) >= 3 and tokenizer.decode(ids[:2]) == "xa"
     for stops in (["a"], ["a", "zzzz"]):
-        req = _req(tokenizer, stop=stops, min_new_tokens=3)
+        req = _req(tokenizer, alone, stop=stops, min_new_tokens=3)
         _run(req, ids, streamed=False)
         assert req.finished_reason["type"] == "length" and req.text == "xa yz", stops
 
 
-def test_tokens_without_text_cost_a_window_each(tokenizer):
+def test_tokens_without_text_cost_a_window_each(tokenizer, alone):
     """Special tokens (skipped) add no text, so the window grows over them: each new one
     is tried once, not every one of them again on each read."""
     ids = [0] * 400 + tokenizer.encode(" done", add_special_tokens=False)
     codec = CountingCodec(tokenizer)
-    req = _req(codec, stop=["zz"])
+    req = _req(codec, alone, stop=["zz"])
     for token in ids:
         req.append_token(token)
         req.stream_delta()
@@ -118,9 +135,9 @@ def test_tokens_without_text_cost_a_window_each(tokenizer):
     assert codec.decoded_ids <= len(ids) ** 2  # (cubic: tens of millions)
 
 
-def test_a_stop_string_across_tokens_is_found_once_it_is_complete(tokenizer):
+def test_a_stop_string_across_tokens_is_found_once_it_is_complete(tokenizer, alone):
     ids = tokenizer.encode("alpha beta STOP gamma", add_special_tokens=False)
-    req = _req(tokenizer, stop=["STOP"])
+    req = _req(tokenizer, alone, stop=["STOP"])
     for token in ids:
         req.append_token(token)
         if req.is_finished:
@@ -128,6 +145,24 @@ def test_a_stop_string_across_tokens_is_found_once_it_is_complete(tokenizer):
     assert req.finished_reason == {"type": "stop", "matched": "STOP"}
     req.finalize_text()
     assert req.text == "alpha beta "
+
+
+def test_a_healed_text_decodes_after_the_window_even_where_tokens_decode_alone(tokenizer):
+    """A healed output's text starts past the healed text (`Heal.cut`): it is decoded as
+    by windows, with a context-free tokenizer too (here a heal with no context tokens)."""
+    ids = tokenizer.encode("alpha beta gamma", add_special_tokens=False)
+    first = tokenizer.decode(ids[:1])
+    heal = Heal(ids[0], first, [], len(first), torch.zeros(1, dtype=torch.int32))
+    texts = []
+    for alone in (False, True):
+        params = SamplingParams.from_dict({"max_new_tokens": 100})
+        req = Req(
+            0, [1], params, tokenizer=tokenizer, eos_token_ids=frozenset(),
+            context_len=1000, heal=heal, context_free_decode=alone,
+        )  # fmt: skip
+        req.output_ids.extend(ids)
+        texts.append(req.decoded_text())
+    assert texts[0] == texts[1] == tokenizer.decode(ids)[len(first) :]
 
 
 def _run(req: Req, ids: list[int], streamed: bool) -> list[str]:
@@ -152,7 +187,7 @@ def _run(req: Req, ids: list[int], streamed: bool) -> list[str]:
 
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
-def test_streamed_text_adds_up_to_the_final_text_and_stops_as_unstreamed(tokenizer, data):
+def test_streamed_text_adds_up_to_the_final_text_and_stops_as_unstreamed(tokenizer, alone, data):
     """Stop strings and a min_new_tokens, on text with multi-byte characters: a streamed
     request stops where an unstreamed one does, with the same text, and its deltas add up
     to that text (nothing streamed is taken back). A stop string counts only from the
@@ -162,7 +197,7 @@ def test_streamed_text_adds_up_to_the_final_text_and_stops_as_unstreamed(tokeniz
     stops = data.draw(st.lists(st.sampled_from(stop_strings), max_size=3))
     min_new = data.draw(st.integers(0, len(ids)))
     params = {"stop": stops, "min_new_tokens": min_new}
-    quiet, streamed = _req(tokenizer, **params), _req(tokenizer, **params)
+    quiet, streamed = _req(tokenizer, alone, **params), _req(tokenizer, alone, **params)
     _run(quiet, ids, streamed=False)
     deltas = _run(streamed, ids, streamed=True)
     assert streamed.finished_reason == quiet.finished_reason
