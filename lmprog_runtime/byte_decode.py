@@ -12,6 +12,7 @@ tokenizers (byte fallback, `▁` for spaces) keep the tokenizer's own decode.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 
@@ -85,7 +86,7 @@ class ByteLevelTable:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str | None:
         """The text of `ids` (a flat list); None if the table does not hold one of them."""
         piece = self._plain_piece if skip_special_tokens else self._piece
-        try:
-            return b"".join(map(piece, ids)).decode("utf-8", "replace")
+        try:  # (`operator.index`: a float id is refused, as by the tokenizer)
+            return b"".join(map(piece, map(operator.index, ids))).decode("utf-8", "replace")
         except (KeyError, TypeError):
             return None

@@ -72,15 +72,22 @@ def test_other_decoders_keep_the_tokenizers_decode():
 
 
 def test_engine_decode_takes_the_table_and_the_tokenizer_past_it(tiny_path):
-    """The engine decodes by table (a byte-level tokenizer), and an id past the vocabulary
-    as the tokenizer does (nothing); a negative one is the tokenizer's error."""
+    """The engine decodes by table (a byte-level tokenizer); the tokenizer decodes what the
+    table does not hold: an id past the vocabulary (to nothing), a negative one or a float
+    (the tokenizer's errors)."""
     from lmprog_runtime import Engine
 
     with Engine(tiny_path) as engine:
-        assert engine._byte_table is not None
+        asked = []
+        rust = engine._backend_decode
+        engine._backend_decode = lambda ids, **kw: asked.append(list(ids)) or rust(ids, **kw)
         ids = engine.encode("Hello world, again")
+        assert engine.decode(ids) == engine.tokenizer.decode(ids)
+        assert asked == []  # (the table's)
         size = engine.tokenizer._tokenizer.get_vocab_size(with_added_tokens=True)
         assert engine.decode(ids + [size + 5]) == engine.tokenizer.decode(ids)
-        assert engine.decode([]) == ""
+        assert asked == [ids + [size + 5]]
         with pytest.raises(OverflowError):
             engine.decode([ids[0], -1])
+        with pytest.raises(TypeError):
+            engine.decode([float(ids[0])])

@@ -94,3 +94,20 @@ def test_settles_only_for_the_same_requests_one_token_longer_each():
         req.output_ids.append(7)
     reqs[0].output_ids.append(7)
     assert not steady.settles(reqs)
+
+
+def test_tokens_that_end_requests_settle_while_min_new_tokens_is_unreached():
+    """EOS drawn by every request while each is under its min_new_tokens: nothing may end
+    it, so the batch settles; at min_new_tokens the same token ends them, and it does not."""
+    spec = {"eos": frozenset({2}), "stops": [], "ignore_eos": False, "min_new": 4, "max_new": 50}
+    reqs = [make_req({**spec, "held": 1}) for _ in range(3)]  # (1 token each)
+    steady = SteadyCheck(reqs)
+    for _ in range(2):  # tokens 2 and 3: under min_new_tokens
+        for req in reqs:
+            req.output_ids.append(2)
+        assert not finishes_any(reqs)
+        assert steady.settles(reqs)
+    for req in reqs:
+        req.output_ids.append(2)  # token 4: min_new_tokens reached
+    assert finishes_any(reqs)
+    assert not steady.settles(reqs)
