@@ -1,11 +1,11 @@
 """Decoding a byte-level BPE tokenizer's ids by table: each id's bytes, joined, read as
 UTF-8 (invalid sequences replaced, as the tokenizer's own decode replaces them).
 
-The loop decodes at every finish, and twice a token for stop strings and streams. The
-Rust tokenizer's `decode` of 66 tokens costs 6-7 us in a tight loop (a token string per
-id, then its decoder), `Engine.decode` by the table 2.6 us; of 1-2 tokens 0.53-0.61
-against 0.44-0.5 (1.25 through the engine's tokenizer lock, which the table needs not:
-it is read-only). Taken only where the tokenizer's decode is exactly that
+The loop decodes at every finish, and at each token of stop strings and streams.
+`Engine.decode` of 66 tokens took 6.6 us through the Rust tokenizer's `decode` (a token
+string per id, then its decoder, under the engine's tokenizer lock) and takes 3.3 by the
+table (read-only: no lock); of 1-2 tokens 0.94-1.03 against 0.54-0.6 (tiny, a tight
+loop). Taken only where the tokenizer's decode is exactly that
 (`ByteLevelTable.of`): its decoder is GPT-2's byte-level one alone. Llama-2-style
 tokenizers (byte fallback, `▁` for spaces) keep the tokenizer's own decode.
 """
