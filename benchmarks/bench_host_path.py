@@ -24,13 +24,13 @@ frequency penalty and stops halfway; these run ahead, their counts kept on the d
 half the steps cannot run as decode runs); "logprobs" (every request asks for its
 tokens' logprobs and their top 5; gathered with each draw, on the CPU here, where a GPU
 would run it as kernels); "stops" (every request has a stop string it never meets: its
-text is decoded and scanned at each token); "arrivals" (four times the batch, of lengths spread over a
-quarter of `--tokens` to all of it, `batch` at a time: a request finishes, and another is
-admitted, at nearly every step, so the loop goes from an overlapped prompt step to runs
-again and again; the loop "held" then waits for the check of that step before it
-launches the run, as on a CPU); "queue" (sixteen times the batch, submitted at once, as a
-dataset's rows are: `batch` run while the rest wait, and each step must not pay for the
-waiting ones).
+text is decoded and scanned at each token); "arrivals" (four times the batch, of lengths
+spread over a quarter of `--tokens` to all of it, `batch` at a time: a request finishes,
+and another is admitted, at nearly every step, so the loop goes from an overlapped prompt
+step to runs again and again; the loop "held" then waits for the check of that step
+before it launches the run, as on a CPU); "queue" (sixteen times the batch, submitted at
+once, as a dataset's rows are: `batch` run while the rest wait, and each step must not
+pay for the waiting ones).
 
 Per step, wall time minus the device time is the host's critical path: what a GPU would
 sit idle for. It is measured for the synchronous loop and the overlapped one, in one run,

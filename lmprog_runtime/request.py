@@ -271,7 +271,9 @@ class Req:
     def checks_plainly(self) -> bool:
         """Whether its check reads its last token and its length, nothing else: it is
         checked by that token alone (`checks_last_token_alone`), jumps nowhere and is not
-        streamed."""
+        streamed (`is_streamed`). Those two are spelled out here: read for every request
+        at every step, the property calls would cost 1.6x as much (6.0 against 9.7 us for
+        64 requests)."""
         if self.matcher is not None or self._has_stops or self.char_fsm is not None:
             return False
         return self.stream_queue is None and self.on_chunk is None
