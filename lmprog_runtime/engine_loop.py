@@ -243,15 +243,12 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
     def _to_draw(self, ready: list[Req]) -> list[Req]:
         """Of the requests whose prompt is done, finish the prefill-only ones; returns
         those that draw a token now."""
-        draw = []
-        for req in ready:
-            if req.released:
-                continue
-            if req.max_new_tokens > len(req.output_ids):
-                draw.append(req)
-            elif req.max_new_tokens == 0:
-                req.finish_prefill_only()
-                self._finish(req)
+        draw = [r for r in ready if not r.released and r.max_new_tokens > len(r.output_ids)]
+        if len(draw) < len(ready):
+            for req in ready:
+                if not req.released and req.max_new_tokens == 0:
+                    req.finish_prefill_only()
+                    self._finish(req)
         return draw
 
     def _check(self, reqs: list[Req]) -> None:

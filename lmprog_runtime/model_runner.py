@@ -17,7 +17,6 @@ decode graph does so inside its replay.
 from __future__ import annotations
 
 import array
-import itertools
 import json
 import logging
 from collections.abc import Sequence
@@ -191,10 +190,13 @@ class ModelRunner:
         the forwards queued after this (on the stream the draw ran on). `rows` may be on the
         device already (a batch's `req_pool_indices`: no copy). A row that drew no token
         (-1) stores 0: its request fails, and what is computed for it is dropped."""
-        if len(rows):
-            if isinstance(rows, list):
-                rows = index_tensor(rows, self.device)
-            self.future_tokens[rows] = token_ids.clamp(min=0)
+        if isinstance(rows, list):
+            if not rows:
+                return
+            rows = index_tensor(rows, self.device)
+        elif not rows.numel():  # (a tensor's len() costs a Python call)
+            return
+        self.future_tokens.index_copy_(0, rows, token_ids.clamp(min=0))
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, Sequence[list[int]]]:
         """`forward`'s inputs, read from the requests now (on the thread that owns them),
@@ -294,8 +296,11 @@ class ModelRunner:
         # [ids; positions; table rows; seq_lens; KV slots; logits rows; the request table's
         # writes]: one int64 tensor, one copy to the device, split into views there.
         fields = (ids, positions, req_rows, seq_lens)
-        parts = [host_ints(array.array("q", itertools.chain(*fields))), batch.out_cache_loc]
-        parts.append(host_ints(logits_rows))
+        values = array.array("q")
+        for field in fields:
+            # (from lists: 2-3x as fast as reading the fields as one iterator)
+            values.fromlist(field if isinstance(field, list) else list(field))
+        parts = [host_ints(values), batch.out_cache_loc, host_ints(logits_rows)]
         sizes = [len(field) for field in fields] + [batch.out_cache_loc.numel(), len(logits_rows)]
         table_writes = self.req_to_token.take_writes()
         if table_writes is not None:
@@ -303,7 +308,7 @@ class ModelRunner:
             sizes.append(table_writes.numel())
         try:
             block = to_device(torch.cat(parts), self.device)
-            on_device = block.split(sizes)
+            on_device = block.split_with_sizes(sizes)
             if table_writes is not None:
                 self.req_to_token.apply_writes(on_device[6].view(2, -1))
         except BaseException:

@@ -285,13 +285,16 @@ class OverlapLoop:
         reqs = drawing.reqs
         if drawing.released != self._released:  # (most steps none finished meanwhile)
             reqs, ids, errors, logprobs = _still_running(reqs, ids, errors, logprobs)
-        appended = []
-        for req, token, logprob in self._drawn(reqs, ids, errors, logprobs):
-            req.output_ids[-1] = token  # its placeholder
+        drawn = self._drawn(reqs, ids, errors, logprobs)
+        if not drawing.ask.rows:  # (no logprobs: most steps)
+            for req, token, _ in drawn:
+                req.output_ids[-1] = token  # its placeholder
+            return [row[0] for row in drawn]
+        for req, token, logprob in drawn:
+            req.output_ids[-1] = token
             if logprob is not None:
                 self._record_token_logprob(req, token, logprob)
-            appended.append(req)
-        return appended
+        return [row[0] for row in drawn]
 
     def _abandon_in_flight(self, error: BaseException) -> None:
         """Fail the requests of the launched forward, if any, once it is over (at shutdown,

@@ -145,8 +145,8 @@ class Scheduler:
     def _mix_decodes(self, batch: ScheduledBatch, decoding: list[Req]) -> None:
         """Add one decode token of each `decoding` request to an extend batch, if a slot for
         each is free now (otherwise they decode next step, evicting or retracting there)."""
-        rows, kv_lens, last = self._decode_positions(decoding)
-        slots = self.allocator.alloc_decode(last)
+        rows, kv_lens = self._decode_positions(decoding)
+        slots = self._alloc_decode(rows, kv_lens)
         if slots is None:
             return
         self._write_decode_slots(rows, kv_lens, slots)
@@ -381,18 +381,18 @@ class Scheduler:
         Returns (slots, table rows, positions), each [n], and the n requests that got one
         (those not retracted)."""
         while True:
-            rows, kv_lens, last = self._decode_positions(decoding)
-            slots = self.allocator.alloc_decode(last)
+            rows, kv_lens = self._decode_positions(decoding)
+            slots = self._alloc_decode(rows, kv_lens)
             if slots is not None:
                 return slots, rows, kv_lens, decoding
-            ps = self.allocator.page_size
-            short = int(((last + 1) % ps == 0).sum()) * ps - self.allocator.num_free
+            short = self._decode_pages(rows, kv_lens) * self.allocator.page_size
+            short -= self.allocator.num_free
             if self._evict(short) >= short:
                 continue
             if len(decoding) < len(self.running):
                 # (overlap) the others finish at their next check, freeing their slots:
                 # nothing decodes until then, and nothing is retracted for room they give.
-                return last[:0], rows[:0], kv_lens[:0], []
+                return kv_lens[:0], rows[:0], kv_lens[:0], []
             victim = self._pick_victim(decoding)
             if victim is None:
                 # Admission checks every request fits the pool alone, so this cannot happen.
@@ -400,15 +400,30 @@ class Scheduler:
             self.retract(victim)
             decoding = [r for r in decoding if r is not victim]
 
-    def _decode_positions(
-        self, decoding: list[Req]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per `decoding` request: its table row, its next position, and the KV slot of the
-        position before (running requests always hold K/V, so there is one)."""
+    def _decode_positions(self, decoding: list[Req]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per `decoding` request: its table row and its next position."""
         rows = host_ints([r.req_pool_idx for r in decoding])
-        kv_lens = host_ints([r.kv_len for r in decoding])
-        last = self.req_to_token.host_table[rows, kv_lens - 1]
-        return rows, kv_lens, last
+        return rows, host_ints([r.kv_len for r in decoding])
+
+    def _last_slots(self, rows: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+        """The KV slot of each request's position before `kv_lens` (running requests always
+        hold K/V, so there is one)."""
+        return self.req_to_token.host_table[rows, kv_lens - 1]
+
+    def _alloc_decode(self, rows: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
+        """A new slot for each request's position `kv_lens`, on its last page while it has
+        room; None if pages run out. (Pages of one slot: no last slot to read.)"""
+        if self.allocator.page_size == 1:
+            return self.allocator.alloc(int(kv_lens.numel()))
+        return self.allocator.alloc_decode(self._last_slots(rows, kv_lens))
+
+    def _decode_pages(self, rows: torch.Tensor, kv_lens: torch.Tensor) -> int:
+        """The fresh pages `_alloc_decode` takes: one for each request whose last page is
+        full."""
+        ps = self.allocator.page_size
+        if ps == 1:
+            return int(kv_lens.numel())
+        return int(((self._last_slots(rows, kv_lens) + 1) % ps == 0).sum())
 
     def _write_decode_slots(
         self, rows: torch.Tensor, kv_lens: torch.Tensor, slots: torch.Tensor
