@@ -286,12 +286,8 @@ class OverlapLoop:
         if drawing.released != self._released:  # (most steps none finished meanwhile)
             reqs, ids, errors, logprobs = _still_running(reqs, ids, errors, logprobs)
         drawn = self._drawn(reqs, ids, errors, logprobs)
-        if not drawing.ask.rows:  # (no logprobs: most steps)
-            for req, token, _ in drawn:
-                req.output_ids[-1] = token  # its placeholder
-            return [row[0] for row in drawn]
         for req, token, logprob in drawn:
-            req.output_ids[-1] = token
+            req.output_ids[-1] = token  # its placeholder
             if logprob is not None:
                 self._record_token_logprob(req, token, logprob)
         return [row[0] for row in drawn]

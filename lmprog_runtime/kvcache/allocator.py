@@ -40,7 +40,10 @@ class TokenSlotAllocator:
         # Page 0 reads as free: it is never handed out, and freeing it is refused with the
         # double frees, by the one check `free` makes.
         self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device="cpu")
+        # The free list is `_free_pages[_head:]` (taking pages moves the head: one view a
+        # take, not two).
         self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device="cpu")
+        self._head = 0
         # Freed pages wait here, in order, until an allocation needs them: a free costs
         # O(freed), never a copy of the whole free list.
         self._freed: list[torch.Tensor] = []
@@ -54,18 +57,20 @@ class TokenSlotAllocator:
     @property
     def num_free(self) -> int:
         """Free slots, counted in whole free pages."""
-        return (int(self._free_pages.numel()) + self._num_freed) * self.page_size
+        return (self._free_pages.numel() - self._head + self._num_freed) * self.page_size
 
     def _take(self, num_pages: int) -> torch.Tensor | None:
         """The first `num_pages` free pages, in the order they became free; None if short."""
-        if num_pages > self._free_pages.numel() and self._freed:
-            self._free_pages = torch.cat([self._free_pages, *self._freed])
-            self._freed, self._num_freed = [], 0
-        if num_pages > self._free_pages.numel():
+        head = self._head
+        if num_pages > self._free_pages.numel() - head and self._freed:
+            self._free_pages = torch.cat([self._free_pages[head:], *self._freed])
+            self._freed, self._num_freed, head = [], 0, 0
+        if num_pages > self._free_pages.numel() - head:
+            self._head = head
             return None
-        pages = self._free_pages[:num_pages]
-        self._free_pages = self._free_pages[num_pages:]
-        self._page_is_free[pages] = False
+        pages = self._free_pages[head : head + num_pages]
+        self._head = head + num_pages
+        self._page_is_free.index_fill_(0, pages, False)
         return pages
 
     def pages_needed(self, num_tokens: int, last_slot: int | None = None) -> int:
