@@ -301,7 +301,7 @@ class Scheduler:
 
     @staticmethod
     def _shares_uncached_prefix(req: Req, blocks: PrefixBlocks) -> bool:
-        prefix = req.match.slots.numel() if req.match is not None else 0
+        prefix = req.match.length if req.match is not None else 0
         return blocks.shared_len(req.fill_ids) >= prefix + SHARED_PREFIX_BLOCK
 
     def _claim(self, req: Req) -> int:

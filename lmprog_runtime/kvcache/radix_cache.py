@@ -60,6 +60,25 @@ class MatchResult(NamedTuple):
     node: TreeNode  # deepest node of the match (lock it to keep the prefix)
 
 
+class PrefixMatch:
+    """A waiting request's match (`RadixCache.match_path`): its deepest node and length,
+    its slots joined only when read (most matches only order the queue; the one admitted
+    reads them)."""
+
+    __slots__ = ("node", "length", "_values")
+
+    def __init__(self, node: TreeNode, length: int, values: list[torch.Tensor]) -> None:
+        self.node, self.length, self._values = node, length, values
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """[length] int64 KV slots of the matched prefix (read only: may be a node's own)."""
+        values = self._values
+        if len(values) < 2:
+            return values[0] if values else _NO_SLOTS
+        return torch.cat(values)
+
+
 EVICTION_POLICIES = ("lru", "lfu")
 
 
@@ -103,14 +122,26 @@ class RadixCache:
     # ---- match / insert ------------------------------------------------------------------
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached, page-aligned prefix of `key`; bumps recency along the path."""
-        key = key[: len(key) // self.page_size * self.page_size]
-        node, values, now = self.root, [], next(self._clock)
-        while key and (step := self._descend(node, key, now)) is not None:
+        node, _, values = self.match_path(key)
+        return MatchResult(torch.cat(values) if values else _NO_SLOTS, node)
+
+    def match_path(
+        self, key: list[int], limit: int | None = None
+    ) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """`match_prefix` of `key[:limit]` without joining the slots: the deepest node
+        matched, how many tokens it matched, and the slots of the edges down to it, in
+        order. The walk reads `key` in place (no copy of it, nor of what is left of it at
+        each edge): a prompt of thousands of tokens is matched at each scheduling of a
+        waiting request."""
+        end = len(key) if limit is None else max(0, min(limit, len(key)))
+        end = end // self.page_size * self.page_size
+        node, values, now, at = self.root, [], next(self._clock), 0
+        while at < end and (step := self._descend(node, key, now, at, end)) is not None:
             child, n = step
             child.hit_count += 1
             values.append(child.value)
-            node, key = child, key[n:]
-        return MatchResult(torch.cat(values) if values else _NO_SLOTS, node)
+            node, at = child, at + n
+        return node, at, values
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Add `key` (page-aligned length) with its slots; return how many leading tokens
@@ -150,27 +181,41 @@ class RadixCache:
             node = leaf
         return matched + (below.depth if below is not None else 0), node
 
-    def _descend(self, node: TreeNode, key: list[int], now: int) -> tuple[TreeNode, int] | None:
-        """The child of `node` that `key` continues into, cut at the end of the match (only
-        the matched part counts as used), and how many tokens matched; None if none."""
-        child = node.children.get(self._child_key(key))
+    def _descend(
+        self, node: TreeNode, key: list[int], now: int, start: int = 0, end: int | None = None
+    ) -> tuple[TreeNode, int] | None:
+        """The child of `node` that `key[start:end]` continues into, cut at the end of the
+        match (only the matched part counts as used), and how many tokens matched; None if
+        none."""
+        child = node.children.get(self._child_key(key, start))
         if child is None:
             return None
-        n = self._match_len(child.key, key)
+        n = self._match_len(child.key, key, start, len(key) if end is None else end)
         if n < len(child.key):
             child = self._split(child, n)
         child.last_access = now
         return child, n
 
-    def _child_key(self, key: list[int]) -> int | tuple[int, ...]:
-        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+    def _child_key(self, key: list[int], start: int = 0) -> int | tuple[int, ...]:
+        if self.page_size == 1:
+            return key[start]
+        return tuple(key[start : start + self.page_size])
 
-    def _match_len(self, edge: list[int], key: list[int]) -> int:
-        n = min(len(edge), len(key))
-        if edge[:n] == key[:n]:
+    def _match_len(self, edge: list[int], key: list[int], start: int, end: int) -> int:
+        """How many tokens `edge` and `key[start:end]` share, in whole pages."""
+        n = min(len(edge), end - start)
+        if (edge if n == len(edge) else edge[:n]) == key[start : start + n]:
             return n // self.page_size * self.page_size
-        i = next(i for i in range(n) if edge[i] != key[i])
-        return i // self.page_size * self.page_size
+        # The longest equal prefix by halving, each test one comparison of slices in C (a
+        # long edge, a system prompt's, is told apart from a prompt that leaves it late).
+        low, high = 0, n - 1  # (equal up to low; they differ within the first n)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if edge[low:mid] == key[start + low : start + mid]:
+                low = mid
+            else:
+                high = mid - 1
+        return low // self.page_size * self.page_size
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child`'s edge after n tokens; returns the new upper node."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
-from lmprog_runtime.kvcache.radix_cache import MatchResult, RadixCache, TreeNode
+from lmprog_runtime.kvcache.radix_cache import PrefixMatch, RadixCache, TreeNode
 from lmprog_runtime.kvcache.req_to_token import ReqToTokenPool
 
 if TYPE_CHECKING:
@@ -41,17 +41,19 @@ class ReqCache:
         if self.tree is None or req.kv_len > 0:
             req.match = None  # a request that already holds its K/V (jump-forward) continues
             return req.kv_len
-        key = req.fill_ids[: req.max_prefix_len()]
-        req.match = self.tree.match_prefix(key)
-        return req.match.slots.numel()
+        limit = req.max_prefix_len()
+        # (a prompt alone is read in place; a retracted request's output joins it)
+        key = req.input_ids if not req.output_ids else req.fill_ids_between(0, limit)
+        req.match = PrefixMatch(*self.tree.match_path(key, limit))
+        return req.match.length
 
     def claim_prefix(self, req: Req) -> None:
         """Lock the matched prefix and write its slots at the start of the request's row."""
-        match: MatchResult | None = req.match
+        match: PrefixMatch | None = req.match
         req.match = None
-        if match is None or match.slots.numel() == 0:
+        if match is None or match.length == 0:
             return
-        n = match.slots.numel()
+        n = match.length
         self.req_to_token.write(req.req_pool_idx, 0, match.slots)
         self.tree.inc_lock_ref(match.node)
         req.last_node, req.tree_len, req.kv_len = match.node, n, n

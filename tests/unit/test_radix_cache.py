@@ -2,8 +2,9 @@
 
 The model is a dict from page-tuple prefixes of cached sequences to the KV slots of their
 last page (page_size 1: token prefixes to one slot). A hypothesis state machine drives
-insert / match / lock / unlock / evict / flush and checks after every step that matches,
-sizes, locks and slot ownership agree with the model and that no KV slot leaks. Example
+insert / match (whole keys, and a key's first tokens read in place) / lock / unlock /
+evict / flush and checks after every step that matches, sizes, locks and slot ownership
+agree with the model and that no KV slot leaks. Example
 tests pin down edge splits, LRU/LFU order, cascading eviction, page alignment and the
 eviction walk-through of the reference document (S=2,000 shared, A=900, B=600, C=400).
 """
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
-from lmprog_runtime.kvcache.radix_cache import RadixCache
+from lmprog_runtime.kvcache.radix_cache import PrefixMatch, RadixCache
 
 POOL = 64  # slots: small enough that inserts run out and must evict
 
@@ -131,6 +132,17 @@ class RadixModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def match(self, data):
         self.check_match(data.draw(self.key_strategy(aligned=False), label="key"))
+
+    @rule(data=st.data())
+    def match_path_of_a_prefix(self, data):
+        """`match_path` of a key's first `limit` tokens, the key read in place: as the
+        reference's match of those tokens (its slots joined only when read)."""
+        key = data.draw(self.key_strategy(aligned=False), label="key")
+        limit = data.draw(st.integers(-1, len(key) + 1), label="limit")
+        node, length, values = self.cache.match_path(key, limit)
+        expected = self.expected_slots(pages_of(key[: max(limit, 0)], self.PAGE_SIZE))
+        assert PrefixMatch(node, length, values).slots.tolist() == expected
+        assert length == len(expected) == node.depth
 
     @rule(data=st.data())
     def lock(self, data):
