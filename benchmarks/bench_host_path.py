@@ -18,7 +18,7 @@ overlap on, the batches that cannot run ahead take the overlapped loop meanwhile
 loops "one graph each" launch a run of plain greedy steps as one graph, as on CUDA
 (`EmulatedRunGraphs`: one launch, every step's tokens on the host at the run's end).
 
-Seven workloads: "plain"; "penalties half the time" (every fourth request has a
+Eight workloads: "plain"; "penalties half the time" (every fourth request has a
 frequency penalty and stops halfway; these run ahead, their counts kept on the device);
 "a grammar half the time" (the same with a regex instead: those cannot run ahead, so
 half the steps cannot run as decode runs); "logprobs" (every request asks for its
@@ -28,7 +28,9 @@ text is decoded and scanned at each token); "arrivals" (four times the batch, of
 spread over a quarter of `--tokens` to all of it, `batch` at a time: a request finishes,
 and another is admitted, at nearly every step, so the loop goes from an overlapped prompt
 step to runs again and again; the loop "held" then waits for the check of that step
-before it launches the run, as on a CPU); "queue" (sixteen times the batch, submitted at
+before it launches the run, as on a CPU); "shared" (the same, every prompt 1,024 tokens of
+a system prompt and 8 of its own: each step with room orders the waiting requests by
+their cached prefix, matching each again); "queue" (sixteen times the batch, submitted at
 once, as a dataset's rows are: `batch` run while the rest wait, and each step must not
 pay for the waiting ones).
 
@@ -213,8 +215,10 @@ def host_path(
             )
         if hold:
             engine._launch_before_check = lambda batch, steps: None
-        num = {"arrivals": 4 * batch, "queue": 16 * batch}.get(workload, batch)
+        num = {"arrivals": 4 * batch, "shared": 4 * batch, "queue": 16 * batch}.get(workload, batch)
         prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(num)]
+        if workload == "shared":  # (a system prompt's 1,024 tokens before each)
+            prompts = [[6 + j % 997 for j in range(1024)] + prompt for prompt in prompts]
         plain = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
         half = {**plain, "max_new_tokens": tokens // 2}
         quarter = {  # every fourth request's, for half the tokens
@@ -224,7 +228,7 @@ def host_path(
         params = [quarter if quarter and i % 4 == 0 else plain for i in range(num)]
         if workload == "stops":  # (its text decoded and scanned at every token)
             params = [{**plain, "stop": ["<never met>"]}] * num
-        if workload == "arrivals":  # (lengths from a quarter of `tokens` to all of it)
+        if workload in ("arrivals", "shared"):  # (lengths from a quarter of `tokens` to all)
             params = [{**plain, "max_new_tokens": _length(i, tokens)} for i in range(num)]
         asks = {"return_logprob": True, "top_logprobs_num": 5} if workload == "logprobs" else {}
         engine.generate(input_ids=prompts, sampling_params=params, **asks)  # warm-up
@@ -349,6 +353,7 @@ WORKLOADS = {
     "logprobs": "logprobs (each token's and its top 5)",
     "stops": "a stop string on every request (never met)",
     "arrivals": "arrivals (4 x batch requests of spread lengths, batch at a time)",
+    "shared": "arrivals behind a shared prefix (1,024 tokens of 1,032 a prompt)",
     "queue": "a queue (16 x batch requests submitted at once, batch at a time)",
 }
 

@@ -210,7 +210,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         for req, prefix, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             end = prefix + n
-            new_ids = req.fill_ids[prefix:end]
+            new_ids = req.fill_ids_between(prefix, end)
             start_row = len(ids)
             ids.extend(new_ids)
             positions.extend(range(prefix, end))

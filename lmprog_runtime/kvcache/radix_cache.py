@@ -65,10 +65,13 @@ class PrefixMatch:
     its slots joined only when read (most matches only order the queue; the one admitted
     reads them)."""
 
-    __slots__ = ("node", "length", "_values")
+    __slots__ = ("node", "length", "_values", "key")
 
-    def __init__(self, node: TreeNode, length: int, values: list[torch.Tensor]) -> None:
+    def __init__(
+        self, node: TreeNode, length: int, values: list[torch.Tensor], key: list[int]
+    ) -> None:
         self.node, self.length, self._values = node, length, values
+        self.key = key  # the list matched (a later match of the same list resumes at node)
 
     @property
     def slots(self) -> torch.Tensor:
@@ -126,16 +129,28 @@ class RadixCache:
         return MatchResult(torch.cat(values) if values else _NO_SLOTS, node)
 
     def match_path(
-        self, key: list[int], limit: int | None = None
+        self, key: list[int], limit: int | None = None, since: TreeNode | None = None
     ) -> tuple[TreeNode, int, list[torch.Tensor]]:
         """`match_prefix` of `key[:limit]` without joining the slots: the deepest node
         matched, how many tokens it matched, and the slots of the edges down to it, in
         order. The walk reads `key` in place (no copy of it, nor of what is left of it at
         each edge): a prompt of thousands of tokens is matched at each scheduling of a
-        waiting request."""
+        waiting request.
+
+        `since`: a node an earlier match of the same tokens ended at. While it is in the
+        tree, the path down to it is the same (edges are only ever split, never joined), so
+        the walk takes that path without comparing its tokens again and goes on from it;
+        the path's nodes are used as a walk from the root uses them."""
         end = len(key) if limit is None else max(0, min(limit, len(key)))
         end = end // self.page_size * self.page_size
         node, values, now, at = self.root, [], next(self._clock), 0
+        path = self._path_to(since) if since is not None and since.depth <= end else None
+        for child in path or ():
+            child.last_access = now
+            child.hit_count += 1
+            values.append(child.value)
+        if path:
+            node, at = since, since.depth
         while at < end and (step := self._descend(node, key, now, at, end)) is not None:
             child, n = step
             child.hit_count += 1
@@ -180,6 +195,21 @@ class RadixCache:
             self.evictable_size += len(key)
             node = leaf
         return matched + (below.depth if below is not None else 0), node
+
+    def _path_to(self, node: TreeNode) -> list[TreeNode] | None:
+        """The nodes from the root's child down to `node`; None if `node` has left the tree
+        (evicted, or flushed with it)."""
+        path = []
+        while node.parent is not None:
+            parent = node.parent
+            if parent.children.get(self._child_key(node.key)) is not node:
+                return None
+            path.append(node)
+            node = parent
+        if node is not self.root:
+            return None
+        path.reverse()
+        return path
 
     def _descend(
         self, node: TreeNode, key: list[int], now: int, start: int = 0, end: int | None = None

@@ -44,7 +44,11 @@ class ReqCache:
         limit = req.max_prefix_len()
         # (a prompt alone is read in place; a retracted request's output joins it)
         key = req.input_ids if not req.output_ids else req.fill_ids_between(0, limit)
-        req.match = PrefixMatch(*self.tree.match_path(key, limit))
+        # A waiting request is matched at each scheduling: the same prompt resumes at the
+        # node its last match ended at (`RadixCache.match_path`).
+        last = req.match
+        since = last.node if last is not None and last.key is key else None
+        req.match = PrefixMatch(*self.tree.match_path(key, limit, since), key)
         return req.match.length
 
     def claim_prefix(self, req: Req) -> None:

@@ -11,6 +11,8 @@ eviction walk-through of the reference document (S=2,000 shared, A=900, B=600, C
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import settings
@@ -36,6 +38,7 @@ class RadixModel(RuleBasedStateMachine):
         self.cache = RadixCache(self.alloc, self.PAGE_SIZE, self.POLICY)
         self.cached: dict[tuple, tuple[int, ...]] = {}  # page prefix -> slots of its last page
         self.locks: list[tuple[object, tuple]] = []  # (node, locked page prefix)
+        self.earlier: list[tuple[list, int, object]] = []  # match_path's (key, limit, node)
 
     # ---- the reference model -------------------------------------------------------------
     def hit_pages(self, pg):
@@ -141,8 +144,26 @@ class RadixModel(RuleBasedStateMachine):
         limit = data.draw(st.integers(-1, len(key) + 1), label="limit")
         node, length, values = self.cache.match_path(key, limit)
         expected = self.expected_slots(pages_of(key[: max(limit, 0)], self.PAGE_SIZE))
-        assert PrefixMatch(node, length, values).slots.tolist() == expected
+        assert PrefixMatch(node, length, values, key).slots.tolist() == expected
         assert length == len(expected) == node.depth
+        self.earlier.append((key, limit, node))
+
+    @rule(data=st.data())
+    def match_path_again(self, data):
+        """The same key matched again from where an earlier match ended (a waiting request
+        at its next scheduling), whatever came between (inserts, splits, evictions, a
+        flush): as the reference's match, ending at the node a walk from the root ends at,
+        and using the same nodes (their recency and hits)."""
+        if not self.earlier:
+            return
+        key, limit, since = self.earlier[data.draw(st.integers(0, len(self.earlier) - 1))]
+        twin = copy.deepcopy(self.cache)  # the same tree, walked from its root
+        node, length, values = self.cache.match_path(key, limit, since)
+        expected = self.expected_slots(pages_of(key[: max(limit, 0)], self.PAGE_SIZE))
+        assert PrefixMatch(node, length, values, key).slots.tolist() == expected
+        twin_node, twin_length, _ = twin.match_path(key, limit)
+        assert length == twin_length == node.depth == twin_node.depth
+        assert _shape(self.cache.root) == _shape(twin.root)
 
     @rule(data=st.data())
     def lock(self, data):
@@ -382,8 +403,26 @@ def test_inserting_below_a_node_equals_inserting_from_the_root(page_size):
 
 
 def _shape(node):
-    """A node's subtree: each edge's tokens, slots, recency and depth, by first token."""
+    """A node's subtree: each edge's tokens, slots, recency, hits and depth, by first
+    token."""
     return sorted(
-        (tuple(c.key), tuple(c.value.tolist()), c.last_access, c.depth, _shape(c))
+        (tuple(c.key), tuple(c.value.tolist()), c.last_access, c.hit_count, c.depth, _shape(c))
         for c in node.children.values()
     )
+
+
+def test_a_match_resumed_after_a_flush_or_an_eviction_walks_from_the_root():
+    alloc = TokenSlotAllocator(POOL)
+    cache = RadixCache(alloc, 1, "lru")
+    key = [1, 2, 3, 4, 5]
+    cache.insert(key, alloc.alloc(5))
+    since, length, _ = cache.match_path(key)
+    assert length == 5
+    cache.flush()
+    slots = alloc.alloc(3)
+    cache.insert(key[:3], slots)  # the same tokens again, in new nodes
+    node, length, values = cache.match_path(key, None, since)
+    assert (length, node) == (3, cache.match_prefix(key).node)
+    assert PrefixMatch(node, length, values, key).slots.tolist() == slots.tolist()
+    cache.evict(3)
+    assert cache.match_path(key, None, node)[:2] == (cache.root, 0)
