@@ -1,6 +1,6 @@
-"""`Engine.submit` (futures, streamed chunks through a callback) and `stop_regex`, on the tiny
-model; references: transformers' greedy tokens, the engine's own blocking `generate`, and
-`re.search` over the unstopped output."""
+"""`Engine.submit` (futures, streamed chunks through a callback, the caller's lists its own
+again) and `stop_regex`, on the tiny model; references: transformers' greedy tokens, the
+engine's own blocking `generate`, and `re.search` over the unstopped output."""
 
 from __future__ import annotations
 
@@ -37,6 +37,25 @@ def test_submit_refuses_bad_input_before_submitting_anything(engine):
     with pytest.raises(ValueError, match="temperature"):
         engine.submit("hi", {"temperature": float("nan")})
     assert engine.stats()["forward_passes"] == 0  # the good prompt was not sent either
+
+
+def test_the_callers_input_ids_lists_may_change_once_submitted(tiny_path):
+    """The engine keeps its own copy (`GenerateItem`): a request that waits (two run at a
+    time) computes the prompt it was given, not what the caller's list holds by then (and
+    a waiting request's prefix match resumes on the tokens it matched before)."""
+    import lmprog as lp
+
+    prompts = [[5 + (7 * i + j) % 90 for j in range(12)] for i in range(8)]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with lp.Engine(tiny_path, max_running_requests=2) as alone:
+        expected = [
+            out["output_ids"] for out in alone.generate(input_ids=prompts, sampling_params=params)
+        ]
+        given = [ids[:] for ids in prompts]
+        futures = alone.submit(input_ids=given, sampling_params=params)
+        for ids in given:
+            ids[:] = [3] * len(ids)
+        assert [f.result(timeout=120)["output_ids"] for f in futures] == expected
 
 
 def test_a_failing_callback_does_not_fail_the_other_requests(engine):

@@ -1,0 +1,104 @@
+"""Ordering the waiting queue by cached prefix: the scheduler's cost per step with room.
+
+With the `lpm` policy (the default) and up to 128 requests waiting, every step that has
+room for a request orders the waiting ones by the length of their cached prefix
+(`SchedulePolicy.order`), matching each against the radix tree. A dataset run or a server
+keeps up to that many requests waiting, and most steps have room (a request finishes),
+so this cost recurs step after step. The workload: the tree holds 64 requests that share
+a system prompt of `--shared` tokens and go on with 64 tokens of their own; 128 requests
+of the same system prompt and their own 64 tokens wait. Each round times ordering them
+again and again (best of 5), as the scheduler does at consecutive steps.
+
+    .venv/bin/python benchmarks/bench_prefix_match.py [--shared 0,512,2048]
+        [--baseline COMMIT [--rounds 2]]
+
+`--baseline COMMIT` times that commit's runtime too (a git worktree under /tmp), each side
+in its own process, alternated `--rounds` times; it reports each side's range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import timeit
+from pathlib import Path
+
+import harness
+
+ROOT = Path(__file__).resolve().parents[1]
+WAITING, CACHED, OWN = 128, 64, 64
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def measure(root: Path, shared: int) -> float:
+    """Milliseconds to order the waiting queue once (run in a process of its own, `root`'s
+    runtime first on the path)."""
+    sys.path.insert(0, str(root))
+    from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
+    from lmprog_runtime.kvcache.radix_cache import RadixCache
+    from lmprog_runtime.kvcache.req_cache import ReqCache
+    from lmprog_runtime.kvcache.req_to_token import ReqToTokenPool
+    from lmprog_runtime.request import Req
+    from lmprog_runtime.sampling_params import SamplingParams
+    from lmprog_runtime.schedule_policy import SchedulePolicy
+
+    rng = random.Random(0)
+    system = [rng.randrange(1000) for _ in range(shared)]
+    allocator = TokenSlotAllocator(CACHED * (shared + OWN) + 1024)
+    tree = RadixCache(allocator, 1, "lru")
+    for _ in range(CACHED):
+        key = system + [rng.randrange(1000) for _ in range(OWN)]
+        tree.insert(key, allocator.alloc(len(key)))
+    params = SamplingParams(max_new_tokens=16)
+    kw = {"tokenizer": _Tokenizer(), "eos_token_ids": frozenset(), "context_len": 8192}
+    waiting = [
+        Req(i, system + [rng.randrange(1000) for _ in range(OWN)], params, **kw)
+        for i in range(WAITING)
+    ]
+    policy = SchedulePolicy("lpm", ReqCache(tree, allocator, ReqToTokenPool(4, 8, "cpu")))
+    policy.order(waiting)  # (the first scheduling: the matches start from nothing)
+    return 1e3 * min(timeit.repeat(lambda: policy.order(waiting), number=20, repeat=5)) / 20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shared", default="0,512,2048", help="system prompt lengths")
+    parser.add_argument("--baseline", default=None, help="a commit to compare against")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of the sides")
+    parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.shared.split(",")]
+    if args.side:
+        results = {n: measure(Path(args.side), n) for n in lengths}
+        from lmprog_runtime import schedule_policy
+
+        print(json.dumps({**results, "runtime": schedule_policy.__file__}))
+        return
+    sides = {"this tree": (ROOT, dict(os.environ))}
+    if args.baseline:
+        sides = {args.baseline: harness.baseline_worktree(args.baseline), **sides}
+    seen: dict[str, list[dict]] = {name: [] for name in sides}
+    for round_ in range(args.rounds):
+        for name in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
+            root, env = sides[name]
+            cmd = [sys.executable, __file__, "--side", str(root), "--shared", args.shared]
+            seen[name].append(harness.run_side(cmd, root, env))
+    print(f"ordering {WAITING} waiting requests by cached prefix (ms, best of 5, range over")
+    print(f"the rounds); {CACHED} cached requests; each prompt the system prompt + {OWN} own")
+    for n in lengths:
+        cells = []
+        for name, results in seen.items():
+            values = [r[str(n)] for r in results]
+            cells.append(f"{name} {min(values):.3f}-{max(values):.3f}")
+        print(f"  system prompt {n:5} tokens: " + "; ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
