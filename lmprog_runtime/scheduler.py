@@ -302,7 +302,8 @@ class Scheduler:
     @staticmethod
     def _shares_uncached_prefix(req: Req, blocks: PrefixBlocks) -> bool:
         prefix = req.match.length if req.match is not None else 0
-        return blocks.shared_len(req.fill_ids) >= prefix + SHARED_PREFIX_BLOCK
+        ids = req.input_ids if not req.output_ids else req.fill_ids  # (no copy of a prompt)
+        return blocks.shared_len(ids) >= prefix + SHARED_PREFIX_BLOCK
 
     def _claim(self, req: Req) -> int:
         """Lock the request's matched prefix; returns how many tokens it claimed."""
