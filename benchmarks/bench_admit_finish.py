@@ -119,14 +119,14 @@ def main() -> None:
     sides = {"this tree": (ROOT, dict(os.environ))}
     if args.baseline:
         sides[args.baseline] = harness.baseline_worktree(args.baseline)
-    seen: dict[str, list[dict]] = {name: [] for name in sides}
-    for round_ in range(args.rounds):
-        order = list(sides) if round_ % 2 == 0 else list(sides)[::-1]
-        for name in order:
-            root, env = sides[name]
-            cmd = [sys.executable, __file__, "--side", str(root), "--batch", args.batch]
-            cmd += ["--prompt", str(args.prompt), "--tokens", str(args.tokens)]
-            seen[name].append(harness.run_side(cmd, root, env))
+    seen = harness.run_rounds(
+        sides,
+        args.rounds,
+        lambda root: (
+            [sys.executable, __file__, "--side", str(root), "--batch", args.batch]
+            + ["--prompt", str(args.prompt), "--tokens", str(args.tokens)]
+        ),
+    )
     print("CPU time (ms; make on the caller's thread, the rest on the loop's), prompts of")
     print(f"{args.prompt} tokens, range over the rounds, best of 5 within each")
     for b in batches:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import timeit
@@ -28,7 +27,6 @@ from pathlib import Path
 
 import harness
 
-ROOT = Path(__file__).resolve().parents[1]
 WAITING, CACHED, OWN = 128, 64, 64
 
 
@@ -81,15 +79,11 @@ def main() -> None:
 
         print(json.dumps({**results, "runtime": schedule_policy.__file__}))
         return
-    sides = {"this tree": (ROOT, dict(os.environ))}
-    if args.baseline:
-        sides = {args.baseline: harness.baseline_worktree(args.baseline), **sides}
-    seen: dict[str, list[dict]] = {name: [] for name in sides}
-    for round_ in range(args.rounds):
-        for name in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
-            root, env = sides[name]
-            cmd = [sys.executable, __file__, "--side", str(root), "--shared", args.shared]
-            seen[name].append(harness.run_side(cmd, root, env))
+    seen = harness.run_rounds(
+        harness.sides(args.baseline),
+        args.rounds,
+        lambda root: [sys.executable, __file__, "--side", str(root), "--shared", args.shared],
+    )
     print(f"ordering {WAITING} waiting requests by cached prefix (ms, best of 5, range over")
     print(f"the rounds); {CACHED} cached requests; each prompt the system prompt + {OWN} own")
     for n in lengths:

@@ -358,6 +358,21 @@ def run_side(cmd: list[str], root: Path, env: dict[str, str]) -> dict[str, Any]:
     return result
 
 
+def run_rounds(
+    sides: dict[str, tuple[Path, dict[str, str]]],
+    rounds: int,
+    command: Callable[[Path], list[str]],
+) -> dict[str, list[dict[str, Any]]]:
+    """Each side's results over `rounds` (side name -> one `run_side` result a round): the
+    sides run `command(root)` in turn, in alternating order (ABBA...)."""
+    seen: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    for round_ in range(rounds):
+        for name in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
+            root, env = sides[name]
+            seen[name].append(run_side(command(root), root, env))
+    return seen
+
+
 def loop_count_args(description: str, tokens: int) -> argparse.Namespace:
     """The arguments of a benchmark that counts a loop's work per iteration, each tree's
     in a process of its own (`bench_loop_opcodes.py`, `bench_eager_ops.py`): --batch,
