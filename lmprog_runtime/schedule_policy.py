@@ -37,9 +37,10 @@ class SchedulePolicy:
         are matched by the scheduler when it claims them with it."""
         if self.policy == "fcfs" or len(waiting) > MAX_CACHE_AWARE_QUEUE:
             return self._matched(waiting[:MAX_CACHE_AWARE_QUEUE])
-        lens = {id(req): self.req_cache.match(req) for req in waiting}
-        if self.policy == "lpm":
-            return sorted(waiting, key=lambda r: -lens[id(r)])
+        if self.policy == "lpm":  # (longest first; a stable sort: ties in arrival order)
+            return sorted(waiting, key=self.req_cache.match, reverse=True)
+        for req in waiting:
+            self.req_cache.match(req)
         return self._dfs_weight(waiting)
 
     def _matched(self, reqs: list[Req]) -> Iterator[Req]:

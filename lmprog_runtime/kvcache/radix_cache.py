@@ -196,6 +196,11 @@ class RadixCache:
             node = leaf
         return matched + (below.depth if below is not None else 0), node
 
+    def starts_an_edge(self, key: list[int]) -> bool:
+        """Whether an edge from the root starts with `key`'s first page: if not, nothing of
+        `key` is cached, and `match_path` of it matches nothing (and touches no node)."""
+        return bool(key) and self._child_key(key) in self.root.children
+
     def _path_to(self, node: TreeNode) -> list[TreeNode] | None:
         """The nodes from the root's child down to `node`; None if `node` has left the tree
         (evicted, or flushed with it)."""

@@ -46,9 +46,13 @@ class ReqCache:
         key = req.input_ids if not req.output_ids else req.fill_ids_between(0, limit)
         # A waiting request is matched at each scheduling: the same prompt resumes at the
         # node its last match ended at (`RadixCache.match_path`).
-        last = req.match
-        since = last.node if last is not None and last.key is key else None
-        req.match = PrefixMatch(*self.tree.match_path(key, limit, since), key)
+        last, tree = req.match, self.tree
+        since = None
+        if last is not None and last.key is key:
+            if last.length == 0 and not tree.starts_an_edge(key):
+                return 0  # (nothing cached starts it, as before: most prompts of a queue)
+            since = last.node
+        req.match = PrefixMatch(*tree.match_path(key, limit, since), key)
         return req.match.length
 
     def claim_prefix(self, req: Req) -> None:
