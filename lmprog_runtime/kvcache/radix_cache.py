@@ -117,6 +117,14 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
+        self._num_nodes = 0  # (the root's children and below)
+        # Eviction candidates, (priority, node_id, node), a min-heap kept as the tree
+        # changes (`_offer`), so that an eviction does not walk the whole tree: every
+        # unlocked leaf has an entry, entered with its priority then. Priorities only grow
+        # (recency, hits), so an entry's may be stale, never too high: `evict` re-enters
+        # a stale one at its current priority, and drops entries of nodes that are no
+        # longer unlocked leaves of the tree.
+        self._leaf_heap: list[tuple[tuple[int, int], int, TreeNode]] = []
 
     @property
     def total_size(self) -> int:
@@ -193,6 +201,8 @@ class RadixCache:
             leaf.last_access = now
             node.children[self._child_key(key)] = leaf
             self.evictable_size += len(key)
+            self._num_nodes += 1
+            self._offer(leaf)
             node = leaf
         return matched + (below.depth if below is not None else 0), node
 
@@ -262,6 +272,7 @@ class RadixCache:
         parent.children[self._child_key(upper.key)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         upper.children[self._child_key(child.key)] = child
+        self._num_nodes += 1  # (`child` stays the node it was: its heap entries hold)
         return upper
 
     # ---- locking ---------------------------------------------------------------------------
@@ -282,24 +293,49 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
                 self.protected_size -= len(node.key)
+                if not node.children:
+                    self._offer(node)
             node = node.parent
 
     # ---- eviction --------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` slots from unlocked leaves if possible; returns freed."""
-        heap = [(self._priority(n), n.node_id, n) for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
-        freed = 0
+        """Free at least `num_tokens` slots from unlocked leaves if possible, the lowest
+        (priority, node_id) first, then again among the leaves left; returns freed."""
+        if len(self._leaf_heap) > 2 * self._num_nodes + 64:  # (stale entries: amortised)
+            self._leaf_heap = [
+                (self._priority(n), n.node_id, n) for n in self._leaves() if n.lock_ref == 0
+            ]
+            heapq.heapify(self._leaf_heap)
+        heap, freed, values = self._leaf_heap, 0, []
         while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            self.allocator.free(node.value)
+            priority, node_id, node = heap[0]
+            parent = node.parent
+            if (
+                node.lock_ref
+                or node.children
+                or parent.children.get(self._child_key(node.key)) is not node
+            ):  # (locked, or a parent, or evicted since it was entered)
+                heapq.heappop(heap)
+                continue
+            now = self._priority(node)
+            if now != priority:  # (used since it was entered)
+                heapq.heapreplace(heap, (now, node_id, node))
+                continue
+            heapq.heappop(heap)
+            values.append(node.value)
             freed += len(node.key)
             self.evictable_size -= len(node.key)
-            parent = node.parent
             del parent.children[self._child_key(node.key)]
+            self._num_nodes -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (self._priority(parent), parent.node_id, parent))
+                self._offer(parent)
+        if values:  # (one free: each costs CPU ops)
+            self.allocator.free(values[0] if len(values) == 1 else torch.cat(values))
         return freed
+
+    def _offer(self, node: TreeNode) -> None:
+        """`node` may have become an unlocked leaf: an eviction candidate."""
+        heapq.heappush(self._leaf_heap, (self._priority(node), node.node_id, node))
 
     def _priority(self, node: TreeNode) -> tuple[int, int]:
         if self.eviction_policy == "lfu":

@@ -159,6 +159,7 @@ def test_gpu_idle_splits_a_runs_ends_from_the_gaps_between_kernels():
     assert got["kernels"] == 5 and got["span_s"] == 1600e-6
     assert abs(got["busy_s"] - 600e-6) < 1e-12 and abs(got["idle_in_span_s"] - 1000e-6) < 1e-12
     assert abs(got["idle_outside_span_s"] - 2400e-6) < 1e-12
+    assert abs(got["fraction_idle_in_span"] - 1000 / 1600) < 1e-12
     assert got["gaps_of_100us_or_more"] == 1 and len(got["longest_gaps"]) == 1
     gap = got["longest_gaps"][0]  # (1500 -> 2500: 500 us into the 1600 us span)
     assert gap["us"] == 1000 and abs(gap["at"] - 500 / 1600) < 1e-3

@@ -62,7 +62,9 @@ class RadixModel(RuleBasedStateMachine):
     def do_evict(self, n):
         ps, free_before = self.PAGE_SIZE, self.alloc.num_free
         evictable, locked = self.cache.evictable_size, self.locked_prefixes()
+        expected = naive_eviction(self.cache, n)
         freed = self.cache.evict(n)
+        assert node_ids(self.cache.root) == expected  # the nodes the order leaves
         owned = set(self.cache.owned_slots().tolist())
         kept = {p: v for p, v in self.cached.items() if v[0] in owned}
         assert all(set(v) <= owned for v in kept.values())  # whole pages survive or go
@@ -308,6 +310,45 @@ def test_childless_parent_is_evicted_when_more_is_needed():
         cache.dec_lock_ref(node)  # no longer locked
 
 
+def test_eviction_keeps_its_candidates_as_the_tree_changes():
+    """`evict` keeps a heap of candidates instead of walking the tree: a leaf passed over
+    while locked is a candidate again once unlocked; a leaf entered twice goes once; and a
+    heap grown stale (locks taken and dropped, no eviction) is rebuilt, in the same order
+    as a walk of the whole tree (`naive_eviction`)."""
+    cache = RadixCache(TokenSlotAllocator(64))
+    fill(cache, [1, 1])
+    fill(cache, [2, 2])
+    node = cache.match_prefix([1, 1]).node
+    cache.inc_lock_ref(node)
+    fill(cache, [1, 1])  # (used again: [2, 2] is the older one now)
+    cache.match_prefix([2, 2])  # ([1, 1] older again, but locked: passed over)
+    assert cache.evict(1) == 2 and hit(cache, [2, 2]) == 0
+    cache.dec_lock_ref(node)
+    assert cache.evict(1) == 2 and cache.total_size == 0  # unlocked: a candidate again
+
+    fill(cache, [3, 3])
+    node = cache.match_prefix([3, 3]).node
+    cache.inc_lock_ref(node)
+    cache.dec_lock_ref(node)  # (two entries for it now)
+    assert cache.evict(2) == 2
+    fill(cache, [4, 4])
+    assert cache.evict(2) == 2 and cache.total_size == 0  # not [3, 3] twice: a double free
+
+    keys = [[5, i, i] for i in range(6)]
+    for key in keys:
+        fill(cache, key)
+    for round_ in range(100):  # entries pile up, none popped
+        node = cache.match_prefix(keys[round_ % 6]).node
+        cache.inc_lock_ref(node)
+        cache.dec_lock_ref(node)
+    assert len(cache._leaf_heap) > 2 * cache._num_nodes + 64
+    expected = naive_eviction(cache, 5)
+    assert cache.evict(5) == 6 and node_ids(cache.root) == expected
+    assert len(cache._leaf_heap) <= 7  # rebuilt: one entry per leaf left
+    cache.flush()
+    assert cache.allocator.num_free == cache.allocator.num_slots
+
+
 def test_page_aligned_matching():
     alloc = TokenSlotAllocator(64, page_size=4)
     cache = RadixCache(alloc, page_size=4)
@@ -400,6 +441,33 @@ def test_inserting_below_a_node_equals_inserting_from_the_root(page_size):
         trees.append((got[0], got[1].depth, _shape(cache.root)))
         cache.allocator.free(value[: got[0] - 4])
     assert trees[0] == trees[1] and trees[0][:2] == (6, 8)
+
+
+def naive_eviction(cache, n):
+    """The ids of the nodes left after evicting `n` tokens, by brute force on a copy: the
+    unlocked leaf of lowest (priority, node_id) among all the leaves then, again and again
+    (what `evict` does without walking the tree each time)."""
+    twin = copy.deepcopy(cache)
+    freed = 0
+    while freed < n:
+        leaves = [x for x in _nodes(twin.root) if not x.children and x.lock_ref == 0 and x.parent]
+        if not leaves:
+            break
+        node = min(leaves, key=lambda x: (twin._priority(x), x.node_id))
+        del node.parent.children[twin._child_key(node.key)]
+        freed += len(node.key)
+    return node_ids(twin.root)
+
+
+def _nodes(node):
+    out = [node]
+    for child in node.children.values():
+        out.extend(_nodes(child))
+    return out
+
+
+def node_ids(root):
+    return {x.node_id for x in _nodes(root)} - {root.node_id}
 
 
 def _shape(node):
