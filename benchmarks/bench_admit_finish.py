@@ -7,7 +7,10 @@ best of 5; each on the thread it runs on). With `--tokens N` (N > 2) it also tim
 check of a decode step's new tokens (`EngineLoop._check`) at the steps that finish no
 request, in microseconds a step. `--prompt N` makes the prompts N tokens long,
 each its own (putting a prompt in the cache and finishing should not cost more for a
-longer one, beyond its new tokens). A benchmark of N new
+longer one, beyond its new tokens). `--cached` runs the same requests again without
+flushing the cache in between (a dataset's repeated prompts, a rerun): a prompt's tokens
+and the greedy output's are then in the tree already, and caching them frees the
+request's own slots as duplicates. A benchmark of N new
 tokens pays them in every step's average, divided by N. `--baseline COMMIT` times that
 commit's runtime too, the two alternated, each run in its own process.
 
@@ -35,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WHAT = ("make", "admit", "cache_prompt", "finish")
 
 
-def measure(root: Path, batch: int, prompt: int = 8, tokens: int = 2) -> dict:
+def measure(root: Path, batch: int, prompt: int = 8, tokens: int = 2, cached: bool = False) -> dict:
     """(run in a process of its own, `root`'s runtime first on the path)"""
     sys.path.insert(0, str(root))
     from lmprog_runtime import Engine, default_model_path, engine, engine_loop, scheduler
@@ -92,7 +95,8 @@ def measure(root: Path, batch: int, prompt: int = 8, tokens: int = 2) -> dict:
         running.generate(input_ids=prompts, sampling_params=params)  # warm-up
         checks.clear()
         for _ in range(5):
-            running.flush_cache()
+            if not cached:
+                running.flush_cache()
             spent.update(dict.fromkeys(WHAT, 0.0))
             running.generate(input_ids=prompts, sampling_params=params)
             best = {k: min(best[k], spent[k]) for k in best}
@@ -105,13 +109,16 @@ def main() -> None:
     parser.add_argument("--batch", default="64,256", help="comma-separated batch sizes")
     parser.add_argument("--prompt", type=int, default=8, help="tokens per prompt")
     parser.add_argument("--tokens", type=int, default=2, help="new tokens per request")
+    parser.add_argument("--cached", action="store_true", help="the requests' tokens cached")
     parser.add_argument("--baseline", default=None, help="a commit to compare against")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the sides")
     parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     if args.side:
-        results = {b: measure(Path(args.side), b, args.prompt, args.tokens) for b in batches}
+        results = {
+            b: measure(Path(args.side), b, args.prompt, args.tokens, args.cached) for b in batches
+        }
         from lmprog_runtime import engine_loop
 
         print(json.dumps({**results, "runtime": engine_loop.__file__}))
@@ -125,6 +132,7 @@ def main() -> None:
         lambda root: (
             [sys.executable, __file__, "--side", str(root), "--batch", args.batch]
             + ["--prompt", str(args.prompt), "--tokens", str(args.tokens)]
+            + (["--cached"] if args.cached else [])
         ),
     )
     print("CPU time (ms; make on the caller's thread, the rest on the loop's), prompts of")

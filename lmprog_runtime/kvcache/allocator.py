@@ -37,9 +37,11 @@ class TokenSlotAllocator:
             raise ValueError(f"num_slots ({num_slots}) must be >= page_size ({page_size})")
         self.page_size = page_size
         self.num_pages = num_slots // page_size
-        # Page 0 reads as free: it is never handed out, and freeing it is refused with the
-        # double frees, by the one check `free` makes.
-        self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device="cpu")
+        # 1 for a free page, 0 for a taken one. Page 0 reads as free: it is never handed
+        # out, and freeing it is refused with the double frees, by the one check `free`
+        # makes (a count: a page freed twice, or twice in one call, reads 2).
+        self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.int32, device="cpu")
+        self._one = torch.ones((), dtype=torch.int32, device="cpu")
         # The free list is `_free_pages[_head:]` (taking pages moves the head: one view a
         # take, not two).
         self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device="cpu")
@@ -70,7 +72,7 @@ class TokenSlotAllocator:
             return None
         pages = self._free_pages[head : head + num_pages]
         self._head = head + num_pages
-        self._page_is_free.index_fill_(0, pages, False)
+        self._page_is_free.index_fill_(0, pages, 0)
         return pages
 
     def pages_needed(self, num_tokens: int, last_slot: int | None = None) -> int:
@@ -138,17 +140,22 @@ class TokenSlotAllocator:
             raise ValueError(f"the allocator frees host slot indices, got a {slots.device} tensor")
         if slots.numel() == 0:
             return
-        slots = slots.to(torch.int64).flatten()
         ps = self.page_size
-        pages = torch.unique(slots // ps if ps > 1 else slots)
-        repeated = ps == 1 and pages.numel() != slots.numel()
-        # One check for both errors (a request's finish frees up to six times, and each
-        # CPU op costs the loop microseconds); which one it is is told apart only then.
-        if repeated or bool(self._page_is_free[pages].any()):
-            if not repeated and bool((pages == 0).any()):
+        if ps > 1:
+            pages = torch.unique(slots.to(torch.int64).flatten() // ps)
+        else:  # (a copy: `slots` may be a view of a row that is reused; no sort needed)
+            pages = slots.flatten().to(torch.int64, copy=True)
+        # Each page's count goes up by one: all of them now read 1 unless one was free or
+        # came twice. One check for every error (a request's finish frees up to six times,
+        # and each CPU op costs the loop microseconds; a sort to find repeats cost more
+        # than the rest of a free); which one it is is told apart only then.
+        flags = self._page_is_free
+        flags.index_put_((pages,), self._one, accumulate=True)
+        if int(flags[pages].sum()) != pages.numel():
+            flags.index_put_((pages,), -self._one, accumulate=True)  # (nothing was freed)
+            if bool((pages == 0).any()):
                 raise RuntimeError("slot 0 is reserved and never allocated")
             raise RuntimeError("double free of KV slots")
-        self._page_is_free[pages] = True
         self._freed.append(pages)
         self._num_freed += int(pages.numel())
 
