@@ -32,7 +32,9 @@ before it launches the run, as on a CPU); "shared" (the same, every prompt 1,024
 a system prompt and 8 of its own: each step with room orders the waiting requests by
 their cached prefix, matching each again); "queue" (sixteen times the batch, submitted at
 once, as a dataset's rows are: `batch` run while the rest wait, and each step must not
-pay for the waiting ones).
+pay for the waiting ones); "dataset" (64 times the batch submitted at once, of spread
+lengths as "arrivals": a request leaves and another is admitted at nearly every step, so
+that admission must not read the whole queue each time).
 
 Per step, wall time minus the device time is the host's critical path: what a GPU would
 sit idle for. It is measured for the synchronous loop and the overlapped one, in one run,
@@ -215,7 +217,7 @@ def host_path(
             )
         if hold:
             engine._launch_before_check = lambda batch, steps: None
-        num = {"arrivals": 4 * batch, "shared": 4 * batch, "queue": 16 * batch}.get(workload, batch)
+        num = {"arrivals": 4, "shared": 4, "queue": 16, "dataset": 64}.get(workload, 1) * batch
         prompts = [[5 + (i * 7 + j) % 1000 for j in range(8)] for i in range(num)]
         if workload == "shared":  # (a system prompt's 1,024 tokens before each)
             prompts = [[6 + j % 997 for j in range(1024)] + prompt for prompt in prompts]
@@ -228,7 +230,7 @@ def host_path(
         params = [quarter if quarter and i % 4 == 0 else plain for i in range(num)]
         if workload == "stops":  # (its text decoded and scanned at every token)
             params = [{**plain, "stop": ["<never met>"]}] * num
-        if workload in ("arrivals", "shared"):  # (lengths from a quarter of `tokens` to all)
+        if workload in ("arrivals", "shared", "dataset"):  # (lengths from a quarter to all)
             params = [{**plain, "max_new_tokens": _length(i, tokens)} for i in range(num)]
         asks = {"return_logprob": True, "top_logprobs_num": 5} if workload == "logprobs" else {}
         engine.generate(input_ids=prompts, sampling_params=params, **asks)  # warm-up
@@ -355,6 +357,7 @@ WORKLOADS = {
     "arrivals": "arrivals (4 x batch requests of spread lengths, batch at a time)",
     "shared": "arrivals behind a shared prefix (1,024 tokens of 1,032 a prompt)",
     "queue": "a queue (16 x batch requests submitted at once, batch at a time)",
+    "dataset": "a dataset (64 x batch requests of spread lengths at once, batch at a time)",
 }
 
 

@@ -25,7 +25,12 @@ from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache import ReqToTokenPool, TokenSlotAllocator
 from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.request import Req
-from lmprog_runtime.schedule_policy import SHARED_PREFIX_BLOCK, PrefixBlocks, SchedulePolicy
+from lmprog_runtime.schedule_policy import (
+    MAX_CACHE_AWARE_QUEUE,
+    SHARED_PREFIX_BLOCK,
+    PrefixBlocks,
+    SchedulePolicy,
+)
 from lmprog_runtime.stats import EngineStats
 from lmprog_runtime.transfer import host_ints
 
@@ -183,7 +188,7 @@ class Scheduler:
             # A full batch admits nothing: the queue is not read (a dataset's may hold
             # thousands; as SGLang's scheduler, which tries no prefill then either).
             return self._alloc_extend(entries) if entries else None
-        waiting = [r for r in self.waiting if r.group is None or r.group.is_ready]
+        waiting, end = self._eligible()
         if not waiting and not entries:
             return None  # (every decode step: nothing is computed for it)
         used = self._reserved_tokens()
@@ -239,8 +244,26 @@ class Scheduler:
                 break
         if not entries:
             return None
-        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        head = self.waiting[:end]
+        kept = [r for r in head if id(r) not in admitted]
+        if len(head) - len(kept) == len(admitted):
+            self.waiting[:end] = kept  # (the rest of a long queue is not read)
+        else:  # (a group's members from further on)
+            self.waiting = [r for r in self.waiting if id(r) not in admitted]
         return self._alloc_extend(entries)
+
+    def _eligible(self) -> tuple[list[Req], int]:
+        """The waiting requests admission may consider (a group's once all its members
+        came), in order, up to one more than the cache-aware policies order (past that,
+        admission goes by arrival), and how far into the queue they reach: a queue of
+        thousands (one `generate` of a whole dataset) is not read whole at every step."""
+        eligible = []
+        for end, req in enumerate(self.waiting, 1):
+            if req.group is None or req.group.is_ready:
+                eligible.append(req)
+                if len(eligible) > MAX_CACHE_AWARE_QUEUE:
+                    return eligible, end
+        return eligible, len(self.waiting)
 
     def _room(self, num_active: int) -> int:
         """How many more requests may run next to `num_active`."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.kvcache import ReqToTokenPool, TokenSlotAllocator
@@ -64,3 +66,56 @@ def test_a_match_from_an_earlier_step_is_never_claimed(policy):
     assert batch.prefix_lens == [0, 0, 0] and batch.extend_lens == [42, 42, 42]
     assert tree.evictable_size == tree.protected_size == 0
     assert allocator.num_free + batch.out_cache_loc.numel() == allocator.num_slots
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    policy=st.sampled_from(POLICIES),
+    lone=st.integers(0, 300),
+    group_at=st.integers(0, 10),
+    gap=st.integers(0, 300),
+    ready=st.booleans(),
+)
+def test_a_long_queue_keeps_its_order(policy, lone, group_at, gap, ready):
+    """Admission reads a long queue only as far as it orders it (129 requests); what it
+    admits leaves the queue, wherever it stood (a group's second member may stand past
+    that), and the rest keep their order."""
+    allocator = TokenSlotAllocator(4096, 1)
+    table = ReqToTokenPool(8, 128, torch.device("cpu"))
+    config = RuntimeConfig(
+        page_size=1, max_total_tokens=4096, schedule_policy=policy, max_running_requests=8
+    )
+    cache = ReqCache(RadixCache(allocator, 1), allocator, table)
+    sched = Scheduler(config, allocator, table, cache, EngineStats())
+    queue = [_req(i, [1 + i % 50, 2 + i // 50]) for i in range(lone)]
+    first, second = _req(1000, [7, 7, 7]), _req(1001, [7, 7, 8])
+    group = RequestGroup([first, second], None)
+    first.group = second.group = group
+    if not ready:  # (a member not submitted yet: the group is not admitted)
+        group.members.append(_req(1002, [7, 7, 9]))
+    at = min(group_at, len(queue))
+    queue[at:at] = [first]
+    queue.insert(min(at + 1 + gap, len(queue)), second)
+    for req in queue:
+        sched.add(req)
+    batch = sched._schedule_extend()
+    admitted = {id(r) for r in batch.reqs} if batch is not None else set()
+    assert sched.waiting == [r for r in queue if id(r) not in admitted]
+    assert (id(first) in admitted) == (id(second) in admitted)
+    if policy == "fcfs" or len(queue) > 129:  # (arrival order: the first that fit)
+        assert len(admitted) == min(8, len(queue) - 2 + 2 * (id(first) in admitted))
+
+
+@pytest.mark.parametrize("waiting, hot_first", [(128, True), (129, False)])
+def test_past_128_waiting_admission_goes_by_arrival(waiting, hot_first):
+    """`lpm` orders up to 128 waiting requests by cached prefix; one more, and admission
+    takes them in arrival order (matching every prompt at every step would cost more
+    than the order saves)."""
+    sched, tree, allocator, _ = _setup("lpm", max_running=1)
+    sched.waiting.clear()
+    queue = [_req(i, [500 + i, 600 + i]) for i in range(waiting - 1)]
+    hot = _req(999, PREFIX + [1, 2])  # (its first 40 tokens cached)
+    for req in [queue[0], hot, *queue[1:]]:  # (second: among the first 128 either way)
+        sched.add(req)
+    batch = sched._schedule_extend()
+    assert batch.reqs == ([hot] if hot_first else [queue[0]])
