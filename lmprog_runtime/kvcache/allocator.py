@@ -14,9 +14,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from lmprog_runtime.transfer import host_ints
+
+# Above this many slots a free finds repeats by sorting; below, with a set of Python ints.
+_SET_CHECK_MAX = 256
 
 
 class TokenSlotAllocator:
@@ -37,11 +41,14 @@ class TokenSlotAllocator:
             raise ValueError(f"num_slots ({num_slots}) must be >= page_size ({page_size})")
         self.page_size = page_size
         self.num_pages = num_slots // page_size
-        # 1 for a free page, 0 for a taken one. Page 0 reads as free: it is never handed
-        # out, and freeing it is refused with the double frees, by the one check `free`
-        # makes (a count: a page freed twice, or twice in one call, reads 2).
-        self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.int32, device="cpu")
-        self._one = torch.ones((), dtype=torch.int32, device="cpu")
+        # Page 0 reads as free: it is never handed out, and freeing it is refused with the
+        # double frees, by the one check `free` makes. A numpy array, which `free` reads
+        # and writes through numpy views of the pages: a torch op costs the loop several
+        # times a numpy one, most of all the first after a stretch of Python, when its code
+        # has left the CPU's caches (20-27 us for a copy of a few slots there). A take
+        # marks its pages through a tensor on the same memory (one op a decode step).
+        self._page_is_free = np.ones(self.num_pages + 1, dtype=np.bool_)
+        self._page_is_free_t = torch.from_numpy(self._page_is_free)
         # The free list is `_free_pages[_head:]` (taking pages moves the head: one view a
         # take, not two).
         self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device="cpu")
@@ -72,7 +79,7 @@ class TokenSlotAllocator:
             return None
         pages = self._free_pages[head : head + num_pages]
         self._head = head + num_pages
-        self._page_is_free.index_fill_(0, pages, 0)
+        self._page_is_free_t.index_fill_(0, pages, False)
         return pages
 
     def pages_needed(self, num_tokens: int, last_slot: int | None = None) -> int:
@@ -142,22 +149,23 @@ class TokenSlotAllocator:
             return
         ps = self.page_size
         if ps > 1:
-            pages = torch.unique(slots.to(torch.int64).flatten() // ps)
-        else:  # (a copy: `slots` may be a view of a row that is reused; no sort needed)
-            pages = slots.flatten().to(torch.int64, copy=True)
-        # Each page's count goes up by one: all of them now read 1 unless one was free or
-        # came twice. One check for every error (a request's finish frees up to six times,
-        # and each CPU op costs the loop microseconds; a sort to find repeats cost more
-        # than the rest of a free); which one it is is told apart only then.
-        flags = self._page_is_free
-        flags.index_put_((pages,), self._one, accumulate=True)
-        if int(flags[pages].sum()) != pages.numel():
-            flags.index_put_((pages,), -self._one, accumulate=True)  # (nothing was freed)
-            if bool((pages == 0).any()):
+            index = torch.unique(slots.to(torch.int64).flatten() // ps).numpy()
+            repeated = False
+        else:  # (a copy: `slots` may be a view of a row that is reused)
+            index = slots.flatten().numpy().astype(np.int64, copy=True)
+            if index.size <= _SET_CHECK_MAX:
+                repeated = len(set(index.tolist())) != index.size
+            else:
+                repeated = np.unique(index).size != index.size
+        # One check for both errors (a request's finish frees up to six times, and each
+        # op costs the loop microseconds); which one it is is told apart only then.
+        if repeated or self._page_is_free[index].any():
+            if (index == 0).any():
                 raise RuntimeError("slot 0 is reserved and never allocated")
             raise RuntimeError("double free of KV slots")
-        self._freed.append(pages)
-        self._num_freed += int(pages.numel())
+        self._page_is_free[index] = True
+        self._freed.append(torch.from_numpy(index))
+        self._num_freed += index.size
 
     def _room_after(self, last_slot: int | None) -> int:
         if last_slot is None or self.page_size == 1:

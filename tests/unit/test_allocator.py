@@ -57,6 +57,16 @@ def test_double_free_and_slot_zero_are_refused(page_size):
     assert alloc.num_free == 16 and alloc.alloc(16) is not None
 
 
+def test_a_long_free_with_a_repeat_is_refused():
+    """(Past 256 slots a free finds repeats another way.)"""
+    alloc = TokenSlotAllocator(1024)
+    slots = alloc.alloc(600)
+    with pytest.raises(RuntimeError, match="double free"):
+        alloc.free(torch.cat([slots[:300], slots[299:300]]))
+    alloc.free(slots)  # nothing of the refused free was done
+    assert alloc.num_free == 1024
+
+
 def test_req_to_token_rows():
     pool = ReqToTokenPool(2, 8, "cpu")
     a, b = pool.alloc(), pool.alloc()
