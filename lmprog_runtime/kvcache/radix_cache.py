@@ -302,9 +302,7 @@ class RadixCache:
         """Free at least `num_tokens` slots from unlocked leaves if possible, the lowest
         (priority, node_id) first, then again among the leaves left; returns freed."""
         if len(self._leaf_heap) > 2 * self._num_nodes + 64:  # (stale entries: amortised)
-            self._leaf_heap = [
-                (self._priority(n), n.node_id, n) for n in self._leaves() if n.lock_ref == 0
-            ]
+            self._leaf_heap = [self._entry(n) for n in self._leaves() if n.lock_ref == 0]
             heapq.heapify(self._leaf_heap)
         heap, freed, values = self._leaf_heap, 0, []
         while freed < num_tokens and heap:
@@ -335,7 +333,10 @@ class RadixCache:
 
     def _offer(self, node: TreeNode) -> None:
         """`node` may have become an unlocked leaf: an eviction candidate."""
-        heapq.heappush(self._leaf_heap, (self._priority(node), node.node_id, node))
+        heapq.heappush(self._leaf_heap, self._entry(node))
+
+    def _entry(self, node: TreeNode) -> tuple[tuple[int, int], int, TreeNode]:
+        return self._priority(node), node.node_id, node
 
     def _priority(self, node: TreeNode) -> tuple[int, int]:
         if self.eviction_policy == "lfu":
