@@ -118,13 +118,16 @@ class RadixCache:
         self.evictable_size = 0
         self.protected_size = 0
         self._num_nodes = 0  # (the root's children and below)
-        # Eviction candidates, (priority, node_id, node), a min-heap kept as the tree
-        # changes (`_offer`), so that an eviction does not walk the whole tree: every
-        # unlocked leaf has an entry, entered with its priority then. Priorities only grow
-        # (recency, hits), so an entry's may be stale, never too high: `evict` re-enters
-        # a stale one at its current priority, and drops entries of nodes that are no
-        # longer unlocked leaves of the tree.
+        # Eviction candidates, (priority, node_id, node), kept as the tree changes
+        # (`_offer`), so that an eviction does not walk the whole tree: every unlocked leaf
+        # has an entry, entered with its priority then, in the min-heap or in `_fresh` (the
+        # entries since the last eviction, heaped by it: a push at every insert cost the
+        # loop more than an append, and most leaves are never evicted). Priorities only
+        # grow (recency, hits), so an entry's may be stale, never too high: `evict`
+        # re-enters a stale one at its current priority, and drops entries of nodes that
+        # are no longer unlocked leaves of the tree.
         self._leaf_heap: list[tuple[tuple[int, int], int, TreeNode]] = []
+        self._fresh: list[tuple[tuple[int, int], int, TreeNode]] = []
 
     @property
     def total_size(self) -> int:
@@ -301,10 +304,10 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` slots from unlocked leaves if possible, the lowest
         (priority, node_id) first, then again among the leaves left; returns freed."""
-        if len(self._leaf_heap) > 2 * self._num_nodes + 64:  # (stale entries: amortised)
-            self._leaf_heap = [self._entry(n) for n in self._leaves() if n.lock_ref == 0]
-            heapq.heapify(self._leaf_heap)
         heap, freed, values = self._leaf_heap, 0, []
+        for entry in self._fresh:
+            heapq.heappush(heap, entry)
+        self._fresh = []
         while freed < num_tokens and heap:
             priority, node_id, node = heap[0]
             parent = node.parent
@@ -326,14 +329,20 @@ class RadixCache:
             del parent.children[self._child_key(node.key)]
             self._num_nodes -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                self._offer(parent)
+                heapq.heappush(heap, self._entry(parent))
         if values:  # (one free: each costs CPU ops)
             self.allocator.free(values[0] if len(values) == 1 else torch.cat(values))
         return freed
 
     def _offer(self, node: TreeNode) -> None:
-        """`node` may have become an unlocked leaf: an eviction candidate."""
-        heapq.heappush(self._leaf_heap, self._entry(node))
+        """`node` may have become an unlocked leaf: an eviction candidate. (The entries
+        of nodes locked, extended or evicted since pile up: past twice the tree's nodes,
+        they are made again from the tree's unlocked leaves, once in so many offers.)"""
+        self._fresh.append(self._entry(node))
+        if len(self._fresh) + len(self._leaf_heap) > 2 * self._num_nodes + 64:
+            self._leaf_heap = [self._entry(n) for n in self._leaves() if n.lock_ref == 0]
+            heapq.heapify(self._leaf_heap)
+            self._fresh = []
 
     def _entry(self, node: TreeNode) -> tuple[tuple[int, int], int, TreeNode]:
         return self._priority(node), node.node_id, node
