@@ -175,14 +175,19 @@ class RadixCache:
         return self.insert_node(key, value)[0]
 
     def insert_node(
-        self, key: list[int], value: torch.Tensor, below: TreeNode | None = None
+        self,
+        key: list[int],
+        value: torch.Tensor,
+        below: TreeNode | None = None,
+        locking: bool = False,
     ) -> tuple[int, TreeNode]:
         """`insert`, and the node whose path is all of `key` (lock it to keep it).
 
         `below`: a node whose path is the tokens before `key` (a request's locked prefix):
         the walk starts there, not at the root (O(the new tokens), not O(the whole
         sequence); the count returned includes its path). Its path gets the recency a walk
-        from the root gives it."""
+        from the root gives it. `locking`: the caller locks the node returned before
+        anything may evict (a new leaf is then no eviction candidate until unlocked)."""
         if len(key) % self.page_size or len(key) != value.numel():
             raise ValueError("insert needs a page-aligned key and one slot per token")
         now = next(self._clock)
@@ -205,7 +210,8 @@ class RadixCache:
             node.children[self._child_key(key)] = leaf
             self.evictable_size += len(key)
             self._num_nodes += 1
-            self._offer(leaf)
+            if not locking:
+                self._offer(leaf)
             node = leaf
         return matched + (below.depth if below is not None else 0), node
 

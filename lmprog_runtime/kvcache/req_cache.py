@@ -76,7 +76,8 @@ class ReqCache:
         start = req.tree_len  # (the tree has the first ones: the walk starts past them)
         key = req.fill_ids_between(start, n)
         value = self.req_to_token.host_table[req.req_pool_idx, start:n]  # (insert copies)
-        already, node = self.tree.insert_node(key, value, below=_prefix_node(req, start))
+        below = _prefix_node(req, start)
+        already, node = self.tree.insert_node(key, value, below=below, locking=True)
         if already > start:
             # Slots we computed for tokens the tree already had are duplicates: drop ours,
             # and read the tree's instead (past them the tree holds our own).

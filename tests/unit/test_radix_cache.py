@@ -127,12 +127,17 @@ class RadixModel(RuleBasedStateMachine):
                 return
         pg = pages_of(head + tail, self.PAGE_SIZE)
         hit = self.hit_pages(pg)
-        already, leaf = self.cache.insert_node(tail, value, below=node)
+        # `locking`: as a prefill chunk's insert, which locks the node at once
+        locking = data.draw(st.booleans(), label="locking")
+        already, leaf = self.cache.insert_node(tail, value, below=node, locking=locking)
         assert already == hit * self.PAGE_SIZE and leaf.depth == len(head) + len(tail)
         self.alloc.free(value[: already - len(head)])
         for j in range(hit, len(pg)):
             start = j * self.PAGE_SIZE - len(head)
             self.cached[pg[: j + 1]] = tuple(value[start : start + self.PAGE_SIZE].tolist())
+        if locking and pg:
+            self.cache.inc_lock_ref(leaf)
+            self.locks.append((leaf, pg))
 
     @rule(data=st.data())
     def match(self, data):
