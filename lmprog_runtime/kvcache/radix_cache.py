@@ -215,6 +215,20 @@ class RadixCache:
             node = leaf
         return matched + (below.depth if below is not None else 0), node
 
+    def path_slots(self, node: TreeNode, depth: int) -> torch.Tensor:
+        """The slots of `node`'s path past its first `depth` tokens (a node of the path
+        ends there), read up from `node`: no tokens compared."""
+        values = []
+        while node.depth > depth:
+            values.append(node.value)
+            node = node.parent
+        if node.depth != depth:
+            raise ValueError(f"no node of the path ends at {depth} tokens")
+        if len(values) < 2:
+            return values[0] if values else _NO_SLOTS
+        values.reverse()
+        return torch.cat(values)
+
     def starts_an_edge(self, key: list[int]) -> bool:
         """Whether an edge from the root starts with `key`'s first page: if not, nothing of
         `key` is cached, and `match_path` of it matches nothing (and touches no node)."""

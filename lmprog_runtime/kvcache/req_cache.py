@@ -82,9 +82,8 @@ class ReqCache:
             # Slots we computed for tokens the tree already had are duplicates: drop ours,
             # and read the tree's instead (past them the tree holds our own).
             self.allocator.free(value[: already - start])
-            match = self.tree.match_prefix(req.fill_ids[:n])
-            assert match.slots.numel() == n and match.node is node
-            self.req_to_token.write(req.req_pool_idx, 0, match.slots)
+            slots = self.tree.path_slots(node, start)  # (no walk from the root)
+            self.req_to_token.write(req.req_pool_idx, start, slots)
         self.tree.inc_lock_ref(node)
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -119,3 +120,33 @@ def test_lpm_orders_by_cached_prefix_then_arrival(prompts, cached, rounds):
 
         expected = sorted(range(len(reqs)), key=lambda i: (-cached_len(reqs[i]), i))
         assert [req.rid for req in policy.order(reqs)] == expected
+
+
+def test_a_prompt_computed_again_reads_the_trees_slots():
+    """A request that computed tokens the tree already holds (a prompt admitted beside
+    the same one) frees its own and points its row at the tree's, across every edge of
+    the path they span, and keeps its own past them."""
+    allocator = TokenSlotAllocator(POOL, 1)
+    tree = RadixCache(allocator, 1)
+    table = ReqToTokenPool(4, 16, torch.device("cpu"))
+    req_cache = ReqCache(tree, allocator, table)
+    for key in ([1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]):  # (edges: [1,2] [3,4] [5,6])
+        slots = allocator.alloc(len(key))
+        allocator.free(slots[: tree.insert(key, slots)])
+    params = SamplingParams(max_new_tokens=1)
+    req = Req(0, [1, 2, 3, 4, 5, 6, 7, 8], params, tokenizer=None, eos_token_ids=frozenset(),
+              context_len=16)  # fmt: skip
+    req.req_pool_idx = table.alloc()
+    own = allocator.alloc(8)  # (computed whole, as if nothing had been cached)
+    table.write(req.req_pool_idx, 0, own)
+    req.kv_len = 8
+    free_before = allocator.num_free
+    req_cache.cache_unfinished(req)
+    cached = tree.match_prefix([1, 2, 3, 4, 5, 6]).slots.tolist()
+    assert table.host_table[req.req_pool_idx, :8].tolist() == cached + own[6:].tolist()
+    assert allocator.num_free == free_before + 6  # (its first six, duplicates, freed)
+    assert tree.match_prefix(req.input_ids).slots.tolist() == cached + own[6:].tolist()
+    req_cache.cache_finished(req)
+    assert tree.path_slots(tree.match_prefix([1, 2, 3, 4, 5, 6]).node, 2).tolist() == cached[2:]
+    with pytest.raises(ValueError):
+        tree.path_slots(tree.match_prefix([1, 2, 3, 4]).node, 1)  # (no node ends at 1)
