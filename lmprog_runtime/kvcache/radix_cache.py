@@ -217,12 +217,17 @@ class RadixCache:
 
     def path_slots(self, node: TreeNode, depth: int) -> torch.Tensor:
         """The slots of `node`'s path past its first `depth` tokens (a node of the path
-        ends there), read up from `node`: no tokens compared."""
-        values = []
-        while node.depth > depth:
-            values.append(node.value)
+        ends there), read up from `node`: no tokens compared. The path's nodes are used as
+        a match of it from the root uses them (recency, hits)."""
+        now, values, ends = next(self._clock), [], depth == 0
+        while node.parent is not None:
+            node.last_access = now
+            node.hit_count += 1
+            if node.depth > depth:
+                values.append(node.value)
+            ends = ends or node.depth == depth
             node = node.parent
-        if node.depth != depth:
+        if not ends:
             raise ValueError(f"no node of the path ends at {depth} tokens")
         if len(values) < 2:
             return values[0] if values else _NO_SLOTS

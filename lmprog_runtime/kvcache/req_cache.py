@@ -49,7 +49,7 @@ class ReqCache:
         last, tree = req.match, self.tree
         since = None
         if last is not None and last.key is key:
-            if last.length == 0 and not tree.starts_an_edge(key):
+            if last.length == 0 and last.node is tree.root and not tree.starts_an_edge(key):
                 return 0  # (nothing cached starts it, as before: most prompts of a queue)
             since = last.node
         req.match = PrefixMatch(*tree.match_path(key, limit, since), key)

@@ -81,6 +81,7 @@ def test_a_repeated_match_equals_a_fresh_one(page_size, prompts, ops):
             assert got == expected[1] == req.match.length
             assert req.match.slots.tolist() == torch.cat([*expected[2], torch.zeros(0)]).tolist()
             assert _shape(tree.root) == _shape(twin.root)
+            assert tree._path_to(req.match.node) is not None  # (in this tree: not a flushed one)
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -142,6 +143,8 @@ def test_a_prompt_computed_again_reads_the_trees_slots():
     req.kv_len = 8
     free_before = allocator.num_free
     req_cache.cache_unfinished(req)
+    hits = [node.hit_count for node in tree._path_to(req.last_node)]
+    assert hits == [1, 1, 1, 1]  # (its path used once, as a match from the root would)
     cached = tree.match_prefix([1, 2, 3, 4, 5, 6]).slots.tolist()
     assert table.host_table[req.req_pool_idx, :8].tolist() == cached + own[6:].tolist()
     assert allocator.num_free == free_before + 6  # (its first six, duplicates, freed)
