@@ -139,17 +139,11 @@ def main() -> None:
     print(f"{args.prompt} tokens, range over the rounds, best of 5 within each")
     for b in batches:
         for what in WHAT:
-            cells = []
-            for name, results in seen.items():
-                values = [r[str(b)][f"{what}_ms"] for r in results]
-                cells.append(f"{name} {min(values):.2f}-{max(values):.2f}")
-            print(f"  {what} {b:4} requests: " + "; ".join(cells))
+            cells = harness.range_cells(seen, lambda r, b=b, w=what: r[str(b)][f"{w}_ms"], 2)
+            print(f"  {what} {b:4} requests: {cells}")
         if args.tokens > 2:
-            cells = []
-            for name, results in seen.items():
-                values = [r[str(b)]["check_us"] for r in results]
-                cells.append(f"{name} {min(values):.1f}-{max(values):.1f}")
-            print(f"  check of a step (us, mean) {b:4} requests: " + "; ".join(cells))
+            cells = harness.range_cells(seen, lambda r, b=b: r[str(b)]["check_us"], 1)
+            print(f"  check of a step (us, mean) {b:4} requests: {cells}")
 
 
 if __name__ == "__main__":

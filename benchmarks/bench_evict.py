@@ -17,9 +17,7 @@ in its own process, alternated `--rounds` times; it reports each side's range.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import random
 import sys
 import timeit
@@ -56,32 +54,18 @@ def measure(root: Path, leaves: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--leaves", default="1024,16384", help="cached requests")
-    parser.add_argument("--baseline", default=None, help="a commit to compare against")
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of the sides")
-    parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    sizes = [int(n) for n in args.leaves.split(",")]
-    if args.side:
-        results = {n: measure(Path(args.side), n) for n in sizes}
-        from lmprog_runtime.kvcache import radix_cache
-
-        print(json.dumps({**results, "runtime": radix_cache.__file__}))
+    compared = harness.compare_sizes(
+        __file__, "leaves", "1024,16384", "cached requests", measure,
+        "lmprog_runtime.kvcache.radix_cache",
+    )  # fmt: skip
+    if compared is None:
         return
-    seen = harness.run_rounds(
-        harness.sides(args.baseline),
-        args.rounds,
-        lambda root: [sys.executable, __file__, "--side", str(root), "--leaves", args.leaves],
-    )
+    sizes, seen = compared
     print(f"a finished request's {OWN} tokens cached and {OWN} evicted from a full pool")
     print("(ms a round, best of 5, range over the rounds)")
     for n in sizes:
-        cells = []
-        for name, results in seen.items():
-            values = [r[str(n)] for r in results]
-            cells.append(f"{name} {min(values):.3f}-{max(values):.3f}")
-        print(f"  {n:6} requests cached: " + "; ".join(cells))
+        cells = harness.range_cells(seen, lambda r, n=n: r[str(n)])
+        print(f"  {n:6} requests cached: {cells}")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ in its own process, alternated `--rounds` times; it reports each side's range.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import sys
 import timeit
@@ -66,32 +64,18 @@ def measure(root: Path, shared: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shared", default="0,512,2048", help="system prompt lengths")
-    parser.add_argument("--baseline", default=None, help="a commit to compare against")
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of the sides")
-    parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    lengths = [int(n) for n in args.shared.split(",")]
-    if args.side:
-        results = {n: measure(Path(args.side), n) for n in lengths}
-        from lmprog_runtime import schedule_policy
-
-        print(json.dumps({**results, "runtime": schedule_policy.__file__}))
+    compared = harness.compare_sizes(
+        __file__, "shared", "0,512,2048", "system prompt lengths", measure,
+        "lmprog_runtime.schedule_policy",
+    )  # fmt: skip
+    if compared is None:
         return
-    seen = harness.run_rounds(
-        harness.sides(args.baseline),
-        args.rounds,
-        lambda root: [sys.executable, __file__, "--side", str(root), "--shared", args.shared],
-    )
+    lengths, seen = compared
     print(f"ordering {WAITING} waiting requests by cached prefix (ms, best of 5, range over")
     print(f"the rounds); {CACHED} cached requests; each prompt the system prompt + {OWN} own")
     for n in lengths:
-        cells = []
-        for name, results in seen.items():
-            values = [r[str(n)] for r in results]
-            cells.append(f"{name} {min(values):.3f}-{max(values):.3f}")
-        print(f"  system prompt {n:5} tokens: " + "; ".join(cells))
+        cells = harness.range_cells(seen, lambda r, n=n: r[str(n)])
+        print(f"  system prompt {n:5} tokens: {cells}")
 
 
 if __name__ == "__main__":

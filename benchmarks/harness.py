@@ -373,6 +373,53 @@ def run_rounds(
     return seen
 
 
+def range_cells(
+    seen: dict[str, list[dict[str, Any]]], pick: Callable[[dict], float], digits: int = 3
+) -> str:
+    """Each side's range of `pick(result)` over its rounds (`run_rounds`' results):
+    "name lo-hi; name lo-hi"."""
+    cells = []
+    for name, results in seen.items():
+        values = [pick(r) for r in results]
+        cells.append(f"{name} {min(values):.{digits}f}-{max(values):.{digits}f}")
+    return "; ".join(cells)
+
+
+def compare_sizes(
+    script: str,
+    option: str,
+    default: str,
+    help: str,
+    measure: Callable[[Path, int], float],
+    runtime_module: str,
+) -> tuple[list[int], dict[str, list[dict[str, Any]]]] | None:
+    """The main of a benchmark timed at a list of sizes (`--OPTION 1,2,...`, `measure(root,
+    size)` each), with --baseline and --rounds: each side in a process of its own, which
+    runs `script` with the hidden --side, measures and prints its results (then None is
+    returned); the comparing process gets the sizes and `run_rounds`' results."""
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.split("\n\n")[0])
+    parser.add_argument(f"--{option}", default=default, help=help)
+    parser.add_argument("--baseline", default=None, help="a commit to compare against")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of the sides")
+    parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    listed = getattr(args, option)
+    sizes = [int(n) for n in listed.split(",")]
+    if args.side:
+        results = {n: measure(Path(args.side), n) for n in sizes}
+        import importlib
+
+        runtime = importlib.import_module(runtime_module).__file__  # (the side's, measured)
+        print(json.dumps({**results, "runtime": runtime}))
+        return None
+    seen = run_rounds(
+        sides(args.baseline),
+        args.rounds,
+        lambda root: [sys.executable, script, "--side", str(root), f"--{option}", listed],
+    )
+    return sizes, seen
+
+
 def loop_count_args(description: str, tokens: int) -> argparse.Namespace:
     """The arguments of a benchmark that counts a loop's work per iteration, each tree's
     in a process of its own (`bench_loop_opcodes.py`, `bench_eager_ops.py`): --batch,
