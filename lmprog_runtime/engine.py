@@ -30,6 +30,7 @@ from lmprog_runtime.engine_inputs import normalize_generate_inputs
 from lmprog_runtime.engine_loop import EngineLoop, serve, wake
 from lmprog_runtime.engine_view import engine_html, engine_repr
 from lmprog_runtime.forward_worker import ForwardWorker
+from lmprog_runtime.gc_freeze import FreezeHold
 from lmprog_runtime.kvcache.radix_cache import RadixCache
 from lmprog_runtime.kvcache.radix_view import RadixTreeView
 from lmprog_runtime.kvcache.req_cache import ReqCache
@@ -37,7 +38,7 @@ from lmprog_runtime.model_runner import ModelRunner
 from lmprog_runtime.models.registry import local_model_dir, resolve_model_path
 from lmprog_runtime.overlap import InFlight
 from lmprog_runtime.penalties import PenaltyCounts
-from lmprog_runtime.request import Req
+from lmprog_runtime.request import DoneFlag, Req
 from lmprog_runtime.run_plan import RunSlots
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, Scheduler
@@ -70,22 +71,32 @@ class Engine(EngineLoop):
         ['meta_info', 'output_ids', 'text']
     """
 
+    def __new__(
+        cls, model_path: str | os.PathLike[str] | None = None, **config_fields: Any
+    ) -> Engine:
+        config, model_dir = _read_arguments(model_path, config_fields)  # (bad ones fail here)
+        # The collector's freeze is made before the engine object exists, so that its own
+        # objects never are frozen (`gc_freeze.py`).
+        hold = FreezeHold(freeze=config.gc_freeze)
+        engine = super().__new__(cls)
+        engine.config, engine._model_dir, engine._freeze_hold = config, model_dir, hold
+        return engine
+
     def __init__(
         self, model_path: str | os.PathLike[str] | None = None, **config_fields: Any
     ) -> None:
-        config_fields = from_sglang(model_path, config_fields)  # (SGLang's server args)
-        unknown = sorted(set(config_fields) - RuntimeConfig.field_names())
-        if unknown:
-            raise TypeError(f"unknown Engine argument(s) {unknown}")
-        # A name, a Hub id, a directory or a .gguf file; config.model_path records where
-        # the model lives, model_dir the checkpoint directory read (a GGUF's conversion).
-        self.config = RuntimeConfig(model_path=resolve_model_path(model_path), **config_fields)
-        model_dir = local_model_dir(self.config.model_path)
+        # (`__new__` has read the arguments)
+        self._freeze_hold.register(self)
+        try:
+            self._start()
+        except BaseException:
+            self._freeze_hold.release()
+            raise
+
+    def _start(self) -> None:
+        model_dir = self._model_dir
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
-        from lmprog_runtime.models import ModelConfig
-
-        ModelConfig.from_path(model_dir)  # fail fast on a bad directory or architecture
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         # A GGUF's tokenizer is the tokenizer.json built from its metadata, exactly as
@@ -157,7 +168,10 @@ class Engine(EngineLoop):
         # The thread gets a weak reference and the condition variable, never `self` (a bound
         # method would keep the engine alive as long as the thread runs, i.e. forever).
         self._thread = threading.Thread(
-            target=serve, args=(weakref.ref(self), self._cv), name="lmprog-engine", daemon=True
+            target=serve,
+            args=(weakref.ref(self), self._cv, self._freeze_hold),
+            name="lmprog-engine",
+            daemon=True,
         )
         weakref.finalize(self, wake, self._cv)
         self._thread.start()
@@ -564,10 +578,29 @@ class Engine(EngineLoop):
             raise _request_error(req)
         return req.to_output()
 
-    def _wait_for(self, event: threading.Event) -> None:
+    def _wait_for(self, event: threading.Event | DoneFlag) -> None:
         while not event.wait(0.5):
             if not self._thread.is_alive():
                 raise RuntimeError("the engine loop has stopped")
+
+
+def _read_arguments(
+    model_path: str | os.PathLike[str] | None, config_fields: dict[str, Any]
+) -> tuple[RuntimeConfig, str]:
+    """An engine's `RuntimeConfig` and the checkpoint directory it reads (a GGUF's
+    conversion), from `Engine`'s arguments (SGLang's server-argument names too)."""
+    config_fields = from_sglang(model_path, config_fields)
+    unknown = sorted(set(config_fields) - RuntimeConfig.field_names())
+    if unknown:
+        raise TypeError(f"unknown Engine argument(s) {unknown}")
+    # A name, a Hub id, a directory or a .gguf file; config.model_path records where the
+    # model lives.
+    config = RuntimeConfig(model_path=resolve_model_path(model_path), **config_fields)
+    model_dir = local_model_dir(config.model_path)
+    from lmprog_runtime.models import ModelConfig
+
+    ModelConfig.from_path(model_dir)  # fail fast on a bad directory or architecture
+    return config, model_dir
 
 
 def _wake_once(reqs: list[Req]) -> threading.Event:

@@ -43,6 +43,7 @@ from lmprog_runtime.transfer import use_device
 
 if TYPE_CHECKING:
     from lmprog_runtime.engine import Engine
+    from lmprog_runtime.gc_freeze import FreezeHold
 
 logger = logging.getLogger("lmprog_runtime.engine")
 # Scheduling that raises this many times in a row fails every request the loop holds.
@@ -477,14 +478,22 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
                 logger.exception("on_done callback of request %d failed", req.rid)
 
 
-def serve(engine_ref: weakref.ref[Engine], cv: threading.Condition) -> None:
-    """The loop thread: run steps while the engine has work, until it is shut down or gone.
+def serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, hold: FreezeHold) -> None:
+    """The loop thread: run steps while the engine has work, until it is shut down or gone;
+    then give back the engine's `hold` on the collector's freeze (`gc_freeze.py`).
 
     A strong reference is taken for one check or step and dropped before waiting, so while
     the engine is idle only callers keep it alive. The idle check and the wait share one
     acquisition of `cv`, so a submit cannot slip between them; the engine's
     finalizer notifies `cv`, and the next check finds the reference dead.
     """
+    try:
+        _serve(engine_ref, cv)
+    finally:
+        hold.release()
+
+
+def _serve(engine_ref: weakref.ref[Engine], cv: threading.Condition) -> None:
     engine = engine_ref()
     if engine is not None:
         use_device(engine.runner.device)  # (the engine's device, for this thread's work)

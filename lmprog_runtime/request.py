@@ -28,6 +28,45 @@ logger = logging.getLogger(__name__)
 # A logprob entry: (logprob, token_id, the token's text or None); a prompt's first token
 # has no logprob.
 LogprobEntry = tuple[float | None, int, str | None]
+# Shared by every request without EOS or stop tokens (a request's objects are walked by
+# every full pass of the cyclic collector while it waits: `gc_freeze.py`).
+NO_TOKEN_IDS: frozenset[int] = frozenset()
+
+
+class DoneFlag:
+    """`threading.Event`'s `is_set` / `set` / `wait` for one request, set once, by the
+    loop: two objects for the collector to walk where an event makes six (its condition,
+    lock, waiters and the condition's bound methods).
+
+    Example:
+        >>> flag = DoneFlag()
+        >>> flag.wait(0), flag.set(), flag.wait(), flag.is_set()
+        (False, None, True, True)
+    """
+
+    __slots__ = ("_lock", "_is_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # held until set: a waiter acquires it to wake
+        self._lock.acquire()
+        self._is_set = False
+
+    def is_set(self) -> bool:
+        return self._is_set
+
+    def set(self) -> None:
+        if not self._is_set:
+            self._is_set = True
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether it is set, waiting up to `timeout` seconds (None: until it is)."""
+        if self._is_set:
+            return True
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        self._lock.release()  # (for the next waiter)
+        return True
 
 
 class Req:
@@ -62,9 +101,11 @@ class Req:
         self.input_ids = input_ids
         self.params = params
         self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
-        self.stop_token_ids = frozenset(params.stop_token_ids)
-        self._ends_on = self.eos_token_ids | self.stop_token_ids  # (read at every token)
+        self.eos_token_ids = NO_TOKEN_IDS if params.ignore_eos else eos_token_ids
+        stop_ids = params.stop_token_ids
+        self.stop_token_ids = frozenset(stop_ids) if stop_ids else NO_TOKEN_IDS
+        # (read at every token)
+        self._ends_on = self.eos_token_ids | self.stop_token_ids if stop_ids else self.eos_token_ids
         # Generation ends at the context length even if max_new_tokens allows more. A healed
         # prompt's backed-up token is generated again on top of max_ and min_new_tokens.
         healed = 1 if heal is not None else 0
@@ -109,13 +150,17 @@ class Req:
         self.finished_reason: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self.text = ""
-        # Logprob entries are SGLang's (logprob, token_id, token text or None) triples.
-        self.input_token_logprobs: list[LogprobEntry] = []
-        self.input_top_logprobs: list[list[LogprobEntry] | None] = []
-        self.output_token_logprobs: list[LogprobEntry] = []
-        self.output_top_logprobs: list[list[LogprobEntry]] = []
+        # Logprob entries are SGLang's (logprob, token_id, token text or None) triples. A
+        # request that asks for none shares empty tuples (four objects fewer to collect).
+        self.input_token_logprobs: list[LogprobEntry] | tuple[()] = ()
+        self.input_top_logprobs: list[list[LogprobEntry] | None] | tuple[()] = ()
+        self.output_token_logprobs: list[LogprobEntry] | tuple[()] = ()
+        self.output_top_logprobs: list[list[LogprobEntry]] | tuple[()] = ()
+        if return_logprob:
+            self.input_token_logprobs, self.input_top_logprobs = [], []
+            self.output_token_logprobs, self.output_top_logprobs = [], []
 
-        self.done = threading.Event()
+        self.done = DoneFlag()
         # Set as the loop finishes the request (`EngineLoop._finish`; `done` is set at its
         # end): the loop's checks each step read this attribute, not the event.
         self.released = False
