@@ -1,7 +1,7 @@
-"""The cyclic garbage collector's pauses during one `generate` of a dataset, with the
-start-up heap frozen (`gc_freeze=True`, the default; `lmprog_runtime/gc_freeze.py`) and
-without (`gc_freeze=False`), each side in a process of its own, alternated `--rounds` times;
-with `--baseline COMMIT`, that commit's runtime as a third side (its own defaults).
+"""The cyclic garbage collector's pauses during one `generate` of a dataset, with the heap
+frozen while the engine works (`gc_freeze=True`, the default; `lmprog_runtime/gc_freeze.py`)
+and without (`gc_freeze=False`), each side in a process of its own, alternated `--rounds`
+times; with `--baseline COMMIT`, that commit's runtime as a third side (its own defaults).
 
 Every collector pass stops all threads, the engine loop's included, for as long as it walks
 the objects it tracks; on a GPU that is time the GPU sits idle. The workload is a dataset's

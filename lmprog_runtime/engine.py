@@ -30,7 +30,7 @@ from lmprog_runtime.engine_inputs import normalize_generate_inputs
 from lmprog_runtime.engine_loop import EngineLoop, serve, wake
 from lmprog_runtime.engine_view import engine_html, engine_repr
 from lmprog_runtime.forward_worker import ForwardWorker
-from lmprog_runtime.gc_freeze import FreezeHold
+from lmprog_runtime.gc_freeze import BusyFreeze, working
 from lmprog_runtime.kvcache.radix_cache import RadixCache
 from lmprog_runtime.kvcache.radix_view import RadixTreeView
 from lmprog_runtime.kvcache.req_cache import ReqCache
@@ -71,32 +71,22 @@ class Engine(EngineLoop):
         ['meta_info', 'output_ids', 'text']
     """
 
-    def __new__(
-        cls, model_path: str | os.PathLike[str] | None = None, **config_fields: Any
-    ) -> Engine:
-        config, model_dir = _read_arguments(model_path, config_fields)  # (bad ones fail here)
-        # The collector's freeze is made before the engine object exists, so that its own
-        # objects never are frozen (`gc_freeze.py`).
-        hold = FreezeHold(freeze=config.gc_freeze)
-        engine = super().__new__(cls)
-        engine.config, engine._model_dir, engine._freeze_hold = config, model_dir, hold
-        return engine
-
     def __init__(
         self, model_path: str | os.PathLike[str] | None = None, **config_fields: Any
     ) -> None:
-        # (`__new__` has read the arguments)
-        self._freeze_hold.register(self)
-        try:
-            self._start()
-        except BaseException:
-            self._freeze_hold.release()
-            raise
-
-    def _start(self) -> None:
-        model_dir = self._model_dir
+        config_fields = from_sglang(model_path, config_fields)  # (SGLang's server args)
+        unknown = sorted(set(config_fields) - RuntimeConfig.field_names())
+        if unknown:
+            raise TypeError(f"unknown Engine argument(s) {unknown}")
+        # A name, a Hub id, a directory or a .gguf file; config.model_path records where
+        # the model lives, model_dir the checkpoint directory read (a GGUF's conversion).
+        self.config = RuntimeConfig(model_path=resolve_model_path(model_path), **config_fields)
+        model_dir = local_model_dir(self.config.model_path)
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
+        from lmprog_runtime.models import ModelConfig
+
+        ModelConfig.from_path(model_dir)  # fail fast on a bad directory or architecture
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         # A GGUF's tokenizer is the tokenizer.json built from its metadata, exactly as
@@ -169,7 +159,7 @@ class Engine(EngineLoop):
         # method would keep the engine alive as long as the thread runs, i.e. forever).
         self._thread = threading.Thread(
             target=serve,
-            args=(weakref.ref(self), self._cv, self._freeze_hold),
+            args=(weakref.ref(self), self._cv, BusyFreeze(self.config.gc_freeze)),
             name="lmprog-engine",
             daemon=True,
         )
@@ -207,23 +197,25 @@ class Engine(EngineLoop):
         Example:
             >>> engine.generate(["a", "b"], {"max_new_tokens": 4})  # doctest: +SKIP
         """
-        reqs, is_single = self._make_reqs(
-            prompt,
-            sampling_params,
-            input_ids,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
-            return_text_in_logprobs,
-            stream=stream,
-        )
-        if stream and not is_single:
-            raise ValueError("stream=True takes a single prompt")
-        woken = None if stream else _wake_once(reqs)
-        self._submit(self._make_group(reqs) if group and len(reqs) > 1 else reqs)
-        if stream:
-            return RequestStream(self, reqs[0])
-        outputs = self._wait_all(reqs, woken)
+        # (a dataset's rows make many objects, here and in the results: `gc_freeze.py`)
+        with working(self.config.gc_freeze):
+            reqs, is_single = self._make_reqs(
+                prompt,
+                sampling_params,
+                input_ids,
+                return_logprob,
+                logprob_start_len,
+                top_logprobs_num,
+                return_text_in_logprobs,
+                stream=stream,
+            )
+            if stream and not is_single:
+                raise ValueError("stream=True takes a single prompt")
+            woken = None if stream else _wake_once(reqs)
+            self._submit(self._make_group(reqs) if group and len(reqs) > 1 else reqs)
+            if stream:
+                return RequestStream(self, reqs[0])
+            outputs = self._wait_all(reqs, woken)
         return outputs[0] if is_single else outputs
 
     def submit(
@@ -249,16 +241,17 @@ class Engine(EngineLoop):
             >>> futures = engine.submit(["a", "b"], {"max_new_tokens": 4})  # doctest: +SKIP
             >>> [f.result()["text"] for f in futures]  # doctest: +SKIP
         """
-        reqs, _ = self._make_reqs(
-            prompt,
-            sampling_params,
-            input_ids,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
-            return_text_in_logprobs,
-            stream=False,
-        )
+        with working(self.config.gc_freeze):  # (a dataset's rows: many objects)
+            reqs, _ = self._make_reqs(
+                prompt,
+                sampling_params,
+                input_ids,
+                return_logprob,
+                logprob_start_len,
+                top_logprobs_num,
+                return_text_in_logprobs,
+                stream=False,
+            )
         futures: list[Future] = []
         for i, req in enumerate(reqs):
             future: Future = Future()
@@ -582,25 +575,6 @@ class Engine(EngineLoop):
         while not event.wait(0.5):
             if not self._thread.is_alive():
                 raise RuntimeError("the engine loop has stopped")
-
-
-def _read_arguments(
-    model_path: str | os.PathLike[str] | None, config_fields: dict[str, Any]
-) -> tuple[RuntimeConfig, str]:
-    """An engine's `RuntimeConfig` and the checkpoint directory it reads (a GGUF's
-    conversion), from `Engine`'s arguments (SGLang's server-argument names too)."""
-    config_fields = from_sglang(model_path, config_fields)
-    unknown = sorted(set(config_fields) - RuntimeConfig.field_names())
-    if unknown:
-        raise TypeError(f"unknown Engine argument(s) {unknown}")
-    # A name, a Hub id, a directory or a .gguf file; config.model_path records where the
-    # model lives.
-    config = RuntimeConfig(model_path=resolve_model_path(model_path), **config_fields)
-    model_dir = local_model_dir(config.model_path)
-    from lmprog_runtime.models import ModelConfig
-
-    ModelConfig.from_path(model_dir)  # fail fast on a bad directory or architecture
-    return config, model_dir
 
 
 def _wake_once(reqs: list[Req]) -> threading.Event:

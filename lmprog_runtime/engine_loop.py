@@ -43,7 +43,7 @@ from lmprog_runtime.transfer import use_device
 
 if TYPE_CHECKING:
     from lmprog_runtime.engine import Engine
-    from lmprog_runtime.gc_freeze import FreezeHold
+    from lmprog_runtime.gc_freeze import BusyFreeze
 
 logger = logging.getLogger("lmprog_runtime.engine")
 # Scheduling that raises this many times in a row fails every request the loop holds.
@@ -478,9 +478,10 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
                 logger.exception("on_done callback of request %d failed", req.rid)
 
 
-def serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, hold: FreezeHold) -> None:
+def serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, freeze: BusyFreeze) -> None:
     """The loop thread: run steps while the engine has work, until it is shut down or gone;
-    then give back the engine's `hold` on the collector's freeze (`gc_freeze.py`).
+    the collector's freeze (`gc_freeze.py`) is told when it takes up work and when it has
+    none left.
 
     A strong reference is taken for one check or step and dropped before waiting, so while
     the engine is idle only callers keep it alive. The idle check and the wait share one
@@ -488,12 +489,12 @@ def serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, hold: Freeze
     finalizer notifies `cv`, and the next check finds the reference dead.
     """
     try:
-        _serve(engine_ref, cv)
+        _serve(engine_ref, cv, freeze)
     finally:
-        hold.release()
+        freeze.idle()
 
 
-def _serve(engine_ref: weakref.ref[Engine], cv: threading.Condition) -> None:
+def _serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, freeze: BusyFreeze) -> None:
     engine = engine_ref()
     if engine is not None:
         use_device(engine.runner.device)  # (the engine's device, for this thread's work)
@@ -507,10 +508,12 @@ def _serve(engine_ref: weakref.ref[Engine], cv: threading.Condition) -> None:
                 # Dropping the last reference runs the finalizer here (`cv` is reentrant), and
                 # its notify would be lost: check again before waiting.
                 del engine
+                freeze.idle()
                 if engine_ref() is None:
                     return
                 cv.wait()
                 continue
+        freeze.busy()
         try:
             engine._run_once()
         except Exception as error:  # a bug outside any one step: fail what it held, go on

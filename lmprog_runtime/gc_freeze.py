@@ -1,91 +1,110 @@
-"""Short full passes of Python's cyclic garbage collector while engines run.
+"""Short full passes of Python's cyclic garbage collector while engines have work.
 
 CPython's cyclic collector now and then runs a full pass (its oldest generation): every
-thread stops while it walks every container object the process tracks. An engine's start
-imports torch's compiler stack (with sympy), transformers and triton: some 350,000 objects
-that are never garbage. A full pass over them took ~150-175 ms on a 2-vCPU EPYC, and
-requests and the prefix cache make objects that outlive the young generations, so such
-passes come every few thousand requests of a long run, each a stall of the loop (and of
-the GPU behind it). vLLM and SGLang freeze their processes' start-up heap for this reason.
+thread stops while it walks every container object the process tracks. After an engine's
+start that is some 370,000 objects, nearly all of them the modules the start imported
+(torch's compiler stack with sympy, transformers, triton), never garbage: a full pass took
+150-200 ms on a 2-vCPU EPYC. Requests and the prefix cache make objects that outlive the
+young generations, so a long run took such a pass every few thousand requests, each a
+stall of the engine loop (and of the GPU behind it). vLLM and SGLang freeze their
+processes' start-up heap for this reason.
 
-Before an engine object exists (`Engine.__new__`), a `FreezeHold` imports what an engine's
-start imports, collects, and freezes every object alive (`gc.freeze()`: the collector walks
-them no more); a full pass then walks the engines' own objects and what was made since
-(2-3 ms for "tiny" or SmolLM2-135M). Where the freeze is not made:
-
-- while another engine object is alive (running, shut down and still referenced, or
-  garbage not yet collected): its objects would be frozen, and a cycle of them could no
-  longer be collected;
-- when something else froze objects first (`gc.get_freeze_count()`): the process manages
-  its collector itself;
-- with `gc_freeze=False`.
-
-An engine's own objects are thus never frozen: a dropped engine stays collectable, and its
-loop thread ends when it is. When the last hold is released (its engine's loop thread ends:
-at shutdown, or once the engine is collected), the objects are unfrozen
-(`gc.unfreeze()`), and cycles that became garbage meanwhile are collected as before. The
-state below is process-wide, as the collector is, and guarded by `_lock`.
+Here the heap is frozen (`gc.freeze()`: the collector walks those objects no more) while
+any engine's loop has work or a caller is inside `generate` (or making `submit`'s
+requests), and unfrozen (`gc.unfreeze()`) as soon as none is: a full pass during a run
+walks only what was made since it began. Both calls move whole lists, whatever their
+length. The process is an application's, not ours, so the freeze never outlasts the work:
+a cycle that became garbage meanwhile (a dropped engine, an object of the caller's in a
+cycle holding one) stays frozen only until the engines are idle, then is collected as
+before. Objects the process froze itself (`gc.get_freeze_count()` when a freeze would
+start) are left alone, as is the collector of an engine made with `gc_freeze=False`. The
+state is process-wide, as the collector is, and guarded by `_lock`.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import threading
-import weakref
-from typing import Any
+from collections.abc import Iterator
 
 _lock = threading.Lock()
-_engines: weakref.WeakSet[Any] = weakref.WeakSet()  # every engine object alive
-_num_holds = 0  # holds taken and not released
+_num_busy = 0  # loops (of engines with gc_freeze) that have work, and `working` callers
 _is_frozen = False  # the objects frozen now were frozen here
 
 
-class FreezeHold:
-    """One engine's part in the freeze: taken before the engine object exists, released
-    once (`release`), when its loop thread ends or its construction fails.
+class BusyFreeze:
+    """One engine's part in the freeze, used by its loop thread alone: `busy` when the loop
+    takes up work, `idle` when it has none left or ends. The first of the busy loops and
+    `working` callers freezes, the last to leave unfreezes.
 
     Example:
-        >>> hold = FreezeHold(freeze=False)
-        >>> hold.release()
+        >>> freeze = BusyFreeze(enabled=False)
+        >>> freeze.busy(), freeze.idle(), is_frozen()
+        (None, None, False)
     """
 
-    def __init__(self, freeze: bool) -> None:
-        global _num_holds, _is_frozen
-        self._is_held = True
-        with _lock:
-            _num_holds += 1
-            if not freeze or _is_frozen or gc.get_freeze_count() or _engines:
-                return
-            _import_engine_modules()
-            gc.collect()  # (garbage alive now would be frozen with the rest)
+    __slots__ = ("_is_enabled", "_is_busy")
+
+    def __init__(self, enabled: bool) -> None:
+        self._is_enabled = enabled
+        self._is_busy = False
+
+    def busy(self) -> None:
+        if not self._is_busy and self._is_enabled:
+            self._is_busy = True
+            _enter()
+
+    def idle(self) -> None:
+        if self._is_busy:
+            self._is_busy = False
+            _leave()
+
+
+@contextlib.contextmanager
+def working(enabled: bool) -> Iterator[None]:
+    """A caller's thread making requests (a dataset's thousands at once allocate enough to
+    set off a full pass): frozen meanwhile, as while a loop is busy."""
+    if not enabled:
+        yield
+        return
+    _enter()
+    try:
+        yield
+    finally:
+        _leave()
+
+
+def _enter() -> None:
+    global _num_busy, _is_frozen
+    with _lock:
+        _num_busy += 1
+        if not _is_frozen and not gc.get_freeze_count():
             gc.freeze()
             _is_frozen = True
 
-    def register(self, engine: Any) -> None:
-        """`engine` is alive: no freeze is made until it is collected."""
-        _engines.add(engine)
 
-    def release(self) -> None:
-        """Give the hold back (once; later calls do nothing): the last one unfreezes."""
-        global _num_holds, _is_frozen
-        with _lock:
-            if not self._is_held:
-                return
-            self._is_held = False
-            _num_holds -= 1
-            if _num_holds == 0 and _is_frozen:
-                gc.unfreeze()
-                _is_frozen = False
+def _leave() -> None:
+    global _num_busy, _is_frozen
+    with _lock:
+        _num_busy -= 1
+        if _num_busy == 0 and _is_frozen:
+            gc.unfreeze()
+            _is_frozen = False
 
 
 def is_frozen() -> bool:
-    """Whether objects are frozen by an engine's hold now."""
+    """Whether objects are frozen by a busy engine now."""
     return _is_frozen
 
 
-def _import_engine_modules() -> None:
-    """Import now what an engine's start imports (so that its objects are frozen too): the
-    tokenizer classes (transformers, tokenizers, jinja2), and torch's compiler stack (sympy,
-    triton), which building the model under a device context imports."""
-    import torch._dynamo  # noqa: F401
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+@atexit.register
+def _unfreeze_at_exit() -> None:
+    """A process that exits while an engine works: frozen objects are never finalized, and
+    some bindings (triton's) report them as leaked."""
+    global _is_frozen
+    with _lock:
+        if _is_frozen:
+            gc.unfreeze()
+            _is_frozen = False

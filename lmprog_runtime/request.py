@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # has no logprob.
 LogprobEntry = tuple[float | None, int, str | None]
 # Shared by every request without EOS or stop tokens (a request's objects are walked by
-# every full pass of the cyclic collector while it waits: `gc_freeze.py`).
+# the cyclic collector's full passes while it is in flight: `gc_freeze.py`).
 NO_TOKEN_IDS: frozenset[int] = frozenset()
 
 
@@ -63,7 +63,7 @@ class DoneFlag:
         """Whether it is set, waiting up to `timeout` seconds (None: until it is)."""
         if self._is_set:
             return True
-        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
             return False
         self._lock.release()  # (for the next waiter)
         return True

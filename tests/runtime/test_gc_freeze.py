@@ -1,10 +1,12 @@
-"""The collector's freeze (`lmprog_runtime/gc_freeze.py`): the modules an engine imports are
-frozen before the engine object exists, an engine's own objects never are (a dropped engine
-is still collected), and the freeze is undone when the last engine ends.
+"""The collector's freeze (`lmprog_runtime/gc_freeze.py`): while an engine has work, the
+objects alive when it took it up (the modules its start imported among them) are frozen;
+once no engine has work they are unfrozen, so that nothing that became garbage meanwhile
+stays uncollected (a dropped engine, an object of the caller's in a cycle holding one).
 
-The freeze is process-wide, so each check runs in a fresh interpreter (this one holds the
+The freeze is process-wide, so these checks run in a fresh interpreter (this one holds the
 session's engines). An object is frozen when it is tracked by the collector and yet in none
-of its generations (`gc.get_objects()` lists the generations only).
+of its generations (`gc.get_objects()` lists the generations only). The loop thread goes
+idle just after a request's caller wakes, so the script waits for that (`settled`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import threading
 from lmprog_runtime.request import DoneFlag
 
 SCRIPT = r"""
-import gc, json, sys, weakref
+import gc, json, sys, threading, time, weakref
 from lmprog_runtime import Engine, gc_freeze
-from lmprog_runtime import engine as engine_module
 
 path, out = sys.argv[1], {}
 OK = {"max_new_tokens": 3, "temperature": 0}
@@ -32,67 +33,114 @@ def frozen(obj):
 def state():
     return [gc_freeze.is_frozen(), gc.get_freeze_count() > 0]
 
-try:
-    Engine(path, no_such_field=1)
-except TypeError:
-    out["bad_arguments"] = ["transformers" in sys.modules, gc.get_freeze_count()]
+def until(condition):  # polls the loop thread's state: passing never depends on the delay
+    deadline = time.monotonic() + 30
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+def settled(want):
+    until(lambda: state() == want)
+    return state()
+
+def holding(engine):  # the engine's next forward waits for `go` (its step starts first)
+    go, stepping = threading.Event(), threading.Event()
+    def hook(point, req):
+        if point == "forward":
+            stepping.set()
+            go.wait(60)
+    engine.fault_hook = hook
+    return go, stepping
+
+class Watch:  # what the loop thread sees in the middle of a step (the fault hook)
+    def __init__(self, engine, check):
+        self.seen, self.check = [], check
+        engine.fault_hook = self
+    def __call__(self, point, req):
+        if point == "forward" and not self.seen:
+            self.seen.append(self.check())
 
 engine = Engine(path)
-out["first"] = state()
-out["modules_frozen"] = [frozen(vars(sys.modules[m])) for m in ("torch._dynamo", "transformers")]
-own = [engine, vars(engine), engine.runner, engine.runner.model, engine.tokenizer]
-out["own_frozen"] = [frozen(obj) for obj in own]
-del own
+out["idle"] = state()
+during = Watch(engine, lambda: state() + [frozen(vars(sys.modules["torch._dynamo"])), frozen(engine)])
 out["tokens"] = len(engine.generate("hello", OK)["output_ids"])
-count = gc.get_freeze_count()
-second = Engine(path)  # another engine is alive: nothing more is frozen
-out["second"] = [gc.get_freeze_count() == count, frozen(second)]
-engine.shutdown()
-out["one_left"] = state()
-second.shutdown()
-out["none_left"] = state()
-third = Engine(path)  # the shut-down ones are still referenced: no freeze
-out["referenced"] = state()
-third.shutdown()
-del engine, second, third
-gc.collect()
+out["busy"] = during.seen[0]
+out["done"] = settled([False, False])
+made, make = [], engine._make_reqs  # the caller's thread making requests: frozen too
+engine._make_reqs = lambda *args, **kwargs: (made.append(state()), make(*args, **kwargs))[1]
+engine.generate(["a", "b"], OK)
+out["making"] = made[0] + settled([False, False])
+del engine._make_reqs
 
-dropped = Engine(path)  # dropped without a shutdown
-out["dropped_start"] = state()
-ref, thread = weakref.ref(dropped), dropped._thread
-del dropped
+# Another engine busy keeps the freeze; the last to go idle ends it.
+other = Engine(path)
+go, stepping = holding(other)
+waiter = threading.Thread(target=lambda: other.generate("held", OK))
+waiter.start()
+stepping.wait(60)
+engine.generate("hello", OK)
+idle = until(lambda: gc_freeze._num_busy == 2)  # (engine idle: the held call and its loop)
+out["other_busy"] = [idle] + state()
+go.set()
+waiter.join(60)
+out["both_done"] = settled([False, False])
+other.fault_hook = None
+
+# An object of the caller's in a cycle, alive when the freeze began, holding an engine:
+# dropped while the engine works, both are collected once the work is done.
+class Service:
+    def __init__(self):
+        self.handle = self.generate  # (a cycle through a bound method)
+        self.engine = Engine(path)
+    def generate(self):
+        return self.engine.submit("hello", OK)[0]
+service = Service()
+ref, thread = weakref.ref(service.engine), service.engine._thread
+go, stepping = holding(service.engine)
+future = service.handle()
+stepping.wait(60)
+out["service_busy"] = state()
+del service
+go.set()
+future.result(60)
+del future
+out["service_done"] = settled([False, False])
 gc.collect()
 thread.join(30)
-out["dropped"] = [ref() is None, thread.is_alive()] + state()
+out["service_collected"] = [ref() is None, thread.is_alive()]
+
+# A shutdown while a request runs ends the freeze too.
+running = Engine(path)
+go, stepping = holding(running)
+future = running.submit("hello", {"max_new_tokens": 64, "temperature": 0})[0]
+stepping.wait(60)
+out["shutdown_busy"] = state()
+stopping = threading.Thread(target=running.shutdown)
+stopping.start()
+until(lambda: running._stopping)
+go.set()
+stopping.join(60)
+out["shutdown"] = state() + [type(future.exception(60)).__name__]
 
 off = Engine(path, gc_freeze=False)
-out["off"] = state()
-off.shutdown()
-del off
-gc.collect()
-
-def raising(*args, **kwargs):
-    raise RuntimeError("no runner")
-
-runner, engine_module.ModelRunner = engine_module.ModelRunner, raising
-try:
-    Engine(path)
-except RuntimeError:
-    out["failed_start"] = state()
-engine_module.ModelRunner = runner
-gc.collect()
+during = Watch(off, state)
+off.generate("hello", OK)
+out["off"] = during.seen[0]
 
 gc.freeze()  # the process manages its collector itself
 count = gc.get_freeze_count()
 mine = Engine(path)
-out["user_frozen"] = [gc_freeze.is_frozen(), frozen(mine)]
+during = Watch(mine, lambda: [gc_freeze.is_frozen(), gc.get_freeze_count() == count])
+mine.generate("hello", OK)
 mine.shutdown()
-out["user_frozen"].append(gc.get_freeze_count() == count)
+out["user_frozen"] = during.seen[0] + [gc.get_freeze_count() == count]
+for e in (engine, other, off):
+    e.shutdown()
 print(json.dumps(out))
 """
 
 
-def test_the_freeze_spares_engines_and_ends_with_the_last(tiny_path):
+def test_the_freeze_lasts_while_engines_have_work(tiny_path):
     run = subprocess.run(
         [sys.executable, "-c", SCRIPT, tiny_path],
         env=dict(os.environ),
@@ -102,29 +150,22 @@ def test_the_freeze_spares_engines_and_ends_with_the_last(tiny_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    # Bad arguments are refused before anything is imported or frozen.
-    assert out["bad_arguments"] == [False, 0]
-    # The first engine froze what was alive, the modules its start imports included...
-    assert out["first"] == [True, True]
-    assert out["modules_frozen"] == [True, True]
-    # ...but none of its own objects, and it serves.
-    assert out["own_frozen"] == [False] * 5
+    assert out["idle"] == [False, False]
+    # In a step: frozen, the modules the engine's start imported and the engine itself.
+    assert out["busy"] == [True, True, True, True]
     assert out["tokens"] == 3
-    # A second engine freezes nothing more and is not frozen itself.
-    assert out["second"] == [True, False]
-    # The freeze lasts while an engine runs, and ends with the last.
-    assert out["one_left"] == [True, True]
-    assert out["none_left"] == [False, False]
-    # No freeze while an engine object is alive (here shut down, and referenced).
-    assert out["referenced"] == [False, False]
-    # An engine dropped without a shutdown is collected, its thread ends, the freeze too.
-    assert out["dropped_start"] == [True, True]
-    assert out["dropped"] == [True, False, False, False]
+    assert out["done"] == [False, False]
+    assert out["making"] == [True, True, False, False]
+    assert out["other_busy"] == [True, True, True]
+    assert out["both_done"] == [False, False]
+    assert out["service_busy"] == [True, True]
+    assert out["service_done"] == [False, False]
+    assert out["service_collected"] == [True, False]
+    assert out["shutdown_busy"] == [True, True]
+    assert out["shutdown"] == [False, False, "RuntimeError"]
     assert out["off"] == [False, False]
-    # A start that fails gives its hold back.
-    assert out["failed_start"] == [False, False]
     # Objects the process froze itself stay frozen, and no engine freezes or unfreezes.
-    assert out["user_frozen"] == [False, False, True]
+    assert out["user_frozen"] == [False, True, True]
 
 
 def test_a_waiting_request_gives_the_collector_few_objects(engine):
@@ -148,7 +189,7 @@ def test_a_waiting_request_gives_the_collector_few_objects(engine):
 
 def test_done_flag_wakes_every_waiter():
     flag = DoneFlag()
-    assert not flag.wait(0) and not flag.is_set()
+    assert not flag.wait(0) and not flag.wait(-1) and not flag.is_set()
     woke: list[bool] = []
     waiters = [
         threading.Thread(target=lambda: woke.append(flag.wait()), daemon=True) for _ in range(4)
