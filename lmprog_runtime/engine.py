@@ -241,17 +241,18 @@ class Engine(EngineLoop):
             >>> futures = engine.submit(["a", "b"], {"max_new_tokens": 4})  # doctest: +SKIP
             >>> [f.result()["text"] for f in futures]  # doctest: +SKIP
         """
-        with working(self.config.gc_freeze):  # (a dataset's rows: many objects)
-            reqs, _ = self._make_reqs(
-                prompt,
-                sampling_params,
-                input_ids,
-                return_logprob,
-                logprob_start_len,
-                top_logprobs_num,
-                return_text_in_logprobs,
-                stream=False,
-            )
+        # (not frozen here unless the loop is busy: `working` would end before the loop takes
+        # these up, and its end may owe a full pass, in the middle of the work)
+        reqs, _ = self._make_reqs(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            return_text_in_logprobs,
+            stream=False,
+        )
         futures: list[Future] = []
         for i, req in enumerate(reqs):
             future: Future = Future()

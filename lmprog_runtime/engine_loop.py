@@ -504,15 +504,19 @@ def _serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, freeze: Bus
             engine = engine_ref()
             if engine is None or engine._stopping:
                 return
-            if engine._is_idle():
+            is_idle = engine._is_idle()
+            if is_idle and not freeze.is_busy:
                 # Dropping the last reference runs the finalizer here (`cv` is reentrant), and
                 # its notify would be lost: check again before waiting.
                 del engine
-                freeze.idle()
                 if engine_ref() is None:
                     return
                 cv.wait()
                 continue
+        if is_idle:  # (outside `cv`: leaving may collect, and run finalizers)
+            del engine
+            freeze.idle()
+            continue
         freeze.busy()
         try:
             engine._run_once()

@@ -10,13 +10,15 @@ stall of the engine loop (and of the GPU behind it). vLLM and SGLang freeze thei
 processes' start-up heap for this reason.
 
 Here the heap is frozen (`gc.freeze()`: the collector walks those objects no more) while
-any engine's loop has work or a caller is inside `generate` (or making `submit`'s
-requests), and unfrozen (`gc.unfreeze()`) as soon as none is: a full pass during a run
+any engine's loop has work or a caller is inside `generate`, and unfrozen (`gc.unfreeze()`) as soon as none is: a full pass during a run
 walks only what was made since it began. Both calls move whole lists, whatever their
-length. The process is an application's, not ours, so the freeze never outlasts the work:
-a cycle that became garbage meanwhile (a dropped engine, an object of the caller's in a
-cycle holding one) stays frozen only until the engines are idle, then is collected as
-before. Objects the process froze itself (`gc.get_freeze_count()` when a freeze would
+length. The process is an application's, not ours, so the freeze never outlasts the work,
+and no garbage is kept: the young generations are collected before each freeze (frozen and
+unfrozen, their survivors would reach the oldest generation uncounted, and cycles among
+them would pile up over thousands of calls), and if the collector ran full passes while
+frozen, one full pass runs when the work ends, outside any step (a cycle that became
+garbage meanwhile, such as a dropped engine or an object of the caller's in a cycle
+holding one, is freed then). Objects the process froze itself (`gc.get_freeze_count()` when a freeze would
 start) are left alone, as is the collector of an engine made with `gc_freeze=False`. The
 state is process-wide, as the collector is, and guarded by `_lock`.
 """
@@ -32,6 +34,7 @@ from collections.abc import Iterator
 _lock = threading.Lock()
 _num_busy = 0  # loops (of engines with gc_freeze) that have work, and `working` callers
 _is_frozen = False  # the objects frozen now were frozen here
+_full_passes = 0  # the collector's full passes before the freeze began
 
 
 class BusyFreeze:
@@ -41,31 +44,32 @@ class BusyFreeze:
 
     Example:
         >>> freeze = BusyFreeze(enabled=False)
-        >>> freeze.busy(), freeze.idle(), is_frozen()
-        (None, None, False)
+        >>> freeze.busy(), freeze.is_busy, is_frozen()
+        (None, False, False)
     """
 
-    __slots__ = ("_is_enabled", "_is_busy")
+    __slots__ = ("_is_enabled", "is_busy")
 
     def __init__(self, enabled: bool) -> None:
         self._is_enabled = enabled
-        self._is_busy = False
+        self.is_busy = False
 
     def busy(self) -> None:
-        if not self._is_busy and self._is_enabled:
-            self._is_busy = True
+        if not self.is_busy and self._is_enabled:
             _enter()
+            self.is_busy = True
 
     def idle(self) -> None:
-        if self._is_busy:
-            self._is_busy = False
+        if self.is_busy:
+            self.is_busy = False
             _leave()
 
 
 @contextlib.contextmanager
 def working(enabled: bool) -> Iterator[None]:
-    """A caller's thread making requests (a dataset's thousands at once allocate enough to
-    set off a full pass): frozen meanwhile, as while a loop is busy."""
+    """A caller's thread making requests and waiting for them (a dataset's thousands at
+    once allocate enough to set off a full pass): frozen meanwhile, as while a loop is
+    busy."""
     if not enabled:
         yield
         return
@@ -77,21 +81,36 @@ def working(enabled: bool) -> Iterator[None]:
 
 
 def _enter() -> None:
-    global _num_busy, _is_frozen
+    global _num_busy, _is_frozen, _full_passes
     with _lock:
-        _num_busy += 1
         if not _is_frozen and not gc.get_freeze_count():
+            # Young garbage is collected first, its survivors counted into the oldest
+            # generation as usual (frozen and unfrozen, they would skip that count, and so
+            # the full passes that would free them).
+            gc.collect(1)
+            _full_passes = _num_full_passes()
             gc.freeze()
             _is_frozen = True
+        _num_busy += 1
 
 
 def _leave() -> None:
     global _num_busy, _is_frozen
     with _lock:
         _num_busy -= 1
-        if _num_busy == 0 and _is_frozen:
-            gc.unfreeze()
-            _is_frozen = False
+        if _num_busy or not _is_frozen:
+            return
+        gc.unfreeze()
+        _is_frozen = False
+        if _num_full_passes() > _full_passes:
+            # The collector wanted full passes meanwhile, and they left the frozen objects
+            # out: one over everything now, while nothing works (as often as it would have
+            # walked them unfrozen; garbage among them is then freed).
+            gc.collect()
+
+
+def _num_full_passes() -> int:
+    return gc.get_stats()[-1]["collections"]
 
 
 def is_frozen() -> bool:
