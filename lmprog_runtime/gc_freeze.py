@@ -82,13 +82,18 @@ def working(enabled: bool) -> Iterator[None]:
 
 def _enter() -> None:
     global _num_busy, _is_frozen, _full_passes
+    # (collections run outside `_lock`: a finalizer they run may make requests)
     with _lock:
-        if not _is_frozen and not gc.get_freeze_count():
-            # Young garbage is collected first, its survivors counted into the oldest
-            # generation as usual (frozen and unfrozen, they would skip that count, and so
-            # the full passes that would free them).
-            gc.collect(1)
-            _full_passes = _num_full_passes()
+        freezes = not _is_frozen and not gc.get_freeze_count()
+    if freezes:
+        # Young garbage is collected first, its survivors counted into the oldest
+        # generation as usual (frozen and unfrozen, they would skip that count, and so the
+        # full passes that would free them).
+        gc.collect(1)
+        passes = _num_full_passes()
+    with _lock:
+        if freezes and not _is_frozen and not gc.get_freeze_count():
+            _full_passes = passes
             gc.freeze()
             _is_frozen = True
         _num_busy += 1
@@ -102,11 +107,12 @@ def _leave() -> None:
             return
         gc.unfreeze()
         _is_frozen = False
-        if _num_full_passes() > _full_passes:
-            # The collector wanted full passes meanwhile, and they left the frozen objects
-            # out: one over everything now, while nothing works (as often as it would have
-            # walked them unfrozen; garbage among them is then freed).
-            gc.collect()
+        before = _full_passes
+    if _num_full_passes() > before:
+        # The collector wanted full passes meanwhile, and they left the frozen objects out:
+        # one over everything now, while nothing works (as often as it would have walked
+        # them unfrozen; garbage among them is then freed).
+        gc.collect()
 
 
 def _num_full_passes() -> int:
