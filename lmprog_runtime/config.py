@@ -95,10 +95,10 @@ class RuntimeConfig:
     # aborts and deadlines wait up to two runs. 1: off. With overlap scheduling on, the
     # batches that cannot run ahead (and prompts) are overlapped as usual.
     decode_steps: int = 1
-    # While the engine has work, the objects alive when it took it up (the modules an
-    # engine imports: ~370,000) are frozen, so that the collector's full passes, which stop
-    # every thread, walk only what was made since (`gc_freeze.py`; unfrozen when no engine
-    # has work). False leaves the collector alone.
+    # While the engine has work (or a caller waits in `generate`), the objects alive when
+    # it took it up (the modules an engine imports: ~370,000) are frozen, so that the
+    # collector's full passes, which stop every thread, walk only what was made since
+    # (`gc_freeze.py`; unfrozen when nothing works). False leaves the collector alone.
     gc_freeze: bool = True
 
     def __post_init__(self) -> None:

@@ -4,23 +4,27 @@ CPython's cyclic collector now and then runs a full pass (its oldest generation)
 thread stops while it walks every container object the process tracks. After an engine's
 start that is some 370,000 objects, nearly all of them the modules the start imported
 (torch's compiler stack with sympy, transformers, triton), never garbage: a full pass took
-150-200 ms on a 2-vCPU EPYC. Requests and the prefix cache make objects that outlive the
-young generations, so a long run took such a pass every few thousand requests, each a
-stall of the engine loop (and of the GPU behind it). vLLM and SGLang freeze their
+150-300 ms on a 2-vCPU EPYC. A long run's requests, results and prefix cache make objects
+that outlive the young generations, so it took such a pass every few thousand requests,
+each a stall of the engine loop (and of the GPU behind it). vLLM and SGLang freeze their
 processes' start-up heap for this reason.
 
 Here the heap is frozen (`gc.freeze()`: the collector walks those objects no more) while
-any engine's loop has work or a caller is inside `generate`, and unfrozen (`gc.unfreeze()`) as soon as none is: a full pass during a run
-walks only what was made since it began. Both calls move whole lists, whatever their
-length. The process is an application's, not ours, so the freeze never outlasts the work,
-and no garbage is kept: the young generations are collected before each freeze (frozen and
-unfrozen, their survivors would reach the oldest generation uncounted, and cycles among
-them would pile up over thousands of calls), and if the collector ran full passes while
-frozen, one full pass runs when the work ends, outside any step (a cycle that became
-garbage meanwhile, such as a dropped engine or an object of the caller's in a cycle
-holding one, is freed then). Objects the process froze itself (`gc.get_freeze_count()` when a freeze would
-start) are left alone, as is the collector of an engine made with `gc_freeze=False`. The
-state is process-wide, as the collector is, and guarded by `_lock`.
+any engine's loop has work or a caller is inside `generate`, and unfrozen (`gc.unfreeze()`)
+as soon as none is: a full pass during a run walks only what was made since it began. Both
+calls move whole lists, whatever their length. The process is an application's, not ours,
+so the freeze never outlasts the work, and no garbage is kept:
+
+- the young generations are collected before each freeze (frozen and unfrozen, their
+  survivors would reach the oldest generation uncounted, and cycles among them would pile
+  up over thousands of calls);
+- if the collector ran full passes while frozen, one full pass runs when the work ends,
+  outside any step: a cycle that became garbage meanwhile (a dropped engine, an object of
+  the caller's in a cycle holding one) is freed then.
+
+Objects the process froze itself (`gc.get_freeze_count()` when a freeze would start) are
+left alone, as is the collector of an engine made with `gc_freeze=False`. The state is
+process-wide, as the collector is, and guarded by `_lock`.
 """
 
 from __future__ import annotations
