@@ -21,6 +21,9 @@ Sections, each recorded on its own (an error or a skip is written down, the rest
   the HBM peak (nominal, and a measured device-to-device copy);
 - `throughput`: engine against transformers' `generate`, no-sharing and shared-prefix (and
   with decode runs of 8 steps, while the budget allows);
+- `dataset_steps`: a dataset's pattern (512 requests of 16-128 new tokens, 64 running:
+  one admitted at nearly every step), with mixed prefill+decode steps (eager on CUDA),
+  without them, and with decode runs; tokens per second and forwards eager or as graphs.
 - `decode_overhead`: the fraction of decode time the GPU sits idle (kernel time from the
   profiler against wall time), with CUDA graphs on and off, overlap off, decode runs of
   8 steps, a worker thread, and a larger model; when the GPU sits idle (`gpu_idle`:
@@ -78,6 +81,7 @@ from gpu_check_kernels import (  # noqa: E402
     keyed_race,
 )
 from gpu_check_speed import (  # noqa: E402
+    dataset_steps,
     decode_overhead,
     decode_overhead_large,
     host_costs,
@@ -119,6 +123,7 @@ SECTIONS = [
     ("overlap_equality", overlap_equality, 20),
     ("decode_bandwidth", decode_bandwidth, 15),
     ("throughput", throughput, 60),
+    ("dataset_steps", dataset_steps, 30),
     ("decode_overhead", decode_overhead, 20),
     ("host_costs", host_costs, 10),
     ("decode_overhead_large", decode_overhead_large, 60),

@@ -92,6 +92,62 @@ def _engine_seconds(
         return min(times), engine.runner.graphs is not None
 
 
+def dataset_steps(check: Check) -> dict[str, Any]:
+    """A dataset's pattern: more requests than run at once, of spread lengths, so that one
+    finishes and another is admitted at nearly every step. A mixed prefill+decode step runs
+    eagerly on CUDA (the decode graphs take decode batches only): tokens per second with
+    mixed steps (the default), without them (`disable_mixed_batches`: a prefill step, then
+    graph decodes) and with decode runs of 8 (admissions wait for the run's end), and how
+    many forwards each ran eagerly or as a graph. (RESULTS.md: read, never measured.)"""
+    name, n, batch, length = ("tiny", 24, 8, 16) if check.smoke else ("small", 512, 64, 64)
+    prompts = corpus_prompts(name, n, length)
+    lengths = [16 + (i * 37) % 113 for i in range(n)]  # 16-128 new tokens
+    params = [{"max_new_tokens": m, "min_new_tokens": m, **GREEDY} for m in lengths]
+    warm = {"max_new_tokens": 4, "min_new_tokens": 4, **GREEDY}
+    out: dict[str, Any] = {"num_requests": n, "max_running_requests": batch}
+    configs = {"mixed": {}, "no_mixed": {"disable_mixed_batches": True}}
+    configs["decode_runs"] = {"decode_steps": 8}
+    for label, config in configs.items():
+        with check.engine(name, max_running_requests=batch, **config) as engine:
+            engine.generate(input_ids=prompts[:2], sampling_params=warm)
+            engine.flush_cache()
+            counts = _counted_forwards(engine)
+            seconds = timed(lambda: engine.generate(input_ids=prompts, sampling_params=params))
+            out[label] = {"seconds": seconds, "tokens_per_s": sum(lengths) / seconds, **counts}
+    out["no_mixed_speedup"] = out["mixed"]["seconds"] / out["no_mixed"]["seconds"]
+    out["decode_runs_speedup"] = out["mixed"]["seconds"] / out["decode_runs"]["seconds"]
+    return out
+
+
+def _counted_forwards(engine: Any) -> dict[str, int]:
+    """Counts, filled as `engine` runs, of its forwards run eagerly and as decode graphs,
+    those of them mixed (prefill and decode rows), and decode runs replayed as one graph
+    (`graph_runs`: their steps are no forwards)."""
+    from lmprog_runtime.forward_batch import ForwardMode
+
+    counts = {"eager_forwards": 0, "graph_forwards": 0, "mixed_forwards": 0, "graph_runs": 0}
+    runner = engine.runner
+    run, graphs = runner.run, runner.graphs
+
+    def counted_run(fb):
+        counts["mixed_forwards"] += fb.num_decodes > 0 and fb.mode is not ForwardMode.DECODE
+        counts[
+            "graph_forwards" if graphs is not None and graphs.can_run(fb) else "eager_forwards"
+        ] += 1
+        return run(fb)
+
+    runner.run = counted_run
+    if graphs is not None:
+        run_greedy = graphs.run_greedy
+
+        def counted_run_greedy(*args):
+            counts["graph_runs"] += 1
+            return run_greedy(*args)
+
+        graphs.run_greedy = counted_run_greedy
+    return counts
+
+
 def host_costs(check: Check) -> dict[str, Any]:
     """What the host pays per call for the device work a decode step queues (microseconds,
     the mean of 2000 calls, nothing waited for unless named): a small kernel, the ops of a
