@@ -95,11 +95,12 @@ class RuntimeConfig:
     # aborts and deadlines wait up to two runs. 1: off. With overlap scheduling on, the
     # batches that cannot run ahead (and prompts) are overlapped as usual.
     decode_steps: int = 1
-    # While the engine has work (or a caller waits in `generate`), the objects alive when
-    # it took it up (the modules an engine imports: ~370,000) are frozen, so that the
+    # While the engine has work (or a caller waits in `generate`), freeze the objects
+    # alive when it took it up (the modules an engine imports: ~370,000), so that the
     # collector's full passes, which stop every thread, walk only what was made since
-    # (`gc_freeze.py`; unfrozen when nothing works). False leaves the collector alone.
-    gc_freeze: bool = True
+    # (`gc_freeze.py`; unfrozen when nothing works). Off by default: over many short calls
+    # it keeps cyclic garbage of the oldest generation uncollected (a known limit).
+    gc_freeze: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

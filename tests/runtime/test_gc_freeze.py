@@ -62,7 +62,7 @@ class Watch:  # what the loop thread sees in the middle of a step (the fault hoo
         if point == "forward" and not self.seen:
             self.seen.append(self.check())
 
-engine = Engine(path)
+engine = Engine(path, gc_freeze=True)
 out["idle"] = state()
 during = Watch(engine, lambda: state() + [frozen(vars(sys.modules["torch._dynamo"])), frozen(engine)])
 out["tokens"] = len(engine.generate("hello", OK)["output_ids"])
@@ -103,7 +103,7 @@ engine.fault_hook = None
 out["freed"] = until(lambda: ref() is None)
 
 # Another engine busy keeps the freeze; the last to go idle ends it.
-other = Engine(path)
+other = Engine(path, gc_freeze=True)
 go, stepping = holding(other)
 waiter = threading.Thread(target=lambda: other.generate("held", OK))
 waiter.start()
@@ -121,7 +121,7 @@ other.fault_hook = None
 class Service:
     def __init__(self):
         self.handle = self.generate  # (a cycle through a bound method)
-        self.engine = Engine(path)
+        self.engine = Engine(path, gc_freeze=True)
     def generate(self):
         return self.engine.submit("hello", OK)[0]
 service = Service()
@@ -140,7 +140,7 @@ thread.join(30)
 out["service_collected"] = [ref() is None, thread.is_alive()]
 
 # A shutdown while a request runs ends the freeze too.
-running = Engine(path)
+running = Engine(path, gc_freeze=True)
 go, stepping = holding(running)
 future = running.submit("hello", {"max_new_tokens": 64, "temperature": 0})[0]
 stepping.wait(60)
@@ -152,7 +152,7 @@ go.set()
 stopping.join(60)
 out["shutdown"] = state() + [type(future.exception(60)).__name__]
 
-off = Engine(path, gc_freeze=False)
+off = Engine(path)  # (the default: off)
 during = Watch(off, state)
 off.generate("hello", OK)
 out["off"] = during.seen[0]
@@ -160,7 +160,7 @@ out["off"] = during.seen[0]
 gc.freeze()  # the process manages its collector itself
 count = gc.get_freeze_count()  # (frozen objects freed since leave it: never more, or 0)
 kept = lambda: 0 < gc.get_freeze_count() <= count
-mine = Engine(path)
+mine = Engine(path, gc_freeze=True)
 during = Watch(mine, lambda: [gc_freeze.is_frozen(), kept()])
 mine.generate("hello", OK)
 mine.shutdown()
