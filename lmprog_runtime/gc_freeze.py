@@ -13,7 +13,7 @@ Here the heap is frozen (`gc.freeze()`: the collector walks those objects no mor
 any engine's loop has work or a caller is inside `generate`, and unfrozen (`gc.unfreeze()`)
 as soon as none is: a full pass during a run walks only what was made since it began. Both
 calls move whole lists, whatever their length. The process is an application's, not ours,
-so the freeze never outlasts the work, and no garbage is kept:
+so the freeze never outlasts the work, and garbage is collected as the work ends:
 
 - the young generations are collected before each freeze (frozen and unfrozen, their
   survivors would reach the oldest generation uncounted, and cycles among them would pile
