@@ -1,6 +1,6 @@
 """The cyclic garbage collector's pauses during a dataset run, with the heap
-frozen while the engine works (`gc_freeze=True`, the default; `lmprog_runtime/gc_freeze.py`)
-and without (`gc_freeze=False`), each side in a process of its own, alternated `--rounds`
+frozen while the engine works (`gc_freeze=True`; `lmprog_runtime/gc_freeze.py`) and
+without (`gc_freeze=False`), each side in a process of its own, alternated `--rounds`
 times; with `--baseline COMMIT`, that commit's runtime as a third side (its own defaults).
 
 Every collector pass stops all threads, the engine loop's included, for as long as it walks
@@ -16,8 +16,13 @@ the last request's finish: what a GPU would sit idle through), and after it (whe
 frozen side runs one over everything if the collector ran any while frozen). The wall time
 runs from the first submit to the last request's finish.
 
+`--workload cli` runs the rows through the `lmprog generate` command instead (in-process:
+`lmprog.cli.main`, one program a row on the map's threads, results written to a JSONL
+file), its `--engine gc_freeze=...` set by side; "in flight" then ends with the last
+forward, and the wall time when the command returns.
+
     .venv/bin/python benchmarks/bench_gc_pauses.py [--requests 32768] [--rounds 2]
-        [--baseline 94b9053]
+        [--baseline 94b9053] [--workload engine|cli]
 """
 
 from __future__ import annotations
@@ -39,27 +44,72 @@ SIDES = {"frozen": "1", "not frozen": "0"}  # side -> gc_freeze (BENCH_GC_FREEZE
 BATCH, WINDOW = 256, 1024  # requests per submit; at most this many outstanding
 
 
+class PassTimes:
+    """The collector's passes while installed (`gc.callbacks`): (generation, start,
+    seconds) of each."""
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[int, float, float]] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.passes.append((info["generation"], self._start, time.perf_counter() - self._start))
+
+    def summary(self, begin: float, end: float) -> dict:
+        """Full passes before `begin`, from it to `end` (in flight) and after; young ones."""
+        passes = self.passes
+        before = [s for g, t, s in passes if g == 2 and t < begin]
+        full = [s for g, t, s in passes if g == 2 and begin <= t < end]
+        after = [s for g, t, s in passes if g == 2 and t >= end]
+        young = [s for g, t, s in passes if g < 2]
+        return {
+            "before_passes": len(before),
+            "before_ms": 1e3 * sum(before),
+            "full_passes": len(full),
+            "full_ms": 1e3 * sum(full),
+            "full_max_ms": 1e3 * max(full, default=0.0),
+            "after_passes": len(after),
+            "after_ms": 1e3 * sum(after),
+            "young_passes": len(young),
+            "young_ms": 1e3 * sum(young),
+            "runtime": sys.modules["lmprog_runtime"].__file__,
+        }
+
+
+def freeze_option() -> dict:
+    flag = os.environ.get("BENCH_GC_FREEZE")
+    return {} if flag is None else {"gc_freeze": flag == "1"}
+
+
+def timing_forwards(engine) -> list[float]:
+    """[start of the engine's first forward from now, end of its latest] (filled as they
+    run)."""
+    forward, span = engine.runner.forward, []
+
+    def timed(batch):
+        if not span:
+            span.append(time.perf_counter())
+        try:
+            return forward(batch)
+        finally:
+            span[1:] = [time.perf_counter()]
+
+    engine.runner.forward = timed
+    return span
+
+
 def measure(requests: int) -> dict:
     """(run in a process of its own; gc_freeze from the environment, if set)"""
     from lmprog_runtime import Engine, default_model_path
-
-    passes: list[tuple[int, float, float]] = []  # (generation, start, seconds) of each pass
-    started: dict[int, float] = {}
-
-    def on_pass(phase: str, info: dict) -> None:
-        if phase == "start":
-            started[0] = time.perf_counter()
-        elif 0 in started:
-            start = started.pop(0)
-            passes.append((info["generation"], start, time.perf_counter() - start))
 
     prompts = [[5 + (i * 131 + j * 7) % 1000 for j in range(8)] for i in range(requests)]
     params = [
         {"max_new_tokens": 4 + i % 13, "temperature": 0, "ignore_eos": True}
         for i in range(requests)
     ]
-    flag = os.environ.get("BENCH_GC_FREEZE")
-    freeze = {} if flag is None else {"gc_freeze": flag == "1"}
     path = default_model_path("tiny")
     done: list[float] = []  # when each request finished (on the loop thread)
     finished = threading.Semaphore(0)
@@ -68,14 +118,11 @@ def measure(requests: int) -> dict:
         done.append(time.perf_counter())
         finished.release()
 
-    with Engine(path, max_running_requests=64, **freeze) as engine:
+    times = PassTimes()
+    with Engine(path, max_running_requests=64, **freeze_option()) as engine:
         engine.generate(input_ids=prompts[:64], sampling_params=params[:64])  # warm-up
-        forward, first = engine.runner.forward, []  # (the first forward's start)
-        engine.runner.forward = lambda batch: (
-            first or first.append(time.perf_counter()),
-            forward(batch),
-        )[1]
-        gc.callbacks.append(on_pass)
+        span = timing_forwards(engine)
+        gc.callbacks.append(times)
         start = time.perf_counter()
         futures = []  # (kept, as a dataset run keeps its results)
         for at in range(0, requests, BATCH):  # at most WINDOW outstanding
@@ -88,27 +135,43 @@ def measure(requests: int) -> dict:
                 future.add_done_callback(on_done)
         concurrent.futures.wait(futures)
         time.sleep(1.0)  # (the loop goes idle: a pass it runs then is counted "after")
-        gc.callbacks.remove(on_pass)
+        gc.callbacks.remove(times)
         tracked = len(gc.get_objects())  # (what a full pass walks: the frozen are left out)
-    begin, end = first[0], max(done)
-    before = [s for g, t, s in passes if g == 2 and t < begin]
-    full = [s for g, t, s in passes if g == 2 and begin <= t < end]
-    after = [s for g, t, s in passes if g == 2 and t >= end]
-    young = [s for g, t, s in passes if g < 2]
-    return {
-        "wall_s": end - start,
-        "before_passes": len(before),
-        "before_ms": 1e3 * sum(before),
-        "full_passes": len(full),
-        "full_ms": 1e3 * sum(full),
-        "full_max_ms": 1e3 * max(full, default=0.0),
-        "after_passes": len(after),
-        "after_ms": 1e3 * sum(after),
-        "young_passes": len(young),
-        "young_ms": 1e3 * sum(young),
-        "tracked": tracked,
-        "runtime": sys.modules["lmprog_runtime"].__file__,
-    }
+    return {"wall_s": max(done) - start, "tracked": tracked, **times.summary(span[0], max(done))}
+
+
+def measure_cli(requests: int) -> dict:
+    """`lmprog generate` over `requests` prompts (one a line), in-process."""
+    import tempfile
+
+    import lmprog_runtime
+    from lmprog import cli
+    from lmprog_runtime import default_model_path
+
+    times, built, engine = PassTimes(), [], lmprog_runtime.Engine
+
+    def build(model: str | None, **options: object) -> object:  # (the CLI's Engine)
+        built.append(engine(model, **options, **freeze_option()))
+        built.append(timing_forwards(built[0]))
+        return built[0]
+
+    lmprog_runtime.Engine = build
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp, "prompts.txt")
+        source.write_text("".join(f"Row {i} of the set says\n" for i in range(requests)))
+        args = ["generate", "--input", str(source), "--quiet", "--model"]
+        args += [default_model_path("tiny"), "--set", "temperature=0"]
+        args += ["--set", "max_new_tokens=8", "--set", "ignore_eos=true"]
+        gc.callbacks.append(times)
+        start = time.perf_counter()
+        cli.main([*args, "--output", str(Path(tmp, "out.jsonl"))])
+        end = time.perf_counter()
+        time.sleep(1.0)  # (the loop goes idle: a pass it runs then is counted "after")
+        gc.callbacks.remove(times)
+        tracked = len(gc.get_objects())
+    built[0].shutdown()
+    first, last = built[1]
+    return {"wall_s": end - start, "tracked": tracked, **times.summary(first, last)}
 
 
 def main() -> None:
@@ -116,11 +179,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32768)
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the sides")
     parser.add_argument("--baseline", default=None, help="a commit to compare against")
+    parser.add_argument("--workload", choices=["engine", "cli"], default="engine")
     parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         sys.path.insert(0, args.side)
-        print(json.dumps(measure(args.requests)))
+        run = measure if args.workload == "engine" else measure_cli
+        print(json.dumps(run(args.requests)))
         return
     sides = {name: (ROOT, {**os.environ, "BENCH_GC_FREEZE": flag}) for name, flag in SIDES.items()}
     if args.baseline:
@@ -129,12 +194,12 @@ def main() -> None:
         sides,
         args.rounds,
         lambda root: (
-            [sys.executable, __file__, "--side", str(root)] + ["--requests", str(args.requests)]
+            [sys.executable, __file__, "--side", str(root), "--workload", args.workload]
+            + ["--requests", str(args.requests)]
         ),
     )
-    print(
-        f"{args.requests} requests, {BATCH} a submit, {WINDOW} outstanding (tiny, CPU), per round:"
-    )
+    shape = f"{BATCH} a submit, {WINDOW} outstanding" if args.workload == "engine" else "CLI"
+    print(f"{args.requests} requests, {shape} (tiny, CPU), per round:")
     for name, results in seen.items():
         for r in results:
             print(

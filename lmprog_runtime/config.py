@@ -98,9 +98,9 @@ class RuntimeConfig:
     # While the engine has work (or a caller waits in `generate`), freeze the objects
     # alive when it took it up (the modules an engine imports: ~370,000), so that the
     # collector's full passes, which stop every thread, walk only what was made since
-    # (`gc_freeze.py`; unfrozen when nothing works). Off by default: over many short calls
-    # it keeps cyclic garbage of the oldest generation uncollected (a known limit).
-    gc_freeze: bool = False
+    # (`gc_freeze.py`; unfrozen once nothing works, garbage then collected about as
+    # CPython's own schedule would).
+    gc_freeze: bool = True
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -505,13 +505,14 @@ def _serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, freeze: Bus
             if engine is None or engine._stopping:
                 return
             is_idle = engine._is_idle()
-            if is_idle and not freeze.is_busy:
+            linger = freeze.lingering() if is_idle and freeze.is_busy else 0.0
+            if is_idle and (linger or not freeze.is_busy):
                 # Dropping the last reference runs the finalizer here (`cv` is reentrant), and
                 # its notify would be lost: check again before waiting.
                 del engine
                 if engine_ref() is None:
                     return
-                cv.wait()
+                cv.wait(linger or None)  # (busy still: more work soon keeps the freeze)
                 continue
         if is_idle:  # (outside `cv`: leaving may collect, and run finalizers)
             del engine

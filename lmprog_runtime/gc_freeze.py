@@ -1,4 +1,4 @@
-"""Short full passes of Python's cyclic garbage collector while engines have work (opt-in).
+"""Short full passes of Python's cyclic garbage collector while engines have work.
 
 CPython's cyclic collector now and then runs a full pass (its oldest generation): every
 thread stops while it walks every container object the process tracks. After an engine's
@@ -11,45 +11,63 @@ processes' start-up heap for this reason.
 
 Here the heap is frozen (`gc.freeze()`: the collector walks those objects no more) while
 any engine's loop has work or a caller is inside `generate`, and unfrozen (`gc.unfreeze()`)
-as soon as none is: a full pass during a run walks only what was made since it began. Both
-calls move whole lists, whatever their length. The process is an application's, not ours,
-so the freeze never outlasts the work, and garbage is collected as the work ends:
+once none is: a full pass during a run walks only what was made since it began. Both calls
+move whole lists, whatever their length. The process is an application's, not ours, so the
+freeze does not outlast the work for long, and garbage is collected about as CPython's
+own schedule would:
 
+- a loop out of work keeps the freeze `LINGER_S` (0.1 s) more, so work that comes back to
+  back (a program's next gen, a script's next call, a dataset's next window) runs under one
+  freeze: each new one moves every young object to the oldest generation (and cycles among
+  them wait there for a full pass, where young passes would have freed them);
 - the young generations are collected before each freeze (frozen and unfrozen, their
   survivors would reach the oldest generation uncounted, and cycles among them would pile
   up over thousands of calls);
-- if the collector ran full passes while frozen, one full pass runs when the work ends,
-  outside any step: a cycle that became garbage meanwhile (a dropped engine, an object of
-  the caller's in a cycle holding one) is freed then.
+- one full pass over everything runs when the work ends, outside any step, if the
+  collector ran full passes while frozen (they left the frozen objects out), or if the heap
+  grew by a quarter since the last full pass (`sys.getallocatedblocks()`, read every 16th
+  young pass: each freeze starts the collector's own count afresh, so over calls apart its
+  full passes never come due). A cycle that became garbage meanwhile (a dropped engine, an
+  object of the caller's in a cycle holding one, a cycle that lived through a few calls) is
+  freed then: cyclic garbage of the oldest generation stays bounded by a quarter of the
+  heap, as CPython bounds it (by a quarter of its long-lived objects).
 
 Objects the process froze itself (`gc.get_freeze_count()` when a freeze would start) are
 left alone, as is the collector of an engine made with `gc_freeze=False`. The state is
 process-wide, as the collector is, and guarded by `_lock`.
-
-Known limit (why `gc_freeze` is off by default): over many short calls the collector's own
-full passes rarely come due while frozen, so cyclic garbage of the oldest generation stays
-uncollected (400 `generate` calls, each dropping a cycle that had lived through five: all
-400 alive at the end, against 47 without the freeze).
 """
-
 from __future__ import annotations
 
 import atexit
 import contextlib
 import gc
+import sys
 import threading
+import time
 from collections.abc import Iterator
+
+LINGER_S = 0.1  # how long a loop out of work keeps the freeze (`BusyFreeze.lingering`)
+GROWTH_PER_FULL_PASS = 0.25  # (as CPython's own: a quarter more long-lived objects)
+# Reading the heap's size walks its pools (some 50 us): it is read when the young
+# generations were collected this many times since the last reading (once a call at least).
+YOUNG_PASSES_PER_CHECK = 16
 
 _lock = threading.Lock()
 _num_busy = 0  # loops (of engines with gc_freeze) that have work, and `working` callers
 _is_frozen = False  # the objects frozen now were frozen here
 _full_passes = 0  # the collector's full passes before the freeze began
+# The heap's size (`sys.getallocatedblocks()`) after the last full pass seen, and that
+# pass's number: a full pass is owed when the heap has grown by GROWTH_PER_FULL_PASS since.
+_blocks_at_full_pass = 0
+_full_pass_seen = -1
+_young_passes_at_check = 0  # the young passes when the heap's size was last read
 
 
 class BusyFreeze:
     """One engine's part in the freeze, used by its loop thread alone: `busy` when the loop
     takes up work, `idle` when it has none left or ends. The first of the busy loops and
-    `working` callers freezes, the last to leave unfreezes.
+    `working` callers freezes, the last to leave unfreezes. A loop out of work waits
+    `lingering()` seconds for more before it goes idle.
 
     Example:
         >>> freeze = BusyFreeze(enabled=False)
@@ -57,16 +75,28 @@ class BusyFreeze:
         (None, False, False)
     """
 
-    __slots__ = ("_is_enabled", "is_busy")
+    __slots__ = ("_is_enabled", "is_busy", "_idle_at")
 
     def __init__(self, enabled: bool) -> None:
         self._is_enabled = enabled
         self.is_busy = False
+        self._idle_at = 0.0  # (while out of work: when the loop goes idle; 0: not yet out)
 
     def busy(self) -> None:
+        self._idle_at = 0.0
         if not self.is_busy and self._is_enabled:
             _enter()
             self.is_busy = True
+
+    def lingering(self) -> float:
+        """Seconds a busy loop out of work still waits for more before going idle (0: go
+        now). Work that comes back to back (a program's next gen, a script's next call, a
+        dataset's next window) then keeps one freeze: each new freeze would move every
+        young object to the oldest generation, where only a full pass frees it."""
+        now = time.monotonic()
+        if not self._idle_at:
+            self._idle_at = now + LINGER_S
+        return max(0.0, self._idle_at - now)
 
     def idle(self) -> None:
         if self.is_busy:
@@ -90,7 +120,7 @@ def working(enabled: bool) -> Iterator[None]:
 
 
 def _enter() -> None:
-    global _num_busy, _is_frozen, _full_passes
+    global _num_busy, _is_frozen, _full_passes, _blocks_at_full_pass, _full_pass_seen
     # (collections run outside `_lock`: a finalizer they run may make requests)
     with _lock:
         freezes = not _is_frozen and not gc.get_freeze_count()
@@ -103,13 +133,16 @@ def _enter() -> None:
     with _lock:
         if freezes and not _is_frozen and not gc.get_freeze_count():
             _full_passes = passes
+            if passes != _full_pass_seen:  # (the collector's own, made while unfrozen)
+                _full_pass_seen = passes
+                _blocks_at_full_pass = sys.getallocatedblocks()
             gc.freeze()
             _is_frozen = True
         _num_busy += 1
 
 
 def _leave() -> None:
-    global _num_busy, _is_frozen
+    global _num_busy, _is_frozen, _blocks_at_full_pass, _full_pass_seen, _young_passes_at_check
     with _lock:
         _num_busy -= 1
         if _num_busy or not _is_frozen:
@@ -117,11 +150,20 @@ def _leave() -> None:
         gc.unfreeze()
         _is_frozen = False
         before = _full_passes
-    if _num_full_passes() > before:
-        # The collector wanted full passes meanwhile, and they left the frozen objects out:
-        # one over everything now, while nothing works (as often as it would have walked
-        # them unfrozen; garbage among them is then freed).
+        grown = False
+        young_passes = gc.get_stats()[1]["collections"]
+        if young_passes - _young_passes_at_check >= YOUNG_PASSES_PER_CHECK:
+            _young_passes_at_check = young_passes
+            grown = sys.getallocatedblocks() > _blocks_at_full_pass * (1 + GROWTH_PER_FULL_PASS)
+    if _num_full_passes() > before or grown:
+        # The collector wanted full passes meanwhile, and they left the frozen objects out,
+        # or the heap grew as much as would have set one off unfrozen (each freeze starts
+        # the collector's own count afresh, so over short calls none comes due): one over
+        # everything now, while nothing works. Garbage among the objects is then freed.
         gc.collect()
+        with _lock:
+            _full_pass_seen = _num_full_passes()
+            _blocks_at_full_pass = sys.getallocatedblocks()
 
 
 def _num_full_passes() -> int:

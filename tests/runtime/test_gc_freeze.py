@@ -101,6 +101,27 @@ engine.fault_hook = dropping
 engine.generate("hello", OK)
 engine.fault_hook = None
 out["freed"] = until(lambda: ref() is None)
+# Calls back to back keep one freeze (the loop lingers before it goes idle), so a cycle
+# that lived through a few calls is freed by a young pass, as without the freeze...
+class Load:  # (a cycle holding 5,000 objects the collector does not track: heap, not count)
+    def __init__(self, size):
+        self.me, self.load = self, [float(i) for i in range(size)]
+def dropping_after_five(size, calls):
+    loads, alive = [], []
+    for _ in range(calls):
+        alive.append(Load(size))
+        loads.append(weakref.ref(alive[-1]))
+        del alive[:-5]
+        engine.generate("hi", {"max_new_tokens": 1, "temperature": 0})
+    settled([False, False])
+    return sum(load() is not None for load in loads) - len(alive)
+out["cycles_kept"] = dropping_after_five(1, 300)
+# ...and without lingering (calls apart: each freeze moves the young generations to the
+# oldest), such cycles are freed by a full pass once the heap grew by a quarter: each freeze
+# starts the collector's own count afresh, so over short calls its full passes never come.
+gc_freeze.LINGER_S = 0.0
+out["loads_kept"] = dropping_after_five(5000, 300)
+gc_freeze.LINGER_S = 0.1
 
 # Another engine busy keeps the freeze; the last to go idle ends it.
 other = Engine(path, gc_freeze=True)
@@ -152,10 +173,11 @@ go.set()
 stopping.join(60)
 out["shutdown"] = state() + [type(future.exception(60)).__name__]
 
-off = Engine(path)  # (the default: off)
+off = Engine(path, gc_freeze=False)
 during = Watch(off, state)
 off.generate("hello", OK)
 out["off"] = during.seen[0]
+out["default"] = type(off.config)().gc_freeze  # (on unless told otherwise)
 
 gc.freeze()  # the process manages its collector itself
 count = gc.get_freeze_count()  # (frozen objects freed since leave it: never more, or 0)
@@ -189,6 +211,8 @@ def test_the_freeze_lasts_while_engines_have_work(tiny_path):
     assert out["making"] == [True, True, False, False]
     assert out["kept"] < 20_000, out["kept"]  # (75,000 cycles made)
     assert out["freed"]
+    assert out["cycles_kept"] < 150, out["cycles_kept"]  # (of 295 dropped)
+    assert out["loads_kept"] < 150, out["loads_kept"]
     assert out["other_busy"] == [True, True, True]
     assert out["both_done"] == [False, False]
     assert out["service_busy"] == [True, True]
@@ -197,6 +221,7 @@ def test_the_freeze_lasts_while_engines_have_work(tiny_path):
     assert out["shutdown_busy"] == [True, True]
     assert out["shutdown"] == [False, False, "RuntimeError"]
     assert out["off"] == [False, False]
+    assert out["default"] is True
     # Objects the process froze itself stay frozen, and no engine freezes or unfreezes.
     assert out["user_frozen"] == [False, True, True]
 
