@@ -18,11 +18,17 @@ runs from the first submit to the last request's finish.
 
 `--workload cli` runs the rows through the `lmprog generate` command instead (in-process:
 `lmprog.cli.main`, one program a row on the map's threads, results written to a JSONL
-file), its `--engine gc_freeze=...` set by side; "in flight" then ends with the last
-forward, and the wall time when the command returns.
+file), the Engine it builds given each side's `gc_freeze`; "in flight" then ends with the
+last forward, and the wall time when the command returns.
+
+`--workload calls` makes `--requests` `generate` calls of one request each, `--gap-ms`
+apart, as a script or a notebook does; before each call it makes a cycle (holding `--load`
+floats, heap the collector does not count) and drops it five calls later. It reports how
+many of the dropped cycles are still alive at the end (garbage the collector kept) and
+every pass from the first call to the last.
 
     .venv/bin/python benchmarks/bench_gc_pauses.py [--requests 32768] [--rounds 2]
-        [--baseline 94b9053] [--workload engine|cli]
+        [--baseline 94b9053] [--workload engine|cli|calls] [--gap-ms 0] [--load 0]
 """
 
 from __future__ import annotations
@@ -174,18 +180,54 @@ def measure_cli(requests: int) -> dict:
     return {"wall_s": end - start, "tracked": tracked, **times.summary(first, last)}
 
 
+def measure_calls(calls: int, gap_s: float, load: int) -> dict:
+    """`calls` calls of `generate`, `gap_s` apart, each after making a cycle that is dropped
+    five calls later; how many of those dropped are still alive at the end."""
+    import weakref
+
+    from lmprog_runtime import Engine, default_model_path
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me, self.load = self, [float(i) for i in range(load)]
+
+    times, refs, alive = PassTimes(), [], []
+    params = {"max_new_tokens": 2, "temperature": 0}
+    with Engine(default_model_path("tiny"), **freeze_option()) as engine:
+        engine.generate(input_ids=[[5, 6, 7]], sampling_params=params)  # warm-up
+        gc.callbacks.append(times)
+        start = time.perf_counter()
+        for _ in range(calls):
+            alive.append(Cycle())
+            refs.append(weakref.ref(alive[-1]))
+            del alive[:-5]
+            engine.generate(input_ids=[[5, 6, 7]], sampling_params=params)
+            time.sleep(gap_s)
+        end = time.perf_counter()
+        time.sleep(1.0)  # (the loop goes idle)
+        gc.callbacks.remove(times)
+        kept = sum(ref() is not None for ref in refs) - len(alive)
+        tracked = len(gc.get_objects())
+    return {"wall_s": end - start, "tracked": tracked, "kept": kept, **times.summary(start, end)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32768)
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the sides")
     parser.add_argument("--baseline", default=None, help="a commit to compare against")
-    parser.add_argument("--workload", choices=["engine", "cli"], default="engine")
+    parser.add_argument("--workload", choices=["engine", "cli", "calls"], default="engine")
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="calls: between calls")
+    parser.add_argument("--load", type=int, default=0, help="calls: floats a cycle holds")
     parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         sys.path.insert(0, args.side)
-        run = measure if args.workload == "engine" else measure_cli
-        print(json.dumps(run(args.requests)))
+        if args.workload == "calls":
+            result = measure_calls(args.requests, args.gap_ms / 1e3, args.load)
+        else:
+            result = (measure if args.workload == "engine" else measure_cli)(args.requests)
+        print(json.dumps(result))
         return
     sides = {name: (ROOT, {**os.environ, "BENCH_GC_FREEZE": flag}) for name, flag in SIDES.items()}
     if args.baseline:
@@ -195,10 +237,15 @@ def main() -> None:
         args.rounds,
         lambda root: (
             [sys.executable, __file__, "--side", str(root), "--workload", args.workload]
-            + ["--requests", str(args.requests)]
+            + ["--requests", str(args.requests), "--gap-ms", str(args.gap_ms)]
+            + ["--load", str(args.load)]
         ),
     )
-    shape = f"{BATCH} a submit, {WINDOW} outstanding" if args.workload == "engine" else "CLI"
+    shape = {
+        "engine": f"{BATCH} a submit, {WINDOW} outstanding",
+        "cli": "CLI",
+        "calls": f"a call each, {args.gap_ms:g} ms apart, cycles of {args.load} floats",
+    }[args.workload]
     print(f"{args.requests} requests, {shape} (tiny, CPU), per round:")
     for name, results in seen.items():
         for r in results:
@@ -208,6 +255,7 @@ def main() -> None:
                 f"({r['full_ms']:.0f} ms, longest {r['full_max_ms']:.1f} ms), after "
                 f"{r['after_passes']} ({r['after_ms']:.0f} ms); young passes "
                 f"{r['young_passes']} ({r['young_ms']:.0f} ms); tracked after: {r['tracked']:,}"
+                + (f"; dropped cycles still alive: {r['kept']}" if "kept" in r else "")
             )
     walls = {name: min(r["wall_s"] for r in results) for name, results in seen.items()}
     longest = {name: max(r["full_max_ms"] for r in results) for name, results in seen.items()}

@@ -36,6 +36,7 @@ Objects the process froze itself (`gc.get_freeze_count()` when a freeze would st
 left alone, as is the collector of an engine made with `gc_freeze=False`. The state is
 process-wide, as the collector is, and guarded by `_lock`.
 """
+
 from __future__ import annotations
 
 import atexit
