@@ -32,9 +32,17 @@ own schedule would:
   freed then: cyclic garbage of the oldest generation stays bounded by a quarter of the
   heap, as CPython bounds it (by a quarter of its long-lived objects).
 
-Objects the process froze itself (`gc.get_freeze_count()` when a freeze would start) are
-left alone, as is the collector of an engine made with `gc_freeze=False`. The state is
-process-wide, as the collector is, and guarded by `_lock`.
+A pass for the heap's growth that finds no garbage to speak of raises the mark instead
+(the growth was live data, or data freed during the pass: passing again at every call
+would cost 150-300 ms each). Objects the process froze itself (`gc.get_freeze_count()`
+when a freeze would start) are left alone, as is the collector of an engine made with
+`gc_freeze=False`; but a `gc.freeze()` of the process's own while an engine works, or
+lingers, is undone with ours (telling it apart would cost a walk of the frozen objects:
+freeze after `engine.shutdown()`). A cycle alive when the work began and dropped within the
+linger (an engine held by a caller's object in a cycle) waits for the linger's end to be
+freed: `engine.shutdown()` ends an engine's at once. A forked child starts unfrozen, with
+nothing counted busy. The state is process-wide, as the collector is, and guarded by
+`_lock`.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import os
 import sys
 import threading
 import time
@@ -52,6 +61,9 @@ GROWTH_PER_FULL_PASS = 0.25  # (as CPython's own: a quarter more long-lived obje
 # Reading the heap's size walks its pools (some 50 us): it is read when the young
 # generations were collected this many times since the last reading (once a call at least).
 YOUNG_PASSES_PER_CHECK = 16
+# A pass for the heap's growth that finds fewer unreachable objects than this found no
+# garbage to speak of: the growth is live data.
+FUTILE_PASS_OBJECTS = 100
 
 _lock = threading.Lock()
 _num_busy = 0  # loops (of engines with gc_freeze) that have work, and `working` callers
@@ -151,20 +163,26 @@ def _leave() -> None:
         gc.unfreeze()
         _is_frozen = False
         before = _full_passes
-        grown = False
+        blocks = 0
         young_passes = gc.get_stats()[1]["collections"]
         if young_passes - _young_passes_at_check >= YOUNG_PASSES_PER_CHECK:
             _young_passes_at_check = young_passes
-            grown = sys.getallocatedblocks() > _blocks_at_full_pass * (1 + GROWTH_PER_FULL_PASS)
+            blocks = sys.getallocatedblocks()
+        grown = blocks > _blocks_at_full_pass * (1 + GROWTH_PER_FULL_PASS)
     if _num_full_passes() > before or grown:
         # The collector wanted full passes meanwhile, and they left the frozen objects out,
         # or the heap grew as much as would have set one off unfrozen (each freeze starts
         # the collector's own count afresh, so over short calls none comes due): one over
         # everything now, while nothing works. Garbage among the objects is then freed.
-        gc.collect()
+        found = gc.collect()
         with _lock:
             _full_pass_seen = _num_full_passes()
             _blocks_at_full_pass = sys.getallocatedblocks()
+            if grown and found < FUTILE_PASS_OBJECTS:
+                # The growth was not cyclic garbage (objects the collector does not track,
+                # or ones other threads freed meanwhile, during the pass itself): the heap
+                # as it was is the mark to grow from, or each call would pass again.
+                _blocks_at_full_pass = max(_blocks_at_full_pass, blocks)
 
 
 def _num_full_passes() -> int:
@@ -174,6 +192,20 @@ def _num_full_passes() -> int:
 def is_frozen() -> bool:
     """Whether objects are frozen by a busy engine now."""
     return _is_frozen
+
+
+def _reset_in_child() -> None:
+    """A process forked while an engine worked (or lingered): none of the parent's loops
+    or callers runs in it, so nothing would ever end the freeze there."""
+    global _lock, _num_busy, _is_frozen
+    _lock = threading.Lock()  # (another thread of the parent may have held it)
+    _num_busy = 0
+    if _is_frozen:
+        gc.unfreeze()
+        _is_frozen = False
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
 
 
 @atexit.register
