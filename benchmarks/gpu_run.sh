@@ -26,9 +26,14 @@ if [[ "${1:-}" == "--fetch" ]]; then
 fi
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    # (a wheel that does not fit the machine's Python must not cost the run: without them
+    # the regex requests and GGUF models are skipped, as with no wheels)
+    if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl; then
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    else
+        echo "the .whl/ wheels did not install: the regex requests and GGUF models are skipped" >&2
+    fi
 else
     echo "no .whl/ wheels: the regex requests and GGUF models are skipped" >&2
 fi
