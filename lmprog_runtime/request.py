@@ -105,7 +105,9 @@ class Req:
         stop_ids = params.stop_token_ids
         self.stop_token_ids = frozenset(stop_ids) if stop_ids else NO_TOKEN_IDS
         # (read at every token)
-        self._ends_on = self.eos_token_ids | self.stop_token_ids if stop_ids else self.eos_token_ids
+        self._ends_on = (
+            (self.eos_token_ids | self.stop_token_ids) if stop_ids else self.eos_token_ids
+        )
         # Generation ends at the context length even if max_new_tokens allows more. A healed
         # prompt's backed-up token is generated again on top of max_ and min_new_tokens.
         healed = 1 if heal is not None else 0

@@ -216,8 +216,19 @@ kept = lambda: 0 < gc.get_freeze_count() <= count
 mine = Engine(path, gc_freeze=True)
 during = Watch(mine, lambda: [gc_freeze.is_frozen(), kept()])
 mine.generate("hello", OK)
+# Telling the process's freeze from ours walks the frozen objects: once, not at each call.
+walks, count_frozen = [], gc.get_freeze_count
+def counted():
+    if sys._getframe(1).f_globals["__name__"] == "lmprog_runtime.gc_freeze":
+        walks.append(1)
+    return count_frozen()
+gc.get_freeze_count = counted
+for _ in range(5):
+    mine.generate("hello", OK)
+gc.get_freeze_count = count_frozen
 mine.shutdown()
 out["user_frozen"] = during.seen[0] + [kept()]
+out["freeze_walks"] = len(walks)
 for e in (engine, other, off):
     e.shutdown()
 print(json.dumps(out))
@@ -259,6 +270,7 @@ def test_the_freeze_lasts_while_engines_have_work(tiny_path):
     assert out["default"] is True
     # Objects the process froze itself stay frozen, and no engine freezes or unfreezes.
     assert out["user_frozen"] == [False, True, True]
+    assert out["freeze_walks"] == 0, out["freeze_walks"]  # (the first call's was kept)
 
 
 def test_a_waiting_request_gives_the_collector_few_objects(engine):
