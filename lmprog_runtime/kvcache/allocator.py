@@ -55,7 +55,7 @@ class TokenSlotAllocator:
         self._head = 0
         # Freed pages wait here, in order, until an allocation needs them: a free costs
         # O(freed), never a copy of the whole free list.
-        self._freed: list[torch.Tensor] = []
+        self._freed: list[np.ndarray] = []
         self._num_freed = 0
 
     @property
@@ -72,7 +72,8 @@ class TokenSlotAllocator:
         """The first `num_pages` free pages, in the order they became free; None if short."""
         head = self._head
         if num_pages > self._free_pages.numel() - head and self._freed:
-            self._free_pages = torch.cat([self._free_pages[head:], *self._freed])
+            freed = torch.from_numpy(np.concatenate(self._freed))
+            self._free_pages = torch.cat([self._free_pages[head:], freed])
             self._freed, self._num_freed, head = [], 0, 0
         if num_pages > self._free_pages.numel() - head:
             self._head = head
@@ -140,19 +141,24 @@ class TokenSlotAllocator:
         slots[needs_page] = pages * ps
         return slots
 
-    def free(self, slots: torch.Tensor) -> None:
-        """Free the pages holding `slots` (an owner frees whole pages: it owns them all).
-        Keeps nothing of `slots`: a view of a table row may be freed and the row reused."""
-        if slots.device.type != "cpu":
-            raise ValueError(f"the allocator frees host slot indices, got a {slots.device} tensor")
-        if slots.numel() == 0:
+    def free(self, slots: torch.Tensor | np.ndarray) -> None:
+        """Free the pages holding `slots` (an owner frees whole pages: it owns them all), a
+        CPU tensor or a numpy array (the prefix cache's). Keeps nothing of `slots`: a view
+        of a table row may be freed and the row reused."""
+        if isinstance(slots, torch.Tensor):
+            if slots.device.type != "cpu":
+                raise ValueError(
+                    f"the allocator frees host slot indices, got a {slots.device} tensor"
+                )
+            slots = slots.numpy()
+        if slots.size == 0:
             return
         ps = self.page_size
         if ps > 1:
-            index = torch.unique(slots.to(torch.int64).flatten() // ps).numpy()
+            index = np.unique(slots.astype(np.int64, copy=False).reshape(-1) // ps)
             repeated = False
         else:  # (a copy: `slots` may be a view of a row that is reused)
-            index = slots.flatten().numpy().astype(np.int64, copy=True)
+            index = slots.astype(np.int64).reshape(-1)
             if index.size <= _SET_CHECK_MAX:
                 repeated = len(set(index.tolist())) != index.size
             else:
@@ -164,7 +170,7 @@ class TokenSlotAllocator:
                 raise RuntimeError("slot 0 is reserved and never allocated")
             raise RuntimeError("double free of KV slots")
         self._page_is_free[index] = True
-        self._freed.append(torch.from_numpy(index))
+        self._freed.append(index)
         self._num_freed += index.size
 
     def _room_after(self, last_slot: int | None) -> int:

@@ -5,7 +5,8 @@ radix tree (locked through `req.last_node`), followed by slots the request owns 
 `cache_unfinished` moves what a request has computed so far into the tree (so others can
 share it at once); `cache_finished` does the same at the end, frees the request's own
 slots and its row, and drops its lock. With the cache disabled, nothing is shared. All of
-it reads and writes the host side of the request table (`ReqToTokenPool.host_table`).
+it reads and writes the host side of the request table (`ReqToTokenPool.host_table`,
+through its numpy view `host_rows`).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class ReqCache:
             return
         start = req.tree_len  # (the tree has the first ones: the walk starts past them)
         key = req.fill_ids_between(start, n)
-        value = self.req_to_token.host_table[req.req_pool_idx, start:n]  # (insert copies)
+        value = self.req_to_token.host_rows[req.req_pool_idx, start:n]  # (insert copies)
         below = _prefix_node(req, start)
         already, node = self.tree.insert_node(key, value, below=below, locking=True)
         if already > start:
@@ -93,7 +94,7 @@ class ReqCache:
         """Give a leaving request's KV to the tree (unless `insert` is False), free the rest."""
         if req.req_pool_idx is None:
             return
-        table, row = self.req_to_token.host_table, req.req_pool_idx
+        table, row = self.req_to_token.host_rows, req.req_pool_idx
         kv_len = req.kv_len
         start = req.tree_len
         if self.tree is not None and insert:
@@ -105,7 +106,7 @@ class ReqCache:
                 if already > start:
                     self.allocator.free(value[: already - start])
                 start = n
-        if kv_len > start:  # (each CPU op costs the loop microseconds a request)
+        if kv_len > start:
             self.allocator.free(table[row, start:kv_len])
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)
