@@ -208,7 +208,10 @@ class ModelRunner:
         logits_rows: list[int] = []
         rows_per_req: list[list[int]] = []
         seq_lens: list[int] = []
-        for req, prefix, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+        num_extends = len(batch.reqs) - batch.num_decodes
+        for req, prefix, n in zip(
+            batch.reqs[:num_extends], batch.prefix_lens, batch.extend_lens[:num_extends]
+        ):
             end = prefix + n
             new_ids = req.fill_ids_between(prefix, end)
             start_row = len(ids)
@@ -219,6 +222,18 @@ class ModelRunner:
             mine = list(range(len(logits_rows), len(logits_rows) + end - first))
             logits_rows.extend(range(start_row + first - prefix, start_row + end - prefix))
             rows_per_req.append(mine)
+        if batch.num_decodes:
+            # A mixed batch's running requests (its last ones): one token each, its last,
+            # and one logits row each, as `_prepare_decode` reads them (a mixed step of 64
+            # running paid the loop about 2 us a request in the loop above).
+            decoding = batch.reqs[num_extends:]
+            at = batch.prefix_lens[num_extends:]
+            start_row, first_row = len(ids), len(logits_rows)
+            ids.extend([req.output_ids[-1] for req in decoding])
+            positions.extend(at)
+            seq_lens.extend([p + 1 for p in at])
+            logits_rows.extend(range(start_row, start_row + len(decoding)))
+            rows_per_req.extend([[first_row + i] for i in range(len(decoding))])
         return self._send(batch, ids, positions, seq_lens, logits_rows), rows_per_req
 
     def _prepare_decode(self, batch: ScheduledBatch) -> tuple[ForwardBatch, Sequence[list[int]]]:
