@@ -6,7 +6,8 @@ radix tree, whose edges are page-aligned). Page 0 (slots 0..page_size-1) is neve
 out: padded writes and masked gathers point at slot 0, so it may hold garbage at any time.
 Allocation and freeing are exact; freeing a page that is already free raises, so leaks and
 double frees show up in tests rather than as silent corruption. All of it is host
-bookkeeping: slot indices live in CPU tensors, whatever device holds the K/V.
+bookkeeping: slot indices live in CPU tensors and numpy arrays (the prefix cache's),
+whatever device holds the K/V.
 """
 
 from __future__ import annotations
