@@ -57,6 +57,22 @@ def test_double_free_and_slot_zero_are_refused(page_size):
     assert alloc.num_free == 16 and alloc.alloc(16) is not None
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_free_keeps_no_view_of_the_slots(page_size):
+    """The prefix cache frees a view of a request's row (a numpy array), and the row is
+    written again before the pages are handed out: the free must copy what it keeps."""
+    import numpy as np
+
+    alloc = TokenSlotAllocator(8 * page_size, page_size)
+    first = alloc.alloc(8 * page_size)
+    row = first.numpy().copy()
+    alloc.free(row[: 2 * page_size])
+    row[:] = 0  # (the row reused)
+    again = alloc.alloc(2 * page_size)
+    assert again is not None and sorted(again.tolist()) == sorted(first[: 2 * page_size].tolist())
+    assert np.all(again.numpy() > 0)
+
+
 def test_a_long_free_with_a_repeat_is_refused():
     """(Past 256 slots a free finds repeats another way.)"""
     alloc = TokenSlotAllocator(1024)

@@ -272,6 +272,22 @@ def test_edge_split_and_shared_prefix():
     assert cache.total_size == 5 and cache.owned_slots().numel() == 5
 
 
+@pytest.mark.parametrize("as_array", [True, False])
+def test_the_tree_keeps_its_own_copy_of_the_slots(as_array):
+    """A request's slots are inserted as a view of its row of the request table, and the row
+    is reused once it leaves: the tree must keep copies (a numpy array or a tensor given)."""
+    import numpy as np
+
+    cache = RadixCache(TokenSlotAllocator(64))
+    row = np.zeros(8, dtype=np.int64)
+    row[:4] = cache.allocator.alloc(4).numpy()
+    kept = row[:4].tolist()
+    cache.insert([1, 2, 3, 4], row[:4] if as_array else torch.from_numpy(row)[:4])
+    row[:] = 0  # (the row reused by the next request)
+    assert cache.match_prefix([1, 2, 3, 4]).slots.tolist() == kept
+    assert sorted(cache.owned_slots().tolist()) == sorted(kept)
+
+
 def test_lru_evicts_least_recently_used_leaf_first():
     cache = RadixCache(TokenSlotAllocator(64))
     for key in ([1, 1], [2, 2], [3, 3]):
