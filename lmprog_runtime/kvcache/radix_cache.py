@@ -8,12 +8,11 @@ frees unlocked leaves, least recently used first (or least frequently used). Wit
 `page_size > 1`, matching and edges are page-aligned, so every node owns whole pages.
 
 Invariant (checked by the property tests): evictable_size + protected_size equals the
-tokens held by the tree, and no KV slot is owned twice. Node values are host (CPU) tensors:
-the tree is bookkeeping, read and written between forwards, never by a kernel. They are
-numpy arrays: the prefix cache is read and written a few times per request, at its
-admission, after its prefill and at its finish, and a torch op on a few slots costs the
-loop 2-4 us where numpy's costs 0.1-0.3 (`insert` takes either; `match_prefix` and
-`owned_slots` return tensors).
+tokens held by the tree, and no KV slot is owned twice. Node values are host arrays (numpy,
+int64): the tree is bookkeeping, read and written between forwards, never by a kernel,
+a few times per request (at its admission, after its prefill and at its finish), and a
+torch op on a few slots costs the loop 2-4 us where numpy's costs 0.1-0.3. `insert` takes
+a CPU tensor or an array; `match_prefix` and `owned_slots` return tensors.
 """
 
 from __future__ import annotations
