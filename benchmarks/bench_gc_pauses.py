@@ -1,6 +1,6 @@
 """The cyclic garbage collector's pauses during a dataset run, with the heap
-frozen while the engine works (`gc_freeze=True`; `lmprog_runtime/gc_freeze.py`) and
-without (`gc_freeze=False`), each side in a process of its own, alternated `--rounds`
+frozen while the engine works (`gc_freeze=True`, the default; `lmprog_runtime/gc_freeze.py`)
+and without (`gc_freeze=False`), each side in a process of its own, alternated `--rounds`
 times; with `--baseline COMMIT`, that commit's runtime as a third side (its own defaults).
 
 Every collector pass stops all threads, the engine loop's included, for as long as it walks

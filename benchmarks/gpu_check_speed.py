@@ -95,8 +95,8 @@ def _engine_seconds(
 def dataset_steps(check: Check) -> dict[str, Any]:
     """A dataset's pattern: more requests than run at once, of spread lengths, so that
     requests finish and others are admitted at many steps (on a CPU, 256 such requests of
-    "small" ran 142 mixed steps of 352). A mixed prefill+decode step runs
-    eagerly on CUDA (the decode graphs take decode batches only): tokens per second with
+    "small" ran 142 mixed steps of 352). A mixed prefill+decode step runs eagerly on CUDA
+    (the decode graphs take decode batches only): tokens per second with
     mixed steps (the default), without them (`disable_mixed_batches`: a prefill step, then
     graph decodes) and with decode runs of 8 (admissions wait for the run's end), and how
     many forwards each ran eagerly or as a graph. (RESULTS.md: read, never measured.)"""

@@ -36,13 +36,13 @@ A pass for the heap's growth that finds no garbage to speak of raises the mark i
 (the growth was live data, or data freed during the pass: passing again at every call
 would cost 150-300 ms each). Objects the process froze itself (`gc.get_freeze_count()`
 when a freeze would start; it walks them, so a yes is kept 10 s) are left alone, as is the
-collector of an engine made with `gc_freeze=False`; but a `gc.freeze()` of the process's own while an engine works, or
-lingers, is undone with ours (telling it apart would cost a walk of the frozen objects:
-freeze after `engine.shutdown()`). A cycle alive when the work began and dropped within the
-linger (an engine held by a caller's object in a cycle) waits for the linger's end to be
-freed: `engine.shutdown()` ends an engine's at once. A forked child starts unfrozen, with
-nothing counted busy. The state is process-wide, as the collector is, and guarded by
-`_lock`.
+collector of an engine made with `gc_freeze=False`; but a `gc.freeze()` of the process's
+own while an engine works, or lingers, is undone with ours (telling it apart would cost a
+walk of the frozen objects: freeze after `engine.shutdown()`). A cycle alive when the work
+began and dropped within the linger (an engine held by a caller's object in a cycle) waits
+for the linger's end to be freed: `engine.shutdown()` ends an engine's at once. A forked
+child starts unfrozen, with nothing counted busy. The state is process-wide, as the
+collector is, and guarded by `_lock`.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import array
 import contextlib
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 
@@ -45,6 +46,23 @@ def host_ints(values: Sequence[int]) -> torch.Tensor:
     if len(values) == 0:
         return torch.empty(0, dtype=torch.int64, device="cpu")
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
+def host_slots(slots: torch.Tensor | np.ndarray) -> np.ndarray:
+    """KV-slot indices (a CPU tensor or a numpy array) as an int64 numpy array, without a
+    copy where they are one already (a tensor's memory is shared): the host's bookkeeping
+    reads and writes a few slots at a time, where a torch op costs 2-4 us and numpy's
+    0.1-0.3.
+
+    Example:
+        >>> host_slots(torch.tensor([4, 5])).tolist()
+        [4, 5]
+    """
+    if isinstance(slots, np.ndarray):
+        return slots if slots.dtype == np.int64 else slots.astype(np.int64)
+    if slots.device.type != "cpu":
+        raise ValueError(f"KV-slot indices are kept on the host, got a {slots.device} tensor")
+    return slots.to(torch.int64).numpy()
 
 
 def index_tensor(values: Sequence[int], device: torch.device | str) -> torch.Tensor:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from lmprog_runtime.transfer import host_ints
+from lmprog_runtime.transfer import host_ints, host_slots
 
 # Above this many slots a free finds repeats by sorting; below, with a set of Python ints.
 _SET_CHECK_MAX = 256
@@ -146,17 +146,12 @@ class TokenSlotAllocator:
         """Free the pages holding `slots` (an owner frees whole pages: it owns them all), a
         CPU tensor or a numpy array (the prefix cache's). Keeps nothing of `slots`: a view
         of a table row may be freed and the row reused."""
-        if isinstance(slots, torch.Tensor):
-            if slots.device.type != "cpu":
-                raise ValueError(
-                    f"the allocator frees host slot indices, got a {slots.device} tensor"
-                )
-            slots = slots.numpy()
+        slots = host_slots(slots)
         if slots.size == 0:
             return
         ps = self.page_size
         if ps > 1:
-            index = np.unique(slots.astype(np.int64, copy=False).reshape(-1) // ps)
+            index = np.unique(slots.reshape(-1) // ps)
             repeated = False
         else:  # (a copy: `slots` may be a view of a row that is reused)
             index = slots.astype(np.int64).reshape(-1)

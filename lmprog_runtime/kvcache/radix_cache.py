@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
+from lmprog_runtime.transfer import host_slots
 
 _node_ids = itertools.count()
 
@@ -32,16 +33,6 @@ _node_ids = itertools.count()
 # No slots (read only: a miss costs no new array).
 _NO_SLOTS = np.empty(0, dtype=np.int64)
 _NO_SLOTS.flags.writeable = False
-
-
-def host_slots(slots: torch.Tensor | np.ndarray) -> np.ndarray:
-    """`slots` (host KV-slot indices, a CPU tensor or an array) as an int64 numpy array,
-    without a copy where it already is one (the memory is shared with a tensor's)."""
-    if isinstance(slots, np.ndarray):
-        return slots if slots.dtype == np.int64 else slots.astype(np.int64)
-    if slots.device.type != "cpu":
-        raise ValueError(f"the prefix cache keeps host slot indices, got a {slots.device} tensor")
-    return slots.to(torch.int64).numpy()
 
 
 class TreeNode:

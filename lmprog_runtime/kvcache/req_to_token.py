@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from lmprog_runtime.transfer import to_device
+from lmprog_runtime.transfer import host_slots, to_device
 
 
 class ReqToTokenPool:
@@ -80,8 +80,7 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor | np.ndarray) -> None:
         """`host_table[row, start : start + len(slots)] = slots` (host slots, int64: a CPU
         tensor or a numpy array)."""
-        if isinstance(slots, torch.Tensor):
-            slots = slots.numpy()
+        slots = host_slots(slots)
         n = slots.size
         self.host_rows[row, start : start + n] = slots
         if self.table is not self.host_table and n:
@@ -99,8 +98,7 @@ class ReqToTokenPool:
         (each row's slots one after another in `slots`): an extend batch's rows. A numpy
         slice a row, about 0.3 us each: the torch scatter it replaces took 40 us for 64
         prompts in a tight loop, and about 300 us in the engine loop's admission."""
-        if isinstance(slots, torch.Tensor):
-            slots = slots.numpy()
+        slots = host_slots(slots)
         table, at = self.host_rows, 0
         for row, start, n in zip(rows, starts, counts):
             table[row, start : start + n] = slots[at : at + n]
