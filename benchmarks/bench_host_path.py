@@ -135,6 +135,10 @@ def host_path(
         # Forwards not waited for: a decode run's (its step reads are), the worker's.
         queued = threading.local()
 
+        resolve = getattr(runner, "resolved_ids", None)  # (a baseline's may predate it)
+        if resolve is None:
+            resolve = lambda fb: runner.resolve_future_ids(fb.input_ids)  # noqa: E731
+
         def emulated_forward(fb):
             end = time.perf_counter() + launch_s
             while time.perf_counter() < end:  # launching: Python holding the GIL
@@ -142,7 +146,7 @@ def host_path(
             ends.append(device.queue(device_s))
             if not getattr(queued, "on", False):
                 device.wait(ends[-1])  # a synchronous step reads the logits now
-            ids = runner.resolve_future_ids(fb.input_ids)
+            ids = resolve(fb)  # (the ids as `ModelRunner.run` resolves them)
             # [logits rows, vocab], one row per `logits_indices` as the real forward
             return table[ids[fb.logits_indices] % table.shape[0]]
 

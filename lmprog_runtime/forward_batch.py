@@ -47,6 +47,10 @@ class ForwardBatch:
     # for table row `row` by the step before, still on the device; `ModelRunner.run`
     # puts the tokens in their place before the model runs.
     has_future_ids: bool = False
+    # The last `future_tail` ids are placeholders, one for each of the last `future_tail`
+    # requests (its own row's), and no other id is one: resolved by one gather of those
+    # requests' rows (`ModelRunner.resolved_ids`). 0: resolved id by id.
+    future_tail: int = 0
     # A decode batch's inputs as `ModelRunner.prepare` sent them, one [6, batch] int64
     # block on the device: ids, positions, table rows, lengths, KV slots, logits rows (the
     # fields above are its rows), for a decode graph to take in one copy (`packed_inputs`).

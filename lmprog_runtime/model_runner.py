@@ -160,10 +160,24 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(fb):
             return self.graphs.run(fb)  # (the graph resolves placeholder ids itself)
         if fb.has_future_ids:
-            fb.input_ids = self.resolve_future_ids(fb.input_ids)
+            fb.input_ids = self.resolved_ids(fb)
             fb.has_future_ids = False
         self.attention.init_forward_metadata(fb)
         return self.model(fb, self.attention)
+
+    def resolved_ids(self, fb: ForwardBatch) -> torch.Tensor:
+        """`fb`'s input ids with its placeholders replaced by their future tokens (on the
+        device: nothing is read back). When they are the ids of its last requests, one
+        each (`future_tail`), one gather of those requests' rows, written over them; else
+        `resolve_future_ids`' six kernels (which cost an eager step about 110 us of host
+        time on an H200 machine; on a 2-vCPU EPYC, 10.7 us against the gather's 3.1 for
+        64 ids, by `timeit`)."""
+        tail = fb.future_tail
+        if not tail:
+            return self.resolve_future_ids(fb.input_ids)
+        ids = fb.input_ids
+        torch.index_select(self.future_tokens, 0, fb.req_pool_indices[-tail:], out=ids[-tail:])
+        return ids
 
     def resolve_future_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids` with each placeholder `-(row + 1)` replaced by `future_tokens[row]`
@@ -333,6 +347,7 @@ class ModelRunner:
         packed = None
         if batch.mode is ForwardMode.DECODE:  # every field one per request: [6, batch]
             packed = block[: 6 * len(ids)].view(6, len(ids))
+        has_future_ids = bool(ids) and min(ids) < 0
         return ForwardBatch(
             mode=batch.mode,
             input_ids=on_device[0],
@@ -344,9 +359,21 @@ class ModelRunner:
             logits_indices=on_device[5],
             num_decodes=batch.num_decodes,
             seq_lens_device=on_device[3],
-            has_future_ids=bool(ids) and min(ids) < 0,
+            has_future_ids=has_future_ids,
+            future_tail=_future_tail(batch, ids) if has_future_ids else 0,
             packed=packed,
         )
+
+
+def _future_tail(batch: ScheduledBatch, ids: list[int]) -> int:
+    """How many of `ids` (a batch's input ids, some placeholders) are its decoding
+    requests' placeholders, one each at the end, when no other id is one (the usual case
+    with overlap scheduling: every running request's last token is still being drawn); else
+    0."""
+    n = len(ids) if batch.mode is ForwardMode.DECODE else batch.num_decodes
+    if not n or max(ids[-n:]) >= 0 or (n < len(ids) and min(ids[:-n]) < 0):
+        return 0
+    return n
 
 
 def _resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -473,3 +473,69 @@ def test_placeholders_read_the_tokens_stored_for_their_rows(engines):
     runner.store_future_tokens([3, 0], torch.tensor([11, 22]))
     resolved = runner.resolve_future_ids(torch.tensor([5, -4, -1, 7]))
     assert resolved.tolist() == [5, 11, 22, 7]
+
+
+def test_the_decoding_requests_placeholders_resolve_as_one_gather(tiny_path, engines):
+    """A decode step whose every id is a placeholder, and a mixed step whose running
+    requests' ids all are, mark them as a tail (`future_tail`) and resolve it by one
+    gather of those requests' rows: the ids the model reads are what the id-by-id
+    resolution gives from the same future tokens, and the outputs the synchronous loop's.
+    (Four requests running at most, of different lengths: prompts are admitted while
+    others decode.)"""
+    from lmprog_runtime.forward_batch import resolve_future_ids
+
+    sync, _ = engines
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(10)]
+    params = [
+        {"max_new_tokens": 3 + 5 * (i % 3), "temperature": 0, "ignore_eos": True} for i in range(10)
+    ]
+    pool = {**POOL, "max_running_requests": 4}
+    with Engine(tiny_path, overlap_schedule=True, **pool) as engine:
+        runner = engine.runner
+        model = runner.model
+        seen = []  # (mode, requests decoding, future_tail, ids read == the reference)
+
+        def checking_model(fb, attention):
+            seen.append((fb.mode, fb.num_decodes, tail, fb.input_ids.tolist() == want))
+            return model(fb, attention)
+
+        plain_run = runner.run
+
+        def recording_run(fb):
+            nonlocal tail, want
+            tail = fb.future_tail
+            want = resolve_future_ids(fb.input_ids, runner.future_tokens.clone()).tolist()
+            return plain_run(fb)
+
+        tail, want = 0, None
+        runner.model, runner.run = checking_model, recording_run
+        try:
+            got = engine.generate(prompts, params)
+        finally:
+            runner.model = model
+            del runner.run
+    assert [g["output_ids"] for g in got] == [
+        w["output_ids"] for w in sync.generate(prompts, params)
+    ]
+    assert all(same for *_, same in seen)
+    decodes = [tail for mode, _, tail, _ in seen if mode is ForwardMode.DECODE]
+    mixed = [(n, tail) for mode, n, tail, _ in seen if mode is ForwardMode.EXTEND and n]
+    assert decodes and all(tail > 0 for tail in decodes)
+    assert mixed and all(tail == n for n, tail in mixed)
+
+
+def test_a_tail_is_only_placeholders_of_decoding_requests_and_none_before():
+    from lmprog_runtime.model_runner import _future_tail
+    from lmprog_runtime.scheduler import ScheduledBatch
+
+    def batch(mode, num_reqs, num_decodes=0):
+        slots = torch.zeros(0, dtype=torch.int64)
+        return ScheduledBatch(mode, [None] * num_reqs, slots, [], [], num_decodes=num_decodes)
+
+    decode, extend = ForwardMode.DECODE, ForwardMode.EXTEND
+    assert _future_tail(batch(decode, 3), [-1, -3, -2]) == 3
+    assert _future_tail(batch(decode, 3), [-1, 5, -2]) == 0  # one token known already
+    assert _future_tail(batch(extend, 3, num_decodes=2), [7, 8, 9, -1, -4]) == 2
+    assert _future_tail(batch(extend, 3, num_decodes=2), [7, -2, 9, -1, -4]) == 0
+    assert _future_tail(batch(extend, 3, num_decodes=2), [7, 8, 9, 4, -4]) == 0
+    assert _future_tail(batch(extend, 1), [7, 8, -1]) == 0  # a prompt's placeholder
