@@ -326,8 +326,41 @@ def test_split_count_fills_the_gpu_within_its_bounds():
     assert choose_num_splits(1, 8, 100_000) == MAX_DECODE_SPLITS
     assert choose_num_splits(1, 8, 100_000, max_splits=4) == 4
     assert choose_num_splits(64, 8, 4096) == 1  # 512 programs already fill 132 SMs
-    assert choose_num_splits(8, 8, 4096) == 5  # 64 programs x 5 splits >= 2 per SM
+    # 64 programs a split: 5 splits fill 2 per SM (264), but leave a second wave a fifth
+    # full; 8 fill two waves to 97%.
+    assert choose_num_splits(8, 8, 4096) == 8
+    assert choose_num_splits(8, 8, 16384) == 8
+    assert choose_num_splits(16, 4, 4096) == 8
+    assert choose_num_splits(32, 8, 8192) == 2  # 512 programs: the fewest that fill
     assert choose_num_splits(8, 8, 600) == 3  # no split under MIN_SPLIT_LEN keys
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 13, 16, 33, 64, 256])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4, 8])
+@pytest.mark.parametrize("seq_len", [100, 1000, 4096, 16384, 131072])
+def test_the_split_count_fills_the_gpus_waves_best_of_the_counts_allowed(batch, kv_heads, seq_len):
+    """Against a search of every count allowed: the fewest splits that reach 2 programs
+    per SM (or all the length allows), and of those up to the cap, one whose programs
+    fill their waves within 2% of the best, the fewest such."""
+    from lmprog_runtime.attention.triton_kernels import (
+        MAX_DECODE_SPLITS,
+        MIN_SPLIT_LEN,
+        PROGRAMS_PER_SM,
+        choose_num_splits,
+    )
+
+    places = PROGRAMS_PER_SM * 132  # (the CPU's stand-in SM count)
+    allowed = range(1, max(1, min(MAX_DECODE_SPLITS, -(-seq_len // MIN_SPLIT_LEN))) + 1)
+    enough = [s for s in allowed if s * batch * kv_heads >= places] or [allowed[-1]]
+    candidates = range(enough[0], allowed[-1] + 1)
+
+    def filled(s):
+        programs = s * batch * kv_heads
+        return programs / (-(-programs // places) * places)
+
+    best = max(filled(s) for s in candidates)
+    want = min(s for s in candidates if filled(s) >= best - 0.02)
+    assert choose_num_splits(batch, kv_heads, seq_len) == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
