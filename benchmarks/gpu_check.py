@@ -18,7 +18,8 @@ Sections, each recorded on its own (an error or a skip is written down, the rest
   synchronous one: greedy, seeded, penalties, min_new_tokens, stops, logprobs, regexes;
   and overlapped decode runs (`decode_steps=4`) against it on requests of the same kinds;
 - `decode_bandwidth`: the Triton decode kernel's bytes moved per second, as a fraction of
-  the HBM peak (nominal, and a measured device-to-device copy);
+  the HBM peak (nominal, and a measured device-to-device copy), at the split count the
+  runtime chooses and, beside it, at the counts around it;
 - `throughput`: engine against transformers' `generate`, no-sharing and shared-prefix (and
   with decode runs of 8 steps, while the budget allows);
 - `dataset_steps`: a dataset's pattern (512 requests of 16-128 new tokens, 64 running:

@@ -217,13 +217,22 @@ def decode_bandwidth(check: Check) -> dict[str, Any]:
         lens = torch.full((batch,), seq_len, dtype=torch.int64, device="cuda")
         q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
         splits = tk.choose_num_splits(batch, kv_heads, seq_len, q.device)
-        seconds = time_cuda(
-            functools.partial(
-                tk.decode_attention, q, k, v, table, rows, lens, head_dim**-0.5, 0, splits
-            )
-        )
         moved = 2 * slots * kv_heads * head_dim * 2 + slots * 8  # K, V (bf16) and the table
-        entry = {"microseconds": seconds * 1e6, "gbs": moved / seconds / 1e9, "num_splits": splits}
+        # (the split count last)
+        attend = functools.partial(
+            tk.decode_attention, q, k, v, table, rows, lens, head_dim**-0.5, 0
+        )
+        # The chosen count (`choose_num_splits`: the fill of the programs' waves), and the
+        # counts around it timed in the same run, to tell whether it is the fastest (5 at
+        # batch 8 was the choice of the rule before).
+        by_splits = {
+            n: moved / time_cuda(functools.partial(attend, n)) / 1e9
+            for n in sorted({1, 2, 4, 5, 8, 16, splits})
+            if n <= tk.MAX_DECODE_SPLITS and (n - 1) * tk.MIN_SPLIT_LEN < seq_len
+        }
+        seconds = moved / by_splits[splits] / 1e9
+        entry = {"microseconds": seconds * 1e6, "gbs": by_splits[splits], "num_splits": splits}
+        entry["gbs_by_splits"] = {n: round(value, 1) for n, value in by_splits.items()}
         entry["fraction_of_copy_bandwidth"] = moved / seconds / measured_peak
         if nominal:
             entry["fraction_of_nominal_peak"] = moved / seconds / nominal
