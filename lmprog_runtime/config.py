@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "int4", "w8a8_int8")
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,16 @@ class RuntimeConfig:
     gc_freeze: bool = True
 
     def __post_init__(self) -> None:
+        device = self.device
+        if type(device).__module__ == "torch" and type(device).__name__ == "device":
+            object.__setattr__(self, "device", str(device))  # (a torch.device, as its name)
+        elif not isinstance(device, str):
+            raise TypeError(f"device must be a string such as 'cpu' or 'cuda', got {device!r}")
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(
+                f"device must be 'cpu', 'cuda' or 'cuda:N' (the devices the runtime runs "
+                f"on), got {self.device!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

@@ -52,7 +52,7 @@ from lmprog_runtime.token_healing import (
     TokenHealer,
     healed_pattern,
 )
-from lmprog_runtime.transfer import device_scope
+from lmprog_runtime.transfer import device_scope, require_device
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class Engine(EngineLoop):
         # A name, a Hub id, a directory or a .gguf file; config.model_path records where
         # the model lives, model_dir the checkpoint directory read (a GGUF's conversion).
         self.config = RuntimeConfig(model_path=resolve_model_path(model_path), **config_fields)
+        require_device(torch.device(self.config.device))
         model_dir = local_model_dir(self.config.model_path)
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)

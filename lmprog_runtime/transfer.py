@@ -94,6 +94,29 @@ def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
 # that device current first (a no-op elsewhere).
 
 
+def require_device(device: torch.device) -> None:
+    """A ValueError naming `device` when this machine cannot run on it: CUDA asked for where
+    torch has none (a CPU build, or no GPU visible), or an index past its GPUs. (An engine
+    checks before it loads anything; torch's own errors come later, and read as a failure
+    of the runtime's.)
+
+    Example:
+        >>> require_device(torch.device("cpu"))
+    """
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = (
+            f"this torch ({torch.__version__}) is built without CUDA"
+            if torch.version.cuda is None
+            else "torch sees no CUDA device"
+        )
+        raise ValueError(f"device={str(device)!r}, but {why}; use device='cpu'")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"device={str(device)!r}, but this machine has {count} CUDA device(s)")
+
+
 def device_with_index(device: torch.device) -> torch.device:
     """`cuda` as `cuda:N`, N the calling thread's current device (what "cuda" means there);
     other devices as they are. An engine's threads then all use the device it was made on

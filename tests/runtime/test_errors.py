@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from lmprog_runtime import Engine
 from lmprog_runtime.sampling_params import FLOAT_PARAMS
@@ -141,3 +142,44 @@ def test_shutdown_fails_new_requests(tiny_path):
     engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate("hi", OK)
+
+
+@pytest.mark.parametrize(
+    "device, error, message",
+    [
+        ("mps", ValueError, "device must be 'cpu', 'cuda' or 'cuda:N'.*'mps'"),
+        ("meta", ValueError, "device must be 'cpu', 'cuda' or 'cuda:N'.*'meta'"),
+        ("cuda:", ValueError, "device must be"),
+        ("CPU", ValueError, "device must be"),
+        (0, TypeError, "device must be a string"),
+    ],
+)
+def test_a_device_the_runtime_does_not_run_on_is_refused(tiny_path, device, error, message):
+    with pytest.raises(error, match=message):
+        Engine(tiny_path, device=device)
+
+
+def test_cuda_where_torch_has_none_is_refused_before_anything_loads(tiny_path, monkeypatch):
+    """Not torch's error from deep inside the model's set-up (a TypeError comparing None
+    with an int was what a CPU-only torch gave), but one naming the device, before the
+    tokenizer or the model is read."""
+    import lmprog_runtime.engine as engine_module
+
+    loaded = []
+    monkeypatch.setattr(engine_module, "ModelRunner", lambda *args: loaded.append(args))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match=f"device='{device}', but (this torch|torch sees)"):
+            Engine(tiny_path, device=device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="device='cuda:1', but this machine has 1 CUDA device"):
+        Engine(tiny_path, device="cuda:1")
+    assert loaded == []
+
+
+def test_a_torch_device_is_taken_as_its_name():
+    from lmprog_runtime import RuntimeConfig
+
+    assert RuntimeConfig(device=torch.device("cuda", 1)).device == "cuda:1"
+    assert RuntimeConfig(device=torch.device("cpu")).is_overlapped is False
