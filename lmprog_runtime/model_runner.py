@@ -84,6 +84,7 @@ class ModelRunner:
                 f"max_position_embeddings {self.model_config.context_len}"
             )
         mc = self.model_config
+        self._check_memory(dtype)
         self.allocator = TokenSlotAllocator(self._num_kv_slots(dtype), config.page_size)
         self.num_kv_slots = self.allocator.num_slots  # whole pages only
         # Rows 0 .. (num_pages + 1) * page_size - 1: page 0 is the padding page.
@@ -133,6 +134,38 @@ class ModelRunner:
             # traffic of decode, tensor cores); dtype="float32" keeps full precision.
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32 if name == "float32" else read_torch_dtype(name)
+
+    def _check_memory(self, dtype: torch.dtype) -> None:
+        """A ValueError naming the setting when the KV pool asked for (`max_total_tokens`) or
+        the request table (`max_running_requests` rows of `context_len` slots, on the host
+        and on the device) needs more memory than is available: not the allocator's error
+        from deep inside the set-up, nor a pool that fails only once it fills."""
+        config, mc = self.config, self.model_config
+        table = (config.max_running_requests + 1) * self.context_len * 8  # int64 slots
+        host_free = _available_host_memory()
+        if self.device.type == "cuda":
+            device_free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            device_free = host_free  # (the table and the pool share it)
+        if table > min(host_free, device_free):  # (on a GPU, a table on each side)
+            raise ValueError(
+                f"max_running_requests={config.max_running_requests} rows of context_len "
+                f"{self.context_len} make a request table of {table / 2**30:.1f} GiB, more "
+                f"than this machine has free; lower max_running_requests or context_len"
+            )
+        if config.max_total_tokens is None:
+            return  # (sized from what is free)
+        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+        pool = config.max_total_tokens * per_token
+        room = device_free - table
+        if pool > room:
+            where = "on the GPU" if self.device.type == "cuda" else "in host memory"
+            raise ValueError(
+                f"max_total_tokens={config.max_total_tokens} needs {pool / 2**30:.1f} GiB of "
+                f"KV cache, more than the {max(0, room) / 2**30:.1f} GiB free {where} beside "
+                f"the request table; lower it, or leave it None to size the pool by "
+                f"mem_fraction"
+            )
 
     def _num_kv_slots(self, dtype: torch.dtype) -> int:
         if self.config.max_total_tokens is not None:
