@@ -207,7 +207,8 @@ def decode_bandwidth(check: Check) -> dict[str, Any]:
         "copy_bandwidth_gbs": measured_peak / 1e9,
         "nominal_peak_gbs": (nominal or 0) / 1e9,
     }
-    for batch, seq_len in ((64, 4096), (8, 16384), (256, 1024)):
+    # (24 and 48: graph buckets whose split count the waves' fill raised, 2 -> 4, 1 -> 2)
+    for batch, seq_len in ((64, 4096), (8, 16384), (256, 1024), (24, 4096), (48, 4096)):
         heads, kv_heads, head_dim = 32, 8, 128
         slots = batch * seq_len
         k = torch.randn(slots + 1, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -218,13 +219,12 @@ def decode_bandwidth(check: Check) -> dict[str, Any]:
         q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
         splits = tk.choose_num_splits(batch, kv_heads, seq_len, q.device)
         moved = 2 * slots * kv_heads * head_dim * 2 + slots * 8  # K, V (bf16) and the table
-        # (the split count last)
-        attend = functools.partial(
+        attend = functools.partial(  # (the split count last)
             tk.decode_attention, q, k, v, table, rows, lens, head_dim**-0.5, 0
         )
         # The chosen count (`choose_num_splits`: the fill of the programs' waves), and the
-        # counts around it timed in the same run, to tell whether it is the fastest (5 at
-        # batch 8 was the choice of the rule before).
+        # counts around it timed in the same run, to tell whether it is the fastest (the
+        # rule before chose 5 at batch 8, 2 at 24 and 1 at 48).
         by_splits = {
             n: moved / time_cuda(functools.partial(attend, n)) / 1e9
             for n in sorted({1, 2, 4, 5, 8, 16, splits})

@@ -16,7 +16,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "int4", "w8a8_int8")
-DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
+DEVICE_PATTERN = re.compile(r"(cpu|cuda)(:[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,8 @@ class RuntimeConfig:
                 f"device must be 'cpu', 'cuda' or 'cuda:N' (the devices the runtime runs "
                 f"on), got {self.device!r}"
             )
+        if self.device.startswith("cpu:"):  # (torch's name of its one CPU device)
+            object.__setattr__(self, "device", "cpu")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

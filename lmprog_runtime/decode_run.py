@@ -343,6 +343,7 @@ class DecodeRunLoop:
         for k, fb in enumerate(self.runner.prepare_run(batch, ahead)):
             if token_ids is not None:  # (a row that drew none, -1: its request fails)
                 fb.input_ids = token_ids if from_graph else token_ids.clamp(min=0)
+                fb.has_future_ids, fb.future_tail = False, 0  # (tokens, no placeholders)
             logits = self.runner.run(fb)
             step_rows = rows_ahead(rows, reqs, offset + k)
             # The decode graph's draw where it made it, but not at the last step: its

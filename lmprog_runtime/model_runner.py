@@ -142,19 +142,25 @@ class ModelRunner:
         from deep inside the set-up, nor a pool that fails only once it fills."""
         config, mc = self.config, self.model_config
         table = (config.max_running_requests + 1) * self.context_len * 8  # int64 slots
-        host_free = _available_host_memory()
+        host_free = _read_available_host_memory()
         if self.device.type == "cuda":
-            device_free = torch.cuda.mem_get_info(self.device)[0]
+            # (free to the driver, and what torch's caching allocator holds unused: an
+            # engine built after another in the same process may reuse that)
+            cached = torch.cuda.memory_reserved(self.device)
+            cached -= torch.cuda.memory_allocated(self.device)
+            device_free = torch.cuda.mem_get_info(self.device)[0] + cached
         else:
             device_free = host_free  # (the table and the pool share it)
-        if table > min(host_free, device_free):  # (on a GPU, a table on each side)
+        # (on a GPU a table on each side; host memory unknown without /proc/meminfo)
+        known = [free for free in (host_free, device_free) if free is not None]
+        if known and table > min(known):
             raise ValueError(
                 f"max_running_requests={config.max_running_requests} rows of context_len "
                 f"{self.context_len} make a request table of {table / 2**30:.1f} GiB, more "
                 f"than this machine has free; lower max_running_requests or context_len"
             )
-        if config.max_total_tokens is None:
-            return  # (sized from what is free)
+        if config.max_total_tokens is None or device_free is None:
+            return  # (sized from what is free; or nothing known to compare with)
         per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
         pool = config.max_total_tokens * per_token
         room = device_free - table
@@ -393,20 +399,21 @@ class ModelRunner:
             num_decodes=batch.num_decodes,
             seq_lens_device=on_device[3],
             has_future_ids=has_future_ids,
-            future_tail=_future_tail(batch, ids) if has_future_ids else 0,
+            future_tail=_future_tail(batch, ids, req_rows) if has_future_ids else 0,
             packed=packed,
         )
 
 
-def _future_tail(batch: ScheduledBatch, ids: list[int]) -> int:
+def _future_tail(batch: ScheduledBatch, ids: list[int], req_rows: list[int]) -> int:
     """How many of `ids` (a batch's input ids, some placeholders) are its decoding
-    requests' placeholders, one each at the end, when no other id is one (the usual case
-    with overlap scheduling: every running request's last token is still being drawn); else
-    0."""
+    requests' own placeholders `-(row + 1)`, one each at the end, when no other id is a
+    placeholder (the usual case with overlap scheduling: every running request's last
+    token is still being drawn); else 0. Checked id by id against the requests' table
+    rows (`req_rows`), so that the gather reads what the op-by-op resolve would."""
     n = len(ids) if batch.mode is ForwardMode.DECODE else batch.num_decodes
-    if not n or max(ids[-n:]) >= 0 or (n < len(ids) and min(ids[:-n]) < 0):
+    if not n or ids[-n:] != [-(row + 1) for row in req_rows[-n:]]:
         return 0
-    return n
+    return n if n == len(ids) or min(ids[:-n]) >= 0 else 0
 
 
 def _resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -437,6 +444,13 @@ def _first_logits_position(req: Req, prefix: int, end: int, mode: ForwardMode) -
 
 
 def _available_host_memory() -> int:
+    """The host memory available now (8 GiB where the system does not say)."""
+    available = _read_available_host_memory()
+    return 8 << 30 if available is None else available
+
+
+def _read_available_host_memory() -> int | None:
+    """`MemAvailable` of /proc/meminfo, in bytes; None without it (not Linux)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -444,4 +458,4 @@ def _available_host_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 8 << 30
+    return None

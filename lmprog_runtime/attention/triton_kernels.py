@@ -38,6 +38,9 @@ MIN_SPLIT_LEN = 256
 MAX_DECODE_SPLITS = 16
 # Stage-1 programs wanted per streaming multiprocessor (a few waves hide the tail).
 PROGRAMS_PER_SM = 2
+# The least share of its waves' places a split count's programs should fill: below it a
+# few more splits are taken (`choose_num_splits`).
+WAVE_FILL = 0.9
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -493,18 +496,18 @@ def choose_num_splits(
     max_splits: int = MAX_DECODE_SPLITS,
 ) -> int:
     """How many splits of the keys a decode batch gets: enough stage-1 programs to fill the
-    GPU (`PROGRAMS_PER_SM` a streaming multiprocessor), but no split shorter than
-    MIN_SPLIT_LEN keys, and at most `max_splits`; past the fewest that fill it, the count
-    whose programs leave the least of their last wave idle (the fewest splits of those
-    within 2% of the best): a last wave a fifth full runs at the speed of a full one.
+    GPU (`PROGRAMS_PER_SM` a streaming multiprocessor, a "wave"), but no split shorter
+    than MIN_SPLIT_LEN keys, and at most `max_splits`. Where the fewest splits that fill
+    it leave their last wave less than WAVE_FILL full, the fewest more that fill their
+    waves that well (or, if none does, best): that last wave runs as long as a full one.
 
     Example: 8 requests of 4096 tokens, 8 KV heads, 132 SMs: 5 splits fill the GPU (320
-    programs for 264 places), but their second wave is a fifth full; 8 splits (512
-    programs) fill two waves to 97%, so 8.
+    programs for 264 places), but fill their two waves to 61%; 8 splits (512 programs)
+    fill them to 97%, so 8. 64 requests: 1 split, 512 programs, 97% already.
     """
     by_length = triton.cdiv(max_seq_len, MIN_SPLIT_LEN)
     places = PROGRAMS_PER_SM * _num_sms(torch.device(device))
-    per_split = batch_size * num_kv_heads
+    per_split = max(1, batch_size * num_kv_heads)  # (an empty batch: 1 split)
     most = max(1, min(max_splits, by_length))
     fewest = min(most, triton.cdiv(places, per_split))
 
@@ -512,8 +515,8 @@ def choose_num_splits(
         programs = splits * per_split
         return programs / (triton.cdiv(programs, places) * places)
 
-    best = max(filled(s) for s in range(fewest, most + 1))
-    return next(s for s in range(fewest, most + 1) if filled(s) >= best - 0.02)
+    counts = range(fewest, most + 1)
+    return next((s for s in counts if filled(s) >= WAVE_FILL), max(counts, key=filled))
 
 
 def decode_attention(

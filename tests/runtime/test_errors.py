@@ -183,6 +183,8 @@ def test_a_torch_device_is_taken_as_its_name():
 
     assert RuntimeConfig(device=torch.device("cuda", 1)).device == "cuda:1"
     assert RuntimeConfig(device=torch.device("cpu")).is_overlapped is False
+    assert RuntimeConfig(device=torch.device("cpu", 0)).device == "cpu"  # (its name "cpu:0")
+    assert RuntimeConfig(device="cpu:0", quantization="int8").device == "cpu"
 
 
 def test_a_pool_or_table_larger_than_memory_is_refused_by_the_setting_that_asks(
@@ -192,11 +194,11 @@ def test_a_pool_or_table_larger_than_memory_is_refused_by_the_setting_that_asks(
     what is free (host memory here, a GPU's free memory on CUDA)."""
     from lmprog_runtime import model_runner
 
-    monkeypatch.setattr(model_runner, "_available_host_memory", lambda: 1 << 30)  # 1 GiB
+    monkeypatch.setattr(model_runner, "_read_available_host_memory", lambda: 1 << 30)  # 1 GiB
     with pytest.raises(ValueError, match=r"max_total_tokens=100000000 needs [0-9.]+ GiB"):
         Engine(tiny_path, max_total_tokens=100_000_000)
-    with pytest.raises(ValueError, match="max_running_requests=100000 rows of context_len"):
-        Engine(tiny_path, max_running_requests=100_000, max_total_tokens=4096)
+    with pytest.raises(ValueError, match="max_running_requests=1000000 rows of context_len"):
+        Engine(tiny_path, max_running_requests=1_000_000, max_total_tokens=4096)
     with Engine(tiny_path, max_total_tokens=4096, max_running_requests=64) as fits:
         params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
         assert fits.generate("Hi", params)["meta_info"]["completion_tokens"] == 2

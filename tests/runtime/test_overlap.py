@@ -491,6 +491,8 @@ def test_the_decoding_requests_placeholders_resolve_as_one_gather(tiny_path, eng
     ]
     pool = {**POOL, "max_running_requests": 4}
     with Engine(tiny_path, overlap_schedule=True, **pool) as engine:
+        if isinstance(engines[1]._worker._executor, InlineExecutor):
+            on_loop_thread(engine)  # (the fixture's other worker: on the loop, as on CUDA)
         runner = engine.runner
         model = runner.model
         seen = []  # (mode, requests decoding, future_tail, ids read == the reference)
@@ -524,7 +526,7 @@ def test_the_decoding_requests_placeholders_resolve_as_one_gather(tiny_path, eng
     assert mixed and all(tail == n for n, tail in mixed)
 
 
-def test_a_tail_is_only_placeholders_of_decoding_requests_and_none_before():
+def test_a_tail_is_only_the_decoding_requests_own_placeholders_and_none_before():
     from lmprog_runtime.model_runner import _future_tail
     from lmprog_runtime.scheduler import ScheduledBatch
 
@@ -533,9 +535,11 @@ def test_a_tail_is_only_placeholders_of_decoding_requests_and_none_before():
         return ScheduledBatch(mode, [None] * num_reqs, slots, [], [], num_decodes=num_decodes)
 
     decode, extend = ForwardMode.DECODE, ForwardMode.EXTEND
-    assert _future_tail(batch(decode, 3), [-1, -3, -2]) == 3
-    assert _future_tail(batch(decode, 3), [-1, 5, -2]) == 0  # one token known already
-    assert _future_tail(batch(extend, 3, num_decodes=2), [7, 8, 9, -1, -4]) == 2
-    assert _future_tail(batch(extend, 3, num_decodes=2), [7, -2, 9, -1, -4]) == 0
-    assert _future_tail(batch(extend, 3, num_decodes=2), [7, 8, 9, 4, -4]) == 0
-    assert _future_tail(batch(extend, 1), [7, 8, -1]) == 0  # a prompt's placeholder
+    assert _future_tail(batch(decode, 3), [-1, -3, -2], [0, 2, 1]) == 3
+    assert _future_tail(batch(decode, 3), [-1, 5, -2], [0, 2, 1]) == 0  # one token known
+    assert _future_tail(batch(decode, 3), [-1, -2, -3], [0, 2, 1]) == 0  # another's row
+    mixed = batch(extend, 3, num_decodes=2)
+    assert _future_tail(mixed, [7, 8, 9, -1, -4], [5, 0, 3]) == 2
+    assert _future_tail(mixed, [7, -2, 9, -1, -4], [5, 0, 3]) == 0  # a prompt's placeholder
+    assert _future_tail(mixed, [7, 8, 9, 4, -4], [5, 0, 3]) == 0
+    assert _future_tail(batch(extend, 1), [7, 8, -1], [0]) == 0  # no decoding request
