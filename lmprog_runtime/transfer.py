@@ -97,8 +97,8 @@ def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
 def require_device(device: torch.device) -> None:
     """A ValueError naming `device` when this machine cannot run on it: CUDA asked for where
     torch has none (a CPU build, or no GPU visible), or an index past its GPUs. (An engine
-    checks before it loads anything; torch's own errors come later, and read as a failure
-    of the runtime's.)
+    checks before it loads the tokenizer and the model; torch's own errors come later, and
+    read as a failure of the runtime's.)
 
     Example:
         >>> require_device(torch.device("cpu"))
