@@ -296,6 +296,9 @@ class EmulatedRunGraphs:
             pieces = run_lengths = None
         self.pieces, self.run_lengths = pieces, run_lengths
 
+    def can_run_size(self, mode, batch_size: int) -> bool:
+        return False  # (single steps have no graph here: they run the emulated forward)
+
     def can_run_greedy(self, batch_size: int, steps: int) -> bool:
         return steps == self.steps or (self.pieces is not None and 1 < steps < self.steps)
 

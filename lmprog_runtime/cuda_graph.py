@@ -158,7 +158,11 @@ class DecodeGraphRunner:
             self._capture_all()
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.mode is ForwardMode.DECODE and fb.batch_size <= self.max_batch
+        return self.can_run_size(fb.mode, fb.batch_size)
+
+    def can_run_size(self, mode: ForwardMode, batch_size: int) -> bool:
+        """`can_run` of a batch of `mode` and `batch_size` requests (before it is built)."""
+        return mode is ForwardMode.DECODE and batch_size <= self.max_batch
 
     def bucket(self, batch_size: int) -> int:
         """The padded size a batch of `batch_size` requests runs at."""

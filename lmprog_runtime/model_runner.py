@@ -387,6 +387,8 @@ class ModelRunner:
         if batch.mode is ForwardMode.DECODE:  # every field one per request: [6, batch]
             packed = block[: 6 * len(ids)].view(6, len(ids))
         has_future_ids = bool(ids) and min(ids) < 0
+        # (a decode batch a graph takes: the graph resolves them itself, nothing to mark)
+        graphed = self.graphs is not None and self.graphs.can_run_size(batch.mode, len(ids))
         return ForwardBatch(
             mode=batch.mode,
             input_ids=on_device[0],
@@ -399,7 +401,9 @@ class ModelRunner:
             num_decodes=batch.num_decodes,
             seq_lens_device=on_device[3],
             has_future_ids=has_future_ids,
-            future_tail=_future_tail(batch, ids, req_rows) if has_future_ids else 0,
+            future_tail=(
+                _future_tail(batch, ids, req_rows) if has_future_ids and not graphed else 0
+            ),
             packed=packed,
         )
 

@@ -165,28 +165,30 @@ def test_the_graph_resolves_the_overlapped_loops_placeholders(tiny_path):
         runner = engine.runner
         graphs = runner.graphs = DecodeGraphRunner(runner, capture=False)
         graph_run = graphs.run
-        placeholders, packed, failures = [], [], []
+        placeholders, packed, failures, tails = [], [], [], []
 
         def run(fb):
             placeholders.append(int((fb.input_ids < 0).sum()))
             packed.append(fb.packed_inputs() is not None)
+            tails.append(fb.future_tail)  # (not marked: the graph resolves them itself)
             try:
                 return graph_run(fb)
             except Exception as error:
                 failures.append(error)
                 raise
 
-        def resolve(input_ids):
+        def resolve(ids_or_batch):
             failures.append("a batch resolved on the host")
             raise AssertionError(failures[-1])
 
-        graphs.run, runner.resolve_future_ids = run, resolve
+        graphs.run, runner.resolve_future_ids, runner.resolved_ids = run, resolve, resolve
         got = [[o["output_ids"] for o in engine.generate(PROMPTS, p)] for p in params]
-        del graphs.run, runner.resolve_future_ids
+        del graphs.run, runner.resolve_future_ids, runner.resolved_ids
         state = engine.memory_state()
         assert state["num_running"] == 0 and state["req_slots_free"] == state["req_slots_total"]
     assert failures == [] and got == expected
     assert sum(placeholders) > 0 and packed and all(packed)
+    assert not any(tails)
 
 
 def test_a_batch_whose_ids_were_replaced_is_no_longer_packed(engine):
