@@ -140,7 +140,7 @@ class ModelRunner:
         the request table (`max_running_requests` rows of `context_len` slots, on the host
         and on the device) needs more memory than is available: not the allocator's error
         from deep inside the set-up, nor a pool that fails only once it fills."""
-        config, mc = self.config, self.model_config
+        config = self.config
         table = (config.max_running_requests + 1) * self.context_len * 8  # int64 slots
         host_free = _read_available_host_memory()
         if self.device.type == "cuda":
@@ -161,8 +161,7 @@ class ModelRunner:
             )
         if config.max_total_tokens is None or device_free is None:
             return  # (sized from what is free; or nothing known to compare with)
-        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
-        pool = config.max_total_tokens * per_token
+        pool = config.max_total_tokens * self._kv_bytes_per_token(dtype)
         room = device_free - table
         if pool > room:
             where = "on the GPU" if self.device.type == "cuda" else "in host memory"
@@ -173,11 +172,14 @@ class ModelRunner:
                 f"mem_fraction"
             )
 
+    def _kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        mc = self.model_config
+        return KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+
     def _num_kv_slots(self, dtype: torch.dtype) -> int:
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
-        mc = self.model_config
-        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+        per_token = self._kv_bytes_per_token(dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return max(16, int(free * self.config.mem_fraction) // per_token)
