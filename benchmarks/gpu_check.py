@@ -24,8 +24,8 @@ Sections, each recorded on its own (an error or a skip is written down, the rest
   with decode runs of 8 steps, while the budget allows);
 - `dataset_steps`: a dataset's pattern (512 requests of 16-128 new tokens, 64 running:
   a mixed step at about two of five on a CPU), with mixed prefill+decode steps (eager on
-  CUDA), without them, and with decode runs; tokens per second and forwards eager or as
-  graphs.
+  CUDA) admitted at once or waiting up to 8 steps to be admitted together, without mixed
+  steps, and with decode runs; tokens per second and forwards eager or as graphs.
 - `decode_overhead`: the fraction of decode time the GPU sits idle (kernel time from the
   profiler against wall time), with CUDA graphs on and off, overlap off, decode runs of
   8 steps, a worker thread, and a larger model; when the GPU sits idle (`gpu_idle`:

@@ -96,18 +96,25 @@ def dataset_steps(check: Check) -> dict[str, Any]:
     """A dataset's pattern: more requests than run at once, of spread lengths, so that
     requests finish and others are admitted at many steps (on a CPU, 256 such requests of
     "small" ran 142 mixed steps of 352). A mixed prefill+decode step runs eagerly on CUDA
-    (the decode graphs take decode batches only): tokens per second with
-    mixed steps (the default), without them (`disable_mixed_batches`: a prefill step, then
-    graph decodes) and with decode runs of 8 (admissions wait for the run's end), and how
-    many forwards each ran eagerly or as a graph. (RESULTS.md: read, never measured.)"""
+    (the decode graphs take decode batches only): tokens per second with mixed steps,
+    each request admitted as soon as there is room (`admission_wait_steps=0`, the default
+    before it) or admissions waiting up to 8 steps to be made together (the default on
+    CUDA now: `waiting`), without mixed steps (`disable_mixed_batches`: a prefill step,
+    then graph decodes; admitted at once, as SGLang) and with decode runs of 8 (admissions
+    wait for the run's end), and how many forwards each ran eagerly or as a graph.
+    (RESULTS.md: read, never measured.)"""
     name, n, batch, length = ("tiny", 24, 8, 16) if check.smoke else ("small", 512, 64, 64)
     prompts = corpus_prompts(name, n, length)
     lengths = [16 + (i * 37) % 113 for i in range(n)]  # 16-128 new tokens
     params = [{"max_new_tokens": m, "min_new_tokens": m, **GREEDY} for m in lengths]
     warm = {"max_new_tokens": 4, "min_new_tokens": 4, **GREEDY}
     out: dict[str, Any] = {"num_requests": n, "max_running_requests": batch}
-    configs = {"mixed": {}, "no_mixed": {"disable_mixed_batches": True}}
-    configs["decode_runs"] = {"decode_steps": 8}
+    configs = {
+        "mixed": {"admission_wait_steps": 0},
+        "waiting": {"admission_wait_steps": 8},
+        "no_mixed": {"disable_mixed_batches": True, "admission_wait_steps": 0},
+        "decode_runs": {"decode_steps": 8},
+    }
     for label, config in configs.items():
         with check.engine(name, max_running_requests=batch, **config) as engine:
             engine.generate(input_ids=prompts[:2], sampling_params=warm)
@@ -115,6 +122,8 @@ def dataset_steps(check: Check) -> dict[str, Any]:
             counts = _counted_forwards(engine)
             seconds = timed(lambda: engine.generate(input_ids=prompts, sampling_params=params))
             out[label] = {"seconds": seconds, "tokens_per_s": sum(lengths) / seconds, **counts}
+            out[label]["admission_waits"] = engine.stats()["admission_waits"]
+    out["waiting_speedup"] = out["mixed"]["seconds"] / out["waiting"]["seconds"]
     out["no_mixed_speedup"] = out["mixed"]["seconds"] / out["no_mixed"]["seconds"]
     out["decode_runs_speedup"] = out["mixed"]["seconds"] / out["decode_runs"]["seconds"]
     return out

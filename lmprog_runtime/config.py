@@ -97,6 +97,13 @@ class RuntimeConfig:
     # aborts and deadlines wait up to two runs. 1: off. With overlap scheduling on, the
     # batches that cannot run ahead (and prompts) are overlapped as usual.
     decode_steps: int = 1
+    # While requests decode, admitting waiting ones may wait up to this many steps (a
+    # decode run counts as one) so that several are admitted in one step: a step that admits (a prompt, or a mixed one) runs
+    # eagerly on CUDA, dozens of launches a layer, where a decode step replays one graph.
+    # It waits no longer once the free room takes an eighth of `max_running_requests` (or
+    # every waiting request) and their prompts fit the pool, and never while nothing
+    # decodes. None: 8 where decode steps replay CUDA graphs, else 0 (admitted at once).
+    admission_wait_steps: int | None = None
     # While the engine has work (or a caller waits in `generate`), freeze the objects
     # alive when it took it up (the modules an engine imports: ~370,000), so that the
     # collector's full passes, which stop every thread, walk only what was made since
@@ -180,6 +187,11 @@ class RuntimeConfig:
             raise TypeError(f"decode_steps must be an int, got {self.decode_steps!r}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        wait = self.admission_wait_steps
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, int)):
+            raise TypeError(f"admission_wait_steps must be an int or None, got {wait!r}")
+        if wait is not None and wait < 0:
+            raise ValueError(f"admission_wait_steps must be >= 0 or None, got {wait}")
         if not isinstance(self.gc_freeze, bool):
             raise TypeError(f"gc_freeze must be True or False, got {self.gc_freeze!r}")
 

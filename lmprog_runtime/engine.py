@@ -41,7 +41,7 @@ from lmprog_runtime.penalties import PenaltyCounts
 from lmprog_runtime.request import DoneFlag, Req
 from lmprog_runtime.run_plan import RunSlots
 from lmprog_runtime.sampling_params import SamplingParams
-from lmprog_runtime.scheduler import RequestGroup, Scheduler
+from lmprog_runtime.scheduler import GRAPHED_ADMISSION_WAIT_STEPS, RequestGroup, Scheduler
 from lmprog_runtime.server_args import from_sglang
 from lmprog_runtime.stats import EngineStats
 from lmprog_runtime.steady_check import SteadyCheck
@@ -113,8 +113,11 @@ class Engine(EngineLoop):
             tree = RadixCache(runner.allocator, self.config.page_size, self.config.eviction_policy)
         self.tree_cache = tree
         req_cache = ReqCache(tree, runner.allocator, runner.req_to_token)
+        wait = self.config.admission_wait_steps
+        if wait is None:  # (where admitting costs an eager step against a graph's replay)
+            wait = GRAPHED_ADMISSION_WAIT_STEPS if runner.graphs is not None else 0
         self.scheduler = Scheduler(
-            self.config, runner.allocator, runner.req_to_token, req_cache, self._stats
+            self.config, runner.allocator, runner.req_to_token, req_cache, self._stats, wait
         )
         # Overlap scheduling (overlap.py): the forward of a step runs on the worker while the
         # loop checks the previous step; the launched forward waits in `_in_flight`.

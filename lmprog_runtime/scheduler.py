@@ -38,6 +38,11 @@ from lmprog_runtime.transfer import host_ints
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+# Admission that may wait (`admission_wait_steps`) waits no longer once the free room holds
+# this share of `max_running_requests`: 1/8 of it (or every waiting request).
+ADMISSION_GROUP_SHARE = 8
+# `admission_wait_steps` where decode steps replay CUDA graphs (None there).
+GRAPHED_ADMISSION_WAIT_STEPS = 8
 
 
 @dataclass
@@ -101,8 +106,13 @@ class Scheduler:
         req_to_token: ReqToTokenPool,
         req_cache: ReqCache,
         stats: EngineStats,
+        admission_wait_steps: int = 0,
     ) -> None:
+        """`admission_wait_steps`: `RuntimeConfig.admission_wait_steps` as resolved for the
+        engine (None there is 8 or 0 by whether decode steps replay CUDA graphs)."""
         self.config = config
+        self.admission_wait_steps = admission_wait_steps
+        self._held_steps = 0  # steps admission has waited since it last admitted
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.req_cache = req_cache
@@ -136,7 +146,7 @@ class Scheduler:
         if self.chunked_req is not None and decoding and self._last_was_extend:
             batch = self._schedule_decode(decoding)  # a long prompt must not stall decoding
         else:
-            batch = self._schedule_extend()
+            batch = self._schedule_extend(len(decoding))
             if batch is not None and decoding and not self.config.disable_mixed_batches:
                 self._mix_decodes(batch, decoding)
             if batch is None and decoding:
@@ -170,7 +180,10 @@ class Scheduler:
         remaining = sum(r.max_new_tokens - len(r.output_ids) for r in self.running)
         return int(remaining * self.new_token_ratio)
 
-    def _schedule_extend(self) -> ScheduledBatch | None:
+    def _schedule_extend(self, num_decoding: int = 0) -> ScheduledBatch | None:
+        """The extend batch of this step: the chunked request's next chunk and the waiting
+        requests admitted now (`num_decoding`: the running requests that decode this step
+        whatever it admits; admission may wait while there are some)."""
         cfg = self.config
         chunk_size = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else None
         budget = cfg.max_prefill_tokens
@@ -189,8 +202,11 @@ class Scheduler:
             return self._alloc_extend(entries) if entries else None
         waiting, end = self._eligible()
         if not waiting and not entries:
+            self._held_steps = 0
             return None  # (every decode step: nothing is computed for it)
         used = self._reserved_tokens()
+        if not entries and num_decoding and self._admission_waits(waiting, num_active, used):
+            return None
         admitted: set[int] = set()
         blocks = PrefixBlocks()
         for req in self.policy.order(waiting):
@@ -243,6 +259,8 @@ class Scheduler:
                 break
         if not entries:
             return None
+        if admitted:
+            self._held_steps = 0
         head = self.waiting[:end]
         kept = [r for r in head if id(r) not in admitted]
         if len(head) - len(kept) == len(admitted):
@@ -250,6 +268,29 @@ class Scheduler:
         else:  # (a group's members from further on)
             self.waiting = [r for r in self.waiting if id(r) not in admitted]
         return self._alloc_extend(entries)
+
+    def _admission_waits(self, waiting: list[Req], num_active: int, used: int) -> bool:
+        """Whether admission waits this step (`admission_wait_steps`), so that several
+        requests are admitted in one step: on CUDA a step that admits runs eagerly, a decode
+        step replays a graph. It waits while it has waited fewer steps than that, unless
+        the free room and the pool already take a group: an eighth of
+        `max_running_requests` (`ADMISSION_GROUP_SHARE`), or every eligible request if
+        fewer wait. (The pool is counted as if no prompt were cached: an estimate, on the
+        side of waiting.) Called only while requests decode: the step is theirs."""
+        wait = self.admission_wait_steps
+        if not wait or self._held_steps >= wait:
+            return False
+        group = waiting[: max(1, self.config.max_running_requests // ADMISSION_GROUP_SHARE)]
+        if self._room(num_active) >= len(group):
+            need = sum(
+                r.seq_len - r.kv_len + (r.max_new_tokens - len(r.output_ids)) * self.new_token_ratio
+                for r in group
+            )
+            if need <= self.allocator.num_free + self.req_cache.evictable_size - used:
+                return False
+        self._held_steps += 1
+        self.stats.add("admission_waits")
+        return True
 
     def _eligible(self) -> tuple[list[Req], int]:
         """The waiting requests admission may consider (a group's once all its members

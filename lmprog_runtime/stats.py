@@ -19,6 +19,7 @@ COUNTERS = (
     "evicted_tokens",
     "retracted_requests",
     "decode_runs",  # decode runs launched (`decode_steps`), ahead of a commit or not
+    "admission_waits",  # steps at which admission waited to admit several at once
     "max_running_requests_seen",
     "finished_requests",  # requests that completed (counted before their callers are told)
     "forward_seconds",  # wall time inside the model forward

@@ -54,7 +54,7 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
         assert report["throughput"][workload]["engine_decode_runs_tokens_per_s"] > 0
     dataset = report["dataset_steps"]
     assert dataset["mixed"]["mixed_forwards"] > 0 and dataset["no_mixed"]["mixed_forwards"] == 0
-    for config in ("mixed", "no_mixed", "decode_runs"):
+    for config in ("mixed", "waiting", "no_mixed", "decode_runs"):
         assert dataset[config]["eager_forwards"] > 0 and dataset[config]["tokens_per_s"] > 0
     assert report["decode_overhead"]["default"]["forward_passes"] > 0
     threaded = report["decode_overhead"]["worker_thread"]
