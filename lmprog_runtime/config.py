@@ -102,7 +102,8 @@ class RuntimeConfig:
     # eagerly on CUDA, dozens of launches a layer, where a decode step replays one graph.
     # It waits no longer once the free room takes an eighth of `max_running_requests` (or
     # every waiting request) and their prompts fit the pool, and never while nothing
-    # decodes. None: 8 where decode steps replay CUDA graphs, else 0 (admitted at once).
+    # decodes. None: 8 where decode steps replay CUDA graphs, else 0 (admitted at once;
+    # with decode runs too, whose admissions wait for a run's end already).
     admission_wait_steps: int | None = None
     # While the engine has work (or a caller waits in `generate`), freeze the objects
     # alive when it took it up (the modules an engine imports: ~370,000), so that the

@@ -114,8 +114,10 @@ class Engine(EngineLoop):
         self.tree_cache = tree
         req_cache = ReqCache(tree, runner.allocator, runner.req_to_token)
         wait = self.config.admission_wait_steps
-        if wait is None:  # (where admitting costs an eager step against a graph's replay)
-            wait = GRAPHED_ADMISSION_WAIT_STEPS if runner.graphs is not None else 0
+        if wait is None:  # (where admitting costs an eager step against a graph's replay;
+            # decode runs wait for a run's end already)
+            graphed = runner.graphs is not None and self.config.decode_steps == 1
+            wait = GRAPHED_ADMISSION_WAIT_STEPS if graphed else 0
         self.scheduler = Scheduler(
             self.config, runner.allocator, runner.req_to_token, req_cache, self._stats, wait
         )

@@ -41,7 +41,7 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 # Admission that may wait (`admission_wait_steps`) waits no longer once the free room holds
 # this share of `max_running_requests`: 1/8 of it (or every waiting request).
 ADMISSION_GROUP_SHARE = 8
-# `admission_wait_steps` where decode steps replay CUDA graphs (None there).
+# `admission_wait_steps` where decode steps replay CUDA graphs (None there, no decode runs).
 GRAPHED_ADMISSION_WAIT_STEPS = 8
 
 

@@ -160,6 +160,8 @@ def test_the_default_waits_where_decode_steps_replay_graphs(tiny_path, monkeypat
         assert engine.scheduler.admission_wait_steps == GRAPHED_ADMISSION_WAIT_STEPS
     with Engine(tiny_path, admission_wait_steps=0, **POOL) as engine:
         assert engine.scheduler.admission_wait_steps == 0
+    with Engine(tiny_path, decode_steps=8, **POOL) as engine:  # (a run waits already)
+        assert engine.scheduler.admission_wait_steps == 0
 
 
 @pytest.mark.parametrize(
