@@ -47,6 +47,10 @@ Per step, wall time minus the device time is the host's critical path: what a GP
 sit idle for. It is measured for the synchronous loop and the overlapped one, in one run,
 best of `--repeats`. The overlapped loop runs both ways: with the forward worker a thread
 (as on a CPU) and on the loop thread (as on CUDA, where queuing a forward returns at once).
+The wall time per step counts the generate's ends (making, admitting and finishing the
+requests, which no step overlaps); "device idle" leaves them out: the share of the time
+from the first forward's start to the last one's end with no forward on the device (of
+the fastest repeat), as `gpu_check.py`'s `fraction_idle_in_span` on a GPU.
 
 Next to it, the CPU time each part of the host's work took per step (each thread's own CPU
 time, which other processes on the machine barely move): the loop's (the loop thread's
@@ -90,11 +94,27 @@ class EmulatedDevice:
 
     def __init__(self) -> None:
         self.free_at = 0.0
+        self.first_start: float | None = None  # (since `reset_span`)
+        self.busy = 0.0
 
     def queue(self, seconds: float) -> float:
         """Queue `seconds` of work; returns when it ends (a `perf_counter` time)."""
-        self.free_at = max(time.perf_counter(), self.free_at) + seconds
+        start = max(time.perf_counter(), self.free_at)
+        if self.first_start is None:
+            self.first_start = start
+        self.busy += seconds
+        self.free_at = start + seconds
         return self.free_at
+
+    def reset_span(self) -> None:
+        self.first_start, self.busy = None, 0.0
+
+    def idle_in_span(self) -> float:
+        """The share of the time from the first work's start (since `reset_span`) to the
+        last one's end that the device had none: `gpu_check.py`'s `fraction_idle_in_span`,
+        the steps' share outside the device without the generate's ends."""
+        span = self.free_at - self.first_start if self.first_start is not None else 0.0
+        return 1 - self.busy / span if span > 0 else 0.0
 
     @staticmethod
     def wait(until: float) -> None:
@@ -263,6 +283,7 @@ def host_path(
             engine.reset_stats()
             cpu.reset()
             extends[0] = 0
+            device.reset_span()
             loop_start = time.clock_gettime(loop_clock)
             start = time.perf_counter()
             engine.generate(input_ids=prompts, sampling_params=params, **asks)
@@ -275,6 +296,7 @@ def host_path(
             best = min(best, wall / steps)
             if wall < best_run:  # (the same tokens however many steps they take)
                 best_run, counts = wall, (steps, extends[0])
+                idle = device.idle_in_span()
             per_step = {k: v / steps for k, v in cpu.seconds.items()}
             per_step["loop"] -= per_step.pop("on_loop")  # the forwards and draws it ran
             best_cpu = min(best_cpu, per_step, key=lambda d: sum(d.values()) if d else 1e9)
@@ -283,6 +305,7 @@ def host_path(
         decode_run.sample_each = run_sample_each
     out = {"step_ms": 1e3 * best, "host_ms": 1e3 * (best - device_s), "run_ms": 1e3 * best_run}
     out["forwards"], out["prompt_forwards"] = counts
+    out["idle_in_span"] = idle
     out.update({f"{k}_cpu_us": 1e6 * v for k, v in best_cpu.items()})
     return out
 
@@ -449,7 +472,8 @@ def main(argv: list[str] | None = None) -> None:
             share = r["host_ms"] / r["step_ms"]
             print(
                 f"  {label:36}: step {r['step_ms']:.3f} ms, host {r['host_ms']:.3f} ms "
-                f"({share:.0%}), the generate {r['run_ms']:.0f} ms ({r['forwards']} forwards, "
+                f"({share:.0%}; device idle {r['idle_in_span']:.0%} between its first and "
+                f"last forward), the generate {r['run_ms']:.0f} ms ({r['forwards']} forwards, "
                 f"{r['prompt_forwards']} with prompts); CPU per step: loop "
                 f"{r['loop_cpu_us']:.0f} us, launch "
                 f"{r['forward_cpu_us']:.0f} us, draw {r['draw_cpu_us']:.0f} us"

@@ -276,16 +276,22 @@ class Scheduler:
         the free room and the pool already take a group: an eighth of
         `max_running_requests` (`ADMISSION_GROUP_SHARE`), or every eligible request if
         fewer wait. (The pool is counted as if no prompt were cached: an estimate, on the
-        side of waiting.) Called only while requests decode: the step is theirs."""
+        side of waiting.) It never holds back a request that was running (retracted, or
+        jumped forward: it resumes), nor a group whose prompts would not go in one step
+        anyway (`max_prefill_tokens`: there the prefill outweighs the eager launches).
+        Called only while requests decode: the step is theirs."""
         wait = self.admission_wait_steps
         if not wait or self._held_steps >= wait:
             return False
         group = waiting[: max(1, self.config.max_running_requests // ADMISSION_GROUP_SHARE)]
+        if any(r.output_ids or r.kv_len for r in group):
+            return False
+        prompts = sum(r.seq_len for r in group)
+        if prompts > self.config.max_prefill_tokens:
+            return False
         if self._room(num_active) >= len(group):
-            need = sum(
-                r.seq_len - r.kv_len + (r.max_new_tokens - len(r.output_ids)) * self.new_token_ratio
-                for r in group
-            )
+            ratio = self.new_token_ratio
+            need = prompts + sum(r.max_new_tokens for r in group) * ratio
             if need <= self.allocator.num_free + self.req_cache.evictable_size - used:
                 return False
         self._held_steps += 1

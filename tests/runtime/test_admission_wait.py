@@ -70,7 +70,7 @@ def test_admissions_wait_to_be_made_together(tiny_path, hf_tiny, loop):
         at_once, at_once_trace = _traced_run(engine)
     with Engine(tiny_path, admission_wait_steps=wait, **POOL, **LOOPS[loop]) as engine:
         waited, trace = _traced_run(engine)
-        assert engine.stats()["admission_waits"] == sum(s["held"] for s in trace) > 0
+        waits = engine.stats()["admission_waits"]
 
     # The same tokens as admitted at once, and as transformers' greedy decoding.
     assert waited == at_once
@@ -81,21 +81,27 @@ def test_admissions_wait_to_be_made_together(tiny_path, hf_tiny, loop):
         for ids, p in zip(hf_greedy_ids(model, PROMPTS[:3], longest), PARAMS)
     ]
 
-    # The rule, step by step.
+    # The rule, step by step. (The pool is large: only the rule keeps out a request that
+    # has room.)
     group = POOL["max_running_requests"] // ADMISSION_GROUP_SHARE
-    held_in_a_row = 0
+    held_in_a_row = num_held = 0
     for seen in trace:
         could_admit = seen["waiting"] and seen["room"] > 0
-        if seen["held"]:
-            assert could_admit and seen["decoding"], seen  # never while nothing decodes
-            assert seen["room"] < min(group, seen["waiting"]), seen  # (the pool is large)
-            assert not seen["admitted"]
+        if could_admit and not seen["admitted"]:  # it waited
+            assert seen["held"] and seen["decoding"], seen  # never while nothing decodes
+            assert seen["room"] < min(group, seen["waiting"]), seen
             held_in_a_row += 1
+            num_held += 1
             assert held_in_a_row <= wait
-        else:
-            if could_admit:  # admitted now, all that fit (the pool is large)
-                assert seen["admitted"] == min(seen["room"], seen["waiting"]), seen
+            continue
+        assert not seen["held"], seen
+        if could_admit:  # all that fit, once the room takes a group or it waited its steps
+            assert seen["admitted"] == min(seen["room"], seen["waiting"]), seen
+            took_a_group = seen["room"] >= min(group, seen["waiting"])
+            assert not seen["decoding"] or took_a_group or held_in_a_row == wait, seen
+        if seen["admitted"] or not seen["waiting"]:
             held_in_a_row = 0
+    assert waits == num_held > 0
 
     # Fewer steps admit: each admits a group instead of a request or two.
     def admitting(steps: list[dict]) -> int:
@@ -133,7 +139,7 @@ def test_nothing_waits_while_nothing_decodes(tiny_path, hf_tiny):
     assert got == hf_greedy_ids(model, PROMPTS[:9], 6)
 
     # A pool of 120 tokens: a group's estimate (8 requests of 8 + 0.7 x 40) does not fit,
-    # two requests at a time do. Admission waits only once requests decode.
+    # three requests at a time do. Admission waits only once requests decode.
     params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
     prompts = [PROMPTS[i] for i in range(4, 128, 5)][:8]
     small = {"max_total_tokens": 120, "max_running_requests": 64}
@@ -162,6 +168,55 @@ def test_the_default_waits_where_decode_steps_replay_graphs(tiny_path, monkeypat
         assert engine.scheduler.admission_wait_steps == 0
     with Engine(tiny_path, decode_steps=8, **POOL) as engine:  # (a run waits already)
         assert engine.scheduler.admission_wait_steps == 0
+
+
+def test_a_request_that_resumes_is_not_held_back(tiny_path, hf_tiny):
+    """A retracted request (its computed tokens given to the cache, requeued first) goes
+    back in at once, as before: it is no new arrival to gather with others."""
+    prompts = [PROMPTS[i] for i in range(0, 60, 5)]  # 12 prompts of 4 tokens
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    # (admitting what fits now, with nothing set aside for the outputs: decoding runs the
+    # pool dry and retracts)
+    tight = {"max_total_tokens": 160, "max_running_requests": 64}
+    with Engine(
+        tiny_path, admission_wait_steps=8, schedule_conservativeness=0.0, **tight
+    ) as engine:
+        sched = engine.scheduler
+        steps: list[tuple[bool, int]] = []  # (a request resumes, the step waited)
+        next_batch = sched.next_batch
+
+        def traced():
+            resuming = any(r.output_ids for r in sched.waiting)
+            held = engine.stats()["admission_waits"]
+            batch = next_batch()
+            steps.append((resuming, engine.stats()["admission_waits"] - held))
+            return batch
+
+        sched.next_batch = traced
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        del sched.next_batch
+        assert engine.stats()["retracted_requests"] > 0
+        assert any(resuming for resuming, _ in steps)
+        assert not any(held for resuming, held in steps if resuming)
+    model, _ = hf_tiny
+    assert [out["output_ids"] for out in outs] == hf_greedy_ids(model, prompts, 40)
+
+
+def test_prompts_too_long_for_one_step_are_not_held_back(tiny_path):
+    """Where a group's prompts exceed one step's `max_prefill_tokens`, they would not be
+    admitted in one step anyway: admission does not wait."""
+    prompts = [[5 + (i * 11 + j) % 1000 for j in range(40)] for i in range(48)]
+    params = [
+        {"max_new_tokens": 4 + (i * 7) % 37, "temperature": 0, "ignore_eos": True}
+        for i in range(48)
+    ]
+    config = {"max_running_requests": 16, "max_prefill_tokens": 64, "max_total_tokens": 8192}
+    with Engine(tiny_path, admission_wait_steps=8, **config) as engine:
+        waited = engine.generate(input_ids=prompts, sampling_params=params)
+        assert engine.stats()["admission_waits"] == 0  # (a group of 2: 80 tokens > 64)
+    with Engine(tiny_path, **config) as engine:
+        at_once = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in waited] == [o["output_ids"] for o in at_once]
 
 
 @pytest.mark.parametrize(
