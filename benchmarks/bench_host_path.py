@@ -12,6 +12,12 @@ device clock has passed the forward); the overlapped loop reads only the drawn t
 when it collects them (`ForwardWorker.sampled` sleeps until then), so its next forward may
 be queued while the device is still busy.
 
+The loop "step graphs" runs each single decode step as a CUDA graph's replay, as on
+CUDA: its greedy tokens are drawn and stored with the forward (`EmulatedRunGraphs.single`),
+and the loop takes them instead of drawing (the other loops draw on the CPU after each
+forward, which a GPU's graph does not). Its forward still gathers the logits rows from
+the table on the host (48 us at 64 x 2048 by `timeit`), device memory on a GPU.
+
 Decode runs (`decode_steps`) queue their forwards without waiting and read each step's
 tokens when the device clock has passed its forward (`_read_step`), as on a GPU; with
 overlap on, the batches that cannot run ahead take the overlapped loop meanwhile. The
@@ -137,6 +143,7 @@ def host_path(
     graph_runs: bool = False,
     eager_launch_s: float | None = None,
     admission_wait_steps: int | None = None,
+    graph_steps: bool = False,
 ) -> dict:
     """`threaded`: with overlap, the forward worker is a thread (as on a CPU), or it runs
     its jobs on the loop thread (as on CUDA, where queuing them returns at once).
@@ -146,7 +153,9 @@ def host_path(
     launch of a graph of the whole run, as on CUDA (`EmulatedRunGraphs`). `eager_launch_s`:
     the launch of a forward no decode graph takes (a prompt's or a mixed step's: on CUDA
     it runs eagerly), if not `launch_s`. `admission_wait_steps`: the engine's setting (None:
-    its default, 0 on a CPU)."""
+    its default, 0 on a CPU). `graph_steps`: a decode step is a graph's replay, as on CUDA
+    (`EmulatedRunGraphs`): its greedy tokens drawn and stored as future tokens with the
+    forward (device work there, a table lookup and a store here), not drawn after it."""
     from lmprog_runtime import Engine, decode_run, default_model_path
     from lmprog_runtime.forward_batch import ForwardMode
     from lmprog_runtime.forward_worker import ForwardWorker
@@ -175,6 +184,8 @@ def host_path(
         if resolve is None:
             resolve = lambda fb: runner.resolve_future_ids(fb.input_ids)  # noqa: E731
 
+        graphs = None  # (set below where graphs are emulated)
+
         def emulated_forward(fb):
             extends[0] += fb.mode is ForwardMode.EXTEND
             eager = eager_launch_s is not None and fb.mode is ForwardMode.EXTEND
@@ -186,16 +197,23 @@ def host_path(
                 device.wait(ends[-1])  # a synchronous step reads the logits now
             ids = resolve(fb)  # (the ids as `ModelRunner.run` resolves them)
             # [logits rows, vocab], one row per `logits_indices` as the real forward
-            return table[ids[fb.logits_indices] % table.shape[0]]
+            picked = ids[fb.logits_indices] % table.shape[0]
+            logits = table[picked]
+            if graphs is not None and graphs.can_run_size(fb.mode, len(fb.seq_lens)):
+                tokens = graphs.argmax[picked]  # (drawn in the graph, and stored)
+                runner.store_future_tokens(fb.req_pool_indices, tokens)
+                graphs.last = (logits, tokens)
+            return logits
 
         runner.run = emulated_forward
         cpu = _CpuClock()
         cpu.loop_thread = engine._thread.ident
         runner.run = cpu.timed("forward", runner.run)
         engine._draw = cpu.timed("draw", engine._draw)
-        if graph_runs:
+        if graph_runs or graph_steps:
             graphs = EmulatedRunGraphs(runner, table, device, ends, launch_s, device_s)
-            graphs.steps = decode_steps
+            graphs.steps = decode_steps if graph_runs else 0
+            graphs.single = graph_steps
             graphs.run_greedy = cpu.timed("forward", graphs.run_greedy)
             runner.graphs = graphs
         run_sample_each = decode_run.sample_each
@@ -335,6 +353,8 @@ class EmulatedRunGraphs:
         self.argmax = argmax_rows(table)  # [table rows]
         self.launch_s, self.device_s = launch_s, device_s
         self.steps = 0
+        self.single = False  # single decode steps are graphs too (`graph_steps`)
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits, its tokens)
         try:  # the graphs of shorter runs (a --baseline's runtime may have none: full only)
             from lmprog_runtime.cuda_graph import pieces, run_lengths
         except ImportError:
@@ -342,14 +362,21 @@ class EmulatedRunGraphs:
         self.pieces, self.run_lengths = pieces, run_lengths
 
     def can_run_size(self, mode, batch_size: int) -> bool:
-        return False  # (single steps have no graph here: they run the emulated forward)
+        """Whether a single step is a graph (`single`; it runs the emulated forward,
+        which then draws and stores its greedy tokens as the graph would)."""
+        from lmprog_runtime.forward_batch import ForwardMode
+
+        return self.single and mode is ForwardMode.DECODE
 
     def can_run_greedy(self, batch_size: int, steps: int) -> bool:
+        if not self.steps:
+            return False
         return steps == self.steps or (self.pieces is not None and 1 < steps < self.steps)
 
-    @staticmethod
-    def greedy_tokens(logits: torch.Tensor) -> None:
-        return None
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The tokens the graph step that returned `logits` drew (`single`), else None."""
+        last = self.last
+        return last[1] if last is not None and last[0] is logits else None
 
     def run_greedy(self, first, ahead, first_ids, seq_lens) -> torch.Tensor:
         steps = ahead.shape[0] + 1
@@ -481,11 +508,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _loops(n: int) -> dict[str, tuple]:
-    """label -> (overlap, threaded worker, decode_steps[, held[, a graph per run]])"""
+    """label -> (overlap, threaded worker, decode_steps[, held[, a graph per run[, a graph
+    per single decode step]]])"""
     return {
         "synchronous": (False, True, 1),
         "overlapped, worker thread": (True, True, 1),
         "overlapped, one thread (CUDA)": (True, False, 1),
+        "overlapped, one thread, step graphs (CUDA)": (True, False, 1, False, False, True),
         f"decode runs of {n}": (False, True, n),
         f"decode runs of {n}, overlapped (CUDA)": (True, False, n),
         f"decode runs of {n}, overlapped, held": (True, False, n, True),
@@ -496,12 +525,12 @@ def _loops(n: int) -> dict[str, tuple]:
 
 def _run_loop(args: argparse.Namespace, workload: str, loop: tuple) -> dict:
     overlap, threaded, steps, *rest = loop
-    hold, graph_runs = (*rest, False, False)[:2]
+    hold, graph_runs, graph_steps = (*rest, False, False, False)[:3]
     device_s, launch_s = args.device_ms / 1e3, args.launch_ms / 1e3
     eager_s = None if args.eager_launch_ms is None else args.eager_launch_ms / 1e3
     return host_path(
         args.batch, device_s, launch_s, args.tokens, args.repeats, overlap, threaded, steps,
-        workload, hold, graph_runs, eager_s, args.admission_wait_steps,
+        workload, hold, graph_runs, eager_s, args.admission_wait_steps, graph_steps,
     )  # fmt: skip
 
 
