@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lmprog_runtime.admission_wait import GRAPHED_ADMISSION_WAIT_STEPS
 from lmprog_runtime.byte_decode import ByteLevelTable
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.constrained.jump_forward import jump_forward
@@ -41,7 +42,7 @@ from lmprog_runtime.penalties import PenaltyCounts
 from lmprog_runtime.request import DoneFlag, Req
 from lmprog_runtime.run_plan import RunSlots
 from lmprog_runtime.sampling_params import SamplingParams
-from lmprog_runtime.scheduler import GRAPHED_ADMISSION_WAIT_STEPS, RequestGroup, Scheduler
+from lmprog_runtime.scheduler import RequestGroup, Scheduler
 from lmprog_runtime.server_args import from_sglang
 from lmprog_runtime.stats import EngineStats
 from lmprog_runtime.steady_check import SteadyCheck

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmprog_runtime.admission_wait import AdmissionWait
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache import ReqToTokenPool, TokenSlotAllocator
@@ -38,11 +39,6 @@ from lmprog_runtime.transfer import host_ints
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-# Admission that may wait (`admission_wait_steps`) waits no longer once the free room holds
-# this share of `max_running_requests`: 1/8 of it (or every waiting request).
-ADMISSION_GROUP_SHARE = 8
-# `admission_wait_steps` where decode steps replay CUDA graphs (None there, no decode runs).
-GRAPHED_ADMISSION_WAIT_STEPS = 8
 
 
 @dataclass
@@ -111,8 +107,9 @@ class Scheduler:
         """`admission_wait_steps`: `RuntimeConfig.admission_wait_steps` as resolved for the
         engine (None there is 8 or 0 by whether decode steps replay CUDA graphs)."""
         self.config = config
-        self.admission_wait_steps = admission_wait_steps
-        self._held_steps = 0  # steps admission has waited since it last admitted
+        self.admission_wait = AdmissionWait(
+            admission_wait_steps, config.max_running_requests, config.max_prefill_tokens
+        )
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.req_cache = req_cache
@@ -202,10 +199,11 @@ class Scheduler:
             return self._alloc_extend(entries) if entries else None
         waiting, end = self._eligible()
         if not waiting and not entries:
-            self._held_steps = 0
+            self.admission_wait.reset()
             return None  # (every decode step: nothing is computed for it)
         used = self._reserved_tokens()
         if not entries and num_decoding and self._admission_waits(waiting, num_active, used):
+            self.stats.add("admission_waits")
             return None
         admitted: set[int] = set()
         blocks = PrefixBlocks()
@@ -260,7 +258,7 @@ class Scheduler:
         if not entries:
             return None
         if admitted:
-            self._held_steps = 0
+            self.admission_wait.reset()
         head = self.waiting[:end]
         kept = [r for r in head if id(r) not in admitted]
         if len(head) - len(kept) == len(admitted):
@@ -270,33 +268,13 @@ class Scheduler:
         return self._alloc_extend(entries)
 
     def _admission_waits(self, waiting: list[Req], num_active: int, used: int) -> bool:
-        """Whether admission waits this step (`admission_wait_steps`), so that several
-        requests are admitted in one step: on CUDA a step that admits runs eagerly, a decode
-        step replays a graph. It waits while it has waited fewer steps than that, unless
-        the free room and the pool already take a group: an eighth of
-        `max_running_requests` (`ADMISSION_GROUP_SHARE`), or every eligible request if
-        fewer wait. (The pool is counted as if no prompt were cached: an estimate, on the
-        side of waiting.) It never holds back a request that was running (retracted, or
-        jumped forward: it resumes), nor a group whose prompts would not go in one step
-        anyway (`max_prefill_tokens`: there the prefill outweighs the eager launches).
-        Called only while requests decode: the step is theirs."""
-        wait = self.admission_wait_steps
-        if not wait or self._held_steps >= wait:
+        """Whether admission waits this step, to admit several requests in one later
+        (`AdmissionWait.holds`). Called only while requests decode: the step is theirs."""
+        wait = self.admission_wait
+        if not wait.can_hold:
             return False
-        group = waiting[: max(1, self.config.max_running_requests // ADMISSION_GROUP_SHARE)]
-        if any(r.output_ids or r.kv_len for r in group):
-            return False
-        prompts = sum(r.seq_len for r in group)
-        if prompts > self.config.max_prefill_tokens:
-            return False
-        if self._room(num_active) >= len(group):
-            ratio = self.new_token_ratio
-            need = prompts + sum(r.max_new_tokens for r in group) * ratio
-            if need <= self.allocator.num_free + self.req_cache.evictable_size - used:
-                return False
-        self._held_steps += 1
-        self.stats.add("admission_waits")
-        return True
+        available = self.allocator.num_free + self.req_cache.evictable_size - used
+        return wait.holds(waiting, self._room(num_active), available, self.new_token_ratio)
 
     def _eligible(self) -> tuple[list[Req], int]:
         """The waiting requests admission may consider (a group's once all its members

@@ -14,8 +14,8 @@ import pytest
 from helpers import hf_greedy_ids
 
 from lmprog_runtime import Engine
+from lmprog_runtime.admission_wait import ADMISSION_GROUP_SHARE, GRAPHED_ADMISSION_WAIT_STEPS
 from lmprog_runtime.config import RuntimeConfig
-from lmprog_runtime.scheduler import ADMISSION_GROUP_SHARE, GRAPHED_ADMISSION_WAIT_STEPS
 
 POOL = {"max_total_tokens": 16384, "max_running_requests": 64}
 PROMPTS = [[5 + (i * 7 + j) % 1000 for j in range(4 + i % 5)] for i in range(128)]
@@ -66,7 +66,7 @@ LOOPS = {
 def test_admissions_wait_to_be_made_together(tiny_path, hf_tiny, loop):
     wait = 8
     with Engine(tiny_path, **POOL, **LOOPS[loop]) as engine:
-        assert engine.scheduler.admission_wait_steps == 0  # (a CPU: no graphs)
+        assert engine.scheduler.admission_wait.max_steps == 0  # (a CPU: no graphs)
         at_once, at_once_trace = _traced_run(engine)
     with Engine(tiny_path, admission_wait_steps=wait, **POOL, **LOOPS[loop]) as engine:
         waited, trace = _traced_run(engine)
@@ -163,11 +163,11 @@ def test_the_default_waits_where_decode_steps_replay_graphs(tiny_path, monkeypat
 
     monkeypatch.setattr(ModelRunner, "__init__", with_graphs)
     with Engine(tiny_path, **POOL) as engine:
-        assert engine.scheduler.admission_wait_steps == GRAPHED_ADMISSION_WAIT_STEPS
+        assert engine.scheduler.admission_wait.max_steps == GRAPHED_ADMISSION_WAIT_STEPS
     with Engine(tiny_path, admission_wait_steps=0, **POOL) as engine:
-        assert engine.scheduler.admission_wait_steps == 0
+        assert engine.scheduler.admission_wait.max_steps == 0
     with Engine(tiny_path, decode_steps=8, **POOL) as engine:  # (a run waits already)
-        assert engine.scheduler.admission_wait_steps == 0
+        assert engine.scheduler.admission_wait.max_steps == 0
 
 
 def test_a_request_that_resumes_is_not_held_back(tiny_path, hf_tiny):
