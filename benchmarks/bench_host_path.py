@@ -13,10 +13,11 @@ when it collects them (`ForwardWorker.sampled` sleeps until then), so its next f
 be queued while the device is still busy.
 
 The loop "step graphs" runs each single decode step as a CUDA graph's replay, as on
-CUDA: its greedy tokens are drawn and stored with the forward (`EmulatedRunGraphs.single`),
-and the loop takes them instead of drawing (the other loops draw on the CPU after each
-forward, which a GPU's graph does not). Its forward still gathers the logits rows from
-the table on the host (48 us at 64 x 2048 by `timeit`), device memory on a GPU.
+CUDA: its greedy tokens are drawn and stored with the forward
+(`emulated_device.EmulatedRunGraphs.single`), and the loop takes them instead of drawing
+(the other loops draw on the CPU after each forward, which a GPU's graph does not). Its
+forward still gathers the logits rows from the table on the host (48 us at 64 x 2048 by
+`timeit`) and resolves the placeholders there (~11 us), device work on a GPU.
 
 Decode runs (`decode_steps`) queue their forwards without waiting and read each step's
 tokens when the device clock has passed its forward (`_read_step`), as on a GPU; with
@@ -56,7 +57,7 @@ best of `--repeats`. The overlapped loop runs both ways: with the forward worker
 The wall time per step counts the generate's ends (making, admitting and finishing the
 requests, which no step overlaps); "device idle" leaves them out: the share of the time
 from the first forward's start to the last one's end with no forward on the device (of
-the fastest repeat), as `gpu_check.py`'s `fraction_idle_in_span` on a GPU.
+the fastest repeat), as `fraction_idle_in_span` (`gpu_check_speed.gpu_idle`) on a GPU.
 
 Next to it, the CPU time each part of the host's work took per step (each thread's own CPU
 time, which other processes on the machine barely move): the loop's (the loop thread's
@@ -92,41 +93,7 @@ sys.path.insert(0, str(ROOT))
 
 import harness  # noqa: E402
 import torch  # noqa: E402
-
-
-class EmulatedDevice:
-    """A device queue on the CPU: work queued on it ends `seconds` after both the work
-    before it has ended and it was queued."""
-
-    def __init__(self) -> None:
-        self.free_at = 0.0
-        self.first_start: float | None = None  # (since `reset_span`)
-        self.busy = 0.0
-
-    def queue(self, seconds: float) -> float:
-        """Queue `seconds` of work; returns when it ends (a `perf_counter` time)."""
-        start = max(time.perf_counter(), self.free_at)
-        if self.first_start is None:
-            self.first_start = start
-        self.busy += seconds
-        self.free_at = start + seconds
-        return self.free_at
-
-    def reset_span(self) -> None:
-        self.first_start, self.busy = None, 0.0
-
-    def idle_in_span(self) -> float:
-        """The share of the time from the first work's start (since `reset_span`) to the
-        last one's end that the device had none: `gpu_check.py`'s `fraction_idle_in_span`,
-        the steps' share outside the device without the generate's ends."""
-        span = self.free_at - self.first_start if self.first_start is not None else 0.0
-        return 1 - self.busy / span if span > 0 else 0.0
-
-    @staticmethod
-    def wait(until: float) -> None:
-        remaining = until - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)  # the GIL released, as while waiting for a GPU
+from emulated_device import CpuClock, EmulatedDevice, EmulatedRunGraphs, StepEvent  # noqa: E402
 
 
 def host_path(
@@ -153,25 +120,33 @@ def host_path(
     launch of a graph of the whole run, as on CUDA (`EmulatedRunGraphs`). `eager_launch_s`:
     the launch of a forward no decode graph takes (a prompt's or a mixed step's: on CUDA
     it runs eagerly), if not `launch_s`. `admission_wait_steps`: the engine's setting (None:
-    its default, 0 on a CPU). `graph_steps`: a decode step is a graph's replay, as on CUDA
-    (`EmulatedRunGraphs`): its greedy tokens drawn and stored as future tokens with the
-    forward (device work there, a table lookup and a store here), not drawn after it."""
+    its default, 0 on a CPU, also for the "(CUDA)" loops: CUDA's 8 is resolved when the
+    engine is built; a runtime without the setting admits at once, as 0). `graph_steps`: a
+    decode step is a graph's replay, as on CUDA (`EmulatedRunGraphs`): its greedy tokens
+    drawn and stored as future tokens with the forward (device work there, a table lookup
+    and a store here), not drawn after it. Its placeholders are resolved on the host by
+    `resolve_future_ids`' six ops (~11 us for 64; inside the graph on a GPU)."""
     from lmprog_runtime import Engine, decode_run, default_model_path
+    from lmprog_runtime.config import RuntimeConfig
     from lmprog_runtime.forward_batch import ForwardMode
     from lmprog_runtime.forward_worker import ForwardWorker
 
-    waits = {} if admission_wait_steps is None else {"admission_wait_steps": admission_wait_steps}
+    wait_config = {}
+    if admission_wait_steps is not None and "admission_wait_steps" in RuntimeConfig.field_names():
+        wait_config["admission_wait_steps"] = admission_wait_steps
     with Engine(
         default_model_path("tiny"),
         max_running_requests=batch,
         overlap_schedule=overlap,
         decode_steps=decode_steps,
-        **waits,
+        **wait_config,
     ) as engine:
         if overlap and not threaded:
             engine._worker.close()
             engine._worker = ForwardWorker(engine.runner, threaded=False)
         runner, worker = engine.runner, engine._worker
+        if graph_steps and not hasattr(runner, "greedy_tokens"):
+            raise SystemExit("--loop ... step graphs: this runtime's draw takes no graph tokens")
         vocab = runner.model_config.vocab_size
         table = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0))
         device = EmulatedDevice()
@@ -206,7 +181,7 @@ def host_path(
             return logits
 
         runner.run = emulated_forward
-        cpu = _CpuClock()
+        cpu = CpuClock()
         cpu.loop_thread = engine._thread.ident
         runner.run = cpu.timed("forward", runner.run)
         engine._draw = cpu.timed("draw", engine._draw)
@@ -229,7 +204,7 @@ def host_path(
             finally:
                 queued.on = False
             if len(set(ends[first:])) > 1:  # queued step by step: an event a step, as on CUDA
-                run.drawn = [(host, _StepEvent()) for host, _ in run.drawn]
+                run.drawn = [(host, StepEvent()) for host, _ in run.drawn]
             ready_at.update((id(t), end) for t, end in zip(run.drawn, ends[first:]))
             return run
 
@@ -328,99 +303,6 @@ def host_path(
     return out
 
 
-class _StepEvent:
-    """A step's "tokens are on the host" event of a run queued step by step (the clock's
-    wait is `waiting_read`'s): each step its own, as on CUDA, so the loop checks each step
-    as it comes (a run's steps that come together are committed at once)."""
-
-    def synchronize(self) -> None:
-        pass
-
-
-class EmulatedRunGraphs:
-    """A decode run's graph on the emulated device (`DecodeGraphRunner.run_greedy`'s part):
-    one launch (`launch_s` of Python holding the GIL; a shorter run one per graph of its
-    pieces, `cuda_graph.pieces`), the run's forwards queued back to
-    back on the device clock, each step's tokens the argmax of the table rows its inputs
-    pick (as the emulated forward's logits and draw would give; each row's argmax found
-    once: in a graph it is device work, not the host's), all K on the host when the last
-    forward has ended (one event after the replay). Single steps have no graph."""
-
-    def __init__(self, runner, table, device, ends, launch_s: float, device_s: float) -> None:
-        from lmprog_runtime.sampling import argmax_rows
-
-        self.runner, self.device, self.ends = runner, device, ends
-        self.argmax = argmax_rows(table)  # [table rows]
-        self.launch_s, self.device_s = launch_s, device_s
-        self.steps = 0
-        self.single = False  # single decode steps are graphs too (`graph_steps`)
-        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits, its tokens)
-        try:  # the graphs of shorter runs (a --baseline's runtime may have none: full only)
-            from lmprog_runtime.cuda_graph import pieces, run_lengths
-        except ImportError:
-            pieces = run_lengths = None
-        self.pieces, self.run_lengths = pieces, run_lengths
-
-    def can_run_size(self, mode, batch_size: int) -> bool:
-        """Whether a single step is a graph (`single`; it runs the emulated forward,
-        which then draws and stores its greedy tokens as the graph would)."""
-        from lmprog_runtime.forward_batch import ForwardMode
-
-        return self.single and mode is ForwardMode.DECODE
-
-    def can_run_greedy(self, batch_size: int, steps: int) -> bool:
-        if not self.steps:
-            return False
-        return steps == self.steps or (self.pieces is not None and 1 < steps < self.steps)
-
-    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """The tokens the graph step that returned `logits` drew (`single`), else None."""
-        last = self.last
-        return last[1] if last is not None and last[0] is logits else None
-
-    def run_greedy(self, first, ahead, first_ids, seq_lens) -> torch.Tensor:
-        steps = ahead.shape[0] + 1
-        cut = [steps] if self.pieces is None else self.pieces(steps, self.run_lengths(self.steps))
-        for _ in cut:  # (a graph each)
-            end = time.perf_counter() + self.launch_s
-            while time.perf_counter() < end:  # launching: Python holding the GIL
-                pass
-        ids = self.runner.resolve_future_ids(first[0]) if first_ids is None else first_ids
-        drawn = []
-        for _ in range(ahead.shape[0] + 1):
-            ids = self.argmax[ids % self.argmax.shape[0]]
-            drawn.append(ids)
-        for _ in drawn:
-            last = self.device.queue(self.device_s)
-        self.ends.extend([last] * len(drawn))  # (every step's tokens: at the run's end)
-        return torch.stack(drawn)
-
-
-class _CpuClock:
-    """CPU time spent in wrapped callables, per name (each thread's own CPU time), and
-    their sum on the loop thread ("on_loop")."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.loop_thread: int | None = None
-
-    def reset(self) -> None:
-        self.seconds = {"loop": 0.0, "forward": 0.0, "draw": 0.0, "on_loop": 0.0}
-
-    def timed(self, name: str, fn):
-        def timed_fn(*args, **kwargs):
-            start = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent = time.thread_time() - start
-                self.seconds[name] = self.seconds.get(name, 0.0) + spent
-                if threading.get_ident() == self.loop_thread:
-                    self.seconds["on_loop"] = self.seconds.get("on_loop", 0.0) + spent
-
-        return timed_fn
-
-
 def _length(i: int, tokens: int) -> int:
     """Request i's max_new_tokens in the "arrivals" workload: spread over
     [tokens / 4, tokens], so that requests finish at every step."""
@@ -455,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         "--admission-wait-steps", type=int, default=None, help="the engine's setting"
     )
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, choices=range(1, 1000), metavar="N")
     parser.add_argument("--decode-steps", type=int, default=8, help="steps per decode run")
     parser.add_argument("--workload", choices=list(WORKLOADS), help="only this one")
     parser.add_argument("--baseline", default=None, help="a commit to compare against")
@@ -536,7 +418,8 @@ def _run_loop(args: argparse.Namespace, workload: str, loop: tuple) -> dict:
 
 def _compare(args: argparse.Namespace, workload: str, label: str) -> None:
     """`label`'s loop on this tree and on `args.baseline`, alternated, each run in a process
-    of its own; each side's best step and loop CPU time, and this tree's speed-up."""
+    of its own; each side's best step, generate and loop CPU time, and this tree's
+    speed-ups (the generate's where the two sides run different numbers of forwards)."""
     baseline = harness.baseline_worktree(args.baseline)
     sides = {"this tree": (ROOT, dict(os.environ)), args.baseline: baseline}
     best: dict[str, dict] = {}
@@ -553,14 +436,16 @@ def _compare(args: argparse.Namespace, workload: str, label: str) -> None:
             if args.admission_wait_steps is not None:
                 cmd += ["--admission-wait-steps", str(args.admission_wait_steps)]
             r = harness.run_side(cmd, root, env)
-            kept = best.setdefault(name, {"step_ms": r["step_ms"], "loop_cpu_us": 1e9})
-            kept["step_ms"] = min(kept["step_ms"], r["step_ms"])
-            kept["loop_cpu_us"] = min(kept["loop_cpu_us"], r["loop_cpu_us"])
+            kept = best.setdefault(name, {"step_ms": 1e9, "run_ms": 1e9, "loop_cpu_us": 1e9})
+            for key in kept:
+                kept[key] = min(kept[key], r.get(key, 1e9))  # (an old side has no run_ms)
     ours, base = best["this tree"], best[args.baseline]
     print(
         f"  {label:36}: step {base['step_ms']:.3f} -> {ours['step_ms']:.3f} ms "
-        f"({base['step_ms'] / ours['step_ms']:.2f}x); loop CPU {base['loop_cpu_us']:.0f} -> "
-        f"{ours['loop_cpu_us']:.0f} us ({base['loop_cpu_us'] / ours['loop_cpu_us']:.2f}x)"
+        f"({base['step_ms'] / ours['step_ms']:.2f}x); the generate {base['run_ms']:.0f} -> "
+        f"{ours['run_ms']:.0f} ms ({base['run_ms'] / ours['run_ms']:.2f}x); loop CPU "
+        f"{base['loop_cpu_us']:.0f} -> {ours['loop_cpu_us']:.0f} us "
+        f"({base['loop_cpu_us'] / ours['loop_cpu_us']:.2f}x)"
     )
 
 

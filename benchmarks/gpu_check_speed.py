@@ -119,6 +119,7 @@ def dataset_steps(check: Check) -> dict[str, Any]:
         with check.engine(name, max_running_requests=batch, **config) as engine:
             engine.generate(input_ids=prompts[:2], sampling_params=warm)
             engine.flush_cache()
+            engine.reset_stats()
             counts = _counted_forwards(engine)
             seconds = timed(lambda: engine.generate(input_ids=prompts, sampling_params=params))
             out[label] = {"seconds": seconds, "tokens_per_s": sum(lengths) / seconds, **counts}

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lmprog_runtime.request import Req
 
-# A group is this share of `max_running_requests`: 1/8 of it (or every waiting request).
-ADMISSION_GROUP_SHARE = 8
+# A group is `max_running_requests` divided by this: an eighth of it (or every waiting
+# request, if fewer wait).
+ADMISSION_GROUP_DIVISOR = 8
 # `admission_wait_steps` where decode steps replay CUDA graphs (None there, no decode runs).
 GRAPHED_ADMISSION_WAIT_STEPS = 8
 
@@ -39,7 +40,7 @@ class AdmissionWait:
 
     def __init__(self, max_steps: int, max_running_requests: int, max_prefill_tokens: int):
         self.max_steps = max_steps
-        self.group_size = max(1, max_running_requests // ADMISSION_GROUP_SHARE)
+        self.group_size = max(1, max_running_requests // ADMISSION_GROUP_DIVISOR)
         self.max_prefill_tokens = max_prefill_tokens
         self.num_held = 0  # steps waited since admission last admitted
 
@@ -52,15 +53,17 @@ class AdmissionWait:
         self, waiting: Sequence[Req], room: int, available: float, new_token_ratio: float
     ) -> bool:
         """Whether to admit nothing this step (counted as a step waited), given the waiting
-        requests admission would consider, in order (`waiting`), the requests that may run
+        requests admission may consider, in arrival order (`waiting`: the group looked at
+        may differ from the one a cache-aware policy admits), the requests that may run
         beside the running ones (`room`) and the pool's tokens not set aside (`available`).
         Call only while requests decode: the step is theirs.
 
         It waits unless the room and the pool take a group (its prompts and
         `new_token_ratio` of its outputs, counted as if nothing were cached: an estimate,
         on the side of waiting). It never holds back a request that was running (retracted,
-        or jumped forward: it resumes), nor a group whose prompts would not go in one step
-        anyway (`max_prefill_tokens`: there the prefill outweighs the launches)."""
+        or jumped forward: it resumes), nor a group whose prompts together exceed one step's
+        `max_prefill_tokens` (they would not go in one step anyway, and there the prefill
+        outweighs the launches)."""
         if not self.can_hold:
             return False
         group = waiting[: self.group_size]

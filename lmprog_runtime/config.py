@@ -98,14 +98,11 @@ class RuntimeConfig:
     # batches that cannot run ahead (and prompts) are overlapped as usual.
     decode_steps: int = 1
     # While requests decode, admitting waiting ones may wait up to this many steps (a
-    # decode run counts as one) so that several are admitted in one step: a step that
-    # admits (a prompt, or a mixed one) runs eagerly on CUDA, dozens of launches a layer,
-    # where a decode step replays one graph. It waits no longer once the free room takes
-    # an eighth of `max_running_requests` (or every waiting request) and their prompts and
-    # a share of their outputs fit the pool; never while nothing decodes, for a request
-    # that resumes (retracted or jumped forward), or for prompts longer than one step's
-    # `max_prefill_tokens`. None: 8 where decode steps replay CUDA graphs, else 0
-    # (admitted at once; with decode runs too, whose admissions wait for a run's end).
+    # decode run counts as one) so that several are admitted in one step: on CUDA a step
+    # that admits runs eagerly, where a decode step replays one graph. The rule, with what
+    # it never holds back: `admission_wait.AdmissionWait.holds`. None: 8 where decode
+    # steps replay CUDA graphs, else 0 (admitted at once; with decode runs too, whose
+    # admissions wait for a run's end).
     admission_wait_steps: int | None = None
     # While the engine has work (or a caller waits in `generate`), freeze the objects
     # alive when it took it up (the modules an engine imports: ~370,000), so that the

@@ -105,7 +105,8 @@ class Scheduler:
         admission_wait_steps: int = 0,
     ) -> None:
         """`admission_wait_steps`: `RuntimeConfig.admission_wait_steps` as resolved for the
-        engine (None there is 8 or 0 by whether decode steps replay CUDA graphs)."""
+        engine (None there is 8 where decode steps replay CUDA graphs and `decode_steps` is
+        1, else 0)."""
         self.config = config
         self.admission_wait = AdmissionWait(
             admission_wait_steps, config.max_running_requests, config.max_prefill_tokens
@@ -271,7 +272,7 @@ class Scheduler:
         """Whether admission waits this step, to admit several requests in one later
         (`AdmissionWait.holds`). Called only while requests decode: the step is theirs."""
         wait = self.admission_wait
-        if not wait.can_hold:
+        if not wait.can_hold:  # (most steps: the room and the pool are not even read)
             return False
         available = self.allocator.num_free + self.req_cache.evictable_size - used
         return wait.holds(waiting, self._room(num_active), available, self.new_token_ratio)

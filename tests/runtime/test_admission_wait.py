@@ -14,7 +14,7 @@ import pytest
 from helpers import hf_greedy_ids
 
 from lmprog_runtime import Engine
-from lmprog_runtime.admission_wait import ADMISSION_GROUP_SHARE, GRAPHED_ADMISSION_WAIT_STEPS
+from lmprog_runtime.admission_wait import ADMISSION_GROUP_DIVISOR, GRAPHED_ADMISSION_WAIT_STEPS
 from lmprog_runtime.config import RuntimeConfig
 
 POOL = {"max_total_tokens": 16384, "max_running_requests": 64}
@@ -83,7 +83,7 @@ def test_admissions_wait_to_be_made_together(tiny_path, hf_tiny, loop):
 
     # The rule, step by step. (The pool is large: only the rule keeps out a request that
     # has room.)
-    group = POOL["max_running_requests"] // ADMISSION_GROUP_SHARE
+    group = POOL["max_running_requests"] // ADMISSION_GROUP_DIVISOR
     held_in_a_row = num_held = 0
     for seen in trace:
         could_admit = seen["waiting"] and seen["room"] > 0
