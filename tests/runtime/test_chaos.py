@@ -3,7 +3,8 @@ injected faults, on a KV pool far smaller than the demand (issue 14).
 
 After each run: every request got its result or a clear error, every request that was not
 disturbed produced exactly its clean greedy output, all KV and request slots are free (the
-autouse check in conftest) and the loop thread is alive.
+autouse check in conftest) and the loop thread is alive. Run with requests admitted at once
+(the CPU's default) and with admissions waiting up to 8 steps to be made together (CUDA's).
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ def _params(rng: random.Random) -> dict:
     return {"max_new_tokens": rng.randint(4, 40), "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def chaos_engine(tiny_path):
+@pytest.fixture(scope="module", params=[0, 8], ids=["admitted-at-once", "admissions-wait"])
+def chaos_engine(tiny_path, request):
     # Demand is about 60 x 50 tokens; the pool holds a tenth of it.
-    with Engine(tiny_path, max_total_tokens=320, max_running_requests=16) as engine:
+    config = {"max_total_tokens": 320, "max_running_requests": 16}
+    with Engine(tiny_path, admission_wait_steps=request.param, **config) as engine:
         yield engine
 
 
@@ -122,5 +124,7 @@ def test_chaos(chaos_engine, tiny_path, seed):
         clean.shutdown()
     stats = engine.stats()
     assert stats["retracted_requests"] + stats["evicted_tokens"] > 0  # the pool was short
+    if engine.scheduler.admission_wait.max_steps:
+        assert stats["admission_waits"] > 0  # (admissions did wait)
     assert engine._thread.is_alive()
     assert len(engine.generate("after the chaos", {"max_new_tokens": 4})["output_ids"]) == 4
