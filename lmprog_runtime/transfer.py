@@ -89,11 +89,6 @@ def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
     return host, ready
 
 
-# The current CUDA device is per thread, and Triton launches, default-stream events and
-# graph captures use it: every thread that queues work for an engine on `cuda:N` makes
-# that device current first (a no-op elsewhere).
-
-
 def require_device(device: torch.device) -> None:
     """A ValueError naming `device` when this machine cannot run on it: CUDA asked for where
     torch has none (a CPU build, or no GPU visible), or an index past its GPUs. (An engine
@@ -115,6 +110,11 @@ def require_device(device: torch.device) -> None:
     count = torch.cuda.device_count()
     if device.index is not None and device.index >= count:
         raise ValueError(f"device={str(device)!r}, but this machine has {count} CUDA device(s)")
+
+
+# The current CUDA device is per thread, and Triton launches, default-stream events and
+# graph captures use it: every thread that queues work for an engine on `cuda:N` makes
+# that device current first (a no-op elsewhere).
 
 
 def device_with_index(device: torch.device) -> torch.device:
