@@ -24,6 +24,11 @@ tokens when the device clock has passed its forward (`_read_step`), as on a GPU;
 overlap on, the batches that cannot run ahead take the overlapped loop meanwhile. The
 loops "one graph each" launch a run of plain greedy steps as one graph, as on CUDA
 (`EmulatedRunGraphs`: one launch, every step's tokens on the host at the run's end).
+The loop "auto runs, ..." sets `decode_steps="auto"` (`run_choice.py`): its probes of
+single steps (graph replays) time the loop's waits for the emulated device, and it takes
+runs of 8 (one graph each) where the device was done before the loop asked.
+`--device-table` keeps the request table twice, as on a GPU: the scheduler's writes are
+logged and sent with each forward's inputs (to a mirror here, which nothing reads).
 
 Eight workloads: "plain"; "penalties half the time" (every fourth request has a
 frequency penalty and stops halfway; these run ahead, their counts kept on the device);
@@ -69,6 +74,7 @@ its own.
 
     .venv/bin/python benchmarks/bench_host_path.py [--batch 64] [--device-ms 1] [--tokens 128]
         [--baseline COMMIT [--rounds 3]] [--loop synchronous --loop "decode runs of 8"]
+        [--device-table]
 
 `--baseline COMMIT` runs each loop on that commit's runtime too (a git worktree under /tmp,
 its own model cache), each run in its own process, the two sides alternated `--rounds`
@@ -104,17 +110,19 @@ def host_path(
     repeats: int,
     overlap: bool,
     threaded: bool = True,
-    decode_steps: int = 1,
+    decode_steps: int | str = 1,
     workload: str = "plain",
     hold: bool = False,
     graph_runs: bool = False,
     eager_launch_s: float | None = None,
     admission_wait_steps: int | None = None,
     graph_steps: bool = False,
+    device_table: bool = False,
 ) -> dict:
     """`threaded`: with overlap, the forward worker is a thread (as on a CPU), or it runs
     its jobs on the loop thread (as on CUDA, where queuing them returns at once).
-    `decode_steps`: decode runs of that many steps. `workload`: a key of `WORKLOADS`.
+    `decode_steps`: decode runs of that many steps ("auto": as the engine's `RunChoice`
+    finds the emulated device idle or busy, runs of 8 emulated). `workload`: a key of `WORKLOADS`.
     `hold`: overlapped runs wait for the check of the step before them (as on a CPU)
     instead of being launched before it. `graph_runs`: a run of plain greedy steps is one
     launch of a graph of the whole run, as on CUDA (`EmulatedRunGraphs`). `eager_launch_s`:
@@ -125,7 +133,9 @@ def host_path(
     decode step is a graph's replay, as on CUDA (`EmulatedRunGraphs`): its greedy tokens
     drawn and stored as future tokens with the forward (device work there, a table lookup
     and a store here), not drawn after it. Its placeholders are resolved on the host by
-    `resolve_future_ids`' six ops (~11 us for 64; inside the graph on a GPU)."""
+    `resolve_future_ids`' six ops (~11 us for 64; inside the graph on a GPU).
+    `device_table`: the request table kept twice, as on a GPU (`ReqToTokenPool`): its
+    writes logged on the host and sent with each forward's inputs, to a mirror here."""
     from lmprog_runtime import Engine, decode_run, default_model_path
     from lmprog_runtime.config import RuntimeConfig
     from lmprog_runtime.forward_batch import ForwardMode
@@ -145,6 +155,8 @@ def host_path(
             engine._worker.close()
             engine._worker = ForwardWorker(engine.runner, threaded=False)
         runner, worker = engine.runner, engine._worker
+        if device_table:  # (nothing has run yet: the mirror starts equal)
+            runner.req_to_token.table = runner.req_to_token.host_table.clone()
         if graph_steps and not hasattr(runner, "greedy_tokens"):
             raise SystemExit("--loop ... step graphs: this runtime's draw takes no graph tokens")
         vocab = runner.model_config.vocab_size
@@ -187,7 +199,8 @@ def host_path(
         engine._draw = cpu.timed("draw", engine._draw)
         if graph_runs or graph_steps:
             graphs = EmulatedRunGraphs(runner, table, device, ends, launch_s, device_s)
-            graphs.steps = decode_steps if graph_runs else 0
+            steps = 8 if decode_steps == "auto" else decode_steps  # (run_choice's)
+            graphs.steps = steps if graph_runs else 0
             graphs.single = graph_steps
             graphs.run_greedy = cpu.timed("forward", graphs.run_greedy)
             runner.graphs = graphs
@@ -336,6 +349,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--admission-wait-steps", type=int, default=None, help="the engine's setting"
     )
+    parser.add_argument(
+        "--device-table",
+        action="store_true",
+        help="keep the request table twice, as on a GPU (its writes sent with the inputs)",
+    )
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, choices=range(1, 1000), metavar="N")
     parser.add_argument("--decode-steps", type=int, default=8, help="steps per decode run")
@@ -359,9 +377,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.admission_wait_steps is None
         else f", admission_wait_steps {args.admission_wait_steps}"
     )
+    table = ", the request table mirrored on the device" if args.device_table else ""
     print(
         f"batch {args.batch}, emulated device step {args.device_ms:g} ms after "
-        f"{args.launch_ms:g} ms of launching{eager}, greedy{waits}"
+        f"{args.launch_ms:g} ms of launching{eager}, greedy{waits}{table}"
     )
     loops = _loops(args.decode_steps)
     if args.loop:
@@ -402,6 +421,7 @@ def _loops(n: int) -> dict[str, tuple]:
         f"decode runs of {n}, overlapped, held": (True, False, n, True),
         f"decode runs of {n}, one graph each (CUDA)": (False, True, n, False, True),
         f"decode runs of {n}, one graph each, overlapped (CUDA)": (True, False, n, False, True),
+        "auto runs, one graph each, step graphs (CUDA)": (True, False, "auto", False, True, True),
     }
 
 
@@ -413,6 +433,7 @@ def _run_loop(args: argparse.Namespace, workload: str, loop: tuple) -> dict:
     return host_path(
         args.batch, device_s, launch_s, args.tokens, args.repeats, overlap, threaded, steps,
         workload, hold, graph_runs, eager_s, args.admission_wait_steps, graph_steps,
+        args.device_table,
     )  # fmt: skip
 
 
@@ -435,6 +456,8 @@ def _compare(args: argparse.Namespace, workload: str, label: str) -> None:
                 cmd += ["--eager-launch-ms", str(args.eager_launch_ms)]
             if args.admission_wait_steps is not None:
                 cmd += ["--admission-wait-steps", str(args.admission_wait_steps)]
+            if args.device_table:
+                cmd += ["--device-table"]
             r = harness.run_side(cmd, root, env)
             kept = best.setdefault(name, {"step_ms": 1e9, "run_ms": 1e9, "loop_cpu_us": 1e9})
             for key in kept:

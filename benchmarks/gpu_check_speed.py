@@ -100,8 +100,9 @@ def dataset_steps(check: Check) -> dict[str, Any]:
     each request admitted as soon as there is room (`admission_wait_steps=0`, the default
     before it) or admissions waiting up to 8 steps to be made together (the default on
     CUDA now: `waiting`), without mixed steps (`disable_mixed_batches`: a prefill step,
-    then graph decodes; admitted at once, as SGLang) and with decode runs of 8 (admissions
-    wait for the run's end), and how many forwards each ran eagerly or as a graph.
+    then graph decodes; admitted at once, as SGLang), with decode runs of 8 (admissions
+    wait for the run's end) and with `decode_steps="auto"` (runs where the loop finds the
+    GPU idle, `run_choice.py`), and how many forwards each ran eagerly or as a graph.
     (RESULTS.md: read, never measured.)"""
     name, n, batch, length = ("tiny", 24, 8, 16) if check.smoke else ("small", 512, 64, 64)
     prompts = corpus_prompts(name, n, length)
@@ -114,6 +115,7 @@ def dataset_steps(check: Check) -> dict[str, Any]:
         "waiting": {"admission_wait_steps": 8},
         "no_mixed": {"disable_mixed_batches": True, "admission_wait_steps": 0},
         "decode_runs": {"decode_steps": 8},
+        "auto": {"decode_steps": "auto"},
     }
     for label, config in configs.items():
         with check.engine(name, max_running_requests=batch, **config) as engine:
@@ -127,6 +129,7 @@ def dataset_steps(check: Check) -> dict[str, Any]:
     out["waiting_speedup"] = out["mixed"]["seconds"] / out["waiting"]["seconds"]
     out["no_mixed_speedup"] = out["mixed"]["seconds"] / out["no_mixed"]["seconds"]
     out["decode_runs_speedup"] = out["mixed"]["seconds"] / out["decode_runs"]["seconds"]
+    out["auto_speedup"] = out["mixed"]["seconds"] / out["auto"]["seconds"]
     return out
 
 
@@ -276,6 +279,9 @@ def decode_overhead(check: Check) -> dict[str, Any]:
     if check.smoke:
         runs.append(("tiny", "worker_thread", {"overlap_schedule": True, "worker_thread": True}, 0))
         runs.append(("tiny", "decode_runs", {"decode_steps": 4}, 0))
+        runs.append(
+            ("tiny", "decode_runs_auto", {"decode_steps": "auto", "overlap_schedule": True}, 0)
+        )
     else:
         runs.append(("small", "cuda_graphs_off", {"disable_cuda_graph": True}, 15))
         # What overlap scheduling hides here (bench_host_path.py, a CPU-emulated device on
@@ -286,6 +292,10 @@ def decode_overhead(check: Check) -> dict[str, Any]:
         # (bench_host_path.py, an emulated 0.3 ms device: 0.77-0.82 ms a step, against
         # 1.12-1.16 overlapped on the loop thread and 1.41-1.53 synchronously).
         runs.append(("small", "decode_runs", {"decode_steps": 8}, 15))
+        # Runs only where the loop finds the GPU idle, single steps elsewhere (run_choice.py;
+        # the emulated 0.3 ms device of bench_host_path.py: idle 7-8% of the span, against
+        # 3% with runs of 8 from the start and 31-32% with single steps).
+        runs.append(("small", "decode_runs_auto", {"decode_steps": "auto"}, 15))
         runs.append(("medium", "medium", {}, 45))
         # The forward worker a thread of its own (on CUDA it runs on the loop thread); last,
         # so that a tight budget drops it before "medium".
@@ -330,6 +340,8 @@ def decode_overhead_large(check: Check) -> dict[str, Any]:
         (name, "default", {}, 0),
         (name, "overlap_off", {"overlap_schedule": False}, 25),
         (name, "decode_runs", {"decode_steps": 8}, 25),
+        # (a GPU step this long should keep "auto" to single steps: `run_choice` in the entry)
+        (name, "decode_runs_auto", {"decode_steps": "auto"}, 25),
     ]
     return out | _overhead_runs(check, runs, n, params)
 
@@ -439,6 +451,9 @@ def _overhead_run(
             entry["fraction_outside_gpu_unprofiled"] = 1 - busy_us / 1e6 / entry["wall_s"]
         entry["forward_passes"] = stats["forward_passes"]
         entry["decode_runs"] = stats["decode_runs"]
+        choice = engine._run_choice
+        if choice is not None:  # (over the warm-up and both timed runs)
+            entry["run_choice"] = {"probes": choice.num_probes, "chose_runs": choice.num_host_bound}
         entry["ms_per_step"] = 1e3 * stats["step_seconds"] / max(1, stats["forward_passes"])
         share = 1 - stats["forward_seconds"] / max(stats["step_seconds"], 1e-9)
         timed_on_device = entry["worker_thread"] and entry["decode_steps"] == 1

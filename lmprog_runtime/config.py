@@ -11,12 +11,15 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "int4", "w8a8_int8")
 DEVICE_PATTERN = re.compile(r"(cpu|cuda)(:[0-9]+)?")
+# The most steps of a decode run with `decode_steps="auto"` (`run_choice.py`).
+AUTO_DECODE_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -95,14 +98,17 @@ class RuntimeConfig:
     # device, each step checked as its tokens arrive; off a CPU the next run is launched
     # before a run is checked (`decode_run.py`). Less host work per token; new requests,
     # aborts and deadlines wait up to two runs. 1: off. With overlap scheduling on, the
-    # batches that cannot run ahead (and prompts) are overlapped as usual.
-    decode_steps: int = 1
+    # batches that cannot run ahead (and prompts) are overlapped as usual. "auto": runs of
+    # up to 8 while the overlapped loop finds the device waiting for the host, single
+    # steps while it finds the host waiting for the device (`run_choice.py`).
+    decode_steps: int | Literal["auto"] = 1
     # While requests decode, admitting waiting ones may wait up to this many steps (a
     # decode run counts as one) so that several are admitted in one step: on CUDA a step
     # that admits runs eagerly, where a decode step replays one graph. The rule, with what
     # it never holds back: `admission_wait.AdmissionWait.holds`. None: 8 where decode
     # steps replay CUDA graphs, else 0 (admitted at once; with decode runs too, whose
-    # admissions wait for a run's end).
+    # admissions wait for a run's end; with "auto" decode steps, 8 there where the loop
+    # overlaps, and no wait while it takes runs).
     admission_wait_steps: int | None = None
     # While the engine has work (or a caller waits in `generate`), freeze the objects
     # alive when it took it up (the modules an engine imports: ~370,000), so that the
@@ -183,10 +189,11 @@ class RuntimeConfig:
             raise TypeError(
                 f"overlap_schedule must be True, False or None, got {self.overlap_schedule!r}"
             )
-        if isinstance(self.decode_steps, bool) or not isinstance(self.decode_steps, int):
-            raise TypeError(f"decode_steps must be an int, got {self.decode_steps!r}")
-        if self.decode_steps < 1:
-            raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        steps = self.decode_steps
+        if steps != "auto" and (isinstance(steps, bool) or not isinstance(steps, int)):
+            raise TypeError(f"decode_steps must be an int or 'auto', got {steps!r}")
+        if steps != "auto" and steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {steps}")
         wait = self.admission_wait_steps
         if wait is not None and (isinstance(wait, bool) or not isinstance(wait, int)):
             raise TypeError(f"admission_wait_steps must be an int or None, got {wait!r}")
@@ -194,6 +201,12 @@ class RuntimeConfig:
             raise ValueError(f"admission_wait_steps must be >= 0 or None, got {wait}")
         if not isinstance(self.gc_freeze, bool):
             raise TypeError(f"gc_freeze must be True or False, got {self.gc_freeze!r}")
+
+    @property
+    def run_steps(self) -> int:
+        """The most decode steps a run takes: `decode_steps`, or "auto"'s
+        (`AUTO_DECODE_STEPS`); 1: no runs."""
+        return AUTO_DECODE_STEPS if self.decode_steps == "auto" else self.decode_steps
 
     @property
     def is_overlapped(self) -> bool:

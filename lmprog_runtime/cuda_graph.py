@@ -143,7 +143,7 @@ class DecodeGraphRunner:
         self._eager_outputs: tuple[torch.Tensor, torch.Tensor] | None = None  # (`_as_replayed`)
         # Whole decode runs of plain greedy steps: K steps' inputs [K, 6, max_batch], and
         # each bucket's graph and its tokens [K, bucket].
-        self.run_steps = runner.config.decode_steps if runner.config.decode_steps > 1 else 0
+        self.run_steps = runner.config.run_steps if runner.config.run_steps > 1 else 0
         self.run_lengths = run_lengths(self.run_steps)
         self._run_inputs = self._padding.expand(max(self.run_steps, 1), -1, -1).clone()
         # each (bucket, length)'s graph and its tokens [length, bucket]

@@ -1,6 +1,8 @@
 """Decode runs (`decode_steps` > 1; SGLang's num_continuous_decode_steps): several decode
 steps from one scheduling, each step's tokens fed to the next on the device, and while
-nothing waits, each run launched before the one before it is checked.
+nothing waits, each run launched before the one before it is checked. (With
+`decode_steps="auto"`, the overlapped loop takes runs only while it finds the device
+waiting for the host: `run_choice.py`.)
 
 A synchronous decode step is a round trip through the host: schedule, prepare the inputs,
 forward, draw, read the tokens back, check them. Past the forward and the draw, all of it
@@ -140,8 +142,10 @@ class DecodeRunLoop:
     def _run_length(self, batch: ScheduledBatch) -> int:
         """How many decode steps `batch` runs: 1, or up to `decode_steps` when every request
         of it may run ahead, no more than its longest remaining output needs and its
-        shortest remaining context allows."""
-        steps = self.config.decode_steps
+        shortest remaining context allows (with `decode_steps="auto"`, what the loop's
+        `RunChoice` says now)."""
+        choice = self._run_choice
+        steps = self.config.run_steps if choice is None else choice.steps
         if steps == 1 or batch.mode is not ForwardMode.DECODE:
             return 1
         if not all(runs_ahead(req) for req in batch.reqs):
@@ -209,6 +213,8 @@ class DecodeRunLoop:
         admission, a deadline)."""
         if not self._launches_ahead or self._stopping:
             return False
+        if self._run_choice is not None and self._run_choice.is_probing:
+            return False  # (single steps now: the loop schedules them)
         if self._inbox or self._aborts or self._commands:  # (read without the lock: a hint)
             return False
         sched = self.scheduler
@@ -229,7 +235,7 @@ class DecodeRunLoop:
             return None
         sub = [reqs[i] for i in keep]
         positions = [run.batch.prefix_lens[i] + n for i in keep]
-        steps = run_length(self.config.decode_steps, sub, positions, n, self.runner.context_len)
+        steps = run_length(self.config.run_steps, sub, positions, n, self.runner.context_len)
         if steps < 2:
             return None
         first = None
@@ -305,6 +311,8 @@ class DecodeRunLoop:
             raise
         seconds = (time.perf_counter() - start) / (len(ahead) + 1)
         self._stats.add("decode_runs")
+        if self._run_choice is not None:
+            self._run_choice.observe_run()
         slots = RunSlots(batch, ahead, self.scheduler.free_started_pages)
         self._runs.append(slots)
         return Run(batch, ahead, drawn, tables, ask, errors, token_ids, slots, seconds)

@@ -40,6 +40,7 @@ from lmprog_runtime.models.registry import local_model_dir, resolve_model_path
 from lmprog_runtime.overlap import InFlight
 from lmprog_runtime.penalties import PenaltyCounts
 from lmprog_runtime.request import DoneFlag, Req
+from lmprog_runtime.run_choice import RunChoice
 from lmprog_runtime.run_plan import RunSlots
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.scheduler import RequestGroup, Scheduler
@@ -117,7 +118,11 @@ class Engine(EngineLoop):
         wait = self.config.admission_wait_steps
         if wait is None:  # (where admitting costs an eager step against a graph's replay;
             # decode runs wait for a run's end already)
-            graphed = runner.graphs is not None and self.config.decode_steps == 1
+            # ("auto" decode steps one at a time while the overlapped loop probes)
+            single = self.config.decode_steps == 1 or (
+                self.config.decode_steps == "auto" and self.config.is_overlapped
+            )
+            graphed = runner.graphs is not None and single
             wait = GRAPHED_ADMISSION_WAIT_STEPS if graphed else 0
         self.scheduler = Scheduler(
             self.config, runner.allocator, runner.req_to_token, req_cache, self._stats, wait
@@ -127,6 +132,14 @@ class Engine(EngineLoop):
         self._worker = ForwardWorker(runner) if self.config.is_overlapped else None
         self._in_flight: InFlight | None = None
         self._runs: list[RunSlots] = []  # the decode runs launched and not yet committed
+        # decode_steps="auto": runs or single steps, as the overlapped loop finds the device
+        # idle or busy (the synchronous loop always runs runs: `config.run_steps`)
+        self._run_choice = (
+            RunChoice(self.config.run_steps)
+            if self.config.decode_steps == "auto" and self._worker is not None
+            else None
+        )
+        self.scheduler.run_choice = self._run_choice
         self._released = 0  # requests the loop has finished (`_finish`), counted
         self._steady: SteadyCheck | None = None  # the last check's batch, if it may settle
         self.penalty_counts = PenaltyCounts()  # penalised requests' token counts

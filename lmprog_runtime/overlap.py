@@ -50,14 +50,14 @@ The forwards and draws are queued on `forward_worker.ForwardWorker`: on CUDA fro
 thread, on the loop's stream (the stream keeps them in order with the loop's copies, with
 no events or stream switches to queue); on a CPU on a thread of its own.
 
-With decode runs (`decode_steps` > 1, `decode_run.py`), a decode batch whose requests can
-all run ahead is not launched on the worker in step 2: it runs as decode runs on the loop
-thread, queued on the loop's stream behind all the worker queued
-(`ForwardWorker.hand_over`). Off a CPU the run is launched in step 2, its first inputs
-the placeholders (`DecodeRunLoop._launch_before_check`), and the requests step 3
-finishes leave it; it is committed after step 3. On a CPU, or when it cannot be
-launched, the batch is held (in flight, computing nothing, so the requests step 3
-finishes leave it as they leave a forward) and runs after step 3. The iteration after a
+With decode runs (`decode_steps` > 1, `decode_run.py`; with "auto" while `run_choice.py`
+takes them), a decode batch whose requests can all run ahead is not launched on the
+worker in step 2: it runs as decode runs on the loop thread, queued on the loop's stream
+behind all the worker queued (`ForwardWorker.hand_over`). Off a CPU the run is launched
+in step 2, its first inputs the placeholders (`DecodeRunLoop._launch_before_check`), and
+the requests step 3 finishes leave it; it is committed after step 3. On a CPU, or when it
+cannot be launched, the batch is held (in flight, computing nothing, so the requests step
+3 finishes leave it as they leave a forward) and runs after step 3. The iteration after a
 run starts with nothing in flight, and a forward the worker queues then waits for the
 loop's stream, as each does.
 """
@@ -135,6 +135,10 @@ class Pending:
     ask: LogprobAsk  # the logprobs drawn with the tokens
     forward_counted: bool = False  # its forward's seconds are in the stats already
     released: int = 0  # the loop's count of finished requests when it was queued
+    is_decode: bool = False  # its forward a decode step's
+    # Seconds the loop waited for the device's forward and draw (`run_choice.py`); None if
+    # the draw failed.
+    waited: float | None = 0.0
 
 
 class OverlapLoop:
@@ -145,6 +149,8 @@ class OverlapLoop:
         """Commit forward N and queue its draw, launch forward N+1, check step N's tokens
         (see the module docstring)."""
         start = time.perf_counter()
+        if self._run_choice is not None and self._in_flight is None and not self.scheduler.has_work:
+            self._run_choice.reset()  # (nothing runs: the work to come is probed afresh)
         drawing = self._advance() if self._in_flight is not None else None
         self._take_inputs()
         batch = self._schedule()
@@ -162,11 +168,20 @@ class OverlapLoop:
             self._check(appended)
             now = time.perf_counter()
             self._stats.add("step_seconds", now - start)
+            if self._run_choice is not None and not runs and isinstance(drawing, Pending):
+                self._observe_step(drawing, now - start)
             start = now
         if run is not None:
             self._run_batch(batch, run, since=start)  # (its launch counted once)
         elif runs:
             self._run_held()
+
+    def _observe_step(self, drawing: Pending, spent: float) -> None:
+        """Tell `decode_steps="auto"`'s choice how long the step of `drawing` waited for
+        the device, of the `spent` seconds of its iteration: a decode step's whose draw
+        did not fail (a prompt's forward says nothing of a decode step's)."""
+        if drawing.is_decode and drawing.waited is not None:
+            self._run_choice.observe_step(drawing.waited, spent)
 
     def _hold(self, batch: ScheduledBatch) -> None:
         """`batch` runs as a decode run after step N's check: until then it stands in
@@ -217,17 +232,24 @@ class OverlapLoop:
         requests that got a token if they got it at once; None if nothing is drawn."""
         flight, self._in_flight = self._in_flight, None
         batch = flight.batch
+        asked = time.perf_counter()
         try:
             logits, timer = flight.future.result()
             error = None
         except Exception as forward_error:  # noqa: BLE001 - find the request it belongs to
             error = forward_error
+        # On a CPU a worker thread's forward is the device's work. On CUDA the future is
+        # set once the kernels are queued (a worker thread's `timer.end` then marks the
+        # device's end), so there only the tokens' wait in `_collect` is the device's.
+        waited = time.perf_counter() - asked if error is None and timer.end is None else 0.0
         try:
             flight.drop_left()
             if not batch.reqs:
                 return None  # every request of it finished meanwhile: nothing to count
             if error is None:
-                return self._commit_launched(flight, logits)
+                pending = self._commit_launched(flight, logits)
+                pending.waited = waited
+                return pending
             if len(batch.reqs) < 2:
                 raise error
             logger.error("forward failed; running each request alone", exc_info=error)
@@ -267,15 +289,19 @@ class OverlapLoop:
         future = self._worker.sample(flight.future, index, rows, table_rows, ask)
         for req in to_sample:
             req.output_ids.append(-(req.req_pool_idx + 1))  # what the next forward reads
-        return Pending(to_sample, future, ask, waits, released=self._released)
+        is_decode = batch.mode is ForwardMode.DECODE
+        return Pending(to_sample, future, ask, waits, self._released, is_decode)
 
     def _collect(self, drawing: Pending) -> list[Req]:
         """Wait for a queued draw and put its tokens in place of the placeholders, for the
         requests still running; a row whose draw failed fails its request. Returns the
         requests that got a token."""
+        asked = time.perf_counter()
         try:
             ids, errors, logprobs, seconds = self._worker.sampled(drawing.future, drawing.ask)
+            drawing.waited += time.perf_counter() - asked
         except Exception as error:  # noqa: BLE001 - the draw itself broke: its requests fail
+            drawing.waited = None
             logger.exception("drawing the next tokens failed")
             for req in drawing.reqs:
                 self._finish(req, error)

@@ -25,6 +25,7 @@ from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.kvcache import ReqToTokenPool, TokenSlotAllocator
 from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.request import Req
+from lmprog_runtime.run_choice import RunChoice
 from lmprog_runtime.schedule_policy import (
     MAX_CACHE_AWARE_QUEUE,
     SHARED_PREFIX_BLOCK,
@@ -105,12 +106,14 @@ class Scheduler:
         admission_wait_steps: int = 0,
     ) -> None:
         """`admission_wait_steps`: `RuntimeConfig.admission_wait_steps` as resolved for the
-        engine (None there is 8 where decode steps replay CUDA graphs and `decode_steps` is
-        1, else 0)."""
+        engine (None there is 8 where single decode steps replay CUDA graphs, else 0)."""
         self.config = config
         self.admission_wait = AdmissionWait(
             admission_wait_steps, config.max_running_requests, config.max_prefill_tokens
         )
+        # With `decode_steps="auto"`, the engine's choice: while it takes decode runs,
+        # admission does not wait (a run's end makes it wait already).
+        self.run_choice: RunChoice | None = None
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.req_cache = req_cache
@@ -273,6 +276,8 @@ class Scheduler:
         (`AdmissionWait.holds`). Called only while requests decode: the step is theirs."""
         wait = self.admission_wait
         if not wait.can_hold:  # (most steps: the room and the pool are not even read)
+            return False
+        if self.run_choice is not None and not self.run_choice.is_probing:
             return False
         available = self.allocator.num_free + self.req_cache.evictable_size - used
         return wait.holds(waiting, self._room(num_active), available, self.new_token_ratio)

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from lmprog_runtime import Engine
 from lmprog_runtime.engine import RequestAborted
 from lmprog_runtime.forward_worker import ForwardWorker
+from lmprog_runtime.run_choice import RunChoice
 
 SLOW_FORWARD_S = 0.003
 POOL = {"max_total_tokens": 4096, "max_running_requests": 16}
@@ -37,14 +38,23 @@ SCHEMA = {
 }
 
 
-def slow_forward(engine: Engine) -> None:
+def slow_forward(engine: Engine, seconds: float = SLOW_FORWARD_S) -> None:
     run = engine.runner.run
 
     def slow_run(fb):
-        time.sleep(SLOW_FORWARD_S)  # the device is still busy (not a synchronisation)
+        time.sleep(seconds)  # the device is still busy (not a synchronisation)
         return run(fb)
 
     engine.runner.run = slow_run
+
+
+def short_probes(engine: Engine, turns_between_probes: int = 2) -> RunChoice:
+    """Give `engine` (overlapped, `decode_steps="auto"`) a `RunChoice` that probes 3 steps
+    at a time, with `turns_between_probes` between probes, where its loop and its
+    scheduler read it; returns it."""
+    choice = RunChoice(probe_steps=3, turns_between_probes=turns_between_probes)
+    engine._run_choice = engine.scheduler.run_choice = choice
+    return choice
 
 
 # How the overlapped engine's forward worker runs its jobs (`ForwardWorker`'s `threaded`).

@@ -168,6 +168,12 @@ def test_the_default_waits_where_decode_steps_replay_graphs(tiny_path, monkeypat
         assert engine.scheduler.admission_wait.max_steps == 0
     with Engine(tiny_path, decode_steps=8, **POOL) as engine:  # (a run waits already)
         assert engine.scheduler.admission_wait.max_steps == 0
+    # "auto": single steps between runs where the loop overlaps; runs only where not
+    auto = {"decode_steps": "auto", **POOL}
+    with Engine(tiny_path, overlap_schedule=True, **auto) as engine:
+        assert engine.scheduler.admission_wait.max_steps == GRAPHED_ADMISSION_WAIT_STEPS
+    with Engine(tiny_path, overlap_schedule=False, **auto) as engine:
+        assert engine.scheduler.admission_wait.max_steps == 0
 
 
 def test_a_request_that_resumes_is_not_held_back(tiny_path, hf_tiny):

@@ -4,7 +4,9 @@ injected faults, on a KV pool far smaller than the demand (issue 14).
 After each run: every request got its result or a clear error, every request that was not
 disturbed produced exactly its clean greedy output, all KV and request slots are free (the
 autouse check in conftest) and the loop thread is alive. Run with requests admitted at once
-(the CPU's default) and with admissions waiting up to 8 steps to be made together (CUDA's).
+(the CPU's default), with admissions waiting up to 8 steps to be made together (CUDA's),
+and overlapped with `decode_steps="auto"` (the forward worker on the loop thread, as on
+CUDA, so that its probes of single steps choose decode runs in between).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import random
 import threading
 
 import pytest
+from overlap_engines import on_loop_thread, short_probes
 
 from lmprog_runtime import Engine
 from lmprog_runtime.engine import RequestAborted
@@ -37,11 +40,22 @@ def _params(rng: random.Random) -> dict:
     return {"max_new_tokens": rng.randint(4, 40), "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module", params=[0, 8], ids=["admitted-at-once", "admissions-wait"])
+LOOPS = {
+    "admitted-at-once": {"admission_wait_steps": 0},
+    "admissions-wait": {"admission_wait_steps": 8},
+    "auto-runs": {"overlap_schedule": True, "decode_steps": "auto"},
+}
+
+
+@pytest.fixture(scope="module", params=list(LOOPS))
 def chaos_engine(tiny_path, request):
     # Demand is about 60 x 50 tokens; the pool holds a tenth of it.
     config = {"max_total_tokens": 320, "max_running_requests": 16}
-    with Engine(tiny_path, admission_wait_steps=request.param, **config) as engine:
+    with Engine(tiny_path, **LOOPS[request.param], **config) as engine:
+        if engine._run_choice is not None:
+            on_loop_thread(engine)
+            engine._launches_ahead = True  # (as on a GPU)
+            short_probes(engine)
         yield engine
 
 
@@ -126,5 +140,7 @@ def test_chaos(chaos_engine, tiny_path, seed):
     assert stats["retracted_requests"] + stats["evicted_tokens"] > 0  # the pool was short
     if engine.scheduler.admission_wait.max_steps:
         assert stats["admission_waits"] > 0  # (admissions did wait)
+    if engine._run_choice is not None:  # (probes chose runs, and runs ran)
+        assert engine._run_choice.num_host_bound > 0 and stats["decode_runs"] > 0
     assert engine._thread.is_alive()
     assert len(engine.generate("after the chaos", {"max_new_tokens": 4})["output_ids"]) == 4

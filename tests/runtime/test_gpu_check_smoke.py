@@ -54,13 +54,16 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
         assert report["throughput"][workload]["engine_decode_runs_tokens_per_s"] > 0
     dataset = report["dataset_steps"]
     assert dataset["mixed"]["mixed_forwards"] > 0 and dataset["no_mixed"]["mixed_forwards"] == 0
-    for config in ("mixed", "waiting", "no_mixed", "decode_runs"):
+    for config in ("mixed", "waiting", "no_mixed", "decode_runs", "auto"):
         assert dataset[config]["eager_forwards"] > 0 and dataset[config]["tokens_per_s"] > 0
     assert report["decode_overhead"]["default"]["forward_passes"] > 0
     threaded = report["decode_overhead"]["worker_thread"]
     assert threaded["worker_thread"] and threaded["forward_passes"] > 0
     runs = report["decode_overhead"]["decode_runs"]
     assert runs["decode_steps"] == 4 and not runs["overlap"] and runs["decode_runs"] > 0
+    auto = report["decode_overhead"]["decode_runs_auto"]
+    assert auto["decode_steps"] == "auto" and auto["overlap"] and auto["forward_passes"] > 0
+    assert set(auto["run_choice"]) == {"probes", "chose_runs"}  # (8 new tokens: no probe ends)
 
 
 def test_an_isolated_section_that_crashes_loses_only_itself(tmp_path):
