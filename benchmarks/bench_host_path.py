@@ -122,20 +122,20 @@ def host_path(
     """`threaded`: with overlap, the forward worker is a thread (as on a CPU), or it runs
     its jobs on the loop thread (as on CUDA, where queuing them returns at once).
     `decode_steps`: decode runs of that many steps ("auto": as the engine's `RunChoice`
-    finds the emulated device idle or busy, runs of 8 emulated). `workload`: a key of `WORKLOADS`.
-    `hold`: overlapped runs wait for the check of the step before them (as on a CPU)
-    instead of being launched before it. `graph_runs`: a run of plain greedy steps is one
-    launch of a graph of the whole run, as on CUDA (`EmulatedRunGraphs`). `eager_launch_s`:
-    the launch of a forward no decode graph takes (a prompt's or a mixed step's: on CUDA
-    it runs eagerly), if not `launch_s`. `admission_wait_steps`: the engine's setting (None:
-    its default, 0 on a CPU, also for the "(CUDA)" loops: CUDA's 8 is resolved when the
-    engine is built; a runtime without the setting admits at once, as 0). `graph_steps`: a
-    decode step is a graph's replay, as on CUDA (`EmulatedRunGraphs`): its greedy tokens
-    drawn and stored as future tokens with the forward (device work there, a table lookup
-    and a store here), not drawn after it. Its placeholders are resolved on the host by
-    `resolve_future_ids`' six ops (~11 us for 64; inside the graph on a GPU).
-    `device_table`: the request table kept twice, as on a GPU (`ReqToTokenPool`): its
-    writes logged on the host and sent with each forward's inputs, to a mirror here."""
+    finds the emulated device idle or busy, runs of 8 emulated). `workload`: a key of
+    `WORKLOADS`. `hold`: overlapped runs wait for the check of the step before them (as on a
+    CPU) instead of being launched before it. `graph_runs`: a run of plain greedy steps is
+    one launch of a graph of the whole run, as on CUDA (`EmulatedRunGraphs`).
+    `eager_launch_s`: the launch of a forward no decode graph takes (a prompt's or a mixed
+    step's: on CUDA it runs eagerly), if not `launch_s`. `admission_wait_steps`: the
+    engine's setting (None: its default, 0 on a CPU, also for the "(CUDA)" loops: CUDA's 8
+    is resolved when the engine is built; a runtime without the setting admits at once, as
+    0). `graph_steps`: a decode step is a graph's replay, as on CUDA (`EmulatedRunGraphs`):
+    its greedy tokens drawn and stored as future tokens with the forward (device work there,
+    a table lookup and a store here), not drawn after it. Its placeholders are resolved on
+    the host by `resolve_future_ids`' six ops (~11 us for 64; inside the graph on a GPU).
+    `device_table`: the request table kept twice, as on a GPU (`ReqToTokenPool`): its writes
+    logged on the host and sent with each forward's inputs, to a mirror here."""
     from lmprog_runtime import Engine, decode_run, default_model_path
     from lmprog_runtime.config import RuntimeConfig
     from lmprog_runtime.forward_batch import ForwardMode
@@ -199,7 +199,7 @@ def host_path(
         engine._draw = cpu.timed("draw", engine._draw)
         if graph_runs or graph_steps:
             graphs = EmulatedRunGraphs(runner, table, device, ends, launch_s, device_s)
-            steps = 8 if decode_steps == "auto" else decode_steps  # (run_choice's)
+            steps = 8 if decode_steps == "auto" else decode_steps  # (AUTO_DECODE_STEPS)
             graphs.steps = steps if graph_runs else 0
             graphs.single = graph_steps
             graphs.run_greedy = cpu.timed("forward", graphs.run_greedy)
