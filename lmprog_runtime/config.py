@@ -93,14 +93,15 @@ class RuntimeConfig:
     # CPU the forward and the loop share the cores, so overlapping gains nothing).
     overlap_schedule: bool | None = None
     # Decode runs (SGLang's num_continuous_decode_steps): when every request of a decode
-    # step can run ahead (no grammar), up to this many decode steps
-    # run back to back from one scheduling, each step's tokens fed to the next on the
-    # device, each step checked as its tokens arrive; off a CPU the next run is launched
-    # before a run is checked (`decode_run.py`). Less host work per token; new requests,
-    # aborts and deadlines wait up to two runs. 1: off. With overlap scheduling on, the
-    # batches that cannot run ahead (and prompts) are overlapped as usual. "auto": runs of
-    # up to 8 while the overlapped loop finds the device waiting for the host, single
-    # steps while it finds the host waiting for the device (`run_choice.py`).
+    # step can run ahead (no grammar), up to this many decode steps run back to back from
+    # one scheduling, each step's tokens fed to the next on the device, each step checked
+    # as its tokens arrive; off a CPU the next run is launched before a run is checked
+    # (`decode_run.py`). Less host work per token; new requests, aborts and deadlines wait
+    # up to two runs (an abort is taken between the steps of a run committed step by
+    # step, a streamed request's). 1: off. With overlap scheduling on, the batches that
+    # cannot run ahead (and prompts) are overlapped as usual. "auto": runs of up to 8
+    # while the overlapped loop finds the device waiting for the host, single steps while
+    # it finds the host waiting for the device (`run_choice.py`).
     decode_steps: int | Literal["auto"] = 1
     # While requests decode, admitting waiting ones may wait up to this many steps (a
     # decode run counts as one) so that several are admitted in one step: on CUDA a step

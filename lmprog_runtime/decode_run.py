@@ -444,6 +444,8 @@ class DecodeRunLoop:
         """`_commit_run` step by step (`read`: each step's tokens, if read already)."""
         batch, reqs = run.batch, run.batch.reqs
         for k, tokens in enumerate(run.drawn):
+            if self._aborts:  # (read without the lock: a hint)
+                self._cancel_aborted()
             live = [i for i, req in enumerate(reqs) if not req.done.is_set()]
             if not live:
                 break

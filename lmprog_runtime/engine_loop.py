@@ -121,6 +121,14 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         self._schedule_failures = 0
         return batch
 
+    def _cancel_aborted(self) -> None:
+        """The aborts callers made since `_take_inputs`, at once: between the steps of a
+        decode run being committed, so that a request aborted from its stream's callback
+        gets no chunk after it, as between single steps."""
+        with self._cv:
+            aborts, self._aborts = self._aborts, []
+        self._cancel(aborts)
+
     def _cancel(self, aborts: list[tuple[int, BaseException]]) -> None:
         """Finish aborted requests and those past their deadline, between steps: their
         slots are freed, their computed prefix stays in the cache."""

@@ -84,6 +84,35 @@ def engine_pair(tiny_path: str, worker: str = "worker_thread") -> Iterator[tuple
         yield sync, overlapped
 
 
+def assert_stream_aborts_match(
+    reference: Engine, engine: Engine, params: list[dict], aborted_after: dict[int, int]
+) -> None:
+    """Request i of `PROMPTS[:len(params)]` is aborted from its own stream's callback
+    after `aborted_after[i]` chunks, on both engines: on `engine`, as on `reference`,
+    each such request ends aborted with no chunk after it, and every other one gives
+    `reference`'s result."""
+
+    def run(engine: Engine) -> tuple[list, list]:
+        counts = [0] * len(params)
+
+        def on_chunk(i: int, chunk: dict) -> None:
+            counts[i] += 1
+            if counts[i] == aborted_after.get(i):
+                engine.abort(chunk["meta_info"]["id"])
+
+        futures = engine.submit(PROMPTS[: len(params)], params, on_chunk=on_chunk)
+        return [f.exception(timeout=60) or f.result() for f in futures], counts
+
+    want, _ = run(reference)
+    got, counts = run(engine)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if i in aborted_after:
+            assert isinstance(g, RequestAborted) and isinstance(w, RequestAborted)
+            assert counts[i] == aborted_after[i]  # no chunk after the abort was seen
+        else:
+            assert result_key(g) == result_key(w)
+
+
 def result_key(out: dict) -> tuple:
     """What must be identical between the two loops (not the request id)."""
     assert all(token >= 0 for token in out["output_ids"])  # no placeholder left behind

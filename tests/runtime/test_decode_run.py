@@ -22,6 +22,7 @@ from overlap_engines import (
     assert_each_draw_counts_its_tokens,
     assert_same_logprobs,
     assert_slots_free,
+    assert_stream_aborts_match,
     check_plan,
     count_launches_before_check,
     count_runs,
@@ -620,6 +621,20 @@ def test_a_row_without_mass_fails_its_request_at_its_step(engines, monkeypatch):
     rid = futures[0].request_id
     assert f"request {rid}: its sampling distribution has no finite" in str(results[0])
     assert [result_key(r) for r in results[1:]] == [result_key(w) for w in want]
+
+
+def test_an_abort_from_a_stream_ends_its_request_between_a_runs_steps(engines):
+    """A request aborted from its stream's callback, at a step inside a run, gets no chunk
+    after it (the abort is taken between the run's steps, as between single steps); the
+    others produce what single steps produce."""
+    single, runs = engines
+    params = [{"max_new_tokens": 30, "temperature": 0, "ignore_eos": True} for _ in range(6)]
+    taken = count_runs(runs)
+    try:  # (the chunks: inside the first and second runs)
+        assert_stream_aborts_match(single, runs, params, {1: 2, 3: 5, 4: 7})
+    finally:
+        del runs._step_run
+    assert taken and max(taken) == STEPS
 
 
 def test_pool_pressure_shortens_runs_and_the_outputs_match(tiny_path, engines):

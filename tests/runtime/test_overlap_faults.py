@@ -20,6 +20,7 @@ from overlap_engines import (
     SCHEMA,
     WORKERS,
     assert_slots_free,
+    assert_stream_aborts_match,
     check_plan,
     engine_pair,
     plans,
@@ -61,27 +62,7 @@ def test_aborts_mid_run_end_their_request_and_spare_the_others(engines):
     params = [
         {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "seed": i} for i in range(6)
     ]
-    aborted_after = {1: 1, 3: 4, 4: 7}
-
-    def run(engine: Engine) -> tuple[list, list]:
-        counts = [0] * len(params)
-
-        def on_chunk(i: int, chunk: dict) -> None:
-            counts[i] += 1
-            if counts[i] == aborted_after.get(i):
-                engine.abort(chunk["meta_info"]["id"])
-
-        futures = engine.submit(PROMPTS[:6], params, on_chunk=on_chunk)
-        return [f.exception(timeout=60) or f.result() for f in futures], counts
-
-    want, _ = run(sync)
-    got, counts = run(overlapped)
-    for i, (g, w) in enumerate(zip(got, want)):
-        if i in aborted_after:
-            assert isinstance(g, RequestAborted) and isinstance(w, RequestAborted)
-            assert counts[i] == aborted_after[i]  # no chunk after the abort was seen
-        else:
-            assert result_key(g) == result_key(w)
+    assert_stream_aborts_match(sync, overlapped, params, {1: 1, 3: 4, 4: 7})
 
 
 def _fail_when(engine: Engine, point: str, prompt: str, num_output_ids: int):
