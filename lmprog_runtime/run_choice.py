@@ -2,12 +2,12 @@
 host, single steps while the host waits for the device.
 
 A decode run spends one step's host work on several tokens (`decode_run.py`), at a price:
-admissions, aborts and deadlines wait for a run's end, stops and streamed chunks are
-checked up to a run later, and a request that stops inside a run computes the rest of it
-for nothing. Where the host's work per step is shorter than the device's, overlap
-scheduling hides it already (`overlap.py`), and runs would only pay that price; where it
-is longer (a small model on a GPU: issue 18's "time outside the GPU"), nothing but runs
-cuts it.
+admissions and deadlines wait for a run's end (and aborts, where a run is committed at
+once), stops and streamed chunks are checked up to a run later, and a request that
+stops inside a run computes the rest of it for nothing. Where the host's work per step
+is shorter than the device's, overlap scheduling hides it already (`overlap.py`), and
+runs would only pay that price; where it is longer (a small model on a GPU: issue 18's
+"time outside the GPU"), nothing but runs cuts it.
 
 So with "auto" the overlapped loop probes: over `probe_steps` single decode steps it adds
 up how long it waited for the device (`OverlapLoop._advance` and `_collect`: on CUDA the
