@@ -71,10 +71,12 @@ off a CPU launched before the step before it is checked, from the tokens that st
 draws, still on the device (`_launch_before_check`: the placeholders its requests hold);
 otherwise held until that check (`OverlapLoop._hold`, `_run_held`).
 
-What runs cost: a caller's new request, an abort or a deadline waits for the run being
-checked and the one launched after it (up to 2K steps; SGLang's option documents the
-same trade: more throughput, later first tokens for requests that arrive meanwhile), and
-a request that stops inside a run computes the rest of it for nothing. A run whose
+What runs cost: a caller's new request or a deadline waits for the run being checked
+and the one launched after it (up to 2K steps; SGLang's option documents the same trade:
+more throughput, later first tokens for requests that arrive meanwhile), and so does an
+abort where a run is committed at once (committed step by step, a run takes aborts
+between its steps: `_cancel_aborted`); a request that stops inside a run computes the
+rest of it for nothing. A run whose
 launch raises is dropped (its further slots freed, CPU generators rewound); the first
 run's first step then runs alone (which finds the failing request), and a run launched
 ahead is simply not there (the loop schedules after the commit).

@@ -122,11 +122,15 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         return batch
 
     def _cancel_aborted(self) -> None:
-        """The aborts callers made since `_take_inputs`, at once: between the steps of a
-        decode run being committed, so that a request aborted from its stream's callback
-        gets no chunk after it, as between single steps."""
+        """The aborts callers made since `_take_inputs` of requests the loop holds, at
+        once: between the steps of a decode run being committed, so that a request aborted
+        from its stream's callback gets no chunk after it, as between single steps. An
+        abort of a request not taken in yet (submitted meanwhile) waits for `_take_inputs`,
+        which takes the request in first."""
+        live = self._live
         with self._cv:
-            aborts, self._aborts = self._aborts, []
+            aborts = [abort for abort in self._aborts if abort[0] in live]
+            self._aborts = [abort for abort in self._aborts if abort[0] not in live]
         self._cancel(aborts)
 
     def _cancel(self, aborts: list[tuple[int, BaseException]]) -> None:

@@ -36,6 +36,7 @@ from overlap_engines import (
 
 from lmprog_runtime import Engine
 from lmprog_runtime.config import RuntimeConfig
+from lmprog_runtime.engine import RequestAborted
 
 POOL = {"max_total_tokens": 4096, "max_running_requests": 16}
 # A KV pool far smaller than the demand put on it, with short prefill chunks.
@@ -632,6 +633,29 @@ def test_an_abort_from_a_stream_ends_its_request_between_a_runs_steps(engines):
     taken = count_runs(runs)
     try:  # (the chunks: inside the first and second runs)
         assert_stream_aborts_match(single, runs, params, {1: 2, 3: 5, 4: 7})
+    finally:
+        del runs._step_run
+    assert taken and max(taken) == STEPS
+
+
+def test_a_request_submitted_and_aborted_during_a_run_ends_aborted(engines):
+    """A request submitted and aborted at once while a run is committed (here from another
+    request's stream, on the loop thread) ends aborted: its abort waits until the loop
+    has taken the request in, and is not lost to the run's taking of aborts."""
+    _, runs = engines
+    late = []
+
+    def on_chunk(i: int, chunk: dict) -> None:
+        if chunk["meta_info"]["completion_tokens"] == 2 and not late:
+            late.extend(runs.submit([PROMPTS[1]], {"max_new_tokens": 40, "temperature": 0}))
+            runs.abort(late[0].request_id)
+
+    taken = count_runs(runs)
+    try:
+        params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+        (first,) = runs.submit([PROMPTS[0]], params, on_chunk=on_chunk)
+        assert len(first.result(timeout=60)["output_ids"]) == 30
+        assert isinstance(late[0].exception(timeout=60), RequestAborted)
     finally:
         del runs._step_run
     assert taken and max(taken) == STEPS

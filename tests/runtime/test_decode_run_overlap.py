@@ -23,6 +23,7 @@ from overlap_engines import (
     WORKERS,
     assert_each_draw_counts_its_tokens,
     assert_same_logprobs,
+    assert_stream_aborts_match,
     count_launches_before_check,
     count_runs,
     count_runs_ahead,
@@ -100,6 +101,19 @@ def record_turns(engine: Engine) -> list[str]:
 
 def stop_recording(engine: Engine) -> None:
     del engine._commit_runs, engine._launch
+
+
+def test_an_abort_from_a_stream_ends_its_request_inside_a_run(engines):
+    """Requests aborted from their streams' callbacks, inside runs and overlapped steps,
+    get no chunk after their abort; the others produce what single steps produce."""
+    single, both = engines
+    params = [{"max_new_tokens": 30, "temperature": 0, "ignore_eos": True} for _ in range(6)]
+    turns = record_turns(both)
+    try:
+        assert_stream_aborts_match(single, both, params, {1: 2, 3: 5, 4: 7})
+    finally:
+        stop_recording(both)
+    assert "run" in turns
 
 
 def test_runs_and_overlapped_steps_take_turns_and_match_single_steps(engines):
