@@ -76,10 +76,10 @@ and the one launched after it (up to 2K steps; SGLang's option documents the sam
 more throughput, later first tokens for requests that arrive meanwhile), and so does an
 abort where a run is committed at once (committed step by step, a run takes aborts
 between its steps: `_cancel_aborted`); a request that stops inside a run computes the
-rest of it for nothing. A run whose
-launch raises is dropped (its further slots freed, CPU generators rewound); the first
-run's first step then runs alone (which finds the failing request), and a run launched
-ahead is simply not there (the loop schedules after the commit).
+rest of it for nothing. A run whose launch raises is dropped (its further slots freed,
+CPU generators rewound); the first run's first step then runs alone (which finds the
+failing request), and a run launched ahead is simply not there (the loop schedules after
+the commit).
 """
 
 from __future__ import annotations
