@@ -115,31 +115,30 @@ class Engine(EngineLoop):
             tree = RadixCache(runner.allocator, self.config.page_size, self.config.eviction_policy)
         self.tree_cache = tree
         req_cache = ReqCache(tree, runner.allocator, runner.req_to_token)
+        # decode_steps="auto": runs or single steps, as the overlapped loop finds the device
+        # idle or busy (the synchronous loop always runs runs: `config.run_steps`)
+        auto = self.config.decode_steps == "auto" and self.config.is_overlapped
+        self._run_choice = RunChoice(self.config.run_steps) if auto else None
         wait = self.config.admission_wait_steps
         if wait is None:  # (where admitting costs an eager step against a graph's replay;
-            # decode runs wait for a run's end already)
-            # ("auto" decode steps one at a time while the overlapped loop probes)
-            single = self.config.decode_steps == 1 or (
-                self.config.decode_steps == "auto" and self.config.is_overlapped
-            )
+            # decode runs wait for a run's end already, "auto"'s single steps do not)
+            single = self.config.decode_steps == 1 or self._run_choice is not None
             graphed = runner.graphs is not None and single
             wait = GRAPHED_ADMISSION_WAIT_STEPS if graphed else 0
         self.scheduler = Scheduler(
-            self.config, runner.allocator, runner.req_to_token, req_cache, self._stats, wait
+            self.config,
+            runner.allocator,
+            runner.req_to_token,
+            req_cache,
+            self._stats,
+            wait,
+            self._run_choice,
         )
         # Overlap scheduling (overlap.py): the forward of a step runs on the worker while the
         # loop checks the previous step; the launched forward waits in `_in_flight`.
         self._worker = ForwardWorker(runner) if self.config.is_overlapped else None
         self._in_flight: InFlight | None = None
         self._runs: list[RunSlots] = []  # the decode runs launched and not yet committed
-        # decode_steps="auto": runs or single steps, as the overlapped loop finds the device
-        # idle or busy (the synchronous loop always runs runs: `config.run_steps`)
-        self._run_choice = (
-            RunChoice(self.config.run_steps)
-            if self.config.decode_steps == "auto" and self._worker is not None
-            else None
-        )
-        self.scheduler.run_choice = self._run_choice
         self._released = 0  # requests the loop has finished (`_finish`), counted
         self._steady: SteadyCheck | None = None  # the last check's batch, if it may settle
         self.penalty_counts = PenaltyCounts()  # penalised requests' token counts

@@ -104,16 +104,18 @@ class Scheduler:
         req_cache: ReqCache,
         stats: EngineStats,
         admission_wait_steps: int = 0,
+        run_choice: RunChoice | None = None,
     ) -> None:
         """`admission_wait_steps`: `RuntimeConfig.admission_wait_steps` as resolved for the
-        engine (None there is 8 where single decode steps replay CUDA graphs, else 0)."""
+        engine (None there is 8 where single decode steps replay CUDA graphs, else 0).
+        `run_choice`: with `decode_steps="auto"`, the engine's choice."""
         self.config = config
         self.admission_wait = AdmissionWait(
             admission_wait_steps, config.max_running_requests, config.max_prefill_tokens
         )
-        # With `decode_steps="auto"`, the engine's choice: while it takes decode runs,
-        # admission does not wait (a run's end makes it wait already).
-        self.run_choice: RunChoice | None = None
+        # While the choice takes decode runs, admission does not wait (a run's end makes it
+        # wait already).
+        self.run_choice = run_choice
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.req_cache = req_cache
