@@ -1,13 +1,13 @@
 """The in-process engine: a public `generate` / `submit` API over a background loop.
 
-Callers' threads validate and tokenize their input, hand `Req`s to the loop and wait (or,
-with `submit`, get futures). The loop thread (`engine_loop.py`) alone owns the scheduler,
-the model runner and every KV slot.
+Callers' threads validate and tokenize their input into `Req`s (`request_maker.py`), hand
+them to the loop and wait (or, with `submit`, get futures; `results.py`: errors, streams,
+futures). The loop thread (`engine_loop.py`) alone owns the scheduler, the model runner and
+every KV slot.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -25,41 +25,43 @@ import torch
 from lmprog_runtime.admission_wait import GRAPHED_ADMISSION_WAIT_STEPS
 from lmprog_runtime.byte_decode import ByteLevelTable
 from lmprog_runtime.config import RuntimeConfig
-from lmprog_runtime.constrained.jump_forward import jump_forward
 from lmprog_runtime.constrained.outlines_backend import is_byte_level
-from lmprog_runtime.engine_inputs import normalize_generate_inputs
-from lmprog_runtime.engine_loop import EngineLoop, serve, wake
+from lmprog_runtime.engine_loop import EngineLoop
 from lmprog_runtime.engine_view import engine_html, engine_repr
 from lmprog_runtime.forward_worker import ForwardWorker
 from lmprog_runtime.gc_freeze import BusyFreeze, working
 from lmprog_runtime.kvcache.radix_cache import RadixCache
 from lmprog_runtime.kvcache.radix_view import RadixTreeView
 from lmprog_runtime.kvcache.req_cache import ReqCache
+from lmprog_runtime.loop_thread import serve, wake
 from lmprog_runtime.model_runner import ModelRunner
 from lmprog_runtime.models.registry import local_model_dir, resolve_model_path
 from lmprog_runtime.overlap import InFlight
 from lmprog_runtime.penalties import PenaltyCounts
-from lmprog_runtime.request import DoneFlag, Req
+from lmprog_runtime.request import Req
+from lmprog_runtime.request_maker import RequestMaker, backend_decode
+from lmprog_runtime.results import (
+    QueueFull,
+    RequestAborted,
+    RequestStream,
+    resolve_future,
+    wait_all,
+    wait_for,
+    wake_once,
+)
 from lmprog_runtime.run_choice import RunChoice
 from lmprog_runtime.run_plan import RunSlots
-from lmprog_runtime.sampling_params import SamplingParams
-from lmprog_runtime.scheduler import RequestGroup, Scheduler
+from lmprog_runtime.scheduler import Scheduler
 from lmprog_runtime.server_args import from_sglang
 from lmprog_runtime.stats import EngineStats
 from lmprog_runtime.steady_check import SteadyCheck
-from lmprog_runtime.token_healing import (
-    CONTEXT_TOKENS,
-    Heal,
-    HealMatcher,
-    TokenHealer,
-    healed_pattern,
-)
+from lmprog_runtime.token_healing import TokenHealer
 from lmprog_runtime.transfer import device_scope, require_device
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(EngineLoop):
+class Engine(RequestMaker, EngineLoop):
     """Runs a Llama-family checkpoint in this process with continuous batching.
 
     `model_path` is a named model (`"smollm2-135m-instruct"`, `"tiny"`, ...), a Hugging Face
@@ -230,11 +232,11 @@ class Engine(EngineLoop):
             )
             if stream and not is_single:
                 raise ValueError("stream=True takes a single prompt")
-            woken = None if stream else _wake_once(reqs)
+            woken = None if stream else wake_once(reqs)
             self._submit(self._make_group(reqs) if group and len(reqs) > 1 else reqs)
             if stream:
                 return RequestStream(self, reqs[0])
-            outputs = self._wait_all(reqs, woken)
+            outputs = wait_all(self, reqs, woken)
         return outputs[0] if is_single else outputs
 
     def submit(
@@ -277,155 +279,12 @@ class Engine(EngineLoop):
             future: Future = Future()
             future.set_running_or_notify_cancel()
             future.request_id = req.rid  # type: ignore[attr-defined] - for `abort`
-            req.on_done = functools.partial(_resolve, future)
+            req.on_done = functools.partial(resolve_future, future)
             if on_chunk is not None:
                 req.on_chunk = functools.partial(on_chunk, i)
             futures.append(future)
         self._submit(self._make_group(reqs) if group and len(reqs) > 1 else reqs)
         return futures
-
-    def _make_reqs(
-        self,
-        prompt,
-        sampling_params,
-        input_ids,
-        return_logprob,
-        logprob_start_len,
-        top_logprobs_num,
-        return_text_in_logprobs,
-        *,
-        stream: bool,
-    ) -> tuple[list[Req], bool]:
-        """Validate and tokenize the inputs into requests (ValueError / TypeError here)."""
-        if self._stopping:
-            raise RuntimeError("the engine has been shut down")
-        items, is_single = normalize_generate_inputs(
-            self,
-            prompt,
-            sampling_params,
-            input_ids=input_ids,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs,
-        )
-        with self._seeds_lock:
-            seeds = [self._seeds.getrandbits(62) for _ in items]
-        heals = [self._heal(item) for item in items]
-        # A healed constraint's pattern starts with the backed-up text.
-        items = [
-            item._replace(
-                grammar=self.grammar("regex", healed_pattern(heal.text, item.grammar.regex))
-            )
-            if heal is not None and item.grammar is not None
-            else item
-            for item, heal in zip(items, heals)
-        ]
-        reqs = [
-            Req(
-                next(self._rids),
-                item.input_ids if heal is None else item.input_ids[:-1],
-                item.params,
-                tokenizer=self,
-                eos_token_ids=self.eos_token_ids,
-                context_len=self.context_len,
-                return_logprob=item.return_logprob,
-                logprob_start_len=item.logprob_start_len,
-                top_logprobs_num=item.top_logprobs_num,
-                return_text_in_logprobs=item.return_text_in_logprobs,
-                stream=stream,
-                seed=seed,
-                matcher=self._matcher(item, heal),
-                grammar_eos=self._grammar_eos if item.grammar is not None else None,
-                grammar=item.grammar,
-                char_fsm=self._char_fsm(item),
-                heal=heal,
-                detok_context=self._detok_context(item) if heal is None else None,
-                context_free_decode=self._byte_table is not None,
-            )
-            for item, seed, heal in zip(items, seeds, heals)
-        ]
-        for req in reqs:
-            if req.char_fsm is not None and req.heal is None:  # (healed: the model goes first)
-                self._jump_forward(req, at_start=True)
-        return reqs, is_single
-
-    def _heal(self, item: Any) -> Heal | None:
-        """How to heal `item`'s prompt, if it asks for token healing and there is anything
-        to heal."""
-        if not item.params.token_healing or item.params.max_new_tokens == 0:
-            return None  # (a prompt-only request keeps its whole prompt)
-        return self._healer.plan(item.input_ids, item.params.skip_special_tokens)
-
-    def _detok_context(self, item: Any) -> tuple[list[int], int] | None:
-        """The prompt tokens an output is decoded after, and the characters of their
-        decode: a tokenizer whose decode strips the text's first space (SentencePiece's
-        `▁`) would otherwise drop an output's leading space ("Answer:" + "Paris"). None for
-        byte-level BPE, whose pieces decode alike anywhere, and where the prompt's last
-        tokens end inside a character."""
-        if self._decode_is_context_free or item.params.max_new_tokens == 0:
-            return None
-        context = item.input_ids[-CONTEXT_TOKENS:]
-        text = self.decode(context, skip_special_tokens=item.params.skip_special_tokens)
-        return None if text.endswith("\ufffd") else (context, len(text))
-
-    @staticmethod
-    def _matcher(item: Any, heal: Heal | None) -> Any:
-        if item.grammar is not None:
-            return item.grammar.new_matcher()
-        return HealMatcher(heal.words) if heal is not None else None
-
-    def _make_group(self, reqs: list[Req]) -> list[Req]:
-        """Tie `reqs` into a group, behind an internal prefill of their common prefix."""
-        common = _common_prefix_len([r.input_ids for r in reqs])
-        prefix_req = None
-        if self.tree_cache is not None and common >= max(2, self.config.page_size):
-            prefix_req = Req(
-                next(self._rids),
-                reqs[0].input_ids[:common],
-                SamplingParams(max_new_tokens=0),
-                tokenizer=self,
-                eos_token_ids=self.eos_token_ids,
-                context_len=self.context_len,
-            )
-        group = RequestGroup(reqs, prefix_req)
-        for req in reqs:
-            req.group = group
-        return ([prefix_req] if prefix_req is not None else []) + reqs
-
-    def grammar(self, kind: str, pattern: str) -> Any:
-        """The compiled constraint for (kind, pattern), cached; ValueError if it is bad."""
-        with self._grammar_lock:
-            if self._stopping:  # (no compile threads started after `shutdown` stopped them)
-                raise RuntimeError("the engine was shut down")
-            if self._grammars is None:
-                from lmprog_runtime.constrained import GrammarCache
-                from lmprog_runtime.constrained.outlines_backend import OutlinesGrammarBackend
-
-                if self._grammar_eos is None:
-                    raise ValueError("constrained decoding needs a model with an EOS token")
-                backend = OutlinesGrammarBackend(self.tokenizer, self._grammar_eos)
-                self._grammars = GrammarCache(
-                    backend, self.config.grammar_compile_timeout_s, self.config.grammar_cache_size
-                )
-        return self._grammars.get(kind, pattern)
-
-    def _char_fsm(self, item: Any) -> Any:
-        """Jump-forward applies to constrained requests without stop strings or logprobs."""
-        if item.grammar is None or self.config.disable_jump_forward:
-            return None
-        if item.params.stop or item.params.stop_regex or item.return_logprob:
-            return None
-        return self._grammars.char_fsm(item.grammar)
-
-    def _jump_forward(self, req: Req, at_start: bool = False) -> None:
-        added = jump_forward(req, self)
-        if added is None:
-            return
-        self._stats.add("jump_forward_tokens", added)
-        if not at_start:
-            self.scheduler.jump_forward(req)  # extend the forced tokens next
-            self._leave_in_flight(req)
 
     def stats(self) -> dict[str, float]:
         """Counters since start or the last `reset_stats()` (see DESIGN.md for the keys)."""
@@ -522,21 +381,6 @@ class Engine(EngineLoop):
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # ---- tokenizer access (shared by caller threads and the loop) -----------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        with self._tokenizer_lock:
-            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self._byte_table is not None and type(ids) is list:  # (read-only: no lock)
-            text = self._byte_table.decode(ids, skip_special_tokens)
-            if text is not None:
-                return text
-        with self._tokenizer_lock:
-            if self._backend_decode is not None and type(ids) is list and _flat(ids):
-                return self._backend_decode(ids, skip_special_tokens=skip_special_tokens)
-            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
     # ---- caller side --------------------------------------------------------------------
     def _command(self, name: str, *args: Any) -> Any:
         """Run `name` on the loop thread, between steps, and return its result (or raise
@@ -547,9 +391,7 @@ class Engine(EngineLoop):
                 raise RuntimeError("the engine has been shut down")
             self._commands.append((name, args, done, result))
             self._cv.notify_all()
-        while not done.wait(0.5):
-            if not self._thread.is_alive():
-                raise RuntimeError("the engine loop has stopped")
+        wait_for(self, done)
         if isinstance(result[0], Exception):
             raise result[0]
         return result[0]
@@ -569,99 +411,6 @@ class Engine(EngineLoop):
             self._inbox.extend(reqs)
             self._cv.notify_all()
 
-    def _wait_all(
-        self, reqs: list[Req], woken: threading.Event | None = None
-    ) -> list[dict[str, Any]]:
-        """Wait for every request (`woken`, from `_wake_once`: first until all are done or
-        one failed); if the wait is interrupted (Ctrl-C), abort the ones still running
-        before the interrupt goes on."""
-        try:
-            if woken is not None:
-                self._wait_for(woken)
-            return [self._wait(req) for req in reqs]
-        except BaseException:
-            for req in reqs:
-                if not req.done.is_set():
-                    self.abort(req.rid)
-            raise
-
-    def _wait(self, req: Req) -> dict[str, Any]:
-        self._wait_for(req.done)
-        if req.error is not None:
-            raise _request_error(req)
-        return req.to_output()
-
-    def _wait_for(self, event: threading.Event | DoneFlag) -> None:
-        while not event.wait(0.5):
-            if not self._thread.is_alive():
-                raise RuntimeError("the engine loop has stopped")
-
-
-def _wake_once(reqs: list[Req]) -> threading.Event:
-    """An event set when all of `reqs` are done, or one of them failed (set on the loop
-    thread, by their `on_done`: set it before they are submitted). A caller waiting for
-    a batch wakes once, not at each request: at every wake it takes the GIL from the loop,
-    which finishes the others meanwhile (each torch op of the loop hands the GIL over)."""
-    woken, left = threading.Event(), [len(reqs)]
-
-    def done(req: Req) -> None:
-        left[0] -= 1
-        if not left[0] or req.error is not None:
-            woken.set()
-
-    for req in reqs:
-        req.on_done = done
-    return woken
-
-
-class RequestAborted(RuntimeError):
-    """A request was cancelled: `Engine.abort`, a closed stream or an interrupted wait."""
-
-
-class QueueFull(RuntimeError):
-    """More requests wait to be admitted than the engine's `max_queued_requests`."""
-
-
-class RequestStream:
-    """The chunks of one streamed request. Closing it (or dropping it) before the end
-    aborts the request."""
-
-    def __init__(self, engine: Engine, req: Req) -> None:
-        assert req.stream_queue is not None
-        self._engine = engine
-        self._req = req
-        self._is_over = False
-
-    def __iter__(self) -> RequestStream:
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        if self._is_over:
-            raise StopIteration
-        try:
-            chunk = self._req.stream_queue.get()
-        except BaseException:
-            self.close()
-            raise
-        if chunk is not None:
-            return chunk
-        self._is_over = True
-        if self._req.error is not None:
-            raise _request_error(self._req)
-        raise StopIteration
-
-    def close(self) -> None:
-        """Stop reading: the request is aborted if it has not finished."""
-        if not self._is_over:
-            self._is_over = True
-            if not self._req.done.is_set():
-                self._engine.abort(self._req.rid)
-
-    def __del__(self) -> None:
-        if not self._engine._stopping:
-            with contextlib.suppress(Exception):  # never raise from a finalizer
-                self.close()
-
 
 def Runtime(model_path: str | os.PathLike[str] | None = None, **server_args: Any) -> Engine:  # noqa: N802
     """SGLang's `sgl.Runtime(model_path=..., **server_args)`, which starts a server: here the
@@ -675,56 +424,5 @@ def Runtime(model_path: str | os.PathLike[str] | None = None, **server_args: Any
     return Engine(model_path, **server_args)
 
 
-def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
-    """The Rust tokenizer's own `decode`, where the tokenizer's `decode` adds nothing to it
-    for a list of ids (a stock fast tokenizer that cleans up no spaces): the same text, at
-    a fifth of the cost (`decode` converts and checks each id in Python first; the loop
-    decodes at every finish, and twice a token for stop strings and streams). None for any
-    other tokenizer."""
-    from transformers import PreTrainedTokenizerFast
-
-    cls = type(tokenizer)
-    stock = (
-        isinstance(tokenizer, PreTrainedTokenizerFast)
-        and cls.decode is PreTrainedTokenizerFast.decode
-        and cls._decode is PreTrainedTokenizerFast._decode
-        and not tokenizer.clean_up_tokenization_spaces
-    )
-    return tokenizer._tokenizer.decode if stock else None
-
-
-def _flat(ids: list[Any]) -> bool:
-    """Whether `ids` is one sequence (`tokenizer.decode` takes a batch of them too)."""
-    return not ids or type(ids[0]) is int
-
-
 def _no_fault(point: str, req: Req) -> None:
     pass
-
-
-def _request_error(req: Req) -> Exception:
-    """What a caller gets for a failed request: the request named, its error as the cause;
-    a cancelled one (aborted, timed out) raises its own error, which names it."""
-    if isinstance(req.error, (RequestAborted, TimeoutError)):
-        return req.error
-    error = RuntimeError(f"request {req.rid} failed: {req.error}")
-    error.__cause__ = req.error
-    return error
-
-
-def _resolve(future: Future, req: Req) -> None:
-    """A submitted request finished: its future gets the result or the error."""
-    if req.error is not None:
-        future.set_exception(_request_error(req))
-    else:
-        future.set_result(req.to_output())
-
-
-def _common_prefix_len(seqs: list[list[int]]) -> int:
-    first, n = seqs[0], min(len(s) for s in seqs)
-    for other in seqs[1:]:
-        i = 0
-        while i < n and other[i] == first[i]:
-            i += 1
-        n = i
-    return n

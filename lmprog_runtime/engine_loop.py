@@ -1,56 +1,41 @@
-"""The engine's loop thread: each step it takes what callers handed in, schedules, runs one
+"""The engine's loop: each step it takes what callers handed in, schedules, runs one
 forward, samples, and finishes requests the moment they stop (with overlap scheduling, the
 checks of one step run while the next step's forward does: see `overlap.py`; with decode
 runs, several decode steps run from one scheduling: see `decode_run.py`).
 
 `EngineLoop` holds the loop-side methods of `Engine` (the caller side, validation and the
-public API live in `engine.py`). Only the loop thread runs them: it alone owns the
+public API live in `engine.py`; the draw of a step's tokens in `step_draw.py`; the thread
+that runs the loop in `loop_thread.py`). Only the loop thread runs them: it alone owns the
 scheduler, the model runner and every KV slot. An exception in one step fails only the
 requests of that step; the loop keeps serving.
-
-The loop thread holds the engine only weakly (a strong reference for one step at a time,
-none while it waits), so an engine nobody references is collected with its model and KV
-pool, and its finalizer wakes the thread to exit.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
-import threading
 import time
-import weakref
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from lmprog_runtime.decode_run import DecodeRunLoop, Run
+from lmprog_runtime.decode_run import DecodeRunLoop
 from lmprog_runtime.forward_batch import ForwardMode, RowsOf
 from lmprog_runtime.kvcache.radix_view import snapshot
-from lmprog_runtime.logprobs import (
-    TokenLogprob,
-    record_next_token_alternatives,
-    record_prompt_logprobs,
-    token_logprobs,
-)
 from lmprog_runtime.overlap import OverlapLoop
 from lmprog_runtime.request import Req
-from lmprog_runtime.sampling import NO_MASS, SampleRow, sample_each, sample_rows, take_rows
-from lmprog_runtime.scheduler import ScheduledBatch
+from lmprog_runtime.run_commit import Run
+from lmprog_runtime.scheduled_batch import ScheduledBatch
 from lmprog_runtime.steady_check import SteadyCheck
-from lmprog_runtime.transfer import use_device
-
-if TYPE_CHECKING:
-    from lmprog_runtime.engine import Engine
-    from lmprog_runtime.gc_freeze import BusyFreeze
+from lmprog_runtime.step_draw import StepDraw
 
 logger = logging.getLogger("lmprog_runtime.engine")
 # Scheduling that raises this many times in a row fails every request the loop holds.
 MAX_SCHEDULE_FAILURES = 3
 
 
-class EngineLoop(OverlapLoop, DecodeRunLoop):
+class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
     """The loop-side half of `Engine` (a mixin: `Engine` sets every attribute used here)."""
 
     def _is_idle(self) -> bool:
@@ -341,99 +326,6 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
         batch.narrow(kept)
         return (torch.cat(parts) if parts else torch.empty(0, device=self.runner.device)), rows
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor, row_of: RowsOf) -> list[Req]:
-        """Draw each request's next token and append it, unchecked; a request whose
-        sampling raises fails alone. Returns the requests that got a token."""
-        appended = []
-        for req, token, logprob in self._draw(reqs, logits, row_of):
-            req.output_ids.append(token)
-            if logprob is not None:
-                self._record_token_logprob(req, token, logprob)
-            appended.append(req)
-        return appended
-
-    @staticmethod
-    def _record_token_logprob(req: Req, token: int, logprob: TokenLogprob) -> None:
-        req.output_token_logprobs.append(req.logprob_entry(logprob[0], token))
-        if req.top_logprobs_num:
-            req.output_top_logprobs.append(req.logprob_entries(logprob[1]))
-
-    def _draw(
-        self, reqs: list[Req], logits: torch.Tensor, row_of: RowsOf
-    ) -> list[tuple[Req, int, TokenLogprob | None]]:
-        """(request, token, logprob) for each request, sampled as one batch; a request whose
-        row raises fails alone (`sample_each`)."""
-        reqs, rows = self._rows_to_draw(reqs, logits.shape[-1])
-        if not reqs:
-            return []
-        index = row_of.last_rows(reqs)
-        token_ids = self.runner.greedy_tokens(logits, index, rows)
-        errors: dict[int, Exception] = {}
-        if token_ids is None:  # (else drawn in the decode graph)
-            logits = take_rows(logits, index)
-            token_ids, errors = sample_each(logits, rows)
-        logprobs = token_logprobs(logits, token_ids, reqs)
-        return self._drawn(reqs, token_ids.tolist(), errors, logprobs)
-
-    def _rows_to_draw(self, reqs: list[Req], vocab: int) -> tuple[list[Req], list[SampleRow]]:
-        """What sampling reads of each request (`sample_rows`), and the requests it was
-        taken for: one whose grammar cannot say what may come next fails alone, as does one
-        the fault hook's "sample" point fails (a test hook)."""
-        if self.fault_hook is not None:
-            reqs = self._each(reqs, lambda req: self.fault_hook("sample", req))
-        try:
-            return reqs, sample_rows(reqs, vocab, self.penalty_counts)
-        except Exception:  # noqa: BLE001 - find the culprit below
-            logger.exception("preparing the draw failed; preparing each request alone")
-        rows: dict[int, SampleRow] = {}
-        counts = self.penalty_counts
-        reqs = self._each(
-            reqs, lambda req: rows.update({id(req): sample_rows([req], vocab, counts)[0]})
-        )
-        return reqs, [rows[id(req)] for req in reqs]
-
-    def _each(self, reqs: list[Req], action: Callable[[Req], Any]) -> list[Req]:
-        """Run `action` on each request; one it raises for fails. Returns the others."""
-        kept = []
-        for req in reqs:
-            try:
-                action(req)
-            except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
-                self._finish(req, error)
-                continue
-            kept.append(req)
-        return kept
-
-    def _drawn(
-        self,
-        reqs: list[Req],
-        ids: list[int],
-        errors: dict[int, Exception],
-        logprobs: list[TokenLogprob | None],
-    ) -> list[tuple[Req, int, TokenLogprob | None]]:
-        """Fail the requests whose row failed or had no mass (token -1); (request, token,
-        logprob) for the others (row i of each list is reqs[i]'s)."""
-        if ids and min(ids) < 0:
-            for i, token in enumerate(ids):
-                if token < 0 and i not in errors:
-                    errors[i] = ValueError(f"request {reqs[i].rid}: {NO_MASS}")
-        if not errors:
-            return list(zip(reqs, ids, logprobs))
-        for i, error in errors.items():
-            self._finish(reqs[i], error)
-        return [row for i, row in enumerate(zip(reqs, ids, logprobs)) if i not in errors]
-
-    def _record_prompt_logprobs(
-        self, reqs: list[Req], logits: torch.Tensor, row_of: RowsOf
-    ) -> None:
-        for req in reqs:
-            try:
-                record_prompt_logprobs([req], logits, row_of)
-                record_next_token_alternatives([req], logits, row_of)
-            except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
-                logger.exception("prompt logprobs of request %d failed", req.rid)
-                self._finish(req, error)
-
     def _finish(
         self,
         req: Req,
@@ -488,58 +380,3 @@ class EngineLoop(OverlapLoop, DecodeRunLoop):
                 req.on_done(req)
             except Exception:  # a caller's callback must not fail the step of others
                 logger.exception("on_done callback of request %d failed", req.rid)
-
-
-def serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, freeze: BusyFreeze) -> None:
-    """The loop thread: run steps while the engine has work, until it is shut down or gone;
-    the collector's freeze (`gc_freeze.py`) is told when it takes up work and when it has
-    none left.
-
-    A strong reference is taken for one check or step and dropped before waiting, so while
-    the engine is idle only callers keep it alive. The idle check and the wait share one
-    acquisition of `cv`, so a submit cannot slip between them; the engine's
-    finalizer notifies `cv`, and the next check finds the reference dead.
-    """
-    try:
-        _serve(engine_ref, cv, freeze)
-    finally:
-        freeze.idle()
-
-
-def _serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, freeze: BusyFreeze) -> None:
-    engine = engine_ref()
-    if engine is not None:
-        use_device(engine.runner.device)  # (the engine's device, for this thread's work)
-    del engine
-    while True:
-        with cv:
-            engine = engine_ref()
-            if engine is None or engine._stopping:
-                return
-            is_idle = engine._is_idle()
-            linger = freeze.lingering() if is_idle and freeze.is_busy else 0.0
-            if is_idle and (linger or not freeze.is_busy):
-                # Dropping the last reference runs the finalizer here (`cv` is reentrant), and
-                # its notify would be lost: check again before waiting.
-                del engine
-                if engine_ref() is None:
-                    return
-                cv.wait(linger or None)  # (busy still: more work soon keeps the freeze)
-                continue
-        if is_idle:  # (outside `cv`: leaving may collect, and run finalizers)
-            del engine
-            freeze.idle()
-            continue
-        freeze.busy()
-        try:
-            engine._run_once()
-        except Exception as error:  # a bug outside any one step: fail what it held, go on
-            logger.exception("engine loop iteration failed")
-            engine._fail_all(error)
-        del engine  # the last reference may be dropped here: the next check then exits
-
-
-def wake(cv: threading.Condition) -> None:
-    """An engine's finalizer: wake its loop thread, which then finds the engine gone."""
-    with cv:
-        cv.notify_all()

@@ -17,10 +17,8 @@ decode graph does so inside its replay.
 from __future__ import annotations
 
 import array
-import json
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -29,20 +27,20 @@ from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.cuda_graph import DecodeGraphRunner
 from lmprog_runtime.forward_batch import ForwardBatch, ForwardMode, OneRowEach, resolve_future_ids
 from lmprog_runtime.kvcache import KVPool, ReqToTokenPool, TokenSlotAllocator
+from lmprog_runtime.memory_plan import (
+    available_host_memory,
+    check_memory,
+    num_kv_slots,
+    serving_dtype,
+)
 from lmprog_runtime.models import load_model
-from lmprog_runtime.models.cpu import cpu_has_native_bf16
-from lmprog_runtime.models.loader import read_torch_dtype
 from lmprog_runtime.models.quantization import quantize_linears
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling import SampleRow
-from lmprog_runtime.scheduler import ScheduledBatch
+from lmprog_runtime.scheduled_batch import ScheduledBatch
 from lmprog_runtime.transfer import device_with_index, host_ints, index_tensor, to_device
 
 logger = logging.getLogger(__name__)
-
-# A CPU pool is sized by this cap unless max_total_tokens says otherwise: host memory is
-# shared with everything else, and tests should not reserve gigabytes they never touch.
-DEFAULT_CPU_MAX_TOTAL_TOKENS = 65536
 
 
 class ModelRunner:
@@ -51,7 +49,7 @@ class ModelRunner:
         W8A8's calibration text."""
         self.config = config
         self.device = device_with_index(torch.device(config.device))
-        self.model = load_model(model_path, self._dtype(model_path), config.device)
+        self.model = load_model(model_path, serving_dtype(config, model_path), config.device)
         if config.quantization == "w8a8_int8":
             from lmprog_runtime.models.smoothing import calibrate_and_smooth
 
@@ -67,7 +65,7 @@ class ModelRunner:
         if dtype == torch.bfloat16 and self.device.type == "cpu" and not config.disable_amx_linears:
             from lmprog_runtime.models.amx_linear import use_amx_linears
 
-            use_amx_linears(self.model, _available_host_memory())
+            use_amx_linears(self.model, available_host_memory())
         self.attention_backend = _resolve_backend(config.attention_backend, self.device, dtype)
         if self.attention_backend == "native":
             from lmprog_runtime.models.ops import NativeOps
@@ -84,8 +82,10 @@ class ModelRunner:
                 f"max_position_embeddings {self.model_config.context_len}"
             )
         mc = self.model_config
-        self._check_memory(dtype)
-        self.allocator = TokenSlotAllocator(self._num_kv_slots(dtype), config.page_size)
+        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+        check_memory(config, self.device, self.context_len, per_token)
+        num_slots = num_kv_slots(config, self.device, per_token)
+        self.allocator = TokenSlotAllocator(num_slots, config.page_size)
         self.num_kv_slots = self.allocator.num_slots  # whole pages only
         # Rows 0 .. (num_pages + 1) * page_size - 1: page 0 is the padding page.
         self.kv_pool = KVPool(
@@ -117,74 +117,6 @@ class ModelRunner:
             except Exception as error:  # noqa: BLE001 - never run on a GPU yet: decode eagerly
                 logger.warning("CUDA graph capture failed, decoding without graphs: %r", error)
                 self.graphs = None
-
-    def _dtype(self, model_path: str) -> torch.dtype:
-        if self.config.dtype != "auto":
-            return read_torch_dtype(self.config.dtype)
-        raw = json.loads((Path(model_path) / "config.json").read_text())
-        name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
-        device_type = torch.device(self.config.device).type
-        if device_type == "cpu":
-            # 16-bit weights compute in bfloat16 where the CPU does so natively; float32
-            # checkpoints (the built-in test models) stay float32.
-            is_16_bit = name in ("bfloat16", "float16")
-            return torch.bfloat16 if is_16_bit and cpu_has_native_bf16() else torch.float32
-        if device_type == "cuda":
-            # Serving precision on GPUs, float32 checkpoints included (half the memory
-            # traffic of decode, tensor cores); dtype="float32" keeps full precision.
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32 if name == "float32" else read_torch_dtype(name)
-
-    def _check_memory(self, dtype: torch.dtype) -> None:
-        """A ValueError naming the setting when the KV pool asked for (`max_total_tokens`) or
-        the request table (`max_running_requests` rows of `context_len` slots, on the host
-        and on the device) needs more memory than is available: not the allocator's error
-        from deep inside the set-up, nor a pool that fails only once it fills."""
-        config = self.config
-        table = (config.max_running_requests + 1) * self.context_len * 8  # int64 slots
-        host_free = _read_available_host_memory()
-        if self.device.type == "cuda":
-            # (free to the driver, and what torch's caching allocator holds unused: an
-            # engine built after another in the same process may reuse that)
-            cached = torch.cuda.memory_reserved(self.device)
-            cached -= torch.cuda.memory_allocated(self.device)
-            device_free = torch.cuda.mem_get_info(self.device)[0] + cached
-        else:
-            device_free = host_free  # (the table and the pool share it)
-        # (on a GPU a table on each side; host memory unknown without /proc/meminfo)
-        known = [free for free in (host_free, device_free) if free is not None]
-        if known and table > min(known):
-            raise ValueError(
-                f"max_running_requests={config.max_running_requests} rows of context_len "
-                f"{self.context_len} make a request table of {table / 2**30:.1f} GiB, more "
-                f"than this machine has free; lower max_running_requests or context_len"
-            )
-        if config.max_total_tokens is None or device_free is None:
-            return  # (sized from what is free; or nothing known to compare with)
-        pool = config.max_total_tokens * self._kv_bytes_per_token(dtype)
-        room = device_free - table
-        if pool > room:
-            where = "on the GPU" if self.device.type == "cuda" else "in host memory"
-            raise ValueError(
-                f"max_total_tokens={config.max_total_tokens} needs {pool / 2**30:.1f} GiB of "
-                f"KV cache, more than the {max(0, room) / 2**30:.1f} GiB free {where} beside "
-                f"the request table; lower it, or leave it None to size the pool by "
-                f"mem_fraction"
-            )
-
-    def _kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        mc = self.model_config
-        return KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
-
-    def _num_kv_slots(self, dtype: torch.dtype) -> int:
-        if self.config.max_total_tokens is not None:
-            return self.config.max_total_tokens
-        per_token = self._kv_bytes_per_token(dtype)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(16, int(free * self.config.mem_fraction) // per_token)
-        budget = int(_available_host_memory() * self.config.mem_fraction) // per_token
-        return max(16, min(budget, DEFAULT_CPU_MAX_TOTAL_TOKENS))
 
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, Sequence[list[int]]]:
         """Run one forward. Returns logits [num_rows, vocab] (float32, on the model's device)
@@ -447,21 +379,3 @@ def _first_logits_position(req: Req, prefix: int, end: int, mode: ForwardMode) -
         # Logits at position p score token p + 1; token 0 has no logprob.
         return min(max(req.logprob_start_len - 1, prefix, 0), end - 1)
     return end - 1
-
-
-def _available_host_memory() -> int:
-    """The host memory available now (8 GiB where the system does not say)."""
-    available = _read_available_host_memory()
-    return 8 << 30 if available is None else available
-
-
-def _read_available_host_memory() -> int | None:
-    """`MemAvailable` of /proc/meminfo, in bytes; None without it (not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None

@@ -81,7 +81,7 @@ from lmprog_runtime.logprobs import LogprobAsk
 
 if TYPE_CHECKING:
     from lmprog_runtime.request import Req
-    from lmprog_runtime.scheduler import ScheduledBatch
+    from lmprog_runtime.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger("lmprog_runtime.engine")
 

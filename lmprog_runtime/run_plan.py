@@ -14,7 +14,7 @@ import torch
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.keyed_race import race_key
 from lmprog_runtime.sampling import SampleRow
-from lmprog_runtime.scheduler import ScheduledBatch
+from lmprog_runtime.scheduled_batch import ScheduledBatch
 
 if TYPE_CHECKING:
     from lmprog_runtime.request import Req

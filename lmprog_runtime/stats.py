@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from lmprog_runtime.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
-    from lmprog_runtime.scheduler import ScheduledBatch
+    from lmprog_runtime.scheduled_batch import ScheduledBatch
 
 COUNTERS = (
     "prefill_tokens",  # tokens computed by prefill / extend forwards

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lmprog_runtime import model_runner
+from lmprog_runtime import memory_plan
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.models.cpu import cpu_has_native_bf16
 
@@ -29,11 +28,10 @@ from lmprog_runtime.models.cpu import cpu_has_native_bf16
 def test_auto_dtype_on_cpu(tmp_path, monkeypatch, stored, native_bf16, expected):
     config = {} if stored is None else {"torch_dtype": stored}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    monkeypatch.setattr(model_runner, "cpu_has_native_bf16", lambda: native_bf16)
-    runner = SimpleNamespace(config=RuntimeConfig(dtype="auto"))
-    assert model_runner.ModelRunner._dtype(runner, str(tmp_path)) is expected
-    explicit = SimpleNamespace(config=RuntimeConfig(dtype="float32"))
-    assert model_runner.ModelRunner._dtype(explicit, str(tmp_path)) is torch.float32
+    monkeypatch.setattr(memory_plan, "cpu_has_native_bf16", lambda: native_bf16)
+    assert memory_plan.serving_dtype(RuntimeConfig(dtype="auto"), str(tmp_path)) is expected
+    explicit = RuntimeConfig(dtype="float32")
+    assert memory_plan.serving_dtype(explicit, str(tmp_path)) is torch.float32
 
 
 def test_capability_agrees_with_the_cpu_flags():

@@ -195,7 +195,7 @@ def test_a_batch_whose_ids_were_replaced_is_no_longer_packed(engine):
     """A decode run replaces a step's ids by the tokens drawn before it: the graph must
     then take the fields, not the packed block they were sent in."""
     from lmprog_runtime.forward_batch import ForwardMode
-    from lmprog_runtime.scheduler import ScheduledBatch
+    from lmprog_runtime.scheduled_batch import ScheduledBatch
 
     runner = engine.runner
     row = runner.req_to_token.alloc()

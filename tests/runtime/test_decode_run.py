@@ -546,7 +546,7 @@ def test_only_a_run_whose_steps_come_together_is_committed_whole():
     checked token by token or streamed."""
     from types import SimpleNamespace
 
-    from lmprog_runtime.decode_run import DecodeRunLoop
+    from lmprog_runtime.run_commit import RunCommit
 
     def run(events, rows=(), errors=None, **req):
         plain = {"done": threading.Event(), "checks_last_token_alone": True, "is_streamed": False}
@@ -558,7 +558,7 @@ def test_only_a_run_whose_steps_come_together_is_committed_whole():
         )
 
     event, other = object(), object()
-    whole = DecodeRunLoop._checks_whole
+    whole = RunCommit._checks_whole
     assert whole(run([event, event, event])) and whole(run([None, None]))
     assert not whole(run([event, other, event]))
     assert not whole(run([None, None], rows=[0]))
@@ -721,7 +721,8 @@ def test_extend_decode_run_continues_each_requests_pages(page, lengths, steps, t
     from lmprog_runtime.forward_batch import ForwardMode
     from lmprog_runtime.kvcache import ReqToTokenPool, TokenSlotAllocator
     from lmprog_runtime.kvcache.req_cache import ReqCache
-    from lmprog_runtime.scheduler import ScheduledBatch, Scheduler
+    from lmprog_runtime.scheduled_batch import ScheduledBatch
+    from lmprog_runtime.scheduler import Scheduler
     from lmprog_runtime.stats import EngineStats
 
     allocator = TokenSlotAllocator(128, page)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from lmprog_runtime import SamplingParams, default_model_path
-from lmprog_runtime.engine import backend_decode
 from lmprog_runtime.request import Req
+from lmprog_runtime.request_maker import backend_decode
 from lmprog_runtime.token_healing import Heal
 
 

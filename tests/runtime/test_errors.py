@@ -192,9 +192,9 @@ def test_a_pool_or_table_larger_than_memory_is_refused_by_the_setting_that_asks(
 ):
     """Not torch's allocator error from inside the set-up: the setting, what it needs and
     what is free (host memory here, a GPU's free memory on CUDA)."""
-    from lmprog_runtime import model_runner
+    from lmprog_runtime import memory_plan
 
-    monkeypatch.setattr(model_runner, "_read_available_host_memory", lambda: 1 << 30)  # 1 GiB
+    monkeypatch.setattr(memory_plan, "read_available_host_memory", lambda: 1 << 30)  # 1 GiB
     with pytest.raises(ValueError, match=r"max_total_tokens=100000000 needs [0-9.]+ GiB"):
         Engine(tiny_path, max_total_tokens=100_000_000)
     with pytest.raises(ValueError, match="max_running_requests=1000000 rows of context_len"):

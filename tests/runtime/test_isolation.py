@@ -283,13 +283,13 @@ def test_a_batch_wakes_its_caller_once_and_at_once_for_a_failure(engine):
     request: the first request failing at its first forward is raised while the others
     still run (and they are aborted then), and every request is told on the loop thread
     before the caller wakes."""
-    from lmprog_runtime.engine import _wake_once
+    from lmprog_runtime.results import wake_once
 
     class Done:
         error = None
 
     reqs = [Done() for _ in range(3)]
-    woken = _wake_once(reqs)
+    woken = wake_once(reqs)
     reqs[0].on_done(reqs[0])
     reqs[2].on_done(reqs[2])
     assert not woken.is_set()

@@ -71,11 +71,11 @@ def test_tokens_after_a_jump_see_the_kv_of_a_fresh_prefill_of_the_same_ids(
     prompt + output so far gives: no stale K/V of the retokenized token, no wrong positions
     or slots, no cached K/V of another tokenization. Reference: prompt logprobs of the
     final token ids from the engine with jump-forward off (one fresh prefill)."""
-    import lmprog_runtime.engine_loop as engine_mod
+    import lmprog_runtime.step_draw as step_draw
 
     _, off = engines
     rows = {}  # (rid, output length when sampled) -> log-softmax of the raw logits
-    real_sample_each = engine_mod.sample_each
+    real_sample_each = step_draw.sample_each
     live = {}  # the engine's requests by id (its loop thread samples them)
 
     def spy(logits, sample_rows):
@@ -84,7 +84,7 @@ def test_tokens_after_a_jump_see_the_kv_of_a_fresh_prefill_of_the_same_ids(
             rows[(req.rid, len(req.output_ids))] = row.log_softmax(-1)
         return real_sample_each(logits, sample_rows)
 
-    monkeypatch.setattr(engine_mod, "sample_each", spy)
+    monkeypatch.setattr(step_draw, "sample_each", spy)
     params = {"max_new_tokens": 160, "temperature": 0, "json_schema": json.dumps(SCHEMA)}
     with Engine(tiny_path, max_total_tokens=8192, disable_radix_cache=disable_radix_cache) as on:
         live = on._live

@@ -34,7 +34,8 @@ from lmprog_runtime.model_runner import ModelRunner  # noqa: E402
 from lmprog_runtime.models import SUPPORTED_ARCHITECTURES, load_model  # noqa: E402
 from lmprog_runtime.request import Req  # noqa: E402
 from lmprog_runtime.sampling_params import SamplingParams  # noqa: E402
-from lmprog_runtime.scheduler import ScheduledBatch, Scheduler  # noqa: E402
+from lmprog_runtime.scheduled_batch import ScheduledBatch  # noqa: E402
+from lmprog_runtime.scheduler import Scheduler  # noqa: E402
 from lmprog_runtime.stats import EngineStats  # noqa: E402
 
 REL_TOL = 1e-4

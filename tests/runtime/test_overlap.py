@@ -528,7 +528,7 @@ def test_the_decoding_requests_placeholders_resolve_as_one_gather(tiny_path, eng
 
 def test_a_tail_is_only_the_decoding_requests_own_placeholders_and_none_before():
     from lmprog_runtime.model_runner import _future_tail
-    from lmprog_runtime.scheduler import ScheduledBatch
+    from lmprog_runtime.scheduled_batch import ScheduledBatch
 
     def batch(mode, num_reqs, num_decodes=0):
         slots = torch.zeros(0, dtype=torch.int64)

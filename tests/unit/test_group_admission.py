@@ -16,7 +16,8 @@ from lmprog_runtime.kvcache.radix_cache import RadixCache
 from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.request import Req
 from lmprog_runtime.sampling_params import SamplingParams
-from lmprog_runtime.scheduler import RequestGroup, Scheduler
+from lmprog_runtime.scheduled_batch import RequestGroup
+from lmprog_runtime.scheduler import Scheduler
 from lmprog_runtime.stats import EngineStats
 
 PREFIX = list(range(1, 41))

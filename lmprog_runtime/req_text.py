@@ -1,0 +1,158 @@
+"""A request's output as text: decoded incrementally (only the new tokens, after a window
+of the tokens before them as context), searched for stop strings and stop regexes in
+O(new text), cut before the first stop for the final text, and handed out as stream
+deltas that never take back what was streamed.
+
+`ReqText` holds these methods of `Req` (a mixin: `Req.__init__` sets every attribute used
+here). The loop thread alone calls them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+
+class ReqText:
+    """The text half of `Req`."""
+
+    def decoded_text(self) -> str:
+        """The output decoded so far, incrementally: only the new tokens are decoded, after
+        the previous window as context (so merged pieces and leading spaces come out as in
+        a full decode); an incomplete UTF-8 sequence waits for the token that completes it.
+        The new tokens are taken one at a time, so the text is the same however many
+        tokens came since the last call (a trailing incomplete sequence holds back only
+        itself, not the complete tokens before it)."""
+        skip = self.params.skip_special_tokens
+        if self._decodes_alone:
+            return self._decoded_text_alone(skip)
+        start, read, before = self._prefix_offset, self._read_offset, None
+        # (an end tried with this window gives what it gave: tried once only)
+        for end in range(max(read, self._tried) + 1, self._detok_len() + 1):
+            if before is None:
+                before = self.tokenizer.decode(
+                    self._detok_ids(start, read), skip_special_tokens=skip
+                )
+            after = self.tokenizer.decode(self._detok_ids(start, end), skip_special_tokens=skip)
+            self._tried = end
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                self._decoded_text += after[len(before) :]
+                start, read, before = read, end, None
+                self._prefix_offset, self._read_offset = start, read
+        if self._detok_skip:  # (the first token's text begins with the healed text)
+            return self._decoded_text[self._detok_skip :]
+        return self._decoded_text
+
+    def _decoded_text_alone(self, skip: bool) -> str:
+        """`decoded_text` for a tokenizer whose windows decode alone: the window read so
+        far ends at a character (its text does not end in an incomplete one), so the text
+        of the tokens after it is their decode alone, one decode per token, not two."""
+        read = self._read_offset
+        for end in range(max(read, self._tried) + 1, self._detok_len() + 1):
+            new = self.tokenizer.decode(self._detok_ids(read, end), skip_special_tokens=skip)
+            self._tried = end
+            if new and not new.endswith("\ufffd"):
+                self._decoded_text += new
+                read = end
+        self._prefix_offset = self._read_offset = read
+        return self._decoded_text
+
+    def _detok_len(self) -> int:
+        return len(self._detok_context) + len(self.output_ids)
+
+    def _detok_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of the context tokens followed by the output, copying only
+        those (the window, not the whole output)."""
+        n = len(self._detok_context)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self._detok_context[start:end] + self.output_ids[: max(0, end - n)]
+
+    def has_undecoded_tokens(self) -> bool:
+        """The last tokens wait for the rest of a UTF-8 sequence (call after decoded_text)."""
+        return self._detok_len() > self._read_offset
+
+    def replace_output_tail(self, kept: int, tail: list[int], text: str) -> None:
+        """Jump-forward: the output becomes its first `kept` tokens plus `tail`, whose text
+        is `text`; the detokenizer goes on from there without decoding it all again."""
+        self.output_ids = self.output_ids[:kept] + tail
+        self.penalty_counted = None  # (its penalty counts are of the old tail)
+        context = len(self._detok_context)
+        self._decoded_text = (self.heal.text if self.heal is not None else "") + text
+        self._prefix_offset, self._read_offset = context + kept, context + len(self.output_ids)
+        self._tried = self._read_offset
+
+    def _skip_stops(self) -> None:
+        """min_new_tokens is not reached: no stop matches in the text so far. A stop string
+        may still end in the text of the tokens to come (as vLLM's min_tokens has it), a
+        stop regex match only begin there."""
+        self._scanned = self._min_text = len(self.decoded_text())
+        if self._stop_regex is not None:
+            self._stop_regex.restart(self._min_text)
+
+    def _scan_stops(self) -> str | None:
+        """The stop string or stop regex match the output now contains, if any, in
+        O(new text): stop strings are searched only where a new match can be, stop regexes
+        by their incremental scanner (the whole text only once one has matched)."""
+        text = self.decoded_text()
+        start = max(0, self._scanned - self._longest_stop + 1)
+        self._scanned = len(text)
+        regex = self._stop_regex is not None and self._stop_regex.feed(text)
+        return self._first_stop(text, start, regex)[1]
+
+    def _first_stop(self, text: str, start: int, regex: bool = True) -> tuple[int, str | None]:
+        """Where the first stop string (found from `start`, ending past the text before
+        min_new_tokens) or stop regex match (if `regex`; beginning past that text) begins in
+        `text`, and what it matched; (len(text), None) if none."""
+        cut, matched = len(text), None
+        for stop in self.params.stop:
+            index = text.find(stop, max(start, self._min_text - len(stop) + 1))
+            if index != -1 and index < cut:
+                cut, matched = index, stop
+        for pattern in self.params.stop_regex if regex else ():
+            found = re.compile(pattern).search(text, self._min_text)
+            if found is not None and found.start() < cut:
+                cut, matched = found.start(), found.group()
+        return cut, matched
+
+    def _visible_text(self) -> tuple[str, str | None]:
+        """The output text so far, cut before the first stop string; and that stop string."""
+        ids = self.output_ids
+        reason = self.finished_reason
+        if reason is not None and reason["type"] == "stop" and isinstance(reason["matched"], int):
+            ids = ids[:-1]  # a matched stop token is not part of the text
+        skip = self.params.skip_special_tokens
+        text = self.tokenizer.decode(self._detok_context + ids, skip_special_tokens=skip)
+        text = text[self._detok_cut :]
+        if not self.can_stop:
+            return text, None
+        cut, matched = self._first_stop(text, 0)
+        return text[:cut], matched
+
+    def finalize_text(self) -> None:
+        self.text = self._visible_text()[0] if self.error is None else ""
+
+    def stream_delta(self) -> dict[str, Any] | None:
+        """The not-yet-streamed part of the text; holds back what a stop string may still cut."""
+        if self.is_finished:
+            text, _ = self._visible_text()  # the final text: one full decode
+        else:
+            text = self.decoded_text()  # no stop has matched yet
+            hold = max((len(s) - 1 for s in self.params.stop), default=0)
+            if self._stop_regex is not None:  # a match may still begin at its earliest start
+                self._stop_regex.feed(text)
+                hold = max(hold, len(text) - self._stop_regex.stable_len())
+            stable = len(text) - hold
+            while stable > 0 and text[stable - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                stable -= 1
+            text = text[: max(stable, len(self._streamed_text))]
+        if not text.startswith(self._streamed_text):
+            text = self._streamed_text  # never take back text already streamed
+        delta = text[len(self._streamed_text) :]
+        new_ids = self.output_ids[self._num_streamed_ids :]
+        if not delta and not new_ids and not self.is_finished:
+            return None
+        self._streamed_text = text
+        self._num_streamed_ids = len(self.output_ids)
+        chunk = {"text": delta, "output_ids": new_ids, "meta_info": self.meta_info()}
+        return chunk

@@ -1,0 +1,217 @@
+"""Callers' inputs into requests, on the callers' threads: validated and tokenized
+(`engine_inputs.py`), token-healed, given their grammars (compiled once and cached) and
+seeds, tied into a group behind their common prefix; and the tokenizer that callers and
+the loop share (`encode`, `decode`: its table for byte-level BPE, the Rust decode for a
+stock fast tokenizer).
+
+`RequestMaker` holds these methods of `Engine` (a mixin: `Engine.__init__` sets every
+attribute used here). Nothing here touches the scheduler, except a jump forward the loop
+makes (`_jump_forward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lmprog_runtime.constrained.jump_forward import jump_forward
+from lmprog_runtime.engine_inputs import normalize_generate_inputs
+from lmprog_runtime.request import Req
+from lmprog_runtime.sampling_params import SamplingParams
+from lmprog_runtime.scheduled_batch import RequestGroup
+from lmprog_runtime.token_healing import CONTEXT_TOKENS, Heal, HealMatcher, healed_pattern
+
+
+class RequestMaker:
+    """The request-making half of `Engine`'s caller side, and its tokenizer access."""
+
+    def _make_reqs(
+        self,
+        prompt,
+        sampling_params,
+        input_ids,
+        return_logprob,
+        logprob_start_len,
+        top_logprobs_num,
+        return_text_in_logprobs,
+        *,
+        stream: bool,
+    ) -> tuple[list[Req], bool]:
+        """Validate and tokenize the inputs into requests (ValueError / TypeError here)."""
+        if self._stopping:
+            raise RuntimeError("the engine has been shut down")
+        items, is_single = normalize_generate_inputs(
+            self,
+            prompt,
+            sampling_params,
+            input_ids=input_ids,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs,
+        )
+        with self._seeds_lock:
+            seeds = [self._seeds.getrandbits(62) for _ in items]
+        heals = [self._heal(item) for item in items]
+        # A healed constraint's pattern starts with the backed-up text.
+        items = [
+            item._replace(
+                grammar=self.grammar("regex", healed_pattern(heal.text, item.grammar.regex))
+            )
+            if heal is not None and item.grammar is not None
+            else item
+            for item, heal in zip(items, heals)
+        ]
+        reqs = [
+            Req(
+                next(self._rids),
+                item.input_ids if heal is None else item.input_ids[:-1],
+                item.params,
+                tokenizer=self,
+                eos_token_ids=self.eos_token_ids,
+                context_len=self.context_len,
+                return_logprob=item.return_logprob,
+                logprob_start_len=item.logprob_start_len,
+                top_logprobs_num=item.top_logprobs_num,
+                return_text_in_logprobs=item.return_text_in_logprobs,
+                stream=stream,
+                seed=seed,
+                matcher=self._matcher(item, heal),
+                grammar_eos=self._grammar_eos if item.grammar is not None else None,
+                grammar=item.grammar,
+                char_fsm=self._char_fsm(item),
+                heal=heal,
+                detok_context=self._detok_context(item) if heal is None else None,
+                context_free_decode=self._byte_table is not None,
+            )
+            for item, seed, heal in zip(items, seeds, heals)
+        ]
+        for req in reqs:
+            if req.char_fsm is not None and req.heal is None:  # (healed: the model goes first)
+                self._jump_forward(req, at_start=True)
+        return reqs, is_single
+
+    def _heal(self, item: Any) -> Heal | None:
+        """How to heal `item`'s prompt, if it asks for token healing and there is anything
+        to heal."""
+        if not item.params.token_healing or item.params.max_new_tokens == 0:
+            return None  # (a prompt-only request keeps its whole prompt)
+        return self._healer.plan(item.input_ids, item.params.skip_special_tokens)
+
+    def _detok_context(self, item: Any) -> tuple[list[int], int] | None:
+        """The prompt tokens an output is decoded after, and the characters of their
+        decode: a tokenizer whose decode strips the text's first space (SentencePiece's
+        `▁`) would otherwise drop an output's leading space ("Answer:" + "Paris"). None for
+        byte-level BPE, whose pieces decode alike anywhere, and where the prompt's last
+        tokens end inside a character."""
+        if self._decode_is_context_free or item.params.max_new_tokens == 0:
+            return None
+        context = item.input_ids[-CONTEXT_TOKENS:]
+        text = self.decode(context, skip_special_tokens=item.params.skip_special_tokens)
+        return None if text.endswith("\ufffd") else (context, len(text))
+
+    @staticmethod
+    def _matcher(item: Any, heal: Heal | None) -> Any:
+        if item.grammar is not None:
+            return item.grammar.new_matcher()
+        return HealMatcher(heal.words) if heal is not None else None
+
+    def _make_group(self, reqs: list[Req]) -> list[Req]:
+        """Tie `reqs` into a group, behind an internal prefill of their common prefix."""
+        common = _common_prefix_len([r.input_ids for r in reqs])
+        prefix_req = None
+        if self.tree_cache is not None and common >= max(2, self.config.page_size):
+            prefix_req = Req(
+                next(self._rids),
+                reqs[0].input_ids[:common],
+                SamplingParams(max_new_tokens=0),
+                tokenizer=self,
+                eos_token_ids=self.eos_token_ids,
+                context_len=self.context_len,
+            )
+        group = RequestGroup(reqs, prefix_req)
+        for req in reqs:
+            req.group = group
+        return ([prefix_req] if prefix_req is not None else []) + reqs
+
+    def grammar(self, kind: str, pattern: str) -> Any:
+        """The compiled constraint for (kind, pattern), cached; ValueError if it is bad."""
+        with self._grammar_lock:
+            if self._stopping:  # (no compile threads started after `shutdown` stopped them)
+                raise RuntimeError("the engine was shut down")
+            if self._grammars is None:
+                from lmprog_runtime.constrained import GrammarCache
+                from lmprog_runtime.constrained.outlines_backend import OutlinesGrammarBackend
+
+                if self._grammar_eos is None:
+                    raise ValueError("constrained decoding needs a model with an EOS token")
+                backend = OutlinesGrammarBackend(self.tokenizer, self._grammar_eos)
+                self._grammars = GrammarCache(
+                    backend, self.config.grammar_compile_timeout_s, self.config.grammar_cache_size
+                )
+        return self._grammars.get(kind, pattern)
+
+    def _char_fsm(self, item: Any) -> Any:
+        """Jump-forward applies to constrained requests without stop strings or logprobs."""
+        if item.grammar is None or self.config.disable_jump_forward:
+            return None
+        if item.params.stop or item.params.stop_regex or item.return_logprob:
+            return None
+        return self._grammars.char_fsm(item.grammar)
+
+    def _jump_forward(self, req: Req, at_start: bool = False) -> None:
+        added = jump_forward(req, self)
+        if added is None:
+            return
+        self._stats.add("jump_forward_tokens", added)
+        if not at_start:
+            self.scheduler.jump_forward(req)  # extend the forced tokens next
+            self._leave_in_flight(req)
+
+    # ---- tokenizer access (shared by caller threads and the loop) -----------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with self._tokenizer_lock:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._byte_table is not None and type(ids) is list:  # (read-only: no lock)
+            text = self._byte_table.decode(ids, skip_special_tokens)
+            if text is not None:
+                return text
+        with self._tokenizer_lock:
+            if self._backend_decode is not None and type(ids) is list and _flat(ids):
+                return self._backend_decode(ids, skip_special_tokens=skip_special_tokens)
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
+    """The Rust tokenizer's own `decode`, where the tokenizer's `decode` adds nothing to it
+    for a list of ids (a stock fast tokenizer that cleans up no spaces): the same text, at
+    a fifth of the cost (`decode` converts and checks each id in Python first; the loop
+    decodes at every finish, and twice a token for stop strings and streams). None for any
+    other tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    stock = (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerFast.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    )
+    return tokenizer._tokenizer.decode if stock else None
+
+
+def _flat(ids: list[Any]) -> bool:
+    """Whether `ids` is one sequence (`tokenizer.decode` takes a batch of them too)."""
+    return not ids or type(ids[0]) is int
+
+
+def _common_prefix_len(seqs: list[list[int]]) -> int:
+    first, n = seqs[0], min(len(s) for s in seqs)
+    for other in seqs[1:]:
+        i = 0
+        while i < n and other[i] == first[i]:
+            i += 1
+        n = i
+    return n

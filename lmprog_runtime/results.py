@@ -1,0 +1,131 @@
+"""What callers get back from the engine, and how they wait for it: a request's result or
+its error as they see it, the stream of a streamed request, a submitted request's future
+resolved, and the one wake of a caller waiting for a batch. These run on callers' threads, or as the loop thread's last act for
+a request (`EngineLoop._announce` calls `on_done`); they never touch the scheduler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmprog_runtime.engine import Engine
+    from lmprog_runtime.request import DoneFlag, Req
+
+
+def wait_all(
+    engine: Engine, reqs: list[Req], woken: threading.Event | None = None
+) -> list[dict[str, Any]]:
+    """Wait for every request of `engine` (`woken`, from `wake_once`: first until all are
+    done or one failed) and return their results; if the wait is interrupted (Ctrl-C),
+    abort the ones still running before the interrupt goes on."""
+    try:
+        if woken is not None:
+            wait_for(engine, woken)
+        results = []
+        for req in reqs:
+            wait_for(engine, req.done)
+            if req.error is not None:
+                raise request_error(req)
+            results.append(req.to_output())
+        return results
+    except BaseException:
+        for req in reqs:
+            if not req.done.is_set():
+                engine.abort(req.rid)
+        raise
+
+
+def wait_for(engine: Engine, event: threading.Event | DoneFlag) -> None:
+    """Wait for `event`, set by `engine`'s loop thread; a RuntimeError if that thread has
+    stopped (a caller never waits forever)."""
+    while not event.wait(0.5):
+        if not engine._thread.is_alive():
+            raise RuntimeError("the engine loop has stopped")
+
+
+def wake_once(reqs: list[Req]) -> threading.Event:
+    """An event set when all of `reqs` are done, or one of them failed (set on the loop
+    thread, by their `on_done`: set it before they are submitted). A caller waiting for
+    a batch wakes once, not at each request: at every wake it takes the GIL from the loop,
+    which finishes the others meanwhile (each torch op of the loop hands the GIL over)."""
+    woken, left = threading.Event(), [len(reqs)]
+
+    def done(req: Req) -> None:
+        left[0] -= 1
+        if not left[0] or req.error is not None:
+            woken.set()
+
+    for req in reqs:
+        req.on_done = done
+    return woken
+
+
+class RequestAborted(RuntimeError):
+    """A request was cancelled: `Engine.abort`, a closed stream or an interrupted wait."""
+
+
+class QueueFull(RuntimeError):
+    """More requests wait to be admitted than the engine's `max_queued_requests`."""
+
+
+class RequestStream:
+    """The chunks of one streamed request. Closing it (or dropping it) before the end
+    aborts the request."""
+
+    def __init__(self, engine: Engine, req: Req) -> None:
+        assert req.stream_queue is not None
+        self._engine = engine
+        self._req = req
+        self._is_over = False
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._is_over:
+            raise StopIteration
+        try:
+            chunk = self._req.stream_queue.get()
+        except BaseException:
+            self.close()
+            raise
+        if chunk is not None:
+            return chunk
+        self._is_over = True
+        if self._req.error is not None:
+            raise request_error(self._req)
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop reading: the request is aborted if it has not finished."""
+        if not self._is_over:
+            self._is_over = True
+            if not self._req.done.is_set():
+                self._engine.abort(self._req.rid)
+
+    def __del__(self) -> None:
+        if not self._engine._stopping:
+            with contextlib.suppress(Exception):  # never raise from a finalizer
+                self.close()
+
+
+def request_error(req: Req) -> Exception:
+    """What a caller gets for a failed request: the request named, its error as the cause;
+    a cancelled one (aborted, timed out) raises its own error, which names it."""
+    if isinstance(req.error, (RequestAborted, TimeoutError)):
+        return req.error
+    error = RuntimeError(f"request {req.rid} failed: {req.error}")
+    error.__cause__ = req.error
+    return error
+
+
+def resolve_future(future: Future, req: Req) -> None:
+    """A submitted request finished: its future gets the result or the error."""
+    if req.error is not None:
+        future.set_exception(request_error(req))
+    else:
+        future.set_result(req.to_output())
