@@ -6,7 +6,8 @@ fit, in parts); a request that would compute a prefix another admitted one compu
 waits a step to reuse it; one long prompt at a time goes in chunks beside the decodes; an
 optimistic share of each request's future output is set aside (`new_token_ratio`); and
 while requests decode, admission may wait a few steps to admit several at once
-(`admission_wait.py`). A request whose admission raises is refused alone.
+(`admission_wait.py`). A request whose admission raises is refused (a group's members
+with it); the others go on.
 
 `Admission` holds these methods of `Scheduler` (a mixin: `Scheduler.__init__` sets every
 attribute used here).

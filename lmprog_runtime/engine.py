@@ -2,8 +2,8 @@
 
 Callers' threads validate and tokenize their input into `Req`s (`request_maker.py`), hand
 them to the loop and wait (or, with `submit`, get futures; `results.py`: errors, streams,
-futures). The loop thread (`engine_loop.py`) alone owns the scheduler, the model runner and
-every KV slot.
+futures). The loop thread (`loop_thread.py`, running the steps of `engine_loop.py`) alone
+owns the scheduler, the model runner and every KV slot.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ O(new text), cut before the first stop for the final text, and handed out as str
 deltas that never take back what was streamed.
 
 `ReqText` holds these methods of `Req` (a mixin: `Req.__init__` sets every attribute used
-here). The loop thread alone calls them.
+here). The loop thread calls them; so does the caller's thread before a request is
+submitted, for a jump forward at its start (`RequestMaker._jump_forward`).
 """
 
 from __future__ import annotations

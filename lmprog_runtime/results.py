@@ -1,7 +1,8 @@
 """What callers get back from the engine, and how they wait for it: a request's result or
 its error as they see it, the stream of a streamed request, a submitted request's future
-resolved, and the one wake of a caller waiting for a batch. These run on callers' threads, or as the loop thread's last act for
-a request (`EngineLoop._announce` calls `on_done`); they never touch the scheduler.
+resolved, and the one wake of a caller waiting for a batch. These run on callers'
+threads, or as the loop thread's last act for a request (`EngineLoop._announce` calls
+`on_done`); they never touch the scheduler.
 """
 
 from __future__ import annotations

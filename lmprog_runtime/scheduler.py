@@ -4,13 +4,13 @@ Each step is an extend (prefill) of newly admitted requests, with one decode tok
 every running request mixed in (a decode is an extend of one token), or a decode step of
 every running request when nothing is admitted. Admission (`admission.py`) matches prompts
 against the radix tree so only uncached suffixes are computed, orders the queue by the
-schedule policy, admits request groups atomically, splits long prompts into chunks that run
-beside the decodes, and reserves an (optimistic) share of each request's future output.
-Here: the step's choice, decode slots (a decode run's too), and what follows a forward or a
-finish. When the pool
-runs dry it evicts unlocked cache leaves first, then retracts running requests (their
-computed tokens go to the cache, they requeue, and resume exactly where they were). The
-scheduler never touches the model's tensors: slots and table rows are host tensors.
+schedule policy, admits a request group whole (in parts only if it could never fit),
+splits long prompts into chunks that run beside the decodes, and reserves an (optimistic)
+share of each request's future output. Here: the step's choice, decode slots (a decode
+run's too), and what follows a forward or a finish. When the pool runs dry it evicts
+unlocked cache leaves first, then retracts running requests (their computed tokens go to
+the cache, they requeue, and resume exactly where they were). The scheduler never touches
+the model's tensors: slots and table rows are host tensors.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ row has no mass left) fails alone and the others keep their tokens; and the logp
 for, recorded beside them.
 
 `StepDraw` holds these methods of `Engine`'s loop side (a mixin: `Engine` sets every
-attribute used here); the synchronous loop, the overlapped loop (`overlap.py`) and decode
-runs (`decode_run.py`) draw through them. Only the loop thread runs them.
+attribute used here). The synchronous loop draws through them; the overlapped loop
+(`overlap.py`) queues its draw on the worker and takes the rows and the drawn tokens
+through them (`_rows_to_draw`, `_drawn`); decode runs draw on their own (`decode_run.py`)
+and record logprobs through `_record_token_logprob`. Only the loop thread runs them.
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
 """The memory plan's checks and pool size with no model, on both of its branches: host
 memory (a CPU engine) and a GPU's free memory, the CUDA calls replaced by fakes so that
-the CUDA branch, never run on a GPU yet, is checked here. The reference is the arithmetic
-the settings' documentation gives: a request table of `(max_running_requests + 1) *
-context_len` int64 slots, a pool of `max_total_tokens` slots of `bytes_per_token` each.
-(`tests/runtime/test_errors.py` checks the CPU branch through a whole engine.)"""
+the CUDA branch, never run on a GPU yet, is checked here. The references are independent of
+the plan's arithmetic: the request table is the size of what `ReqToTokenPool` allocates
+(its host table; a GPU holds another), the pool `max_total_tokens` slots of
+`bytes_per_token` each, and the pool sizes hand-computed cases. (`tests/runtime/test_errors.py`
+checks the CPU branch through a whole engine.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from lmprog_runtime import memory_plan
 from lmprog_runtime.config import RuntimeConfig
+from lmprog_runtime.kvcache import ReqToTokenPool
 from lmprog_runtime.memory_plan import DEFAULT_CPU_MAX_TOTAL_TOKENS, check_memory, num_kv_slots
 
 GIB = 1 << 30
@@ -34,7 +34,9 @@ def gpu(monkeypatch):
 
 
 def table_bytes(config: RuntimeConfig, context_len: int) -> int:
-    return (config.max_running_requests + 1) * context_len * 8
+    """The bytes of the request table an engine with `config` allocates (on the host)."""
+    pool = ReqToTokenPool(config.max_running_requests, context_len, "cpu")
+    return pool.host_table.nbytes
 
 
 def test_a_gpu_pool_counts_the_caching_allocators_unused_memory_as_free(gpu):
@@ -44,7 +46,7 @@ def test_a_gpu_pool_counts_the_caching_allocators_unused_memory_as_free(gpu):
     gpu.update(free=2 * GIB, reserved=3 * GIB, allocated=1 * GIB)  # 4 GiB free in all
     base = RuntimeConfig(device="cuda", max_running_requests=8)
     room = 4 * GIB - table_bytes(base, context_len)
-    fits = RuntimeConfig(device="cuda", max_running_requests=8, max_total_tokens=room // 1024)
+    fits = RuntimeConfig(device="cuda", max_running_requests=8, max_total_tokens=room // per_token)
     check_memory(fits, CUDA, context_len, per_token)
     over = RuntimeConfig(
         device="cuda", max_running_requests=8, max_total_tokens=room // per_token + 1
@@ -74,21 +76,30 @@ def test_without_a_host_reading_a_gpu_is_checked_alone(gpu):
     with pytest.raises(ValueError, match="free on the GPU"):
         check_memory(config, CUDA, 1024, 1024)  # 2 GiB of pool in 1 GiB
     check_memory(RuntimeConfig(device="cuda", max_running_requests=4), CUDA, 1024, 1024)
+    wide = RuntimeConfig(device="cuda", max_running_requests=255)
+    gpu.update(free=table_bytes(wide, 4096) - 1)  # (the host unknown: the GPU's side alone)
+    with pytest.raises(ValueError, match="max_running_requests=255 rows"):
+        check_memory(wide, CUDA, 4096, 1024)
 
 
-@given(
-    free_mib=st.integers(1, 200_000),
-    fraction=st.floats(0.01, 0.99),
-    per_token=st.integers(1, 1 << 20),
+@pytest.mark.parametrize(
+    "free, fraction, per_token, expected",
+    [
+        (10 * GIB, 0.5, 1 << 20, 5120),  # 5 GiB of 1 MiB slots
+        (80 * GIB, 0.3, 23040, 1118481),  # SmolLM2-135M: 30 layers x 3 KV heads x 64 x K, V x 2 B
+        (GIB, 0.1, 1 << 20, 102),  # 107.4 MB: 102 whole slots
+        (GIB, 0.01, 1 << 30, 16),  # none: at least 16
+    ],
 )
-def test_a_gpu_pool_is_its_share_of_the_free_memory(free_mib, fraction, per_token):
+def test_a_gpu_pool_is_its_share_of_the_drivers_free_memory(
+    gpu, free, fraction, per_token, expected
+):
     """Without max_total_tokens the pool is `mem_fraction` of the driver's free memory, at
-    least 16 slots (the allocator's unused reserve is not counted: it may be needed)."""
-    free = free_mib << 20
+    least 16 slots. The caching allocator's unused reserve is not counted here (the check
+    counts it as free; the pool is sized from what the driver has)."""
+    gpu.update(free=free, reserved=5 * GIB, allocated=GIB)
     config = RuntimeConfig(device="cuda", mem_fraction=fraction)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
-        assert num_kv_slots(config, CUDA, per_token) == max(16, int(free * fraction) // per_token)
+    assert num_kv_slots(config, CUDA, per_token) == expected
     assert num_kv_slots(RuntimeConfig(device="cuda", max_total_tokens=64), CUDA, per_token) == 64
 
 
