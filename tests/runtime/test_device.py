@@ -53,6 +53,7 @@ SERVING_MODULES = [
     "penalties.py",
     "model_runner.py",
     "cuda_graph.py",
+    "run_graphs.py",
     "forward_batch.py",
     "sampling.py",
     "sampling_filters.py",
