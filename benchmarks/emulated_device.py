@@ -65,7 +65,7 @@ class StepEvent:
 class EmulatedRunGraphs:
     """A decode run's graph on the emulated device (`DecodeGraphRunner.run_greedy`'s part):
     one launch (`launch_s` of Python holding the GIL; a shorter run one per graph of its
-    pieces, `cuda_graph.pieces`), the run's forwards queued back to
+    pieces, `run_graphs.pieces`), the run's forwards queued back to
     back on the device clock, each step's tokens the argmax of the table rows its inputs
     pick (as the emulated forward's logits and draw would give; each row's argmax found
     once: in a graph it is device work, not the host's), all K on the host when the last
@@ -83,9 +83,12 @@ class EmulatedRunGraphs:
         self.single = False  # single decode steps are graphs too (`graph_steps`)
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits, its tokens)
         try:  # the graphs of shorter runs (a --baseline's runtime may have none: full only)
-            from lmprog_runtime.cuda_graph import pieces, run_lengths
+            from lmprog_runtime.run_graphs import pieces, run_lengths
         except ImportError:
-            pieces = run_lengths = None
+            try:  # (where an older tree keeps them)
+                from lmprog_runtime.cuda_graph import pieces, run_lengths
+            except ImportError:
+                pieces = run_lengths = None
         self.pieces, self.run_lengths = pieces, run_lengths
 
     def can_run_size(self, mode, batch_size: int) -> bool:
