@@ -372,6 +372,7 @@ class Req(ReqText):
         self.error = error
         self.finished_reason = {"type": "abort", "message": str(error)}
 
+    # ---- results -----------------------------------------------------------------------
     def logprob_entry(self, logprob: float | None, token: int) -> LogprobEntry:
         """`(logprob, token_id, text)`: the token's text with `return_text_in_logprobs`,
         else None (SGLang's entries)."""
