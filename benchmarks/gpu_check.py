@@ -44,8 +44,9 @@ The sections live in `gpu_check_correctness.py`, `gpu_check_kernels.py` and
 
 The figures go to one JSON file, rewritten after each section: `$OUT/gpu_check.json` when
 `OUT` is set, else `benchmarks/results/gpu_check.json` (or `--out`). Record them in
-`benchmarks/RESULTS.md`. Needs only torch, transformers (and triton); runs from the repo
-root without installing anything:
+`benchmarks/RESULTS.md`. The run ends by printing issue 18's goals read off it, met or not
+(`gpu_check_goals.py`, which reads a saved JSON too). Needs only torch, transformers (and
+triton); runs from the repo root without installing anything:
 
     python3 benchmarks/gpu_check.py             # CUDA
     python3 benchmarks/gpu_check.py --cpu-smoke # the plumbing on a CPU, tiny sizes
@@ -76,6 +77,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 from gpu_check_common import OPTIONAL_MODULES, Check  # noqa: E402
 from gpu_check_correctness import correctness, greedy_equality, overlap_equality  # noqa: E402
+from gpu_check_goals import goal_lines  # noqa: E402
 from gpu_check_kernels import (  # noqa: E402
     attention_error,
     decode_bandwidth,
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         elif check.only is None or name in check.only:
             check.isolated_section(name, min_s, command)
     print(f"[gpu_check] wrote {check.out}", flush=True)
+    if args.isolate or check.only is None:  # (not an isolated section's own process)
+        for line in goal_lines(check.report):  # (in the log, should the JSON not come back)
+            print(f"[gpu_check] {line}", flush=True)
     return check.report
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
 
-def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
+def test_gpu_check_cpu_smoke_writes_every_section(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
@@ -64,6 +64,15 @@ def test_gpu_check_cpu_smoke_writes_every_section(tmp_path):
     auto = report["decode_overhead"]["decode_runs_auto"]
     assert auto["decode_steps"] == "auto" and auto["overlap"] and auto["forward_passes"] > 0
     assert set(auto["run_choice"]) == {"probes", "chose_runs"}  # (8 new tokens: no probe ends)
+    # the goals, read off the report, end the log (`gpu_check_goals.py`)
+    printed = capsys.readouterr().out.splitlines()
+    goals = printed[printed.index(f"[gpu_check] wrote {out}") + 1 :]
+    assert goals[0] == (
+        "[gpu_check] decode attention bandwidth (goal >= 0.70 of the HBM peak): "
+        "not measured (skipped: needs CUDA)"
+    )
+    speedup = report["throughput"]["tiny/shared_prefix"]["speedup"]
+    assert any(line.startswith(f"[gpu_check]   tiny: {speedup:.2f}x") for line in goals)
 
 
 def test_an_isolated_section_that_crashes_loses_only_itself(tmp_path):
