@@ -177,7 +177,7 @@ def _auto(report: dict[str, Any]) -> list[str]:
 
 
 def _choice(entry: dict[str, Any]) -> str:
-    choice = entry.get("run_choice")
+    choice = _dict(entry.get("run_choice"))
     if not choice:
         return ""
     return f", {choice.get('chose_runs')} of {choice.get('probes')} probes chose runs"
