@@ -99,7 +99,8 @@ class DecodeGraphRunner(RunGraphs):
         self.max_batch = self.buckets[-1]
         self._future_tokens = runner.future_tokens  # (overlap's placeholders: resolved inside)
         device = runner.device
-        # [6, max_batch] int64 (rows PACKED_IDS .. PACKED_LOGITS), and what padded requests hold there.
+        # [6, max_batch] int64 (rows PACKED_IDS .. PACKED_LOGITS), and what padded requests
+        # hold there.
         padding = torch.zeros(NUM_PACKED_ROWS, self.max_batch, dtype=torch.int64, device="cpu")
         padding[PACKED_ROWS] = runner.req_to_token.padding_row
         padding[PACKED_LENS] = 1
