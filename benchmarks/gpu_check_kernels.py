@@ -17,8 +17,16 @@ from gpu_check_common import (
     timed,
 )
 
-# Nominal HBM bandwidth (bytes/s) by device name, for the bandwidth fraction.
-HBM_PEAK = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12}
+# Nominal HBM bandwidth (bytes/s) by device name, for the bandwidth fraction: the first key
+# the name holds ("NVIDIA H100 80GB HBM3", the SXM card the device tool lends, takes "H100").
+HBM_PEAK = {
+    "H200": 4.8e12,
+    "H100 PCIe": 2.0e12,
+    "H100 NVL": 3.9e12,
+    "H100": 3.35e12,
+    "A100": 2.0e12,
+    "L40S": 0.864e12,
+}
 
 
 def fused_ops(check: Check) -> dict[str, Any]:

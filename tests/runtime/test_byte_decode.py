@@ -42,8 +42,12 @@ BACKENDS = {name: _backend for name in NAMES} | {"hand-made": lambda _: _hand_ma
 
 
 @pytest.fixture(scope="module", params=list(BACKENDS))
-def backend(request) -> Tokenizer:
-    return BACKENDS[request.param](request.param)
+def backend(request) -> tuple[Tokenizer, ByteLevelTable]:
+    """A tokenizer and its table, built once (SmolLM2's table reads 49k tokens)."""
+    backend = BACKENDS[request.param](request.param)
+    table = ByteLevelTable.of(backend)
+    assert table is not None
+    return backend, table
 
 
 @settings(max_examples=400, deadline=None)
@@ -51,8 +55,7 @@ def backend(request) -> Tokenizer:
 def test_the_table_decodes_as_the_tokenizer(backend, data, skip):
     """Any ids the tokenizer knows (added and special tokens often among them), and ids
     past its vocabulary (which decode to nothing), with and without special tokens."""
-    table = ByteLevelTable.of(backend)
-    assert table is not None
+    backend, table = backend
     size = backend.get_vocab_size(with_added_tokens=True)
     added = sorted(backend.get_added_tokens_decoder())
     ids = st.one_of(st.integers(-1, size + 2), st.sampled_from(added))

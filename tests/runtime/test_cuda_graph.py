@@ -39,6 +39,10 @@ def test_buckets_cover_every_batch_size_up_to_the_cap():
 
 
 # Batch sizes per backend, and the buckets they run at (Triton is interpreted: fewer).
+# A graph batch plans its attention for any length up to the context (the tiny model's
+# 2048: 8 key splits); Triton's engines here take a context of 512 (2 splits, the second
+# empty for these prompts), a quarter of the interpreted programs.
+TRITON = {"attention_backend": "triton", "context_len": 512}
 CASES = {
     "torch": ((1, 3, 5, 7), {1, 4, 8}),
     "native": ((1, 3, 5, 7), {1, 4, 8}),
@@ -51,7 +55,8 @@ def test_padded_decode_equals_the_plain_forward(tiny_path, backend):
     """Every decode step of a workload (most batches padded) runs both ways on the same
     inputs: the K/V each writes are the same values in the same slots."""
     sizes, buckets = CASES[backend]
-    with Engine(tiny_path, attention_backend=backend, max_running_requests=12) as engine:
+    config = TRITON if backend == "triton" else {"attention_backend": backend}
+    with Engine(tiny_path, max_running_requests=12, **config) as engine:
         runner = engine.runner
         graphs = DecodeGraphRunner(runner, capture=False)
         plain_run = runner.run
@@ -82,7 +87,7 @@ def test_a_graph_forward_reads_only_its_static_buffers_and_never_syncs(tiny_path
     tensor from Python data (`forbid_host_syncs`). Its logits equal the plain forward's."""
     from lmprog_runtime.models.triton_ops import TritonOps
 
-    with Engine(tiny_path, attention_backend="triton", max_running_requests=12) as engine:
+    with Engine(tiny_path, max_running_requests=12, **TRITON) as engine:
         runner = engine.runner
         runner.model.ops = TritonOps()  # as the runner sets them on CUDA
         graphs = DecodeGraphRunner(runner, capture=False)
@@ -134,7 +139,8 @@ def test_a_forward_leaves_the_static_batch_reading_the_static_buffers(tiny_path,
     forward must leave that batch's tensors the static buffers' views: a graph captured on
     a tensor the warm-up made reads freed memory at every replay (an H200 run aborted on
     such a device-side index assert when a forward rebound `input_ids`)."""
-    with Engine(tiny_path, attention_backend=backend, max_running_requests=4) as engine:
+    config = TRITON if backend == "triton" else {"attention_backend": backend}
+    with Engine(tiny_path, max_running_requests=4, **config) as engine:
         graphs = DecodeGraphRunner(engine.runner, capture=False)
         fb = graphs._static_batch(4, [1] * 4)
         fields = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens_device")
@@ -445,7 +451,7 @@ def test_a_run_graph_on_the_capturable_backend_reads_each_steps_buffers(tiny_pat
     from lmprog_runtime.models.triton_ops import TritonOps
 
     params = {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}
-    config = dict(attention_backend="triton", max_running_requests=4)
+    config = dict(TRITON, max_running_requests=4)
     with Engine(tiny_path, **config) as plain:
         plain.runner.model.ops = TritonOps()
         expected = [o["output_ids"] for o in plain.generate(PROMPTS[:3], params)]
