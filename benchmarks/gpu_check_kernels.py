@@ -144,6 +144,7 @@ def _attention_kernel_error() -> dict[str, Any]:
 def _layout_error(gen: torch.Generator, heads: int, kv_heads: int, dim: int) -> dict[str, Any]:
     import torch.nn.functional as F
 
+    from lmprog_runtime.attention import triton_decode as td
     from lmprog_runtime.attention import triton_kernels as tk
 
     batch, seq, new = 8, 512, 64
@@ -167,9 +168,9 @@ def _layout_error(gen: torch.Generator, heads: int, kv_heads: int, dim: int) -> 
     # (queries scaled up: peaked attention, where rounding the probabilities matters most)
     q = randn(batch, heads, dim, scale=3.0)
     lens = torch.full((batch,), seq, dtype=torch.int64, device="cuda")
-    splits = tk.choose_num_splits(batch, kv_heads, seq, q.device)
+    splits = td.choose_num_splits(batch, kv_heads, seq, q.device)
     decode = {
-        "triton": tk.decode_attention(q, kb, vb, table, rows, lens, scale, 0, splits),
+        "triton": td.decode_attention(q, kb, vb, table, rows, lens, scale, 0, splits),
         "sdpa_bf16": sdpa(q[:, :, None])[:, :, 0],
     }
     qe = randn(batch * new, heads, dim, scale=3.0)
@@ -202,7 +203,7 @@ def _layout_error(gen: torch.Generator, heads: int, kv_heads: int, dim: int) -> 
 def decode_bandwidth(check: Check) -> dict[str, Any]:
     if check.device != "cuda":
         raise SkipSection("needs CUDA")
-    from lmprog_runtime.attention import triton_kernels as tk
+    from lmprog_runtime.attention import triton_decode as td
 
     copy_bytes = 2 << 30
     src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
@@ -225,10 +226,10 @@ def decode_bandwidth(check: Check) -> dict[str, Any]:
         rows = torch.arange(batch, device="cuda")
         lens = torch.full((batch,), seq_len, dtype=torch.int64, device="cuda")
         q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-        splits = tk.choose_num_splits(batch, kv_heads, seq_len, q.device)
+        splits = td.choose_num_splits(batch, kv_heads, seq_len, q.device)
         moved = 2 * slots * kv_heads * head_dim * 2 + slots * 8  # K, V (bf16) and the table
         attend = functools.partial(  # (the split count last)
-            tk.decode_attention, q, k, v, table, rows, lens, head_dim**-0.5, 0
+            td.decode_attention, q, k, v, table, rows, lens, head_dim**-0.5, 0
         )
         # The chosen count (`choose_num_splits`: the fill of the programs' waves), and the
         # counts around it timed in the same run, to tell whether it is the fastest (the
@@ -236,7 +237,7 @@ def decode_bandwidth(check: Check) -> dict[str, Any]:
         by_splits = {
             n: moved / time_cuda(functools.partial(attend, n)) / 1e9
             for n in sorted({1, 2, 4, 5, 8, 16, splits})
-            if n <= tk.MAX_DECODE_SPLITS and (n - 1) * tk.MIN_SPLIT_LEN < seq_len
+            if n <= td.MAX_DECODE_SPLITS and (n - 1) * td.MIN_SPLIT_LEN < seq_len
         }
         seconds = moved / by_splits[splits] / 1e9
         entry = {"microseconds": seconds * 1e6, "gbs": by_splits[splits], "num_splits": splits}

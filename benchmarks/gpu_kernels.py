@@ -26,6 +26,7 @@ def bench(fn, iters: int = 50) -> float:
 
 
 def main() -> None:
+    from lmprog_runtime.attention import triton_decode as td
     from lmprog_runtime.attention import triton_kernels as tk
 
     assert torch.cuda.is_available(), "this script needs a CUDA device"
@@ -33,10 +34,10 @@ def main() -> None:
     print("| case | triton (ms) | torch SDPA (ms) | ratio | decode GB/s | max abs err |")
     print("|---|---|---|---|---|---|")
     for case in [(64, 1024, 32, 8, 128), (256, 2048, 32, 8, 128)]:
-        run_case(tk, *case)
+        run_case(tk, td, *case)
 
 
-def run_case(tk, batch: int, seq: int, heads: int, kv_heads: int, dim: int) -> None:
+def run_case(tk, td, batch: int, seq: int, heads: int, kv_heads: int, dim: int) -> None:
     dev, dtype = "cuda", torch.bfloat16
     slots = batch * seq
     kb = torch.randn(slots + 1, kv_heads, dim, device=dev, dtype=dtype)
@@ -46,7 +47,7 @@ def run_case(tk, batch: int, seq: int, heads: int, kv_heads: int, dim: int) -> N
     lens = torch.full((batch,), seq, device=dev, dtype=torch.int64)
     q = torch.randn(batch, heads, dim, device=dev, dtype=dtype)
     scale = dim**-0.5
-    ours = lambda: tk.decode_attention(q, kb, vb, table, rows, lens, scale, 0, 8)  # noqa: E731
+    ours = lambda: td.decode_attention(q, kb, vb, table, rows, lens, scale, 0, 8)  # noqa: E731
     keys = kb[table].transpose(1, 2)  # gathered once: SDPA gets contiguous K/V
     values = vb[table].transpose(1, 2)
     ref = lambda: F.scaled_dot_product_attention(  # noqa: E731

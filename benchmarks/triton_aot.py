@@ -149,6 +149,7 @@ def attention_launches(
 ) -> Iterator[str]:
     """Run the store, extend and decode wrappers as the Triton backend calls them; yields the
     label of each launch just before it."""
+    from lmprog_runtime.attention import triton_decode as td
     from lmprog_runtime.attention import triton_kernels as tk
 
     context_len = 4096
@@ -166,12 +167,12 @@ def attention_launches(
     # A graph's fixed count, one split (a short batch), and the count chosen for 64 x 4096.
     for batch in (1, 64):
         for num_splits in sorted(
-            {tk.MAX_DECODE_SPLITS, 1, tk.choose_num_splits(batch, kv_heads, context_len)}
+            {td.MAX_DECODE_SPLITS, 1, td.choose_num_splits(batch, kv_heads, context_len)}
         ):
             yield f"decode b{batch} splits={num_splits}"
             q = torch.empty(batch, heads, head_dim, dtype=dtype, device="meta")
             rows = _index(batch)
-            tk.decode_attention(q, k_buf, v_buf, table, rows, rows, scale, 0, num_splits)
+            td.decode_attention(q, k_buf, v_buf, table, rows, rows, scale, 0, num_splits)
 
 
 def elementwise_launches(dtype: torch.dtype) -> Iterator[str]:

@@ -57,9 +57,10 @@ class TritonAttentionBackend(BaseAttentionBackend):
             raise ValueError(
                 "attention_backend='triton' on CPU needs TRITON_INTERPRET=1 (slow; for tests)"
             )
-        from lmprog_runtime.attention import triton_kernels
+        from lmprog_runtime.attention import triton_decode, triton_kernels
 
-        self._kernels = triton_kernels
+        self._kernels = triton_kernels  # store and extend
+        self._decode_kernels = triton_decode
         self._extend: _ExtendPlan | None = None
         self._decode: _DecodePlan | None = None
 
@@ -99,7 +100,7 @@ class TritonAttentionBackend(BaseAttentionBackend):
         window = self.layout.sliding_window
         if window is not None:
             max_len = min(max_len, window)  # no request attends to more keys
-        num_splits = self._kernels.choose_num_splits(
+        num_splits = self._decode_kernels.choose_num_splits(
             batch.batch_size, self.layout.num_kv_heads, max_len, self.req_to_token.table.device
         )
         seq_lens = batch.seq_lens_device
@@ -142,7 +143,7 @@ class TritonAttentionBackend(BaseAttentionBackend):
                 out=out[:num_extend],
             )
         if (d := self._decode) is not None:
-            kern.decode_attention(
+            self._decode_kernels.decode_attention(
                 q[num_extend:],
                 k_buf,
                 v_buf,

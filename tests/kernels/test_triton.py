@@ -136,21 +136,21 @@ def test_mixed_extend_with_decodes_matches_the_torch_reference(kv_heads, window,
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list[tuple[str, int, tuple]]:
     """(kernel, rows of q, positional arguments) of each attention kernel the backend runs."""
-    from lmprog_runtime.attention import triton_kernels as tk
+    from lmprog_runtime.attention import triton_decode, triton_kernels
 
     calls = []
 
-    def spy(name: str) -> None:
-        kernel = getattr(tk, name)
+    def spy(module, name: str) -> None:
+        kernel = getattr(module, name)
 
         def run(q, *args, **kwargs):
             calls.append((name, q.shape[0], args))
             return kernel(q, *args, **kwargs)
 
-        monkeypatch.setattr(tk, name, run)
+        monkeypatch.setattr(module, name, run)
 
-    spy("extend_attention")
-    spy("decode_attention")
+    spy(triton_kernels, "extend_attention")
+    spy(triton_decode, "decode_attention")
     return calls
 
 
@@ -166,7 +166,7 @@ def test_graph_batches_are_planned_from_device_lengths_and_batch_size(kernel_cal
     """CUDA-graph decode batches as a capture sees them: host lengths of 1, the real ones on
     the device only. The split count depends on the batch size alone (one launch shape per
     graph) and the output on the device lengths."""
-    from lmprog_runtime.attention.triton_kernels import choose_num_splits
+    from lmprog_runtime.attention.triton_decode import choose_num_splits
 
     for seed, seq_lens in enumerate([[3, 200, 41], [90, 1, 7]]):
         s = _setup(8, 2, 32, 16, seq_lens, seed)
@@ -187,13 +187,14 @@ def test_graph_batches_are_planned_from_device_lengths_and_batch_size(kernel_cal
 
 
 def test_wrappers_check_inputs():
+    from lmprog_runtime.attention import triton_decode as td
     from lmprog_runtime.attention import triton_kernels as tk
 
     kb = torch.zeros(8, 2, 16)
     index = (torch.zeros(2, 8, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
     lens = torch.ones(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="dimensions"):
-        tk.decode_attention(torch.zeros(2, 4, 16), kb[0], kb, *index, lens, 0.25)
+        td.decode_attention(torch.zeros(2, 4, 16), kb[0], kb, *index, lens, 0.25)
     with pytest.raises(ValueError, match="int64"):
         tk.store_kv(
             torch.zeros(1, 2, 16),
@@ -203,13 +204,13 @@ def test_wrappers_check_inputs():
             torch.zeros(1, dtype=torch.int32),
         )
     with pytest.raises(ValueError, match="head"):
-        tk.decode_attention(torch.zeros(2, 3, 16), kb, kb.clone(), *index, lens, 0.25)
+        td.decode_attention(torch.zeros(2, 3, 16), kb, kb.clone(), *index, lens, 0.25)
     with pytest.raises(ValueError, match="share one of"):
-        tk.decode_attention(torch.zeros(2, 4, 16).bfloat16(), kb, kb.clone(), *index, lens, 0.25)
+        td.decode_attention(torch.zeros(2, 4, 16).bfloat16(), kb, kb.clone(), *index, lens, 0.25)
     with pytest.raises(ValueError, match="num_splits"):
-        tk.decode_attention(torch.zeros(2, 4, 16), kb, kb.clone(), *index, lens, 0.25, 0, 0)
+        td.decode_attention(torch.zeros(2, 4, 16), kb, kb.clone(), *index, lens, 0.25, 0, 0)
     with pytest.raises(ValueError, match="out"):
-        tk.decode_attention(
+        td.decode_attention(
             torch.zeros(2, 4, 16), kb, kb.clone(), *index, lens, 0.25, out=torch.zeros(2, 4, 8)
         )
     with pytest.raises(ValueError, match="extend_lens"):
@@ -242,14 +243,14 @@ def _reference(s: Setup, batch: ForwardBatch, q: torch.Tensor) -> torch.Tensor:
 def _decode(s: Setup, seq_lens, dtype, **kwargs) -> None:
     """Each request's newest token (already in the pool) through `decode_attention`, with
     the kernel's `kwargs`, against the reference."""
-    from lmprog_runtime.attention import triton_kernels as tk
+    from lmprog_runtime.attention import triton_decode as td
 
     batch = _batch(s, [n - 1 for n in seq_lens], [1] * len(seq_lens), mode=ForwardMode.DECODE)
     layout = s.layout
     q = (2 * torch.randn(len(seq_lens), layout.num_heads, layout.head_dim, generator=s.gen)).to(
         dtype
     )
-    got = tk.decode_attention(
+    got = td.decode_attention(
         q,
         s.pool.k_buffers[0],
         s.pool.v_buffers[0],
@@ -307,14 +308,14 @@ def test_decode_splits_start_at_the_sliding_window(dtype):
 def test_a_fixed_split_count_serves_any_lengths_and_empty_rows():
     """What a CUDA graph replays: one launch shape (batch, MAX_DECODE_SPLITS) for batches of
     any lengths, padded rows included (no keys: zeros, never NaN)."""
-    from lmprog_runtime.attention import triton_kernels as tk
+    from lmprog_runtime.attention import triton_decode as td
 
     for seed, seq_lens in enumerate([[3, 400, 17], [1, 2, 500]]):
         s = _setup(8, 2, 32, 1, seq_lens, seed)
-        _decode(s, seq_lens, torch.float32, num_splits=tk.MAX_DECODE_SPLITS)
+        _decode(s, seq_lens, torch.float32, num_splits=td.MAX_DECODE_SPLITS)
     q = torch.randn(2, 8, 32, generator=s.gen)
     k_buf, v_buf = s.pool.k_buffers[0], s.pool.v_buffers[0]
-    out = tk.decode_attention(
+    out = td.decode_attention(
         q, k_buf, v_buf, s.table.table, torch.tensor(s.rows[:2]), torch.tensor([0, 5]), 0.2, 0, 16
     )
     assert torch.equal(out[0], torch.zeros_like(out[0]))
@@ -322,7 +323,7 @@ def test_a_fixed_split_count_serves_any_lengths_and_empty_rows():
 
 
 def test_split_count_fills_the_gpu_within_its_bounds():
-    from lmprog_runtime.attention.triton_kernels import MAX_DECODE_SPLITS, choose_num_splits
+    from lmprog_runtime.attention.triton_decode import MAX_DECODE_SPLITS, choose_num_splits
 
     assert choose_num_splits(1, 8, 100) == 1  # too short to split
     assert choose_num_splits(1, 8, 100_000) == MAX_DECODE_SPLITS
@@ -345,7 +346,7 @@ def test_the_split_count_fills_its_waves_past_the_fewest_that_fill_the_gpu(
     """Against a search of every count allowed: the fewest splits whose programs reach 2
     per SM (or all the length allows); if their waves are under 90% full, the fewest
     more whose waves are 90% full, or the fullest."""
-    from lmprog_runtime.attention.triton_kernels import (
+    from lmprog_runtime.attention.triton_decode import (
         MAX_DECODE_SPLITS,
         MIN_SPLIT_LEN,
         PROGRAMS_PER_SM,
