@@ -18,15 +18,27 @@ from gpu_check_common import (
 )
 
 # Nominal HBM bandwidth (bytes/s) by device name, for the bandwidth fraction: the first key
-# the name holds ("NVIDIA H100 80GB HBM3", the SXM card the device tool lends, takes "H100").
+# the name holds (`nominal_peak`), so a card's variants come before its plain name.
 HBM_PEAK = {
     "H200": 4.8e12,
     "H100 PCIe": 2.0e12,
     "H100 NVL": 3.9e12,
-    "H100": 3.35e12,
+    "H100": 3.35e12,  # the SXM card ("NVIDIA H100 80GB HBM3"), which the device tool lends
+    "A100-SXM4-40GB": 1.555e12,
+    "A100-PCIE-40GB": 1.555e12,
     "A100": 2.0e12,
     "L40S": 0.864e12,
 }
+
+
+def nominal_peak(device_name: str) -> float | None:
+    """The nominal HBM bandwidth (bytes/s) of the GPU named `device_name`, if known.
+
+    Example:
+        >>> nominal_peak("NVIDIA H100 PCIe"), nominal_peak("NVIDIA H100 80GB HBM3")
+        (2000000000000.0, 3350000000000.0)
+    """
+    return next((bw for key, bw in HBM_PEAK.items() if key in device_name), None)
 
 
 def fused_ops(check: Check) -> dict[str, Any]:
@@ -210,8 +222,7 @@ def decode_bandwidth(check: Check) -> dict[str, Any]:
     dst = torch.empty_like(src)
     copy_s = time_cuda(functools.partial(dst.copy_, src))
     measured_peak = 2 * copy_bytes / copy_s  # read + written
-    name = torch.cuda.get_device_name()
-    nominal = next((bw for key, bw in HBM_PEAK.items() if key in name), None)
+    nominal = nominal_peak(torch.cuda.get_device_name())
     out: dict[str, Any] = {
         "copy_bandwidth_gbs": measured_peak / 1e9,
         "nominal_peak_gbs": (nominal or 0) / 1e9,

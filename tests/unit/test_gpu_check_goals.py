@@ -150,3 +150,24 @@ def test_what_a_run_can_leave_behind_reads_as_not_measured_and_never_raises():
     assert "large: not measured (no section)" in lines
     assert any(line.endswith("not measured (crashed: boom)") for line in lines)
     assert lines[-1].startswith('decode_steps="auto" as the CUDA default: not measured')
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H200", 4.8e12),
+        ("NVIDIA H100 80GB HBM3", 3.35e12),  # (the SXM card the device tool lends)
+        ("NVIDIA H100 PCIe", 2.0e12),
+        ("NVIDIA H100 NVL", 3.9e12),
+        ("NVIDIA A100-SXM4-80GB", 2.0e12),
+        ("NVIDIA A100-SXM4-40GB", 1.555e12),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_the_bandwidth_goal_takes_each_cards_own_nominal_peak(monkeypatch, name, peak):
+    """The bandwidth goal is a fraction of the card's nominal peak: a variant whose name
+    holds another's (the H100 PCIe holds "H100") must not take that one's figure."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from gpu_check_kernels import nominal_peak
+
+    assert nominal_peak(name) == peak
