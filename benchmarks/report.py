@@ -30,6 +30,8 @@ def load_results(results_dir: Path) -> dict[str, list[dict[str, Any]]]:
     by_bench: dict[str, list[dict[str, Any]]] = {}
     for path in sorted(results_dir.glob("*.json")):
         result = json.loads(path.read_text(encoding="utf-8"))
+        if "bench" not in result:  # (not a table: e.g. the GPU check's figures)
+            continue
         by_bench.setdefault(result["bench"], []).append(result)
 
     def rank(result: dict[str, Any]) -> tuple[int, str]:
