@@ -50,7 +50,7 @@ def goal_lines(report: dict[str, Any]) -> list[str]:
 def _bandwidth(report: dict[str, Any]) -> list[str]:
     title = f"decode attention bandwidth (goal >= {BANDWIDTH_GOAL:.2f} of the HBM peak)"
     section = report.get("decode_bandwidth")
-    cases = {k: v for k, v in _items(section) if isinstance(v, dict) and "gbs" in v}
+    cases = {k: v for k, v in _dict(section).items() if isinstance(v, dict) and "gbs" in v}
     if not cases:
         return [f"{title}: not measured ({_why(section)})"]
     lines = [f"{title}:"]
@@ -116,7 +116,7 @@ def _shared_prefix(report: dict[str, Any]) -> list[str]:
     section = report.get("throughput")
     cases = {
         k: v
-        for k, v in _items(section)
+        for k, v in _dict(section).items()
         if k.endswith("/shared_prefix") and isinstance(v, dict) and _number(v.get("speedup"))
     }
     if not cases:
@@ -196,10 +196,6 @@ def _why(entry: Any) -> str:
 
 def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
-
-
-def _items(section: Any) -> list[tuple[str, Any]]:
-    return list(section.items()) if isinstance(section, dict) else []
 
 
 def _number(value: Any) -> float | None:

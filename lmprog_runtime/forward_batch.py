@@ -25,8 +25,10 @@ class ForwardMode(Enum):
 
 # The rows of a decode batch's packed inputs (`ForwardBatch.packed`), in order; a decode
 # graph's static input buffer has the same rows.
-PACKED_IDS, PACKED_POSITIONS, PACKED_ROWS, PACKED_LENS, PACKED_SLOTS, PACKED_LOGITS = range(6)
 NUM_PACKED_ROWS = 6
+PACKED_IDS, PACKED_POSITIONS, PACKED_ROWS, PACKED_LENS, PACKED_SLOTS, PACKED_LOGITS = range(
+    NUM_PACKED_ROWS
+)
 
 
 @dataclass
