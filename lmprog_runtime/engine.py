@@ -27,11 +27,10 @@ from lmprog_runtime.byte_decode import ByteLevelTable
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.constrained.outlines_backend import is_byte_level
 from lmprog_runtime.engine_loop import EngineLoop
-from lmprog_runtime.engine_view import engine_html, engine_repr
+from lmprog_runtime.engine_view import EngineView
 from lmprog_runtime.forward_worker import ForwardWorker
 from lmprog_runtime.gc_freeze import BusyFreeze, working
 from lmprog_runtime.kvcache.radix_cache import RadixCache
-from lmprog_runtime.kvcache.radix_view import RadixTreeView
 from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.loop_thread import serve, wake
 from lmprog_runtime.model_runner import ModelRunner
@@ -61,7 +60,7 @@ from lmprog_runtime.transfer import device_scope, require_device
 logger = logging.getLogger(__name__)
 
 
-class Engine(RequestMaker, EngineLoop):
+class Engine(RequestMaker, EngineLoop, EngineView):
     """Runs a Llama-family checkpoint in this process with continuous batching.
 
     `model_path` is a named model (`"smollm2-135m-instruct"`, `"tiny"`, ...), a Hugging Face
@@ -286,29 +285,6 @@ class Engine(RequestMaker, EngineLoop):
         self._submit(self._make_group(reqs) if group and len(reqs) > 1 else reqs)
         return futures
 
-    def stats(self) -> dict[str, float]:
-        """Counters since start or the last `reset_stats()` (see DESIGN.md for the keys)."""
-        return self._stats.snapshot()
-
-    def reset_stats(self) -> None:
-        self._stats.reset()
-
-    def memory_state(self) -> dict[str, int]:
-        """Where the KV slots are (when idle: free + cached == total and nothing is locked),
-        and how many request slots and penalty rows are held."""
-        runner, tree = self.runner, self.tree_cache
-        return {
-            "kv_slots_total": runner.allocator.num_slots,
-            "kv_slots_free": runner.allocator.num_free,
-            "kv_slots_cached": tree.total_size if tree is not None else 0,
-            "kv_slots_locked": tree.protected_size if tree is not None else 0,
-            "req_slots_total": runner.req_to_token.num_reqs,
-            "req_slots_free": runner.req_to_token.num_free,
-            "num_running": len(self.scheduler.running) + (self.scheduler.chunked_req is not None),
-            "num_waiting": len(self.scheduler.waiting) + len(self._inbox),
-            "penalty_rows_used": self.penalty_counts.num_used,
-        }
-
     def abort(self, request_id: int) -> None:
         """Cancel a request (`meta_info["id"]`, or a future's `request_id`) before its next
         step: it fails with `RequestAborted`, its slots are freed and what it computed stays
@@ -330,28 +306,6 @@ class Engine(RequestMaker, EngineLoop):
     def fault_hook(self, hook: Callable[[str, Req], None] | None) -> None:
         self._fault_hook = hook
         self.scheduler.fault = hook if hook is not None else _no_fault
-
-    def radix_tree(self, max_nodes: int = 200) -> RadixTreeView:
-        """A drawing of the prefix cache as it is now: each node's tokens, hit count and
-        whether running requests lock it (an SVG in notebooks, indented text with `str`).
-        Past `max_nodes` nodes (breadth first) the rest are counted, not drawn.
-
-        Example:
-            >>> engine.radix_tree()  # doctest: +SKIP
-        """
-        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
-            raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
-        if self.tree_cache is None:
-            raise RuntimeError("this engine runs without a prefix cache")
-        root, omitted = self._command("radix_snapshot", max_nodes)
-        return RadixTreeView(root, omitted, self.tokenizer.decode)
-
-    def __repr__(self) -> str:
-        return engine_repr(self)
-
-    def _repr_html_(self) -> str:
-        """Jupyter: the model, the KV memory and the counters."""
-        return engine_html(self)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix. Returns False (and drops nothing) while requests run."""

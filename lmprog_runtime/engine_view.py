@@ -1,6 +1,6 @@
-"""How an Engine looks: one line of text in a terminal, a small report in Jupyter (its
-model, where the KV slots are, and the counters since the last reset). Reads only the
-public `memory_state()` and `stats()`.
+"""What an Engine shows of itself (a mixin of `Engine`): its counters, where its KV slots
+are, a drawing of its prefix cache, one line of text in a terminal and a small report in
+Jupyter (its model, the KV slots and the counters since the last reset).
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 import html
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from lmprog_runtime.kvcache.radix_view import RadixTreeView
 
 if TYPE_CHECKING:
     from lmprog_runtime.engine import Engine
@@ -73,3 +75,52 @@ def engine_html(engine: Engine) -> str:
         f'<div style="display:flex;height:10px;width:24em;margin:4px 0;border:1px solid #bbb">'
         f"{bar}</div><table>{cells}</table></div>"
     )
+
+
+class EngineView:
+    """`Engine`'s read-only views (`Engine` sets the fields they read)."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters since start or the last `reset_stats()` (see DESIGN.md for the keys)."""
+        return self._stats.snapshot()
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+
+    def memory_state(self) -> dict[str, int]:
+        """Where the KV slots are (when idle: free + cached == total and nothing is locked),
+        and how many request slots and penalty rows are held."""
+        runner, tree = self.runner, self.tree_cache
+        return {
+            "kv_slots_total": runner.allocator.num_slots,
+            "kv_slots_free": runner.allocator.num_free,
+            "kv_slots_cached": tree.total_size if tree is not None else 0,
+            "kv_slots_locked": tree.protected_size if tree is not None else 0,
+            "req_slots_total": runner.req_to_token.num_reqs,
+            "req_slots_free": runner.req_to_token.num_free,
+            "num_running": len(self.scheduler.running) + (self.scheduler.chunked_req is not None),
+            "num_waiting": len(self.scheduler.waiting) + len(self._inbox),
+            "penalty_rows_used": self.penalty_counts.num_used,
+        }
+
+    def radix_tree(self, max_nodes: int = 200) -> RadixTreeView:
+        """A drawing of the prefix cache as it is now: each node's tokens, hit count and
+        whether running requests lock it (an SVG in notebooks, indented text with `str`).
+        Past `max_nodes` nodes (breadth first) the rest are counted, not drawn.
+
+        Example:
+            >>> engine.radix_tree()  # doctest: +SKIP
+        """
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
+        if self.tree_cache is None:
+            raise RuntimeError("this engine runs without a prefix cache")
+        root, omitted = self._command("radix_snapshot", max_nodes)
+        return RadixTreeView(root, omitted, self.tokenizer.decode)
+
+    def __repr__(self) -> str:
+        return engine_repr(self)
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the model, the KV memory and the counters."""
+        return engine_html(self)

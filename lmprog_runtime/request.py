@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 
 from lmprog_runtime.constrained.base import word_allows
 from lmprog_runtime.req_text import ReqText
+from lmprog_runtime.results import DoneFlag
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.stop_regex import StopRegexScanner
 from lmprog_runtime.token_healing import Heal
@@ -32,42 +32,6 @@ LogprobEntry = tuple[float | None, int, str | None]
 # Shared by every request without EOS or stop tokens (a request's objects are walked by
 # the cyclic collector's full passes while it is in flight: `gc_freeze.py`).
 NO_TOKEN_IDS: frozenset[int] = frozenset()
-
-
-class DoneFlag:
-    """`threading.Event`'s `is_set` / `set` / `wait` for one request, set once, by the
-    loop: two objects for the collector to walk where an event makes six (its condition,
-    lock, waiters and the condition's bound methods).
-
-    Example:
-        >>> flag = DoneFlag()
-        >>> flag.wait(0), flag.set(), flag.wait(), flag.is_set()
-        (False, None, True, True)
-    """
-
-    __slots__ = ("_lock", "_is_set")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # held until set: a waiter acquires it to wake
-        self._lock.acquire()
-        self._is_set = False
-
-    def is_set(self) -> bool:
-        return self._is_set
-
-    def set(self) -> None:
-        if not self._is_set:
-            self._is_set = True
-            self._lock.release()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Whether it is set, waiting up to `timeout` seconds (None: until it is)."""
-        if self._is_set:
-            return True
-        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
-            return False
-        self._lock.release()  # (for the next waiter)
-        return True
 
 
 class Req(ReqText):

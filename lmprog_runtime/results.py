@@ -1,8 +1,8 @@
 """What callers get back from the engine, and how they wait for it: a request's result or
 its error as they see it, the stream of a streamed request, a submitted request's future
-resolved, and the one wake of a caller waiting for a batch. These run on callers'
-threads, or as the loop thread's last act for a request (`EngineLoop._announce` calls
-`on_done`); they never touch the scheduler.
+resolved, the one wake of a caller waiting for a batch, and the flag each request's caller
+waits on (`DoneFlag`). These run on callers' threads, or as the loop thread's last act for
+a request (`EngineLoop._announce` calls `on_done`); they never touch the scheduler.
 """
 
 from __future__ import annotations
@@ -14,7 +14,43 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lmprog_runtime.engine import Engine
-    from lmprog_runtime.request import DoneFlag, Req
+    from lmprog_runtime.request import Req
+
+
+class DoneFlag:
+    """`threading.Event`'s `is_set` / `set` / `wait` for one request, set once, by the
+    loop: two objects for the collector to walk where an event makes six (its condition,
+    lock, waiters and the condition's bound methods).
+
+    Example:
+        >>> flag = DoneFlag()
+        >>> flag.wait(0), flag.set(), flag.wait(), flag.is_set()
+        (False, None, True, True)
+    """
+
+    __slots__ = ("_lock", "_is_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # held until set: a waiter acquires it to wake
+        self._lock.acquire()
+        self._is_set = False
+
+    def is_set(self) -> bool:
+        return self._is_set
+
+    def set(self) -> None:
+        if not self._is_set:
+            self._is_set = True
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether it is set, waiting up to `timeout` seconds (None: until it is)."""
+        if self._is_set:
+            return True
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            return False
+        self._lock.release()  # (for the next waiter)
+        return True
 
 
 def wait_all(

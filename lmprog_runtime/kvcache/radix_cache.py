@@ -12,78 +12,21 @@ tokens held by the tree, and no KV slot is owned twice. Node values are host arr
 int64): the tree is bookkeeping, read and written between forwards, never by a kernel,
 a few times per request (at its admission, after its prefill and at its finish), and a
 torch op on a few slots costs the loop 2-4 us where numpy's costs 0.1-0.3. `insert` takes
-a CPU tensor or an array; `match_prefix` and `owned_slots` return tensors.
+a CPU tensor or an array; `match_prefix` and `owned_slots` return tensors. The nodes and
+the match records are in `radix_node.py`.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
+from lmprog_runtime.kvcache.radix_node import NO_SLOTS, MatchResult, TreeNode, joined
 from lmprog_runtime.transfer import host_slots
-
-_node_ids = itertools.count()
-
-
-# No slots (read only: a miss costs no new array).
-_NO_SLOTS = np.empty(0, dtype=np.int64)
-_NO_SLOTS.flags.writeable = False
-
-
-class TreeNode:
-    __slots__ = (
-        "children",
-        "parent",
-        "key",
-        "value",
-        "lock_ref",
-        "last_access",
-        "hit_count",
-        "node_id",
-        "depth",
-    )
-
-    def __init__(self, parent: TreeNode | None, key: list[int], value: np.ndarray) -> None:
-        self.node_id = next(_node_ids)  # breaks eviction ties deterministically
-        self.children: dict[int | tuple[int, ...], TreeNode] = {}
-        self.parent = parent
-        self.key = key  # token ids of the edge into this node
-        self.value = value  # [len(key)] int64 KV slots (numpy)
-        # Tokens on its path from the root (a split keeps the lower node's: its path's end).
-        self.depth = (parent.depth if parent is not None else 0) + len(key)
-        self.lock_ref = 0
-        self.last_access = 0
-        self.hit_count = 0
-
-
-class MatchResult(NamedTuple):
-    slots: torch.Tensor  # [prefix_len] int64 KV slots of the matched prefix
-    node: TreeNode  # deepest node of the match (lock it to keep the prefix)
-
-
-class PrefixMatch:
-    """A waiting request's match (`RadixCache.match_path`): its deepest node and length,
-    its slots joined only when read (most matches only order the queue; the one admitted
-    reads them)."""
-
-    __slots__ = ("node", "length", "_values", "key")
-
-    def __init__(
-        self, node: TreeNode, length: int, values: list[np.ndarray], key: list[int]
-    ) -> None:
-        self.node, self.length, self._values = node, length, values
-        self.key = key  # the list matched (a later match of the same list resumes at node)
-
-    @property
-    def slots(self) -> np.ndarray:
-        """[length] int64 KV slots of the matched prefix (read only: may be a node's own)."""
-        return _joined(self._values)
-
 
 EVICTION_POLICIES = ("lru", "lfu")
 
@@ -116,7 +59,7 @@ class RadixCache:
         self.reset()
 
     def reset(self) -> None:
-        self.root = TreeNode(None, [], _NO_SLOTS)
+        self.root = TreeNode(None, [], NO_SLOTS)
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
@@ -140,7 +83,7 @@ class RadixCache:
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached, page-aligned prefix of `key`; bumps recency along the path."""
         node, _, values = self.match_path(key)
-        return MatchResult(torch.from_numpy(np.concatenate([_NO_SLOTS, *values])), node)
+        return MatchResult(torch.from_numpy(np.concatenate([NO_SLOTS, *values])), node)
 
     def match_path(
         self, key: list[int], limit: int | None = None, since: TreeNode | None = None
@@ -234,7 +177,7 @@ class RadixCache:
         if not ends:
             raise ValueError(f"no node of the path ends at {depth} tokens")
         values.reverse()
-        return _joined(values)
+        return joined(values)
 
     def starts_an_edge(self, key: list[int]) -> bool:
         """Whether an edge from the root starts with `key`'s first page: if not, nothing of
@@ -358,7 +301,7 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, self._entry(parent))
         if values:  # (one free: each costs CPU ops)
-            self.allocator.free(_joined(values))
+            self.allocator.free(joined(values))
         return freed
 
     def _offer(self, node: TreeNode) -> None:
@@ -395,7 +338,7 @@ class RadixCache:
             raise RuntimeError("cannot flush the prefix cache while requests use it")
         values = [node.value for node in self._all_nodes()]
         if values:
-            self.allocator.free(_joined(values))  # (one free: each costs CPU ops)
+            self.allocator.free(joined(values))  # (one free: each costs CPU ops)
         self.reset()
 
     def _all_nodes(self) -> list[TreeNode]:
@@ -408,11 +351,4 @@ class RadixCache:
 
     def owned_slots(self) -> torch.Tensor:
         """Every slot the tree owns (for invariant checks)."""
-        return torch.from_numpy(np.concatenate([_NO_SLOTS, *(n.value for n in self._all_nodes())]))
-
-
-def _joined(values: list[np.ndarray]) -> np.ndarray:
-    """`values` one after another (one of them itself, read only: a node's own)."""
-    if len(values) < 2:
-        return values[0] if values else _NO_SLOTS
-    return np.concatenate(values)
+        return torch.from_numpy(np.concatenate([NO_SLOTS, *(n.value for n in self._all_nodes())]))

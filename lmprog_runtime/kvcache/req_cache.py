@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
-from lmprog_runtime.kvcache.radix_cache import PrefixMatch, RadixCache, TreeNode
+from lmprog_runtime.kvcache.radix_cache import RadixCache
+from lmprog_runtime.kvcache.radix_node import PrefixMatch, TreeNode
 from lmprog_runtime.kvcache.req_to_token import ReqToTokenPool
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ import threading
 import time
 
 from lmprog_runtime import gc_freeze
-from lmprog_runtime.request import DoneFlag
+from lmprog_runtime.results import DoneFlag
 
 SCRIPT = r"""
 import gc, json, sys, threading, time, weakref

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lmprog_runtime.kvcache.allocator import TokenSlotAllocator
-from lmprog_runtime.kvcache.radix_cache import PrefixMatch, RadixCache
+from lmprog_runtime.kvcache.radix_cache import RadixCache
+from lmprog_runtime.kvcache.radix_node import PrefixMatch
 
 POOL = 64  # slots: small enough that inserts run out and must evict
 
