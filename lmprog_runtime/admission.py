@@ -59,10 +59,14 @@ class Admission:
         for req in self.policy.order(waiting):
             if id(req) in admitted:
                 continue
-            # (a lone request is in `waiting` still: only its own admission refuses it)
+            # (a lone request is in `waiting` still: only its own admission refuses it;
+            # a group going in parts leaves its admitted members in `waiting` until the
+            # end of the step: they are not claimed again with the rest)
             members = [req]
             if req.group is not None:
-                members = [m for m in req.group.members if m in self.waiting]
+                members = [
+                    m for m in req.group.members if id(m) not in admitted and m in self.waiting
+                ]
             if len(members) == 1 and req.kv_len == 0 and self._shares_uncached_prefix(req, blocks):
                 continue  # compute the shared prefix once: this one reuses it next step
             room = self._room(num_active)

@@ -323,3 +323,18 @@ def test_a_group_larger_than_the_engine_limits_runs_in_parts(tiny_path, limits):
         alone = [engine.generate(input_ids=p, sampling_params=params) for p in prompts]
         _clean(engine)
     assert [o["output_ids"] for o in grouped] == [o["output_ids"] for o in alone]
+
+
+def test_a_group_that_fits_the_pool_one_member_at_a_time_runs_in_parts(tiny_path):
+    """Four branches of one prompt, each alone within the pool (53 + 200 of 300 slots) and
+    no two together: the group goes in parts, and a member left waiting must not take the
+    admitted members' claims back with its own (they once lost their rows, and the pool
+    its slots)."""
+    prompts = [_ids(70, 53)] * 4
+    params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with Engine(tiny_path, max_total_tokens=300, max_running_requests=4) as engine:
+        grouped = engine.generate(input_ids=prompts, sampling_params=params, group=True)
+        _clean(engine)
+        alone = engine.generate(input_ids=prompts[0], sampling_params=params)
+        _clean(engine)
+    assert [o["output_ids"] for o in grouped] == [alone["output_ids"]] * 4
