@@ -12,7 +12,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from types import NoneType
 from typing import Any
 
 from lmprog.choices import ChoicesSamplingMethod, token_length_normalized
@@ -80,10 +82,22 @@ def gen(
     """
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
+    constraints = {"choices": choices, "regex": regex, "json_schema": json_schema, "dtype": dtype}
+    given = [key for key, value in constraints.items() if value is not None]
+    if len(given) > 1:
+        raise ValueError(
+            f"gen takes at most one of choices, regex, json_schema and dtype, got {given}"
+        )
     if choices is not None:
         return select(name, choices, temperature or 0.0, choices_method or token_length_normalized)
     _check_numbers(
-        ints={"max_tokens": max_tokens, "min_tokens": min_tokens, "top_k": top_k},
+        ints={
+            "max_tokens": max_tokens,
+            "min_tokens": min_tokens,
+            "top_k": top_k,
+            "logprob_start_len": logprob_start_len,
+            "top_logprobs_num": top_logprobs_num,
+        },
         floats={
             "temperature": temperature,
             "top_p": top_p,
@@ -111,26 +125,34 @@ def gen(
         "ignore_eos": ignore_eos,
         "token_healing": token_healing,
         "end_outside_pattern": end_outside_pattern,
+        # Not sampling parameters: the interpreter passes them to the backend per request.
+        # (None, as every key here: `run()`'s default, if it gives one)
+        "return_logprob": return_logprob,
+        "top_logprobs_num": top_logprobs_num,
+        "logprob_start_len": logprob_start_len,
+        "return_text_in_logprobs": return_text_in_logprobs,
     }
     if isinstance(dtype, str) and dtype in DTYPES:
         dtype = DTYPES[dtype]
     if dtype is not None and dtype not in (int, float, bool, str):
         raise ValueError(f"dtype must be int, float, bool or str (or their names), got {dtype!r}")
-    for key in ("end_outside_pattern", "token_healing"):
+    flags = ("ignore_eos", "end_outside_pattern", "token_healing", "return_logprob")
+    for key in (*flags, "return_text_in_logprobs"):
         if sampling[key] is not None and not isinstance(sampling[key], bool):
             raise TypeError(f"{key} must be a bool or None, got {type(sampling[key]).__name__}")
+    if regex is not None and not isinstance(regex, str):
+        raise TypeError(f"regex must be a str, got {type(regex).__name__}")
     if hasattr(json_schema, "model_json_schema"):  # a pydantic model class
         json_schema = json_schema.model_json_schema()
     if isinstance(json_schema, (dict, bool)):
         import json
 
         json_schema = json.dumps(json_schema)
-    if return_logprob:
-        # Not sampling parameters: the interpreter passes them to the backend per request.
-        sampling["return_logprob"] = True
-        sampling["top_logprobs_num"] = top_logprobs_num or 0
-        sampling["logprob_start_len"] = logprob_start_len
-        sampling["return_text_in_logprobs"] = return_text_in_logprobs
+    if json_schema is not None and not isinstance(json_schema, str):
+        raise TypeError(
+            "json_schema must be a dict, a str of JSON, a bool or a pydantic model class, "
+            f"got {type(json_schema).__name__}"
+        )
     return Gen(name, sampling, regex=regex, json_schema=json_schema, dtype=dtype)
 
 
@@ -159,13 +181,17 @@ def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs:
 def select(
     name: str | None = None,
     choices: Sequence[str] | None = None,
-    temperature: float = 0.0,
+    temperature: float | None = 0.0,
     choices_method: ChoicesSamplingMethod = token_length_normalized,
 ) -> Expr:
-    """Append the choice the model finds most likely (see `lmprog.choices` for methods)."""
+    """Append the choice the model finds most likely (see `lmprog.choices` for methods);
+    `temperature` None is 0."""
+    if isinstance(choices, (str, bytes, Mapping)) or not isinstance(choices, (Iterable, NoneType)):
+        raise TypeError(f"choices must be a list of strings, got {type(choices).__name__}")
+    choices = None if choices is None else list(choices)  # (a generator is read once)
     if not choices:
         raise ValueError("select needs a non-empty list of choices")
-    if isinstance(choices, str) or not all(isinstance(c, str) for c in choices):
+    if not all(isinstance(c, str) for c in choices):
         raise TypeError("choices must be a list of strings")
     if len(set(choices)) != len(choices):
         raise ValueError(f"select has duplicate choices: {list(choices)}")
@@ -182,8 +208,10 @@ def select(
             f"choices_method {type(choices_method).__name__} implements neither decide(...) "
             "nor SGLang's __call__(*, choices, normalized_prompt_logprobs, ...)"
         )
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    temperature = 0.0 if temperature is None else temperature
+    _check_numbers(ints={}, floats={"temperature": temperature})
+    if not 0 <= temperature < math.inf:  # (nan fails it too)
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if temperature > 0 and choices_method.is_sglang_style:
         raise ValueError(
             f"choices_method {choices_method.label} decides by its own __call__: "

@@ -290,13 +290,13 @@ class Function:
                     bar.close()
 
     def _execute(self, state: ProgramState, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Run the body once; its exception fails the program (kept in `error()`)."""
+        """Run the body once; its exception fails the program (kept in `error()`), and
+        its requests still in flight are aborted: nothing will read them (an exception or
+        Ctrl-C in the body alike)."""
         stream = state._stream
         try:
             state.ret_value = self.func(state, *args, **{**self.bound, **kwargs})
-        except Exception as error:  # noqa: BLE001 - kept in the state, never lost
-            stream.interpreter.fail(stream, error)
-        except BaseException as error:  # Ctrl-C in the body: its requests stop too
+        except BaseException as error:  # noqa: BLE001 - kept in the state, never lost
             stream.interpreter.cancel(stream, error)
         finally:
             stream.close()

@@ -190,16 +190,18 @@ class Interpreter:
                 self._end(stream)
 
     def cancel(self, stream: Stream, error: BaseException) -> None:
-        """(any thread) Fail `stream`'s program now, with `error`, and abort its requests in
-        flight (Ctrl-C while it runs): their slots are freed within one engine step."""
-        self.post(functools.partial(self._cancel, stream, error))
-
-    def _cancel(self, stream: Stream, error: BaseException) -> None:
-        lineage = stream.lineage()
+        """(any thread) Fail `stream`'s program now, with `error`, so that nothing more is
+        sent for it, and abort its requests in flight (its body raised, or Ctrl-C while it
+        runs): their slots are freed within one engine step."""
         self.fail(stream, error)
-        for each in lineage:
+        self.post(functools.partial(self._abort_in_flight, stream, again=True))
+
+    def _abort_in_flight(self, stream: Stream, again: bool) -> None:
+        for each in stream.lineage():
             if each.inflight:
                 each.ops.backend.abort(each.inflight)
+        if again:  # (a request of this round's outbox is sent at the round's end)
+            self.post(functools.partial(self._abort_in_flight, stream, again=False))
 
     def _end(self, stream: Stream) -> None:
         with stream.cv:
@@ -207,7 +209,8 @@ class Interpreter:
                 return
             stream.is_done = True
             stream.cv.notify_all()
-            self._num_live -= 1
+            with self.lock:  # (a body's or a caller's thread may end a stream: `cancel`)
+                self._num_live -= 1
             parent = stream.parent
             if parent is not None and parent.is_busy and not parent.is_done:
                 node = parent.nodes[parent.pos]

@@ -14,6 +14,7 @@ produces, conflicting variable names in one scope, and invalid regexes or JSON s
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import networkx as nx
@@ -197,7 +198,24 @@ def trace(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Tracer, Any]:
         tracer.stopped = str(stop)
     except ConcreteValueNeeded as need:
         tracer.stopped = f"{need.operation} of {need.expr!r}"
+    except (TypeError, AttributeError) as error:
+        # A placeholder handed where Python wants a value (`json.loads(s["x"])`): the
+        # error names its class. Any other error is the program's own.
+        if not _names_a_placeholder(str(error)):
+            raise
+        tracer.stopped = f"{type(error).__name__}: {error}"
     return tracer, ret
+
+
+def _names_a_placeholder(message: str) -> bool:
+    """Whether an error's message names a node class as Python names a value's type
+    (`'VarRef' object has no attribute 'strip'`, `... not VarRef`)."""
+    names, pending = set(), [Expr]
+    while pending:
+        cls = pending.pop()
+        names.add(cls.__name__)
+        pending.extend(cls.__subclasses__())
+    return any(re.search(rf"'{name}'|\bnot {name}\b", message) for name in names)
 
 
 def _produced_name(node: Expr) -> str | None:

@@ -153,7 +153,7 @@ class SamplingParams:
                 raise TypeError(f"{name} must be a str, got {type(value).__name__}")
         if self.regex is not None and self.json_schema is not None:
             raise ValueError("pass at most one of regex and json_schema")
-        for name in ("end_outside_pattern", "token_healing"):
+        for name in ("ignore_eos", "skip_special_tokens", "end_outside_pattern", "token_healing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.json_schema is not None:

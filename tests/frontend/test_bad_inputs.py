@@ -41,6 +41,12 @@ GENERATE = [  # (kwargs of engine.generate, error type, text the message must co
     ({"prompt": "hi", "sampling_params": {"stop_regex": "["}}, ValueError, "stop_regex"),
     ({"prompt": "hi", "sampling_params": {"bogus": 1}}, ValueError, "bogus"),
     ({"prompt": "hi", "top_logprobs_num": -1}, ValueError, "top_logprobs_num"),
+    ({"prompt": "hi", "sampling_params": {"ignore_eos": "no"}}, TypeError, "ignore_eos"),
+    (
+        {"prompt": "hi", "sampling_params": {"skip_special_tokens": "no"}},
+        TypeError,
+        "skip_special_tokens",
+    ),
 ]
 
 GEN = [  # (kwargs of lp.gen, error type, message)
@@ -56,6 +62,16 @@ GEN = [  # (kwargs of lp.gen, error type, message)
     ({"json_schema": "{not json"}, ValueError, "JSON schema"),
     ({"dtype": list}, ValueError, "dtype"),
     ({"name": 3}, TypeError, "name"),
+    # One constraint a gen (the others were once dropped without a word).
+    ({"regex": "[a-z]+", "json_schema": {"type": "integer"}}, ValueError, "at most one"),
+    ({"regex": "[a-z]+", "dtype": int}, ValueError, "at most one"),
+    ({"json_schema": {"type": "integer"}, "dtype": "int"}, ValueError, "at most one"),
+    ({"choices": ["a", "b"], "regex": "a"}, ValueError, "at most one"),
+    ({"regex": 123}, TypeError, "regex"),
+    ({"json_schema": [1, 2]}, TypeError, "json_schema"),
+    ({"ignore_eos": "no"}, TypeError, "ignore_eos"),  # ("no" once meant True)
+    ({"return_logprob": 1}, TypeError, "return_logprob"),
+    ({"top_logprobs_num": "5"}, TypeError, "top_logprobs_num"),
 ]
 
 SELECT = [  # (kwargs of lp.select, error type, message)
@@ -63,6 +79,11 @@ SELECT = [  # (kwargs of lp.select, error type, message)
     ({"name": "c", "choices": "ab"}, TypeError, "choices"),
     ({"name": "c", "choices": ["a", "a"]}, ValueError, "duplicate"),
     ({"name": "c", "choices": ["a", "b"], "temperature": -1}, ValueError, "temperature"),
+    ({"name": "c", "choices": ["a", "b"], "temperature": NAN}, ValueError, "temperature"),
+    ({"name": "c", "choices": ["a", "b"], "temperature": INF}, ValueError, "temperature"),
+    ({"name": "c", "choices": ["a", "b"], "temperature": "hot"}, TypeError, "temperature"),
+    ({"name": "c", "choices": 3}, TypeError, "choices"),
+    ({"name": "c", "choices": {"a": 1}}, TypeError, "choices"),
 ]
 
 
@@ -84,6 +105,11 @@ def test_gen(engine, kwargs, error, message):
 def test_select(kwargs, error, message):
     with pytest.raises(error, match=message):
         lp.select(**kwargs)
+
+
+def test_select_takes_any_iterable_of_choices_and_temperature_none():
+    chosen = lp.select("c", (c for c in ["a", "b"]), temperature=None)
+    assert chosen.choices == ("a", "b") and chosen.temperature == 0.0
 
 
 @pytest.mark.parametrize(

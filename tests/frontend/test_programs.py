@@ -5,6 +5,7 @@ chat template, and engine counters."""
 from __future__ import annotations
 
 import html
+import time
 
 import pytest
 
@@ -308,8 +309,18 @@ def test_run_level_logprob_options_reach_every_gen(engine):
     assert [(tid, text) for _, tid, text in got] == [(t, engine.decode([t])) for _, t, _ in want]
     assert [v for v, _, _ in got] == pytest.approx([v for v, *_ in want], abs=1e-4)
     assert len(info["output_top_logprobs"]) == 3
-    # a gen's own False is None-like only when unset: here it inherits the run's True
-    assert "output_token_logprobs" in state.get_meta_info("b")
+    # A gen's own value overrides the run's, False too (as SGLang's `is not None`); only
+    # an unset one (None) inherits it.
+    assert "output_token_logprobs" not in state.get_meta_info("b")
+
+
+def test_a_gens_logprob_request_takes_the_runs_other_logprob_options(engine):
+    @lp.function
+    def prog(s):
+        s += "Once upon a time" + lp.gen("a", max_tokens=3, return_logprob=True)
+
+    info = prog.run(backend=engine, temperature=0, top_logprobs_num=2).get_meta_info("a")
+    assert [len(top) for top in info["output_top_logprobs"]] == [2, 2, 2]
 
 
 def test_generator_style_yields_states_as_they_finish(engine):
@@ -440,3 +451,22 @@ def test_programs_on_two_engines_at_once_each_use_their_own(engine, tiny_path):
             t.join()
         assert other.stats()["decode_tokens"] == engine.stats()["decode_tokens"] == 8 * 2
     assert [s.text() for s in results["a"]] == [s.text() for s in results["b"]]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("the body's own"), KeyboardInterrupt()])
+def test_a_body_that_raises_aborts_its_requests_in_flight(engine, error):
+    @lp.function
+    def prog(s):
+        s += "Tell three long stories:"
+        forks = s.fork(2)
+        forks += lp.gen("story", max_tokens=1500, ignore_eos=True)
+        s += lp.gen("story", max_tokens=1500, ignore_eos=True)
+        time.sleep(0.2)  # (sent by now, most likely; if not, nothing is sent)
+        raise error
+
+    engine.reset_stats()
+    with pytest.raises(type(error)):
+        prog.run(backend=engine)
+    # A raising body's requests (not Ctrl-C's) once ran to their ends: 4,500 tokens
+    # computed for nothing while `run()` waited.
+    assert engine.stats()["decode_tokens"] < 1500

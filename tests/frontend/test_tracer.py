@@ -3,6 +3,7 @@ and in batches, with their body run once."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -236,3 +237,26 @@ def test_python_on_generated_values_runs_once_with_the_values(engine):
         assert f" {word}:" + state["more"] in state.text()
     # 3 tokens for the word and 4 for the rest, per program: nothing generated twice.
     assert decode_tokens <= 3 * (3 + 4)
+
+
+def test_trace_stops_at_a_string_method_or_json_of_a_value():
+    @lp.function
+    def strips(s):
+        s += "Q:" + lp.gen("x", max_tokens=2)
+        if s["x"].strip() == "yes":
+            s += "!"
+
+    @lp.function
+    def parses(s):
+        s += "J:" + lp.gen("x", max_tokens=2)
+        s += json.loads(s["x"])["a"]
+
+    @lp.function
+    def own_error(s):
+        s += "Q:" + lp.gen("x", max_tokens=2)
+        len(5)  # the program's own mistake: raised, not a stop
+
+    assert "'VarRef' object has no attribute 'strip'" in strips.trace().stopped
+    assert "not VarRef" in parses.trace().stopped
+    with pytest.raises(TypeError, match="has no len"):
+        own_error.trace()
