@@ -15,12 +15,14 @@ import importlib
 import importlib.util
 import inspect
 import json
+import keyword
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from lmprog.api import assistant, gen, user
+from lmprog.datasets.sinks import check_output
 from lmprog.function import Function, _split_kwargs
 
 _EPILOG = """\
@@ -41,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             program, data = _generate_program(args)
         program, defaults = _apply_settings(program, args.set)
+        check_output(args.output, args.resume)  # (before the model loads)
         from lmprog_runtime import Engine
 
         engine = Engine(args.model, **_parse_pairs(args.engine, "--engine"))
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             **defaults,
         )
         summary = run.run()
-    except (ValueError, TypeError, FileNotFoundError, ImportError, AttributeError) as error:
+    except (ValueError, TypeError, OSError, ImportError, AttributeError) as error:
         parser.exit(2, f"lmprog: error: {error}\n")
     except KeyboardInterrupt:
         parser.exit(130, "lmprog: interrupted; run the same command with --resume to go on\n")
@@ -95,15 +98,21 @@ def load_program(spec: str) -> Function:
 def _generate_program(args: argparse.Namespace) -> tuple[Function, Any]:
     """A one-gen program whose argument is the prompt column; `.txt` is one prompt a line."""
     column = args.prompt_column
+    if not column.isidentifier() or keyword.iskeyword(column):
+        raise ValueError(
+            f"--prompt-column {column!r}: the program takes the prompt as an argument of that "
+            "name, so it must be a Python identifier; rename the column"
+        )
 
-    def complete(s, **row: Any) -> None:
+    def complete(s, /, **row: Any) -> None:
         if args.chat:
             s += user(row[column])
             s += assistant(gen("completion"))
         else:
             s += row[column] + gen("completion")
 
-    params = [inspect.Parameter("s", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    state = "state" if column == "s" else "s"  # (the state's name must not be the column's)
+    params = [inspect.Parameter(state, inspect.Parameter.POSITIONAL_ONLY)]
     params.append(inspect.Parameter(column, inspect.Parameter.KEYWORD_ONLY))
     complete.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     data: Any = args.input

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -20,6 +21,32 @@ QUANTIZATIONS = ("int8", "int4", "w8a8_int8")
 DEVICE_PATTERN = re.compile(r"(cpu|cuda)(:[0-9]+)?")
 # The most steps of a decode run with `decode_steps="auto"` (`run_choice.py`).
 AUTO_DECODE_STEPS = 8
+
+
+# The settings of each type (checked by `RuntimeConfig._check_types`).
+INT_SETTINGS = (
+    "max_running_requests",
+    "max_prefill_tokens",
+    "chunked_prefill_size",
+    "page_size",
+    "grammar_cache_size",
+)
+OPTIONAL_INT_SETTINGS = (
+    "max_total_tokens",
+    "context_len",
+    "max_queued_requests",
+    "num_threads",
+    "random_seed",
+)
+NUMBER_SETTINGS = ("mem_fraction", "grammar_compile_timeout_s", "schedule_conservativeness")
+FLAG_SETTINGS = (
+    "disable_radix_cache",
+    "disable_jump_forward",
+    "disable_mixed_batches",
+    "disable_cuda_graph",
+    "disable_amx_linears",
+    "gc_freeze",
+)
 
 
 @dataclass(frozen=True)
@@ -79,7 +106,8 @@ class RuntimeConfig:
     # At most this many requests may wait to be admitted; a submit beyond it raises
     # `QueueFull` at once. None: unbounded.
     max_queued_requests: int | None = 65536
-    random_seed: int = 0
+    # Seeds the requests that give none; None: seeded from the OS (as SGLang's None).
+    random_seed: int | None = 0
     # On CPUs with AMX or AVX512-BF16, bfloat16 linear layers keep a second copy of their
     # weights packed for AMX tiles and multiply decode batches (up to 32 rows) with it on the
     # tiles or by AVX512-BF16 dot products, 1.5-3x as fast as torch's matmul there
@@ -131,6 +159,7 @@ class RuntimeConfig:
             )
         if self.device.startswith("cpu:"):  # (torch's name of its one CPU device)
             object.__setattr__(self, "device", "cpu")
+        self._check_types()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
@@ -153,11 +182,8 @@ class RuntimeConfig:
             )
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be > 0")
-        size = self.grammar_cache_size
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise TypeError(f"grammar_cache_size must be an int, got {size!r}")
-        if size < 0:
-            raise ValueError(f"grammar_cache_size must be >= 0, got {size}")
+        if self.grammar_cache_size < 0:
+            raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in (None, *QUANTIZATIONS):
@@ -200,8 +226,24 @@ class RuntimeConfig:
             raise TypeError(f"admission_wait_steps must be an int or None, got {wait!r}")
         if wait is not None and wait < 0:
             raise ValueError(f"admission_wait_steps must be >= 0 or None, got {wait}")
-        if not isinstance(self.gc_freeze, bool):
-            raise TypeError(f"gc_freeze must be True or False, got {self.gc_freeze!r}")
+
+    def _check_types(self) -> None:
+        """TypeError naming a setting of the wrong type (a str or a float where an int is
+        meant once failed deep inside torch, and "no" turned a flag on)."""
+        for name in (*INT_SETTINGS, *OPTIONAL_INT_SETTINGS):
+            value = getattr(self, name)
+            if value is None and name in OPTIONAL_INT_SETTINGS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                none = " or None" if name in OPTIONAL_INT_SETTINGS else ""
+                raise TypeError(f"{name} must be an int{none}, got {value!r}")
+        for name in NUMBER_SETTINGS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+        for name in FLAG_SETTINGS:
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def run_steps(self) -> int:

@@ -127,8 +127,14 @@ class ReqText:
         text = text[self._detok_cut :]
         if not self.can_stop:
             return text, None
-        cut, matched = self._first_stop(text, 0)
-        return text[:cut], matched
+        # Stops are looked for in the text the scan saw: not in a trailing incomplete UTF-8
+        # sequence (U+FFFD here), which the scan waits on (`decoded_text`). A stop that
+        # only it completes ended nothing, so it cuts nothing.
+        scanned = len(text)
+        while scanned > 0 and text[scanned - 1] == "\ufffd":
+            scanned -= 1
+        cut, matched = self._first_stop(text[:scanned], 0)
+        return (text, None) if matched is None else (text[:cut], matched)
 
     def finalize_text(self) -> None:
         self.text = self._visible_text()[0] if self.error is None else ""

@@ -141,6 +141,8 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # (torch's range)
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.timeout_s is not None:
             value = self.timeout_s
             if isinstance(value, bool) or not isinstance(value, (int, float)):

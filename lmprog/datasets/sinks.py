@@ -24,6 +24,11 @@ OUTPUT_SUFFIXES = (".jsonl", ".parquet")
 PARQUET_CHUNK_ROWS = 4096  # rows per pass over the journal when building the Parquet file
 
 
+# A Parquet output's metadata entry holding each row's key (JSON), where its key column
+# mixes types and so holds them as strings (3 and "3" would read back the same).
+KEYS_METADATA = b"lmprog.keys"
+
+
 def row_key(value: Any) -> str:
     """A row's identity as stored: its id (or index) in JSON, so 3 and "3" differ."""
     return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
@@ -49,6 +54,10 @@ def check_output(output: str | os.PathLike[str], resume: bool) -> Path:
         raise ValueError(f"output {str(path)!r} must end in one of {OUTPUT_SUFFIXES}")
     if path.is_dir():
         raise ValueError(f"output {str(path)!r} is a directory")
+    parent = path.parent
+    if not parent.is_dir():  # (said now, not once the model has loaded and rows ran)
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ValueError(f"output {str(path)!r}: its directory {str(parent)!r} {what}")
     if not resume:
         for existing in (path, journal_path(path)):
             if existing.exists():
@@ -96,13 +105,13 @@ class ParquetSink(JsonlSink):
         self.output = path
         journal = journal_path(path)
         if path.exists() and not journal.exists():
-            _parquet_to_journal(path, journal)
+            _parquet_to_journal(path, journal, key_column)
         super().__init__(journal, key_column)
 
     def close(self, is_complete: bool) -> None:
         super().close(is_complete)
         if is_complete:
-            _journal_to_parquet(self.path, self.output)
+            _journal_to_parquet(self.path, self.output, self.key_column)
             self.path.unlink()
 
 
@@ -159,23 +168,31 @@ def _journal_rows(journal: Path) -> Iterator[list[dict[str, Any]]]:
         yield chunk
 
 
-def _parquet_to_journal(parquet: Path, journal: Path) -> None:
-    """Copy a finished Parquet output into a new journal (a resumed run appends to it)."""
+def _parquet_to_journal(parquet: Path, journal: Path, key_column: str) -> None:
+    """Copy a finished Parquet output into a new journal (a resumed run appends to it),
+    each row's key as it was (`KEYS_METADATA`)."""
     import pyarrow.parquet as pq
 
+    file = pq.ParquetFile(parquet)
+    metadata = file.schema_arrow.metadata or {}
+    keys = iter(json.loads(metadata[KEYS_METADATA])) if KEYS_METADATA in metadata else None
     tmp = journal.with_name(journal.name + ".tmp")
     with tmp.open("wb") as f:
-        for batch in pq.ParquetFile(parquet).iter_batches(batch_size=PARQUET_CHUNK_ROWS):
-            f.write(b"".join(encode_row(r) for r in batch.to_pylist()))
+        for batch in file.iter_batches(batch_size=PARQUET_CHUNK_ROWS):
+            rows = batch.to_pylist()
+            for row in rows if keys is not None else ():
+                row[key_column] = json.loads(next(keys))
+            f.write(b"".join(encode_row(r) for r in rows))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, journal)
     _fsync_dir(journal.parent)
 
 
-def _journal_to_parquet(journal: Path, output: Path) -> None:
+def _journal_to_parquet(journal: Path, output: Path, key_column: str) -> None:
     """Two passes over the journal, one chunk in memory at a time: the first settles each
-    column's Arrow type, the second writes the chunks with it."""
+    column's Arrow type, the second writes the chunks with it. A key column of mixed types
+    (ids 1 and "b": strings in the file) keeps its keys in the file's metadata too."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -185,6 +202,9 @@ def _journal_to_parquet(journal: Path, output: Path) -> None:
             columns.setdefault(name, set()).add(_arrow_type([r.get(name) for r in chunk]))
     types = {name: _settle_type(found) for name, found in columns.items()}
     schema = pa.schema([(name, t) for name, t in types.items()])
+    if types.get(key_column) == pa.string() and columns[key_column] != {pa.string()}:
+        keys = [row_key(r.get(key_column)) for chunk in _journal_rows(journal) for r in chunk]
+        schema = schema.with_metadata({KEYS_METADATA: json.dumps(keys)})
     tmp = output.with_name(output.name + ".tmp")
     with pq.ParquetWriter(tmp, schema) as writer:
         for chunk in _journal_rows(journal):

@@ -121,6 +121,7 @@ def test_generate_reads_a_prompt_column(engine, tmp_path):
         (["run", "qa"], "must be FILE.py:FUNCTION"),
         (["run", f"{PROGRAMS}:qa", "--set", "temperature"], "--set takes KEY=VALUE"),
         (["run", f"{PROGRAMS}:qa", "--engine", "no_such_option=1"], "no_such_option"),
+        (["generate", "--prompt-column", "user-prompt"], "must be a Python identifier"),
     ],
 )
 def test_bad_invocations_exit_2_with_a_message(tmp_path, args, message):
@@ -130,3 +131,28 @@ def test_bad_invocations_exit_2_with_a_message(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_generate_takes_a_prompt_column_named_s(engine, tmp_path):
+    """The program's state is `s` elsewhere: a column of that name once clashed with it."""
+    source = write_jsonl(tmp_path / "in.jsonl", [{"s": "The number 3 is"}])
+    out = tmp_path / "out.jsonl"
+    lmprog(
+        "generate", "--input", str(source), "--output", str(out), "--prompt-column", "s",
+        "--quiet", "--set", "temperature=0", "--set", "max_new_tokens=4",
+    )  # fmt: skip
+    expected = engine.generate("The number 3 is", {"max_new_tokens": 4, "temperature": 0})
+    assert [row["completion"] for row in read_jsonl(out)] == [expected["text"]]
+
+
+def test_an_output_under_a_file_or_in_a_missing_directory_exits_2(tmp_path):
+    """Said before the model loads (a path under a file once gave a traceback, exit 1)."""
+    source = write_jsonl(tmp_path / "in.jsonl", make_rows(3))
+    for output, message in (
+        (source / "o.jsonl", "is not a directory"),
+        (tmp_path / "missing" / "o.jsonl", "does not exist"),
+    ):
+        io = ["--input", str(source), "--output", str(output), "--quiet"]
+        proc = lmprog("run", f"{PROGRAMS}:qa", *io, check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr

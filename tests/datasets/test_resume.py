@@ -87,6 +87,23 @@ def test_resuming_a_finished_parquet_file_adds_new_rows(engine, tmp_path):
     assert all(same(r, full[r["id"]]) for r in table)
 
 
+def test_resuming_a_parquet_file_whose_ids_mix_ints_and_strings_runs_each_row_once(
+    engine, tmp_path
+):
+    """Ids 1 and "b" are strings in the file ("1"); the keys it keeps in its metadata tell
+    1 from "1" again (without them, rows 1 and 3 ran twice)."""
+    import pyarrow.parquet as pq
+
+    rows = [{**row, "id": i if i % 2 else f"row {i}"} for i, row in enumerate(make_rows(6))]
+    rows.append({**rows[1], "id": "1"})  # (the string "1": another row than 1)
+    out = tmp_path / "out.parquet"
+    qa.map(rows[:4], output=out, id_column="id", backend=engine, **GREEDY).run()
+    summary = qa.map(rows, output=out, id_column="id", resume=True, backend=engine, **GREEDY).run()
+    assert (summary.num_rows, summary.num_skipped) == (3, 4)
+    ids = [r["id"] for r in pq.read_table(out).to_pylist()]
+    assert sorted(ids) == sorted(["1", "row 0", "row 2", "3", "row 4", "5", "1"])
+
+
 def test_duplicate_ids_are_refused(engine, tmp_path):
     rows = make_rows(10) + [make_rows(10)[3]]
     with pytest.raises(ValueError, match="id_column 'id'.* appears twice"):

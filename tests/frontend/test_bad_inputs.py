@@ -35,6 +35,8 @@ GENERATE = [  # (kwargs of engine.generate, error type, text the message must co
     ({"prompt": "hi", "sampling_params": {"top_p": INF}}, ValueError, "top_p"),
     ({"prompt": "hi", "sampling_params": {"max_new_tokens": "8"}}, TypeError, "max_new_tokens"),
     ({"prompt": "hi", "sampling_params": {"seed": 1.5}}, TypeError, "seed"),
+    ({"prompt": "hi", "sampling_params": {"seed": 2**64}}, ValueError, "seed"),
+    ({"prompt": "hi", "sampling_params": {"seed": -(2**63) - 1}}, ValueError, "seed"),
     ({"prompt": "hi", "sampling_params": {"timeout_s": -1}}, ValueError, "timeout_s"),
     ({"prompt": "hi", "sampling_params": {"regex": "("}}, ValueError, "regex"),
     ({"prompt": "hi", "sampling_params": {"json_schema": "{"}}, ValueError, "json_schema"),
@@ -148,6 +150,13 @@ def test_run_and_run_batch(engine, call, error, message):
         ({"schedule_policy": "random"}, ValueError, "schedule_policy"),
         ({"max_queued_requests": 0}, ValueError, "max_queued_requests"),
         ({"page_sise": 4}, TypeError, "page_sise"),
+        # Wrong types once failed inside torch, or ("no") turned a flag on.
+        ({"max_total_tokens": 1000.5}, TypeError, "max_total_tokens"),
+        ({"max_running_requests": "8"}, TypeError, "max_running_requests"),
+        ({"page_size": 2.0}, TypeError, "page_size"),
+        ({"num_threads": 1.5}, TypeError, "num_threads"),
+        ({"mem_fraction": "0.3"}, TypeError, "mem_fraction"),
+        ({"disable_radix_cache": "no"}, TypeError, "disable_radix_cache"),
     ],
 )
 def test_engine_arguments(tiny_path, kwargs, error, message):

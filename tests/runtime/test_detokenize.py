@@ -185,6 +185,21 @@ def _run(req: Req, ids: list[int], streamed: bool) -> list[str]:
     return deltas
 
 
+def test_a_stop_only_a_trailing_incomplete_character_completes_cuts_nothing(tokenizer, alone):
+    """An output that ends inside a UTF-8 sequence (by its length) ends in U+FFFD. The scan
+    never sees that character, so no stop it completes ended the output: the final text
+    keeps it, uncut (it was once cut there, with the finish reason still "length")."""
+    ids = tokenizer.encode("ab 日本", add_special_tokens=False)
+    ids = ids[: max(n for n in range(len(ids)) if tokenizer.decode(ids[:n]).endswith("\ufffd"))]
+    full = tokenizer.decode(ids)
+    for params in ({"stop": [full]}, {"stop": ["\ufffd"]}, {"stop_regex": ["日."]}):
+        quiet, streamed = _req(tokenizer, alone, **params), _req(tokenizer, alone, **params)
+        _run(quiet, ids, streamed=False)
+        deltas = _run(streamed, ids, streamed=True)
+        assert quiet.finished_reason == {"type": "length", "length": len(ids)}, params
+        assert quiet.text == streamed.text == "".join(deltas) == full, params
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_streamed_text_adds_up_to_the_final_text_and_stops_as_unstreamed(tokenizer, alone, data):
