@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -250,6 +251,8 @@ class Req(ReqText):
         second half: the overlap loop appends a token before it launches the next forward
         and checks it while that forward runs)."""
         token_id = self.output_ids[-1]
+        n = len(self.output_ids)
+        ends = n >= self.min_new_tokens and token_id in self._ends_on  # EOS or a stop token
         if self.matcher is not None:
             if token_id == self.grammar_eos:  # only allowed where the pattern is complete
                 self.finished_reason = {"type": "stop", "matched": token_id}
@@ -258,20 +261,22 @@ class Req(ReqText):
                 # end_outside_pattern: a token the complete match cannot take ends it
                 self.finished_reason = {"type": "stop", "matched": token_id}
                 return
+            if ends:  # (not in the text: the output is what the match was before it)
+                self.finished_reason = {"type": "stop", "matched": token_id}
+                self._mark_incomplete_constraint()
+                return
             self.matcher.advance(token_id)
             if self.grammar is None:
                 self.matcher = None  # token healing: the first token only
-        n = len(self.output_ids)
         if n >= self.min_new_tokens:  # (`can_stop`)
-            if token_id in self._ends_on:  # EOS or a stop token
+            if ends:
                 self.finished_reason = {"type": "stop", "matched": token_id}
-                self._mark_incomplete_constraint()
                 return
             if self._has_stops:
                 matched = self._scan_stops()
                 if matched is not None:
                     self.finished_reason = {"type": "stop", "matched": matched}
-                    self._mark_incomplete_constraint()
+                    self._mark_incomplete_constraint(cut=True)
                     return
         elif self._has_stops:
             self._skip_stops()
@@ -323,10 +328,19 @@ class Req(ReqText):
         self.output_ids.extend(tokens[:take])
         return take
 
-    def _mark_incomplete_constraint(self) -> None:
-        """An output cut short of a full match (length, stop string): never present it as
-        valid."""
-        if self.matcher is not None and not self.matcher.is_complete():
+    def _mark_incomplete_constraint(self, cut: bool = False) -> None:
+        """An output cut short of a full match (length, stop token or string): never
+        present it as valid. `cut`: a stop string or regex cuts the text before it, text
+        the match has taken: the text kept is matched afresh (`re.fullmatch` of the
+        grammar's pattern; incomplete where Python cannot read that pattern)."""
+        if self.matcher is None:
+            return
+        if cut and self.grammar is not None:
+            text = self.decoded_text()
+            complete = _fully_matches(self.grammar.regex, text[: self._first_stop(text, 0)[0]])
+        else:
+            complete = self.matcher.is_complete()
+        if not complete:
             self.finished_reason["constraint"] = "incomplete"
 
     def finish_prefill_only(self) -> None:
@@ -373,3 +387,11 @@ class Req(ReqText):
             "output_ids": list(self.output_ids),
             "meta_info": self.meta_info(),
         }
+
+
+def _fully_matches(pattern: str, text: str) -> bool:
+    """`re.fullmatch(pattern, text)`; False where Python's `re` cannot read the pattern."""
+    try:
+        return re.fullmatch(pattern, text) is not None
+    except re.error:
+        return False

@@ -147,7 +147,10 @@ class RequestMaker:
                     raise ValueError("constrained decoding needs a model with an EOS token")
                 backend = OutlinesGrammarBackend(self.tokenizer, self._grammar_eos)
                 self._grammars = GrammarCache(
-                    backend, self.config.grammar_compile_timeout_s, self.config.grammar_cache_size
+                    backend,
+                    self.config.grammar_compile_timeout_s,
+                    self.config.grammar_cache_size,
+                    jump_forward=not self.config.disable_jump_forward,
                 )
         return self._grammars.get(kind, pattern)
 

@@ -15,6 +15,7 @@ running are never dropped, so their callers keep sharing them.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -24,13 +25,22 @@ from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar
 
 MAX_PATTERN_CHARS = 50_000
 SHUT_DOWN = "the engine was shut down before this pattern compiled"
+logger = logging.getLogger(__name__)
 
 
 class GrammarCache:
+    """`jump_forward`: each compile builds the grammar's character FSM too (`char_fsm`),
+    under the same timeout."""
+
     def __init__(
-        self, backend: BaseGrammarBackend, timeout_s: float = 60.0, max_entries: int = 64
+        self,
+        backend: BaseGrammarBackend,
+        timeout_s: float = 60.0,
+        max_entries: int = 64,
+        jump_forward: bool = False,
     ) -> None:
         self.backend = backend
+        self.jump_forward = jump_forward
         self.timeout_s = timeout_s
         self.max_entries = max_entries
         self._lock = threading.Lock()
@@ -39,14 +49,11 @@ class GrammarCache:
         self._closed = False
 
     def char_fsm(self, grammar: Grammar):
-        """The character-level FSM of a compiled grammar, for jump-forward (built once)."""
-        fsm = getattr(grammar, "_char_fsm", None)
-        if fsm is None:
-            from lmprog_runtime.constrained.jump_forward import CharFSM
-
-            fsm = CharFSM(grammar.regex)
-            grammar._char_fsm = fsm  # type: ignore[attr-defined]
-        return fsm
+        """The character-level FSM of a compiled grammar, for jump-forward (built once);
+        None where interegular cannot read its pattern (it runs without jump-forward)."""
+        if not hasattr(grammar, "_char_fsm"):
+            _build_char_fsm(grammar)
+        return grammar._char_fsm or None  # type: ignore[attr-defined]
 
     def get(self, kind: str, pattern: str) -> Grammar:
         """kind: "regex" or "json_schema" (JSON text). Raises ValueError for bad patterns."""
@@ -68,8 +75,9 @@ class GrammarCache:
             raise RuntimeError(SHUT_DOWN) from error
         except FutureTimeout as error:
             self._forget(key, future)
+            also = " (or turn jump-forward off: disable_jump_forward=True)" * self.jump_forward
             raise ValueError(
-                f"{kind} took longer than {self.timeout_s:g} s to compile; simplify it"
+                f"{kind} took longer than {self.timeout_s:g} s to compile; simplify it{also}"
             ) from error
         except Exception:
             self._forget(key, future)  # a bad pattern is not remembered
@@ -101,9 +109,24 @@ class GrammarCache:
         regex = pattern if kind == "regex" else self.backend.schema_to_regex(pattern)
         if len(regex) > MAX_PATTERN_CHARS:
             raise ValueError(f"the {kind} expands to a regex too large to compile")
-        return self.backend.compile_regex(regex)
+        grammar = self.backend.compile_regex(regex)
+        if self.jump_forward:  # (here, not on the caller's thread: its size may explode)
+            _build_char_fsm(grammar)
+        return grammar
 
     def _forget(self, key: tuple[str, str], future: Future) -> None:
         with self._lock:
             if self._entries.get(key) is future:
                 del self._entries[key]
+
+
+def _build_char_fsm(grammar: Grammar) -> None:
+    """Set `grammar._char_fsm`: its character FSM, or False where interegular cannot read
+    a pattern outlines-core compiled (`\\u00e9`, `$`, flags: no jump-forward then)."""
+    from lmprog_runtime.constrained.jump_forward import CharFSM
+
+    try:
+        grammar._char_fsm = CharFSM(grammar.regex)  # type: ignore[attr-defined]
+    except Exception as error:  # noqa: BLE001 - interegular's own exception types
+        logger.info("no jump-forward for %.80r: %s", grammar.regex, error)
+        grammar._char_fsm = False  # type: ignore[attr-defined]

@@ -97,6 +97,14 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
     def compile_regex(self, regex: str) -> Grammar:
         from outlines_core import Index
 
+        dialect = rust_only_class_syntax(regex)
+        if dialect is not None:
+            raise ValueError(
+                f"cannot compile regex {regex!r}: {dialect!r} in a character class is Rust's "
+                "syntax (a nested class, a POSIX class or a set operation), which Python's "
+                "re reads otherwise, so outputs would not re.fullmatch it; write the class "
+                "out (escape a literal '[' as '\\[')"
+            )
         try:
             return _OutlinesGrammar(Index(regex, self._vocabulary), regex)
         except Exception as error:  # outlines-core raises ValueError / RuntimeError / panics
@@ -104,3 +112,27 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
 
     def schema_to_regex(self, schema: str) -> str:
         return schema_to_regex(schema)
+
+
+def rust_only_class_syntax(regex: str) -> str | None:
+    """The first piece of a character class that outlines-core's regex engine (Rust) reads
+    as a nested class or a set operation (`[[:digit:]]`, `[a-z&&[^b]]`, `[\\d--5]`) where
+    Python's `re` reads literal characters; None if there is none."""
+    depth, i = 0, 0
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if depth == 0:
+            if ch == "[":
+                depth, i = 1, i + 1
+                i += regex.startswith("^", i)  # (a class's first ']' is a literal)
+                i += regex.startswith("]", i)
+                continue
+        elif ch == "]":
+            depth = 0
+        elif ch == "[" or regex[i : i + 2] in ("&&", "--", "~~"):
+            return regex[i : i + 2]
+        i += 1
+    return None

@@ -208,6 +208,9 @@ BAD = [
     ({"json_schema": json.dumps({"type": "integer", "minimum": 3, "maximum": 2})}, "empty"),
     ({"json_schema": json.dumps({"type": "foo"})}, "unsupported JSON schema"),
     ({"regex": "a", "json_schema": "{}"}, "regex.*json_schema|at most one"),  # BUG: accepted
+    # Rust's class syntax, which Python's re reads as literals: outputs would not fullmatch.
+    ({"regex": "[[:digit:]]{2}"}, "Rust"),
+    ({"regex": "[a-z&&[^b]]{3}"}, "Rust"),
 ]
 
 
@@ -240,6 +243,26 @@ def test_too_few_tokens_is_marked_incomplete(engine, temperature):
     reason = out["meta_info"]["finish_reason"]
     assert reason == {"type": "length", "length": 3, "constraint": "incomplete"}
     assert re.fullmatch("[a-z]{0,29}", out["text"])
+
+
+STOPPED = r"(ab|cd)[0-9]{2,4}x"
+
+
+@pytest.mark.parametrize("stop", ["string", "token"])
+def test_a_stop_the_pattern_took_leaves_its_text_incomplete(engine, stop):
+    """The stop's text is not in the output, so a match it completed is cut short: the
+    output says so (it once said a plain stop, its text failing `re.fullmatch`)."""
+    x = engine.encode("x", add_special_tokens=False)
+    by = {"stop": ["x"]} if stop == "string" else {"stop_token_ids": x}
+    out = engine.generate("hi", {"regex": STOPPED, "temperature": 0, "max_new_tokens": 20, **by})
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "stop" and reason["matched"] in ("x", *x), reason
+    assert reason.get("constraint") == "incomplete" and not re.fullmatch(STOPPED, out["text"])
+    # A stop cutting nothing of a full match: a complete output.
+    free = {"regex": r"(ab|cd)[0-9]{2}(;[0-9])?", "temperature": 0, "max_new_tokens": 20}
+    out = engine.generate("hi", {**free, "stop": [";"]})
+    assert "constraint" not in out["meta_info"]["finish_reason"]
+    assert re.fullmatch(r"(ab|cd)[0-9]{2}", out["text"])
 
 
 def test_frontend_keeps_an_incomplete_constrained_gen_and_says_so(engine):

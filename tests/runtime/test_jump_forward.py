@@ -273,3 +273,36 @@ def test_a_long_constrained_output_decodes_a_window_per_token(engines, monkeypat
     assert out["meta_info"]["finish_reason"]["type"] == "length"  # the pattern never ends
     print(f"{decoded[0]} ids decoded for {num_tokens} output tokens")
     assert decoded[0] <= 30 * num_tokens  # a full decode per token: ~num_tokens^2 / 2
+
+
+@pytest.mark.parametrize("regex", [r"\u00e9{2}", r"[\u0400-\u04FF]{2}", "yes$", "(?x) a b c"])
+def test_a_pattern_interegular_cannot_read_runs_without_jump_forward(engines, regex):
+    """outlines-core compiles these and interegular (the jump-forward FSM) cannot: the
+    request runs as with jump-forward off (it once failed with interegular's own error)."""
+    on, off = engines
+    params = {"regex": regex, "max_new_tokens": 8, "temperature": 0}
+    out = on.generate("x", params)
+    assert out["output_ids"] == off.generate("x", params)["output_ids"]
+    assert "constraint" not in out["meta_info"]["finish_reason"]
+
+
+def test_a_slow_jump_forward_fsm_is_bounded_by_the_compile_timeout(tiny_path, monkeypatch):
+    """The character FSM is built with the grammar, on the compile thread and within
+    `grammar_compile_timeout_s` (its size can explode: `[ab]*a[ab]{14}` once held a
+    caller for minutes)."""
+    from lmprog_runtime.constrained import jump_forward
+
+    release = threading.Event()
+    build = jump_forward.CharFSM.__init__
+
+    def held(self, regex):
+        release.wait(timeout=120)
+        build(self, regex)
+
+    monkeypatch.setattr(jump_forward.CharFSM, "__init__", held)
+    with Engine(tiny_path, max_total_tokens=1024, grammar_compile_timeout_s=0.05) as engine:
+        try:
+            with pytest.raises(ValueError, match="disable_jump_forward=True"):
+                engine.generate("x", {"regex": "[ab]{2}-fsm-held", "max_new_tokens": 4})
+        finally:
+            release.set()
