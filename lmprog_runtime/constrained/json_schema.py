@@ -21,7 +21,6 @@ OPTIONAL, whose every optional space is a model choice that stops jump-forward, 
 
 from __future__ import annotations
 
-import copy
 import json
 from enum import Enum, auto
 from typing import Any
@@ -32,6 +31,7 @@ from lmprog_runtime.constrained.number_regex import (
     integer_bounds,
     number_range_regex,
 )
+from lmprog_runtime.constrained.schema_prepare import prepared
 
 BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 DIGIT_KEYWORDS = (
@@ -90,7 +90,7 @@ def schema_to_regex(schema: str, layout: Layout = DEFAULT_LAYOUT) -> str:
     except json.JSONDecodeError as error:
         raise ValueError(f"json_schema is not valid JSON: {error}") from error
     numbers: dict[str, str] = {}
-    parsed = _replace_numbers(copy.deepcopy(parsed), numbers, schema)
+    parsed = _replace_numbers(prepared(parsed), numbers, schema)
     unsupported = sorted(_unsupported_keywords(parsed))
     if unsupported:
         raise ValueError(

@@ -265,6 +265,35 @@ def test_a_stop_the_pattern_took_leaves_its_text_incomplete(engine, stop):
     assert re.fullmatch(r"(ab|cd)[0-9]{2}", out["text"])
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "format": "time"},  # (once: a backslash and any character)
+        {"type": "string", "format": "date"},  # (once: Unicode digits, June 31)
+        {"type": "string", "pattern": "a|b"},  # (once: the quotes inside the branches)
+        {"type": "string", "pattern": "^x.{2,6}$"},  # (once: any character in the dot)
+    ],
+)
+def test_sampled_strings_of_formats_and_patterns_are_valid_json(engine, schema):
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    outs = engine.generate(
+        ["t: "] * 16,
+        [
+            {
+                "json_schema": json.dumps(schema),
+                "temperature": 1.0,
+                "seed": seed,
+                "max_new_tokens": 160,
+            }
+            for seed in range(16)
+        ],
+    )
+    complete = [o for o in outs if "constraint" not in o["meta_info"]["finish_reason"]]
+    assert complete
+    for out in complete:
+        jsonschema.validate(json.loads(out["text"]), schema, format_checker=checker)
+
+
 def test_frontend_keeps_an_incomplete_constrained_gen_and_says_so(engine):
     """As in SGLang: a constrained gen cut short by max_tokens keeps its partial text."""
 

@@ -1,0 +1,206 @@
+"""A JSON schema made ready for outlines-core's regex translation (`json_schema.py`):
+what it would translate into documents that do not validate is refused, named, or
+rewritten into a narrower schema every output of which validates.
+
+- `allOf` of one schema (pydantic's wrapper of a `$ref` with a description) becomes that
+  schema; of several, it is refused (the translation writes one object after another).
+- `oneOf` is refused unless it has a `discriminator` (pydantic's tagged unions, whose
+  branches cannot both match): the translation treats it as `anyOf`, so an output valid
+  under two branches could come out. `anyOf` says the same where that is meant.
+- Property names that JSON must escape (a quote, a backslash, a control character),
+  required properties with no schema under `properties`, and recursive `$ref`s (cut off
+  at an empty object) are refused.
+- A string `pattern` is matched whole by the translation, where JSON Schema searches: its
+  `^` / `$` ends are dropped and it is grouped (an alternation `a|b` would otherwise take
+  the quotes into its branches), so every string allowed contains a match. What it lets a
+  string hold raw is narrowed to what JSON holds raw: `.` and negated classes leave out
+  the quote, the backslash and control characters, `\\s` is a space; what cannot be
+  narrowed so (`\\S`, `\\W`, `\\D`, a quote or a backslash) is refused.
+- The formats `date`, `time`, `email` and `uri` become patterns of ASCII that JSON holds
+  raw (outlines-core's admit Unicode digits, `time`'s lets a backslash in, `email`'s
+  quoted local part and `uri`'s `[^\\s]` let quotes in).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_NOT_SCHEMAS = ("enum", "const", "default", "examples")  # values, never descended into
+_NAMED_SCHEMAS = ("properties", "$defs", "definitions")  # name -> schema maps
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment"})
+# What a string's pattern may hold raw: no quote, no backslash, no control character.
+_UNSAFE = '"\\\\\\x00-\\x1f'
+_FORMATS = {
+    "date": (  # (years 1-9999; every month's days, February's up to the 28th)
+        r"(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})-"
+        r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])"
+        r"|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
+    ),
+    "time": (
+        r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?"
+        r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])?"
+    ),
+    "email": r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63})*\.[A-Za-z]{2,24}",
+    "uri": (
+        r"(https?|ftp)://[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?"
+        r"(/[A-Za-z0-9._~:/?#@!$&'()*+,;=%-]*)?"
+    ),
+}
+
+
+def prepared(schema: Any) -> Any:
+    """`schema` (parsed JSON) ready for translation (a new object); ValueError naming what
+    cannot be enforced."""
+    _check_no_recursion(schema)
+    return _prepare(schema)
+
+
+def _prepare(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_prepare(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = _without_all_of(node)
+    if "oneOf" in node and "discriminator" not in node:
+        raise ValueError(
+            "unsupported JSON schema feature 'oneOf' (exactly one branch) without a "
+            "discriminator: use 'anyOf' where the branches cannot both match"
+        )
+    _check_properties(node)
+    form = node.get("format")
+    if node.get("type") == "string" and form in _FORMATS:
+        if "pattern" in node:
+            raise ValueError(f"unsupported JSON schema: 'format' {form!r} with a 'pattern'")
+        node = {k: v for k, v in node.items() if k != "format"}
+        node["pattern"] = _FORMATS[form]
+    out = {}
+    for key, value in node.items():
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _prepare(sub) for name, sub in value.items()}
+        elif key == "pattern" and isinstance(value, str):
+            out[key] = json_safe_pattern(value)
+        else:
+            out[key] = value if key in _NOT_SCHEMAS else _prepare(value)
+    return out
+
+
+def _without_all_of(node: dict) -> dict:
+    """`node` with an `allOf` of one schema merged in (next to annotations only)."""
+    if "allOf" not in node:
+        return node
+    branches, rest = node["allOf"], {k: v for k, v in node.items() if k != "allOf"}
+    if not isinstance(branches, list) or len(branches) != 1 or not isinstance(branches[0], dict):
+        raise ValueError(
+            "unsupported JSON schema feature 'allOf' of several schemas: write them as one"
+        )
+    if set(rest) - _ANNOTATIONS:
+        raise ValueError(
+            f"unsupported JSON schema: 'allOf' next to {sorted(set(rest) - _ANNOTATIONS)}"
+        )
+    return {**rest, **branches[0]}
+
+
+def _check_properties(node: dict) -> None:
+    properties = node.get("properties")
+    names = list(properties) if isinstance(properties, dict) else []
+    for name in names:
+        if any(ch in '"\\' or ord(ch) < 0x20 for ch in name):
+            raise ValueError(f"unsupported JSON schema: property name {name!r} needs JSON escapes")
+    required = node.get("required")
+    missing = [r for r in required if r not in names] if isinstance(required, list) else []
+    if missing:
+        raise ValueError(
+            f"unsupported JSON schema: required {missing} without a schema under 'properties'"
+        )
+
+
+def _check_no_recursion(schema: Any) -> None:
+    """ValueError for a `$ref` that leads back to a schema it is inside (`#`, `$defs`)."""
+    named = {}
+    if isinstance(schema, dict):
+        for key in ("$defs", "definitions"):
+            if isinstance(schema.get(key), dict):
+                named.update({f"#/{key}/{n}": s for n, s in schema[key].items()})
+    refs = {"#": _refs(schema, top=True), **{name: _refs(s) for name, s in named.items()}}
+    visiting: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in visiting:
+            raise ValueError(f"unsupported JSON schema: recursive $ref {name!r}")
+        visiting.append(name)
+        for ref in refs.get(name, ()):
+            visit(ref)
+        visiting.pop()
+
+    visit("#")
+
+
+def _refs(node: Any, top: bool = False) -> set[str]:
+    """The `$ref`s inside `node` (the top schema's `$defs` apart: named on their own)."""
+    found: set[str] = set()
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                found.add(value)
+            elif key in _NOT_SCHEMAS or (top and key in ("$defs", "definitions")):
+                continue
+            elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+                for sub in value.values():
+                    found |= _refs(sub)
+            else:
+                found |= _refs(value)
+    elif isinstance(node, list):
+        for item in node:
+            found |= _refs(item)
+    return found
+
+
+def json_safe_pattern(pattern: str) -> str:
+    """`pattern` without its `^` / `$` ends, grouped, and narrowed to characters JSON holds
+    raw in a string (see the module docstring); ValueError where it cannot be.
+
+    Example:
+        >>> json_safe_pattern("^(yes|no)$")
+        '((yes|no))'
+    """
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    if body.endswith("$") and not body.endswith("\\$"):
+        body = body[:-1]
+    out, i, in_class = [], 0, False
+    while i < len(body):
+        ch = body[i]
+        if ch == "\\" and i + 1 < len(body):
+            piece = _escape(body[i + 1], in_class)
+            out.append(piece)
+            i += 2
+            continue
+        if ord(ch) < 0x20 or ch == '"':
+            raise ValueError(f"unsupported JSON schema: pattern {pattern!r} holds {ch!r}")
+        if not in_class and ch == "[":
+            in_class = True
+            out.append(ch)
+            if body.startswith("^", i + 1):  # a negated class: leave JSON's escapes out
+                out.append("^" + _UNSAFE)
+                i += 1
+            if body.startswith("]", i + 1):  # (a literal ']' first)
+                out.append("\\]")
+                i += 1
+        elif not in_class and ch == ".":
+            out.append(f"[^{_UNSAFE}]")
+        else:
+            in_class = in_class and ch != "]"
+            out.append(ch)
+        i += 1
+    return "(" + "".join(out) + ")"
+
+
+def _escape(ch: str, in_class: bool) -> str:
+    if ch in "SWD" or ch in '"\\' or ch in "xuU":
+        what = {"x": "a \\x escape", "u": "a \\u escape", "U": "a \\U escape"}.get(ch)
+        raise ValueError(
+            f"unsupported JSON schema: {what or repr(chr(92) + ch)} in a pattern could let a "
+            "quote, a backslash or a control character into the string"
+        )
+    if ch == "s":
+        return " "
+    return "\\" + ch

@@ -1,0 +1,107 @@
+"""JSON schemas made ready for outlines-core's translation (`schema_prepare.py`): what would
+translate into documents that do not validate is refused with ValueError, and what is
+rewritten only narrows the schema. Checked against `re.search` of the original pattern,
+`json.dumps` (no escapes needed) and jsonschema's own format checker."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from urllib.parse import urlparse
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmprog_runtime.constrained.json_schema import schema_to_regex
+from lmprog_runtime.constrained.schema_prepare import _FORMATS, json_safe_pattern
+
+OBJECT_A = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+OBJECT_B = {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}
+
+REFUSED = [  # (schema, message)
+    ({"allOf": [OBJECT_A, OBJECT_B]}, "allOf"),  # (once: two objects one after the other)
+    ({"allOf": [OBJECT_A], "type": "object"}, "allOf"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),  # (once: as anyOf)
+    ({"type": "object", "properties": {'q"k': {"type": "boolean"}}}, "escapes"),
+    ({"type": "object", "properties": {"a\\b": {"type": "boolean"}}}, "escapes"),
+    ({**OBJECT_A, "required": ["a", "b"]}, "required"),  # (once: b dropped)
+    ({"type": "object", "properties": {"l": {"items": {"$ref": "#"}}}}, "recursive"),
+    (
+        {
+            "$ref": "#/$defs/N",
+            "$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}},
+        },
+        "recursive",
+    ),
+    ({"type": "string", "pattern": 'a"b'}, "pattern"),
+    ({"type": "string", "pattern": "\\S+"}, "pattern"),
+    ({"type": "string", "pattern": "a\\\\b"}, "pattern"),
+    ({"type": "string", "format": "date", "pattern": "[0-9]+"}, "format"),
+]
+
+
+@pytest.mark.parametrize(("schema", "message"), REFUSED)
+def test_what_would_not_validate_is_refused(schema, message):
+    with pytest.raises(ValueError, match=message):
+        schema_to_regex(json.dumps(schema))
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        # pydantic's wrapper of a reference with a description
+        {
+            "type": "object",
+            "properties": {"x": {"allOf": [{"$ref": "#/$defs/E"}], "description": "d"}},
+            "required": ["x"],
+            "$defs": {"E": {"enum": ["p", "q"]}},
+        },
+        # pydantic's tagged union: its branches cannot both match
+        {
+            "oneOf": [
+                {"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]},
+            ],
+            "discriminator": {"propertyName": "k"},
+        },
+        # a reference used twice is no recursion
+        {
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/T"}, "b": {"$ref": "#/$defs/T"}},
+            "$defs": {"T": {"type": "boolean"}},
+        },
+    ],
+)
+def test_what_can_be_enforced_still_translates(schema):
+    assert schema_to_regex(json.dumps(schema))
+
+
+PATTERNS = ["^x.{2}$", "a|b", "[^x]{1,3}", "^[A-Z]{2}-\\d{2}$", "[a-c]\\s[^]a]", "(yes|no)!"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_narrowed_pattern_allows_only_strings_the_original_finds_and_json_holds_raw(
+    pattern, data
+):
+    text = data.draw(st.from_regex(json_safe_pattern(pattern), fullmatch=True))
+    assert re.search(pattern, text), (pattern, text)
+    assert json.dumps(text, ensure_ascii=False) == f'"{text}"'  # (nothing to escape)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+@pytest.mark.parametrize("form", sorted(_FORMATS))
+def test_the_format_patterns_give_valid_values_json_holds_raw(form, data):
+    text = data.draw(st.from_regex(_FORMATS[form], fullmatch=True))
+    assert text.isascii() and json.dumps(text) == f'"{text}"'
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    assert checker.conforms(text, form), text
+    if form == "date":
+        datetime.date.fromisoformat(text)  # (a day every month has)
+    if form == "uri":
+        assert urlparse(text).scheme in ("http", "https", "ftp")
