@@ -124,7 +124,7 @@ def _generate_program(args: argparse.Namespace) -> tuple[Function, Any]:
 
 
 def _lines(path: Path, column: str) -> Iterator[dict[str, str]]:
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:
         for line in f:
             if line.strip():
                 yield {column: line.rstrip("\n")}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from lmprog.ops import Span
@@ -159,12 +159,28 @@ def to_dataframe(states: Iterable[ProgramState], text: bool = True) -> Any:
 def state_record(state: ProgramState, text: bool = True) -> dict[str, Any]:
     """A finished state as a flat dict (see `to_dataframe`)."""
     error = state.error()
-    record = dict(state._stream.st.variables)
+    reserved = {"ret_value", "error", *(["text"] if text else [])}
+    record: dict[str, Any] = {}
+    for name, value in state._stream.st.variables.items():
+        record[free_name(name, reserved | record.keys())] = value
     record["ret_value"] = state.ret_value
     if text:
         record["text"] = state._stream.st.text
     record["error"] = None if error is None else describe_error(error)
     return record
+
+
+def free_name(name: str, taken: Collection[str]) -> str:
+    """`name`, or `var_name` (`var_var_name`, ...) where that is taken: a program variable
+    never overwrites a column of the input or one the record writes itself.
+
+    Example:
+        >>> free_name("text", {"text", "var_text"})
+        'var_var_text'
+    """
+    while name in taken:
+        name = f"var_{name}"
+    return name
 
 
 def describe_error(error: BaseException) -> str:

@@ -141,6 +141,8 @@ class Interpreter:
                 branch.st.on_emit = branch._on_emit
                 branch.fork_base = base
                 with branch.cv:
+                    if branch.is_streaming and st.text:  # (its stream starts with the text
+                        branch.events.append((None, st.text, None))  # it inherits)
                     branch.is_started = True
                     branch.cv.notify_all()  # a reader may wait for the branch's text
                 self.advance(branch, outbox)

@@ -201,10 +201,10 @@ class ProgramOps:
         text = out["text"]
         if self.is_number_gen(gen) and text[-1:] and text[-1] in DTYPE_NUMBER_END:
             text = text[:-1]  # the number's end is consumed, like a stop string
+        st.meta[gen.name] = dict(out["meta_info"])  # (before the emit: a stream reads it)
         if not emitted:
             st.emit(text, "gen", gen.name)
         st.variables[gen.name] = text
-        st.meta[gen.name] = dict(out["meta_info"])
 
     def defaults_or(self, gen: Gen, key: str) -> Any:
         value = gen.sampling.get(key)
@@ -281,9 +281,7 @@ class ProgramOps:
             weights = [math.exp((s - top) / sel.temperature) for s in decision.scores]
             index = random.choices(range(n), weights=weights)[0]
         choice = sel.choices[index]
-        st.emit(choice, "select", sel.name)
-        st.variables[sel.name] = choice
-        st.meta[sel.name] = {
+        st.meta[sel.name] = {  # (before the emit: a stream reads it)
             # SGLang's keys: the mean token logprob of each choice, the scored tokens'
             # entries, and what the method adds (its own values win for these)
             "normalized_prompt_logprobs": normalized,
@@ -303,6 +301,8 @@ class ProgramOps:
             "cached_tokens": outs[index]["meta_info"]["cached_tokens"],
             "finish_reason": {"type": "select", "matched": choice},
         }
+        st.emit(choice, "select", sel.name)
+        st.variables[sel.name] = choice
 
 
 def gathered_variables(before: set[str], branches: list[ExecState]) -> dict[str, list[Any]]:

@@ -2,7 +2,7 @@
 
 Nodes of `graph` carry `node` (the IR node) and `path` (which fork branch it is in);
 edges carry `kind`: "text" (text order), "data" (a value flows from its producer) or
-"text+data".
+"text+data" (drawn as data).
 """
 
 from __future__ import annotations
@@ -67,9 +67,7 @@ class TracedProgram:
         lines = []
         for n in nx.topological_sort(self.graph):
             data = self.graph.nodes[n]
-            deps = [
-                p for p in self.graph.predecessors(n) if self.graph.edges[p, n]["kind"] == "data"
-            ]
+            deps = [p for p in self.graph.predecessors(n) if _carries_data(self.graph.edges[p, n])]
             where = "".join(f"/fork{f}.{i}" for f, i in data["path"]) or "/"
             dep = f"  <- {deps}" if deps else ""
             lines.append(f"{n:>3} {where:<12} {_label(data['node'])}{dep}")
@@ -84,7 +82,7 @@ class TracedProgram:
             label = _label(data["node"]).replace("\\", "\\\\").replace('"', '\\"')
             out.append(f'  n{n} [label="{label}"];')
         for a, b, data in self.graph.edges(data=True):
-            style = " [style=dashed, color=blue]" if data["kind"] == "data" else ""
+            style = " [style=dashed, color=blue]" if _carries_data(data) else ""
             out.append(f"  n{a} -> n{b}{style};")
         out.append("}")
         return "\n".join(out)
@@ -106,9 +104,7 @@ class TracedProgram:
         for a, b, data in self.graph.edges(data=True):
             (x1, y1), (x2, y2) = pos[a], pos[b]
             dash = (
-                ' stroke-dasharray="4,3" stroke="#36c"'
-                if data["kind"] == "data"
-                else ' stroke="#888"'
+                ' stroke-dasharray="4,3" stroke="#36c"' if _carries_data(data) else ' stroke="#888"'
             )
             parts.append(
                 f'<line x1="{x1 + box_w / 2}" y1="{y1 + box_h}" x2="{x2 + box_w / 2}" y2="{y2}"{dash}/>'
@@ -147,3 +143,8 @@ def _label(node: Expr) -> str:
     if isinstance(node, Argument):
         return f"argument {node.name}"
     return repr(node)
+
+
+def _carries_data(edge: dict) -> bool:
+    """A "data" or "text+data" edge (a value flows along it): drawn and listed as data."""
+    return "data" in edge["kind"]

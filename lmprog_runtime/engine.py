@@ -8,6 +8,7 @@ owns the scheduler, the model runner and every KV slot.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import logging
@@ -184,6 +185,7 @@ class Engine(RequestMaker, EngineLoop, EngineView):
             daemon=True,
         )
         weakref.finalize(self, wake, self._cv)
+        _LIVE.add(self)
         self._thread.start()
 
     # ---- public API ---------------------------------------------------------------------
@@ -380,3 +382,15 @@ def Runtime(model_path: str | os.PathLike[str] | None = None, **server_args: Any
 
 def _no_fault(point: str, req: Req) -> None:
     pass
+
+
+# Every engine not yet collected, shut down when the interpreter exits: a loop thread left
+# running torch while Python finalizes aborted the process ("terminate called without an
+# active exception", SIGABRT), as after breaking out of a stream and leaving the script.
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_at_exit() -> None:
+    for engine in list(_LIVE):
+        engine.shutdown()

@@ -17,6 +17,10 @@ DEFAULT_MAX_NEW_TOKENS = 128
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty")
 
 
+# Temperatures below this draw greedily (SGLang's threshold).
+GREEDY_TEMPERATURE = 1e-6
+
+
 @dataclass
 class SamplingParams:
     """What to generate and when to stop (the keys of `sampling_params` in `Engine.generate`).
@@ -168,7 +172,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Greedy: top_k 1, or a temperature below `GREEDY_TEMPERATURE` (dividing the
+        logits by 1e-38 overflowed float32, and the draw failed)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def constraint(self) -> tuple[str, str] | None:

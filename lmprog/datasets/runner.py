@@ -26,7 +26,7 @@ from lmprog.datasets.ordering import PrefixTemplate, program_params
 from lmprog.datasets.progress import USAGE_COLUMNS, Progress, UsageBackend
 from lmprog.datasets.sinks import JsonlSink, row_key
 from lmprog.datasets.sources import RowSource
-from lmprog.display import describe_error
+from lmprog.display import describe_error, free_name
 from lmprog.state import ProgramState
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ class _RowRunner:
         if state is not None:
             st = state._stream.st  # the program has ended: its state no longer changes
             for name, value in st.variables.items():
-                out[name if name not in taken else f"var_{name}"] = value
+                out[free_name(name, taken | out.keys())] = value
         out["ret_value"] = state.ret_value if state is not None else None
         if opts.include_text:
             out["text"] = state._stream.st.text if state is not None else None

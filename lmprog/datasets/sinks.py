@@ -30,8 +30,9 @@ KEYS_METADATA = b"lmprog.keys"
 
 
 def row_key(value: Any) -> str:
-    """A row's identity as stored: its id (or index) in JSON, so 3 and "3" differ."""
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    """A row's identity as stored: its id (or index) in JSON, so 3 and "3" differ (and a
+    numpy integer is its int, as the file holds it)."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=_jsonable)
 
 
 def encode_row(row: dict[str, Any]) -> bytes:

@@ -94,7 +94,7 @@ def _file_source(path: Path) -> RowSource:
     if suffix == ".jsonl":
         return RowSource(_jsonl_rows(path), num_rows=_count_lines(path), name=str(path))
     if suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:
             header = next(csv.reader(f), [])
         return RowSource(_csv_rows(path), columns=header, name=str(path))
     import pyarrow.parquet as pq
@@ -109,7 +109,7 @@ def _file_source(path: Path) -> RowSource:
 
 
 def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -133,7 +133,7 @@ def _count_lines(path: Path) -> int:
 
 def _csv_rows(path: Path) -> Iterator[dict[str, Any]]:
     """CSV values are strings, as written; a missing trailing cell is an empty string."""
-    with path.open(newline="", encoding="utf-8") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:
         for row in csv.DictReader(f, restval=""):
             yield dict(row)
 

@@ -251,3 +251,22 @@ def test_variables_named_like_input_columns_keep_both(engine):
 
     (row,) = list(echo.map([{"question": "hi", "other": 1}], backend=engine, **GREEDY))
     assert row["question"] == "hi" and row["var_question"] == "HI" and row["other"] == 1
+    # An input column named var_question is kept too (the variable once overwrote it).
+    rows = [{"question": "hi", "var_question": "mine"}]
+    (row,) = list(echo.map(rows, backend=engine, **GREEDY))
+    assert (row["var_question"], row["var_var_question"]) == ("mine", "HI")
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_a_file_that_starts_with_a_byte_order_mark_reads_its_first_column(engine, tmp_path, suffix):
+    """Excel's "CSV UTF-8" starts with a BOM: the first column was once '\\ufeffquestion'."""
+
+    @lp.function
+    def echo(s, question):
+        s += question + lp.gen("answer", max_tokens=2)
+
+    path = tmp_path / f"in{suffix}"
+    text = "question\nhi\n" if suffix == ".csv" else '{"question": "hi"}\n'
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    (row,) = list(echo.map(path, backend=engine, **GREEDY))
+    assert row["question"] == "hi" and row["error"] is None

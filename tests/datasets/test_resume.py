@@ -104,6 +104,18 @@ def test_resuming_a_parquet_file_whose_ids_mix_ints_and_strings_runs_each_row_on
     assert sorted(ids) == sorted(["1", "row 0", "row 2", "3", "row 4", "5", "1"])
 
 
+def test_resuming_with_numpy_integer_ids_runs_each_row_once(engine, tmp_path):
+    """An id np.int64(0) is written as 0; read back, it is the same row (once "0", a
+    string, so every row ran again)."""
+    np = pytest.importorskip("numpy")
+    rows = [{**row, "id": np.int64(i)} for i, row in enumerate(make_rows(4))]
+    out = tmp_path / "out.jsonl"
+    qa.map(rows[:2], output=out, id_column="id", backend=engine, **GREEDY).run()
+    summary = qa.map(rows, output=out, id_column="id", resume=True, backend=engine, **GREEDY).run()
+    assert (summary.num_rows, summary.num_skipped) == (2, 2)
+    assert sorted(r["id"] for r in read_jsonl(out)) == [0, 1, 2, 3]
+
+
 def test_duplicate_ids_are_refused(engine, tmp_path):
     rows = make_rows(10) + [make_rows(10)[3]]
     with pytest.raises(ValueError, match="id_column 'id'.* appears twice"):

@@ -111,6 +111,17 @@ def test_states_to_dataframe(engine):
     assert frame["text"][2] == states[2].text()
     assert "text" not in lp.to_dataframe(states, text=False).columns
 
+    @lp.function
+    def named_like_columns(s):
+        s["error"] = "my field"
+        s += "Write:" + lp.gen("text", max_tokens=2)
+
+    (record,) = lp.to_dataframe(named_like_columns.run_batch([{}], backend=engine)).to_dict(
+        "records"
+    )  # (the variables were once dropped for the record's own columns)
+    assert record["var_error"] == "my field" and record["error"] is None
+    assert record["text"] == "Write:" + record["var_text"]
+
 
 def test_engine_repr_and_report(engine):
     text = repr(engine)

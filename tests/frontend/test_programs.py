@@ -470,3 +470,45 @@ def test_a_body_that_raises_aborts_its_requests_in_flight(engine, error):
     # A raising body's requests (not Ctrl-C's) once ran to their ends: 4,500 tokens
     # computed for nothing while `run()` waited.
     assert engine.stats()["decode_tokens"] < 1500
+
+
+def test_a_streamed_branch_streams_the_text_it_inherits(engine):
+    """A branch's chunks add up to its text, the forked prefix included (once they began
+    after it), as without streaming."""
+    branches = {}
+
+    @lp.function
+    def prog(s):
+        s += "Root text. "
+        forks = s.fork(2)
+        branches["forks"] = forks
+        forks += lp.gen("x", max_tokens=4, temperature=0)
+        forks.join()
+
+    for stream in (False, True):
+        prog.run(backend=engine, stream=stream).sync()
+        branch = branches["forks"][0]
+        assert branch.text().startswith("Root text. ")
+        assert "".join(branch.text_iter()) == branch.text(), stream
+
+
+@pytest.mark.parametrize("name", ["age", "pick", "free"])
+def test_a_streamed_value_comes_with_its_meta_info(engine, name):
+    """`text_async_iter(name, return_meta_data=True)`: a number gen's and a select's value
+    came with None (their meta info was set after their text was emitted)."""
+    import asyncio
+
+    @lp.function
+    def prog(s):
+        s += "Age: " + lp.gen("age", dtype=int, max_tokens=5, temperature=0)
+        s += "\nPick:" + lp.select("pick", choices=["a", "b"])
+        s += "\nFree:" + lp.gen("free", max_tokens=4, temperature=0)
+
+    async def items(state):
+        return [item async for item in state.text_async_iter(name, return_meta_data=True)]
+
+    state = prog.run(backend=engine, stream=True)
+    pieces = asyncio.run(items(state))
+    assert "".join(value for value, _ in pieces) == state[name]
+    assert pieces[-1][1] is not None
+    assert pieces[-1][1]["completion_tokens"] == state.get_meta_info(name)["completion_tokens"]

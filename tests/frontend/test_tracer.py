@@ -260,3 +260,21 @@ def test_trace_stops_at_a_string_method_or_json_of_a_value():
     assert "not VarRef" in parses.trace().stopped
     with pytest.raises(TypeError, match="has no len"):
         own_error.trace()
+
+
+def test_a_value_read_right_after_it_is_made_shows_as_data():
+    """Text order and data on one edge ("text+data"): listed and drawn as data (once shown
+    as plain text order)."""
+
+    @lp.function
+    def twice(s):
+        s += "Q:" + lp.gen("a", max_tokens=2)
+        s += s["a"]
+        s += " / " + s["a"]
+
+    traced = twice.trace()
+    both = [(a, b) for a, b, kind in traced.graph.edges(data="kind") if kind == "text+data"]
+    assert both
+    producer, consumer = both[0]
+    assert f"<- [{producer}" in str(traced).splitlines()[consumer]
+    assert f"n{producer} -> n{consumer} [style=dashed" in traced.to_dot()

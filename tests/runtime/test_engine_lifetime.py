@@ -132,3 +132,26 @@ def test_an_engine_dropped_mid_request_is_collected_when_the_loop_lets_go(tiny_p
     engine_ref, thread = _abandon_a_stream(tiny_path)
     thread.join(JOIN_S)  # it finishes the abandoned request, then finds the engine gone
     assert _is_collected((engine_ref,), thread)
+
+
+def test_a_script_that_exits_while_its_engine_works_exits_cleanly(tiny_path, tmp_path):
+    """The engine is shut down at exit: its loop thread, left running torch while Python
+    finalized, once aborted the process (SIGABRT, "terminate called without an active
+    exception"), as when a script breaks out of a stream and ends."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "from lmprog_runtime import Engine\n"
+        f"engine = Engine({tiny_path!r})\n"
+        "stream = engine.generate('Hi', {'max_new_tokens': 1500, 'ignore_eos': True},"
+        " stream=True)\n"
+        "for i, chunk in enumerate(stream):\n"
+        "    if i == 3:\n"
+        "        break\n"
+        "print('leaving')\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "leaving"

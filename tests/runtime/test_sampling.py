@@ -140,3 +140,13 @@ def test_sampled_first_tokens_follow_the_transformers_distribution(
             k = sum(count[t] for t in bucket)
             tail = binomial_tail(draws, p, k)
             assert tail >= ALPHA, f"{setting}: tokens {bucket[:5]} drawn {k}x, p={p:.4f}"
+
+
+def test_a_temperature_below_one_millionth_draws_greedily(engine):
+    """As SGLang's: a temperature of 1e-38 once overflowed float32 in the division of the
+    logits, and the draw failed the request."""
+    params = {"max_new_tokens": 4, "seed": 0}
+    greedy = engine.generate("Once upon a time", {**params, "temperature": 0})["output_ids"]
+    for temperature in (1e-38, 1e-45, 5e-7):
+        out = engine.generate("Once upon a time", {**params, "temperature": temperature})
+        assert out["output_ids"] == greedy, temperature
