@@ -195,19 +195,37 @@ inline __m512 round16(__m512 v) {
 // gated): y[i][16 p + j] = silu(g) u, where g and u are gate and up output 16 p + j of row
 // i, each rescaled and rounded to T first, as the layer's output would be before
 // `silu_and_mul` (which computes g / (1 + e^-g) u in float32).
+//
+// The epilogue is one function for every row tile (not inlined into each; called once per
+// tile): with -ffast-math the compiler contracted and reordered its float32 operations
+// differently per tile size, so a row's activation (and, through the next layer's int8
+// rounding, its tokens) depended on how many rows shared its call, i.e. on the other
+// requests of its batch.
+template <typename T>
+__attribute__((noinline)) void gated_epilogue(const __m512 (*sums)[2], int64_t rows,
+                                              const float* row_scales, const __m512* scales,
+                                              int64_t inter, T* y) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 rs = _mm512_set1_ps(row_scales[i]);
+    const __m512 g = round16<T>(_mm512_mul_ps(sums[i][0], _mm512_mul_ps(rs, scales[0])));
+    const __m512 u = round16<T>(_mm512_mul_ps(sums[i][1], _mm512_mul_ps(rs, scales[1])));
+    store16(y + i * inter, static_cast<__mmask16>(0xFFFF), lmprog::silu_mul16(g, u));
+  }
+}
+
 template <int R, typename T>
 void gated_product(const uint8_t* a, int64_t stride, int64_t in, const int8_t* packed, int64_t p,
                    int64_t rows, const float* row_scales, const float* col_scales, int64_t inter,
                    T* y, lmprog::NextWeights fetch) {
   const int8_t* w[2] = {packed + 2 * p * block_bytes(in), packed + (2 * p + 1) * block_bytes(in)};
-  const __m512 gate_scales = _mm512_loadu_ps(col_scales + p * kOutputs);
-  const __m512 up_scales = _mm512_loadu_ps(col_scales + inter + p * kOutputs);
+  const __m512 scales[2] = {_mm512_loadu_ps(col_scales + p * kOutputs),
+                            _mm512_loadu_ps(col_scales + inter + p * kOutputs)};
+  __m512 tile[R][2];
   block_sums<R, 2>(a, stride, in, w, rows, fetch, [&](int i, const __m512* sums) {
-    const __m512 rs = _mm512_set1_ps(row_scales[i]);
-    const __m512 g = round16<T>(_mm512_mul_ps(sums[0], _mm512_mul_ps(rs, gate_scales)));
-    const __m512 u = round16<T>(_mm512_mul_ps(sums[1], _mm512_mul_ps(rs, up_scales)));
-    store16(y + i * inter + p * kOutputs, static_cast<__mmask16>(0xFFFF), lmprog::silu_mul16(g, u));
+    tile[i][0] = sums[0];
+    tile[i][1] = sums[1];
   });
+  gated_epilogue<T>(tile, rows, row_scales, scales, inter, y + p * kOutputs);
 }
 #endif
 
