@@ -261,16 +261,14 @@ class Req(ReqText):
                 # end_outside_pattern: a token the complete match cannot take ends it
                 self.finished_reason = {"type": "stop", "matched": token_id}
                 return
-            if ends:  # (not in the text: the output is what the match was before it)
-                self.finished_reason = {"type": "stop", "matched": token_id}
-                self._mark_incomplete_constraint()
-                return
-            self.matcher.advance(token_id)
-            if self.grammar is None:
-                self.matcher = None  # token healing: the first token only
+            if not ends:  # (a stop token is not in the text: the match stays before it)
+                self.matcher.advance(token_id)
+                if self.grammar is None:
+                    self.matcher = None  # token healing: the first token only
         if n >= self.min_new_tokens:  # (`can_stop`)
             if ends:
                 self.finished_reason = {"type": "stop", "matched": token_id}
+                self._mark_incomplete_constraint()
                 return
             if self._has_stops:
                 matched = self._scan_stops()
@@ -333,9 +331,9 @@ class Req(ReqText):
         present it as valid. `cut`: a stop string or regex cuts the text before it, text
         the match has taken: the text kept is matched afresh (`re.fullmatch` of the
         grammar's pattern; incomplete where Python cannot read that pattern)."""
-        if self.matcher is None:
+        if self.matcher is None or self.grammar is None:  # (token healing's: the first token)
             return
-        if cut and self.grammar is not None:
+        if cut:
             text = self.decoded_text()
             complete = _fully_matches(self.grammar.regex, text[: self._first_stop(text, 0)[0]])
         else:

@@ -170,8 +170,7 @@ def json_safe_pattern(pattern: str) -> str:
     while i < len(body):
         ch = body[i]
         if ch == "\\" and i + 1 < len(body):
-            piece = _escape(body[i + 1], in_class)
-            out.append(piece)
+            out.append(_escape(body[i + 1]))
             i += 2
             continue
         if ord(ch) < 0x20 or ch == '"':
@@ -194,8 +193,9 @@ def json_safe_pattern(pattern: str) -> str:
     return "(" + "".join(out) + ")"
 
 
-def _escape(ch: str, in_class: bool) -> str:
-    if ch in "SWD" or ch in '"\\' or ch in "xuU":
+def _escape(ch: str) -> str:
+    """The escape `\\ch` as the narrowed pattern writes it (inside a class or out)."""
+    if ch in 'SWDxuU"\\':
         what = {"x": "a \\x escape", "u": "a \\u escape", "U": "a \\U escape"}.get(ch)
         raise ValueError(
             f"unsupported JSON schema: {what or repr(chr(92) + ch)} in a pattern could let a "
