@@ -28,7 +28,7 @@ DEFAULT_WINDOW = 1024
 class MapSummary(NamedTuple):
     num_rows: int  # rows run by this call
     num_errors: int  # of them, rows whose error column is set
-    num_skipped: int  # rows the output already held (resume)
+    num_skipped: int  # input rows the output already held (resume), not run again
     seconds: float
 
 
@@ -42,10 +42,9 @@ class MapRun:
     """
 
     def __init__(self, start: Any) -> None:
-        self._start = start  # () -> (iterator of rows, Progress, number of skipped rows)
+        self._start = start  # () -> (iterator of rows, Progress)
         self._is_started = False
         self._progress: Progress | None = None
-        self._num_skipped = 0
         self._seconds = 0.0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -53,7 +52,7 @@ class MapRun:
             raise RuntimeError("a MapRun can be iterated once; call .map(...) again")
         self._is_started = True
         begin = time.monotonic()
-        rows, self._progress, self._num_skipped = self._start()
+        rows, self._progress = self._start()
         try:
             yield from rows
         finally:
@@ -71,7 +70,7 @@ class MapRun:
         return MapSummary(
             progress.num_rows if progress else 0,
             progress.num_errors if progress else 0,
-            self._num_skipped,
+            progress.num_skipped if progress else 0,
             self._seconds,
         )
 
@@ -141,13 +140,10 @@ def map_program(
     _check_columns(fn, source.columns, opts, source.name)
     resolved = _resolve(backend)
 
-    def start() -> tuple[Iterator[dict[str, Any]], Progress, int]:
+    def start() -> tuple[Iterator[dict[str, Any]], Progress]:
         sink = open_sink(path, id_column or index_column or "") if path is not None else None
-        num_skipped = len(sink.done) if sink is not None else 0
-        bar = Progress(
-            enabled=progress, total=source.num_rows, initial=num_skipped, desc=fn.__name__
-        )
-        return iter_results(fn, source, resolved, opts, sink, bar), bar, num_skipped
+        bar = Progress(enabled=progress, total=source.num_rows, desc=fn.__name__)
+        return iter_results(fn, source, resolved, opts, sink, bar), bar
 
     return MapRun(start)
 

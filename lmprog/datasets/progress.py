@@ -66,16 +66,27 @@ class UsageBackend(Backend):
 class Progress:
     """Totals over finished rows, and the bar that shows them (silent when disabled)."""
 
-    def __init__(self, *, enabled: bool, total: int | None, initial: int, desc: str) -> None:
+    def __init__(self, *, enabled: bool, total: int | None, desc: str) -> None:
         self.totals = dict.fromkeys(USAGE_COLUMNS, 0)
         self.num_rows = 0
         self.num_errors = 0
+        self.num_skipped = 0
         self._start = time.monotonic()
         self._bar = None
         if enabled:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, desc=desc, unit="row")
+            self._bar = tqdm(total=total, desc=desc, unit="row")
+
+    def row_skipped(self) -> None:
+        """An input row the output already holds (resume): the bar moves past it as a
+        restart's `initial` would, so that the rates count only rows run."""
+        self.num_skipped += 1
+        bar = self._bar
+        if bar is not None:
+            bar.n += 1
+            bar.initial += 1
+            bar.last_print_n += 1
 
     def row_done(self, usage: dict[str, int], is_error: bool) -> None:
         self.num_rows += 1

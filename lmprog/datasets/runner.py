@@ -108,6 +108,7 @@ def iter_results(
                     raise ValueError(f"id_column {opts.id_column!r}: id {key} appears twice")
                 seen.add(key)
                 if key in done:
+                    progress.row_skipped()
                     continue
             sort_key = template.prefix(row) if template is not None else ""
             jobs.append(RowJob(position, next(order), row, sort_key))

@@ -87,6 +87,18 @@ def test_resuming_a_finished_parquet_file_adds_new_rows(engine, tmp_path):
     assert all(same(r, full[r["id"]]) for r in table)
 
 
+def test_resume_counts_the_input_rows_it_skips_not_the_rows_the_file_holds(engine, tmp_path):
+    """The output holds rows 0-49; the input is rows 40-79: ten skipped, thirty run (the
+    summary said 50 skipped, the rows the file held)."""
+    rows = make_rows(80)
+    out = tmp_path / "out.jsonl"
+    qa.map(rows[:50], output=out, id_column="id", backend=engine, **GREEDY).run()
+    run = qa.map(rows[40:], output=out, id_column="id", resume=True, progress=True, backend=engine)
+    summary = run.run()
+    assert (summary.num_rows, summary.num_skipped) == (30, 10)
+    assert sorted(r["id"] for r in read_jsonl(out)) == sorted(r["id"] for r in rows)
+
+
 def test_resuming_a_parquet_file_whose_ids_mix_ints_and_strings_runs_each_row_once(
     engine, tmp_path
 ):
