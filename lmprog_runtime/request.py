@@ -343,6 +343,7 @@ class Req(ReqText):
 
     def finish_prefill_only(self) -> None:
         self.finished_reason = {"type": "length", "length": 0}
+        self._mark_incomplete_constraint()  # ('' is a full match of few patterns)
 
     def abort(self, error: BaseException) -> None:
         self.error = error

@@ -245,6 +245,15 @@ def test_too_few_tokens_is_marked_incomplete(engine, temperature):
     assert re.fullmatch("[a-z]{0,29}", out["text"])
 
 
+@pytest.mark.parametrize(("regex", "complete"), [("[0-9]+", False), ("x*", True), ("a?", True)])
+def test_a_prefill_only_request_says_whether_the_empty_text_matches(engine, regex, complete):
+    """`max_new_tokens=0` returns '': incomplete unless '' is a full match."""
+    out = engine.generate("Hi", {"regex": regex, "max_new_tokens": 0})
+    reason = out["meta_info"]["finish_reason"]
+    assert out["text"] == "" and reason["type"] == "length"
+    assert ("constraint" not in reason) == complete == bool(re.fullmatch(regex, ""))
+
+
 STOPPED = r"(ab|cd)[0-9]{2,4}x"
 
 
