@@ -23,6 +23,7 @@ from typing import Any
 
 from lmprog.api import assistant, gen, user
 from lmprog.datasets.sinks import check_output
+from lmprog.datasets.sources import open_source
 from lmprog.function import Function, _split_kwargs
 
 _EPILOG = """\
@@ -98,29 +99,38 @@ def load_program(spec: str) -> Function:
 def _generate_program(args: argparse.Namespace) -> tuple[Function, Any]:
     """A one-gen program whose argument is the prompt column; `.txt` is one prompt a line."""
     column = args.prompt_column
-    if not column.isidentifier() or keyword.iskeyword(column):
-        raise ValueError(
-            f"--prompt-column {column!r}: the program takes the prompt as an argument of that "
-            "name, so it must be a Python identifier; rename the column"
-        )
 
     def complete(s, /, **row: Any) -> None:
+        if column not in row:
+            raise KeyError(f"row has no prompt column {column!r}")
         if args.chat:
             s += user(row[column])
             s += assistant(gen("completion"))
         else:
             s += row[column] + gen("completion")
 
+    data: Any = args.input
     state = "state" if column == "s" else "s"  # (the state's name must not be the column's)
     params = [inspect.Parameter(state, inspect.Parameter.POSITIONAL_ONLY)]
-    params.append(inspect.Parameter(column, inspect.Parameter.KEYWORD_ONLY))
+    if column.isidentifier() and not keyword.iskeyword(column):
+        # The prompt as a named argument: map checks the column up front, and sorts rows by
+        # prompt (cache-aware order).
+        params.append(inspect.Parameter(column, inspect.Parameter.KEYWORD_ONLY))
+    else:  # any other name: the program takes every column (`**row`)
+        params.append(inspect.Parameter("row", inspect.Parameter.VAR_KEYWORD))
+        columns = None if _is_txt(args.input) else open_source(args.input).columns
+        if columns is not None and column not in columns:
+            raise ValueError(f"--prompt-column {column!r} is not a column of {args.input}")
     complete.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    data: Any = args.input
-    if Path(args.input).suffix.lower() == ".txt":
+    if _is_txt(args.input):
         if not Path(args.input).is_file():
             raise FileNotFoundError(f"input file {args.input!r} does not exist")
         data = _lines(Path(args.input), column)
     return Function(complete), data
+
+
+def _is_txt(path: str) -> bool:
+    return Path(path).suffix.lower() == ".txt"
 
 
 def _lines(path: Path, column: str) -> Iterator[dict[str, str]]:

@@ -13,6 +13,7 @@ still running and writes only rows that finished before, so a resumed run redoes
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from collections import deque
@@ -177,6 +178,10 @@ class _RowRunner:
         self.backend = backend
         self.opts = opts
         self.params = program_params(fn)
+        # A program with `**columns` takes every column no named parameter takes.
+        self.takes_all = any(
+            p.kind is p.VAR_KEYWORD for p in inspect.signature(fn.func).parameters.values()
+        )
         self.pool = ThreadPoolExecutor(opts.num_threads, thread_name_prefix="lmprog-map")
         self._running: dict[int, ProgramState] = {}
         self._cancelled: list[BaseException] = []
@@ -222,6 +227,9 @@ class _RowRunner:
                 args.append(value)
             else:
                 kwargs[p.name] = value
+        if self.takes_all:
+            named = {p.name for p in self.params} | self.fn.bound.keys()
+            kwargs.update((k, v) for k, v in row.items() if k not in named)
         return args, kwargs, None
 
     def _result(

@@ -257,6 +257,19 @@ def test_variables_named_like_input_columns_keep_both(engine):
     assert (row["var_question"], row["var_var_question"]) == ("mine", "HI")
 
 
+def test_a_program_with_var_keywords_takes_the_columns_no_parameter_takes(engine):
+    @lp.function
+    def ask(s, question, /, tone="plain", **columns):
+        s["seen"] = sorted(columns)
+        s += f"{tone}: {question} {columns['user name']}" + lp.gen("answer", max_tokens=2)
+
+    rows = [{"question": "hi", "user name": "Ada", "tone": "dry", "id": 3}]
+    (row,) = list(ask.map(rows, backend=engine, **GREEDY))
+    assert row["error"] is None and row["seen"] == ["id", "user name"]
+    alone = ask.run("hi", tone="dry", **{"user name": "Ada", "id": 3}, backend=engine, **GREEDY)
+    assert row["answer"] == alone["answer"]
+
+
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
 def test_a_file_that_starts_with_a_byte_order_mark_reads_its_first_column(engine, tmp_path, suffix):
     """Excel's "CSV UTF-8" starts with a BOM: the first column was once '\\ufeffquestion'."""
