@@ -8,7 +8,9 @@ except EOS, which the index allows only where the text is a complete match.
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 from typing import Any
 
 import torch
@@ -106,7 +108,7 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
                 "out (escape a literal '[' as '\\[')"
             )
         try:
-            return _OutlinesGrammar(Index(regex, self._vocabulary), regex)
+            return _OutlinesGrammar(Index(python_word_classes(regex), self._vocabulary), regex)
         except Exception as error:  # outlines-core raises ValueError / RuntimeError / panics
             raise ValueError(f"cannot compile regex {regex!r}: {error}") from error
 
@@ -136,3 +138,39 @@ def rust_only_class_syntax(regex: str) -> str | None:
             return regex[i : i + 2]
         i += 1
     return None
+
+
+def python_word_classes(regex: str) -> str:
+    """`regex` with `\\w` and `\\W` spelled out as the classes of Python's `re`, for
+    outlines-core's engine (Rust), whose `\\w` also takes combining marks (U+0301,
+    U+094D: 22 single tokens of SmolLM2's vocabulary) and other characters Python's does not,
+    so that every output still `re.fullmatch`es the pattern. Nested in a class the class is a
+    union, as Rust reads it (`[\\w-]`, `[^\\W\\d]`)."""
+    if "\\w" not in regex and "\\W" not in regex:
+        return regex
+    out, i = [], 0
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\" and i + 1 < len(regex):
+            pair = regex[i : i + 2]
+            if pair == "\\w":
+                pair = f"[{_python_word_ranges()}]"
+            elif pair == "\\W":
+                pair = f"[^{_python_word_ranges()}]"
+            out.append(pair)
+            i += 2
+            continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+@functools.cache
+def _python_word_ranges() -> str:
+    """The characters `re`'s `\\w` matches in a str pattern, as Rust class ranges."""
+    every = "".join(map(chr, range(sys.maxunicode + 1)))
+    spans = (m.span() for m in re.finditer(r"\w+", every))
+    return "".join(
+        f"\\x{{{start:X}}}" if end - start == 1 else f"\\x{{{start:X}}}-\\x{{{end - 1:X}}}"
+        for start, end in spans
+    )

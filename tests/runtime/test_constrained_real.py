@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import jsonschema
 import pytest
@@ -115,3 +116,24 @@ def test_integers_end_where_the_model_ends_them(instruct, how):
     assert [state.error() for state in states] == [None, None]
     assert [int(state["n"]) for state in states] == [24, 365]
     assert [state["n"] for state in states] == ["24", "365"]  # the text, as in SGLang
+
+
+@pytest.mark.parametrize("regex", [r"\w+", r"[^\W\d]+", r"[\w-]+", r"\W+"])
+def test_word_classes_take_the_tokens_python_reads_as_word_characters(instruct, regex):
+    """Rust's `\\w` also takes combining marks (U+094D, U+05B0: 22 single tokens of this
+    vocabulary), which Python's does not: outputs would not `re.fullmatch`. A whole token
+    must be allowed exactly where Python's `re` reads each of its characters as the class."""
+    from lmprog_runtime.constrained.outlines_backend import OutlinesGrammarBackend, token_bytes
+
+    tokenizer = instruct.tokenizer
+    backend = OutlinesGrammarBackend(tokenizer, tokenizer.eos_token_id)
+    matcher = backend.compile_regex(regex).new_matcher()
+    checked = 0
+    for token_id, data in token_bytes(tokenizer).items():
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue  # part of a character
+        assert matcher.accepts([token_id]) == bool(re.fullmatch(regex, text)), ascii(text)
+        checked += 1
+    assert checked > 40000
