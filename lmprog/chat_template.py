@@ -17,6 +17,13 @@ from typing import NamedTuple
 ROLES = ("system", "user", "assistant")
 _PLACEHOLDER = "\u2063LMPROG\u2063"
 _SYSTEM_PLACEHOLDER = "\u2063LMPROG-SYSTEM\u2063"
+
+
+def _slot(i: int) -> str:
+    """The placeholder content of the conversation's `i`-th earlier message."""
+    return f"\u2063LMPROG-{i}\u2063"
+
+
 _UNREAD = object()
 
 
@@ -36,28 +43,69 @@ class ChatRoles:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         key = (*previous_roles[-1:], role) if previous_roles else ("<first>", role)
-        if key not in self._cache:
+        text = self._cache.get(key)
+        if text is not None:
+            return text
+        try:
             # The previous message stands in for the whole conversation so far: the text a
             # new message adds depends on what precedes it only through the template.
-            prev = [{"role": r, "content": "x"} for r in previous_roles[-1:]]
-            try:
-                head = self._render(prev) if prev else ""
-                full = self._render(prev + [{"role": role, "content": _PLACEHOLDER}])
-            except Exception as error:  # jinja raises for conversations it does not allow
-                raise ValueError(
-                    f"the chat template refuses a {role!r} message here: {error}"
-                ) from error
+            text = self._read(previous_roles[-1:], role)
+        except ValueError:
+            if len(previous_roles) < 2:
+                raise
+            # A template that checks the whole conversation (roles alternating from a
+            # first user message, as Mistral's and Llama 2's): render all of it.
+            key = ("<all>", *previous_roles, role)
+            text = self._cache.get(key) or self._read(previous_roles, role)
+        self._cache[key] = text
+        return text
+
+    def _read(self, previous_roles: list[str], role: str) -> RoleText:
+        """A message's role text, read off renders of the previous messages (placeholders
+        for contents) with and without it. A message whose content the template writes
+        only once another follows (Llama 2 folds the system message into the first user
+        turn) is read with a user message after it, and ends with no text of its own: the
+        next message's begin holds what comes between."""
+        prev = [{"role": r, "content": _slot(i)} for i, r in enumerate(previous_roles)]
+        new = {"role": role, "content": _PLACEHOLDER}
+        follow = {"role": "assistant" if role == "user" else "user", "content": _slot(-1)}
+        try:
+            full = self._render([*prev, new])
+            is_followed = _PLACEHOLDER not in full
+            if is_followed:
+                full = self._render([*prev, new, follow])
+        except Exception as error:  # jinja raises for conversations it does not allow
+            raise ValueError(
+                f"the chat template refuses a {role!r} message here: {error}"
+            ) from error
+        if _PLACEHOLDER not in full:
+            raise ValueError(f"the chat template drops the content of {role!r} messages")
+        head = ""
+        if prev:
+            head = self._head(prev, full)
             if not full.startswith(head):
                 raise ValueError(
                     "the chat template rewrites earlier messages when one is added; "
                     "lmprog cannot render its roles incrementally"
                 )
-            tail = full[len(head) :]
-            begin, sep, end = tail.partition(_PLACEHOLDER)
-            if not sep:
-                raise ValueError(f"the chat template drops the content of {role!r} messages")
-            self._cache[key] = RoleText(begin, end)
-        return self._cache[key]
+        begin, _, end = full[len(head) :].partition(_PLACEHOLDER)
+        if any(_slot(i) in begin for i in range(len(prev))):
+            raise ValueError("the chat template moves earlier messages after a new one")
+        return RoleText(begin, "" if is_followed else end)
+
+    def _head(self, prev: list[dict[str, str]], full: str) -> str:
+        """The text of the conversation `prev` as its roles wrote it: its own render, or,
+        where that leaves out a content (written once a message follows), the text of
+        `full` up to the end of the last content."""
+        try:
+            alone = self._render(prev)
+        except Exception:  # noqa: BLE001 - read off `full` below
+            alone = ""
+        if all(m["content"] in alone for m in prev):
+            return alone
+        last = prev[-1]["content"]
+        cut = full.find(last)
+        return full[: cut + len(last)] if cut >= 0 else alone
 
     def default_system_prompt(self) -> str | None:
         """The system message the template writes when a conversation starts without one

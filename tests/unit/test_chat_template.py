@@ -1,7 +1,9 @@
-"""The default system prompt read off a chat template (`ChatRoles.default_system_prompt`):
-what the template writes when a conversation starts without a system message. The
-reference is the template itself: with that prompt as an explicit system message, the
-conversation renders to the same text as without one."""
+"""Role texts read off a chat template (`ChatRoles`): written message by message, a
+conversation is the text the template renders for all of it at once; and the default
+system prompt (`ChatRoles.default_system_prompt`): what the template writes when a
+conversation starts without a system message. The reference is the template itself: with
+that prompt as an explicit system message, the conversation renders to the same text as
+without one."""
 
 from __future__ import annotations
 
@@ -50,7 +52,9 @@ def _renderer(template: str):
         raise jinja2.TemplateError(message)
 
     compiled = jinja2.Environment().from_string(template)
-    return lambda messages: compiled.render(messages=messages, raise_exception=raise_exception)
+    return lambda messages: compiled.render(
+        messages=messages, raise_exception=raise_exception, bos_token="<s>", eos_token="</s>"
+    )
 
 
 @pytest.mark.parametrize(
@@ -70,3 +74,72 @@ def test_the_default_system_prompt_is_what_the_template_writes(template, expecte
     user = [{"role": "user", "content": "Hi there"}]
     if found is not None:  # as an explicit system message, the same conversation
         assert render([{"role": "system", "content": found}, *user]) == render(user)
+
+
+ALTERNATE = (  # Mistral-Instruct v0.2's shape: roles must alternate from a user message
+    "{{- bos_token -}}{%- for m in messages -%}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/...') -}}"
+    "{%- endif -%}"
+    "{%- if m['role'] == 'user' -%}{{- '[INST] ' + m['content'] + ' [/INST]' -}}"
+    "{%- elif m['role'] == 'assistant' -%}{{- m['content'] + eos_token -}}"
+    "{%- else -%}{{- raise_exception('Only user and assistant roles are supported!') -}}"
+    "{%- endif -%}{%- endfor -%}"
+)
+SYSTEM_IN_FIRST_TURN = (  # Llama 2 chat's shape: the system message inside the first [INST]
+    "{%- if messages[0]['role'] == 'system' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- set system_message = messages[0]['content'] -%}"
+    "{%- else -%}{%- set loop_messages = messages -%}{%- set system_message = false -%}"
+    "{%- endif -%}"
+    "{%- for m in loop_messages -%}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/...') -}}"
+    "{%- endif -%}"
+    "{%- if loop.index0 == 0 and system_message != false -%}"
+    "{%- set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + m['content'] -%}"
+    "{%- else -%}{%- set content = m['content'] -%}{%- endif -%}"
+    "{%- if m['role'] == 'user' -%}{{- bos_token + '[INST] ' + content + ' [/INST]' -}}"
+    "{%- else -%}{{- ' ' + content + ' ' + eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+)
+CONVERSATIONS = [
+    ["user", "assistant", "user", "assistant", "user"],
+    ["system", "user", "assistant", "user", "assistant"],
+    ["system", "user"],
+    ["user"],
+]
+
+
+@pytest.mark.parametrize(
+    "template", [CHATML, SMOL_LIKE, HEADER_ALWAYS, ALTERNATE, SYSTEM_IN_FIRST_TURN]
+)
+@pytest.mark.parametrize("roles", CONVERSATIONS)
+def test_a_conversation_written_role_by_role_is_the_template_s_render(template, roles):
+    """Mistral's and Llama 2's templates once refused a second user turn (the last message
+    alone, an assistant's, rendered as the first), and Llama 2's a system message (whose
+    text it writes only with the user message that follows)."""
+    render = _renderer(template)
+    messages = [{"role": r, "content": f"{r} says {i}"} for i, r in enumerate(roles)]
+    try:
+        expected = render(messages)
+    except jinja2.TemplateError:
+        with pytest.raises(ValueError, match="refuses"):
+            _written(ChatRoles(render), messages)
+        return
+    assert _written(ChatRoles(render), messages) == expected
+
+
+def _written(chat: ChatRoles, messages: list[dict[str, str]]) -> str:
+    """The text of `messages` as a program writes it: each role's begin, content, end."""
+    roles = [m["role"] for m in messages]
+    default = chat.default_system_prompt()
+    if default is not None and roles[0] != "system":  # (what ops.py records)
+        roles.insert(0, "system")
+        messages = [{"role": "system", "content": default}, *messages]
+        written, first = "", 1
+    else:
+        written, first = "", 0
+    for i in range(first, len(messages)):
+        text = chat.role_text(roles[i], roles[first:i] if i == first else roles[:i])
+        written += text.begin + messages[i]["content"] + text.end
+    return written
