@@ -193,6 +193,11 @@ def select(
         raise ValueError("select needs a non-empty list of choices")
     if not all(isinstance(c, str) for c in choices):
         raise TypeError("choices must be a list of strings")
+    if "" in choices:  # (no token of its own to score: the prompt's last one stood in)
+        raise ValueError(
+            "choices must be non-empty strings: an empty choice has no tokens to score; "
+            "put the text the choices share after the select"
+        )
     if len(set(choices)) != len(choices):
         raise ValueError(f"select has duplicate choices: {list(choices)}")
     if not isinstance(choices_method, ChoicesSamplingMethod):

@@ -370,11 +370,10 @@ class Req(ReqText):
         }
         if self.heal is not None:
             info["token_healing"] = {"token_id": self.heal.token_id, "text": self.heal.text}
-        if self.return_logprob:
-            if self.logprob_start_len >= 0:
-                info["input_token_logprobs"] = self.input_token_logprobs
-                if self.top_logprobs_num:
-                    info["input_top_logprobs"] = self.input_top_logprobs
+        if self.return_logprob:  # (every key, as SGLang's: [] where none was asked for)
+            info["input_token_logprobs"] = self.input_token_logprobs or []
+            if self.top_logprobs_num:
+                info["input_top_logprobs"] = self.input_top_logprobs or []
             info["output_token_logprobs"] = self.output_token_logprobs
             if self.top_logprobs_num:
                 info["output_top_logprobs"] = self.output_top_logprobs

@@ -80,6 +80,8 @@ SELECT = [  # (kwargs of lp.select, error type, message)
     ({"name": "c", "choices": []}, ValueError, "choices"),
     ({"name": "c", "choices": "ab"}, TypeError, "choices"),
     ({"name": "c", "choices": ["a", "a"]}, ValueError, "duplicate"),
+    # '' has no token to score: the prompt's last token's logprob stood in, and won.
+    ({"name": "c", "choices": [" Paris", ""]}, ValueError, "non-empty strings"),
     ({"name": "c", "choices": ["a", "b"], "temperature": -1}, ValueError, "temperature"),
     ({"name": "c", "choices": ["a", "b"], "temperature": NAN}, ValueError, "temperature"),
     ({"name": "c", "choices": ["a", "b"], "temperature": INF}, ValueError, "temperature"),
