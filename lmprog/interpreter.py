@@ -299,7 +299,8 @@ class Outbox:
             try:
                 futures = stream.ops.backend.submit(
                     ids,
-                    [{"max_new_tokens": 0}] * len(ids),
+                    # (with the tokens' texts, as SGLang's select asks for them)
+                    [{"max_new_tokens": 0, "return_text_in_logprobs": True}] * len(ids),
                     group=True,
                     return_logprob=True,
                     logprob_start_len=starts,

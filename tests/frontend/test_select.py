@@ -151,6 +151,9 @@ def test_select_meta_info_and_text(engine):
     assert meta["method"] == "token_length_normalized" and len(meta["scores"]) == 2
     assert state.get_meta_info("c")["choice"] == state["c"]
     assert state.text() == "Q: Is the sky blue?\nA:" + state["ans"] + "\nColour:" + state["c"]
+    # Each choice's scored tokens with their texts, as SGLang's select asks (they were None).
+    for entries in meta["input_token_logprobs"]:
+        assert entries and all(text == engine.decode([token]) for _, token, text in entries)
 
 
 @pytest.mark.parametrize("choices", [[], None, ["a", "b", "a"], [" x", " x"]])
