@@ -169,7 +169,8 @@ class GreedyTokenSelection(ChoicesSamplingMethod):
 
 class UnconditionalLikelihoodNormalized(ChoicesSamplingMethod):
     """The highest average of (log p(token | prompt) - log p(token | no prompt)): corrects
-    for choices that are likely whatever the question."""
+    for choices that are likely whatever the question. As in SGLang, the unconditional
+    logprobs are those of the choice's tokens alone, the first (None) counting 0."""
 
     name = "unconditional_likelihood_normalized"
     needs_unconditional = True

@@ -117,7 +117,7 @@ class SelectPlan(NamedTuple):
     prompt_len: int
     fulls: list[list[int]]  # prompt + choice token ids, per choice
     starts: list[int]  # first scored position, per choice
-    bare: list[list[int]] | None  # context token + choice tokens, for unconditional scores
+    bare: list[list[int]] | None  # the choice's tokens alone, for unconditional scores
 
 
 class ProgramOps:
@@ -227,8 +227,9 @@ class ProgramOps:
             starts.append(k)
         bare = None
         if _method(sel).requires_unconditional_logprobs:
-            ctx = self.backend.context_token_id
-            bare = [[ctx, *full[k:]] for full, k in zip(fulls, starts)]
+            # As SGLang scores them: the choice's tokens alone, the first one without a
+            # logprob (None, which the method counts as 0).
+            bare = [full[k:] for full, k in zip(fulls, starts)]
         return SelectPlan(len(prompt), fulls, starts, bare)
 
     def select_requests(self, plan: SelectPlan) -> tuple[list[list[int]], list[int]]:
@@ -236,7 +237,7 @@ class ProgramOps:
         ids, starts = list(plan.fulls), list(plan.starts)
         if plan.bare is not None:
             ids += plan.bare
-            starts += [1] * len(plan.bare)
+            starts += [0] * len(plan.bare)
         return ids, starts
 
     @staticmethod
@@ -249,7 +250,9 @@ class ProgramOps:
             bare = [o["meta_info"]["input_token_logprobs"] for o in outs[n:]]
         method = _method(sel)
         normalized = [sum(lps) / len(lps) for lps in token_lps]
-        unconditional = None if bare is None else [[lp for lp, *_ in e] for e in bare]
+        unconditional = None  # (the first, None, counts as 0)
+        if bare is not None:
+            unconditional = [[lp or 0.0 for lp, *_ in e] for e in bare]
         if method.is_sglang_style:  # a method written for SGLang: its own __call__
             decided = method(
                 choices=list(sel.choices),

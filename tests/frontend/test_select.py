@@ -3,8 +3,8 @@
 For a prompt P and a choice C the reference tokenizes P and P+C with the HF tokenizer, takes
 k = the length of their common token prefix (clamped to [1, len(full) - 1]) and scores the
 choice's tokens full[k:] with log_softmax(model(full).logits) at positions k-1 .. len-2; the
-unconditional log-probs are those of the same tokens after only [context token] (BOS, else
-EOS). The three methods are re-implemented here from their definitions (SGLang's): mean
+unconditional log-probs are SGLang's: those of the same tokens alone, the first counting
+0. The three methods are re-implemented here from their definitions (SGLang's): mean
 log-prob, greedy token-by-token comparison with shorter choices padded by their own mean,
 and mean(cond - uncond). Cases include choices starting with a space, choices that are
 prefixes of each other and prompts whose last token merges with the choice's first token.
@@ -58,7 +58,6 @@ def _token_logprobs(model, ids: list[int], start: int) -> list[float]:
 def reference(hf_tiny):
     """(prompt, choice) -> (cond log-probs, uncond log-probs, k, len(prompt ids))."""
     model, tokenizer = hf_tiny
-    ctx = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     out = {}
     for prompt, choices in CASES:
         p_ids = tokenizer(prompt).input_ids
@@ -69,7 +68,7 @@ def reference(hf_tiny):
                 k += 1
             k = max(1, min(k, len(full) - 1))
             cond = _token_logprobs(model, full, k)
-            uncond = _token_logprobs(model, [ctx] + full[k:], 1)
+            uncond = [0.0, *_token_logprobs(model, full[k:], 1)]
             assert len(cond) == len(uncond) == len(full) - k > 0
             out[prompt, choice] = (cond, uncond, k, len(p_ids))
     return out

@@ -429,7 +429,10 @@ def test_select_meta_keeps_sglangs_unconditional_entries(engine):
 
     meta = prog.run(backend=engine).get_meta_info("x")
     entries = meta["unconditional_token_logprobs"]
-    assert [[e[0] for e in choice] for choice in entries] == meta["unconditional_logprobs"]
+    # As SGLang's: the choice's tokens alone, the first without a logprob (None; 0 in floats).
+    assert all(choice[0][0] is None for choice in entries)
+    floats = [[0.0, *(e[0] for e in choice[1:])] for choice in entries]
+    assert floats == meta["unconditional_logprobs"]
     assert all(len(e) == 3 for choice in entries for e in choice)
     assert meta["normalized_unconditional_prompt_logprobs"] == meta["scores"]
 
