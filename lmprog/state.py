@@ -363,8 +363,10 @@ class BranchGroup:
         if value is not self._branches[i]:
             raise TypeError("forks[i] can only be appended to: `forks[i] += ...`")
 
-    def __iadd__(self, other: Expr | str | Callable[[int], Expr | str] | list) -> BranchGroup:
-        if isinstance(other, list):
+    def __iadd__(
+        self, other: Expr | str | Callable[[int], Expr | str] | list | tuple
+    ) -> BranchGroup:
+        if isinstance(other, (list, tuple)):  # (one item per branch, as SGLang's)
             if len(other) != len(self._branches):
                 raise ValueError(f"{len(other)} items for {len(self._branches)} branches")
             items = other

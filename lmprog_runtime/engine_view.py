@@ -87,6 +87,10 @@ class EngineView:
     def reset_stats(self) -> None:
         self._stats.reset()
 
+    def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        """The model's tokenizer (`self.tokenizer`; SGLang's `Runtime.get_tokenizer()`)."""
+        return self.tokenizer
+
     def memory_state(self) -> dict[str, int]:
         """Where the KV slots are (when idle: free + cached == total and nothing is locked),
         and how many request slots and penalty rows are held."""

@@ -78,10 +78,11 @@ class SamplingParams:
                 f"unknown sampling parameter(s) {unknown}; known ones are {sorted(known)}"
             )
         values = {k: v for k, v in params.items() if v is not None}
-        if isinstance(values.get("stop"), str):
-            values["stop"] = [values["stop"]]
-        if isinstance(values.get("stop_regex"), str):
-            values["stop_regex"] = [values["stop_regex"]]
+        for name in ("stop", "stop_regex"):
+            if isinstance(values.get(name), str):
+                values[name] = [values[name]]
+            elif isinstance(values.get(name), tuple):  # (SGLang's own default is `()`)
+                values[name] = list(values[name])
         if isinstance(values.get("stop_token_ids"), int):
             values["stop_token_ids"] = [values["stop_token_ids"]]
         out = cls(**values)

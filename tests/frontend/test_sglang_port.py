@@ -50,6 +50,7 @@ def test_sglangs_runtime_line_ports_as_it_is(tiny_path):
         assert runtime.config.max_running_requests == 8
         state = hello.run(backend=runtime)
         assert state.get_meta_info("a")["completion_tokens"] == 3
+        assert runtime.get_tokenizer() is runtime.tokenizer  # (an AttributeError once)
     finally:
         runtime.shutdown()
     with pytest.raises(ValueError, match="tp_size=2"):
@@ -541,3 +542,20 @@ def test_flush_cache_drops_the_default_backends_prefixes(engine):
         assert prog.run().get_meta_info("x")["cached_tokens"] == 0
     finally:
         lmprog.backend._default_backend = previous
+
+
+def test_tuples_work_where_sglang_takes_them(engine):
+    """`forks += (a, b)` (one per branch) and `stop=(...)` (SGLang's own default is `()`):
+    both were TypeErrors."""
+
+    @sgl.function
+    def prog(s):
+        forks = s.fork(2)
+        forks += ("A:", "B:")
+        forks += sgl.gen("x", max_tokens=4, stop=("\n",), **GREEDY)
+        forks.join()
+
+    state = prog.run(backend=engine, stop=())
+    assert state.error() is None and len(state["x"]) == 2
+    alone = engine.generate("A:", {"max_new_tokens": 4, "stop": ["\n"], **GREEDY})
+    assert state["x"][0] == alone["text"]
