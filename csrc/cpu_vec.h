@@ -57,12 +57,19 @@ inline float from_f32<float>(float f) {
   return f;
 }
 
+// Whether `f` is a NaN, by its bits: not std::isnan, which -ffast-math lets the compiler
+// assume false.
+inline bool is_nan_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return (bits & 0x7fffffffu) > 0x7f800000u;
+}
+
 template <>
 inline bf16 from_f32<bf16>(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
-  // Integer tests, not std::isnan: -ffast-math lets the compiler assume there is no NaN.
-  const bool is_nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  const bool is_nan = is_nan_bits(f);
   const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
   return bf16(static_cast<uint16_t>(is_nan ? 0x7fc0u : rounded), bf16::from_bits());
 }

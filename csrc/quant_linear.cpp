@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include <omp.h>
@@ -239,12 +240,15 @@ Int16Activations quantize_activations(const T* x, int64_t rows, int64_t in, Layo
     for (int64_t b = 0; b < nb; ++b) {
       const T* xb = x + r * in + b * kBlock;
       float v[kBlock], amax = 0.f, sum = 0.f;
+      bool has_nan = false;  // (std::max drops a NaN: the block's scale carries it instead)
       for (int j = 0; j < kBlock; ++j) {
         v[j] = lmprog::to_f32(xb[j]);
         amax = std::max(amax, std::abs(v[j]));
         sum += v[j];
+        has_nan |= lmprog::is_nan_bits(v[j]);
       }
-      const float scale = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+      if (has_nan) amax = std::numeric_limits<float>::quiet_NaN();
+      const float scale = amax / 32767.f, inv = !has_nan && amax > 0.f ? 32767.f / amax : 0.f;
       int16_t* out = a.values.data() + r * a.padded;
       for (int j = 0; j < kBlock; ++j) {
         const auto q = static_cast<int16_t>(std::nearbyint(v[j] * inv));

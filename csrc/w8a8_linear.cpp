@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <vector>
 
@@ -58,10 +59,17 @@ constexpr int64_t kChunkBytes = 8 << 20;
 template <typename T>
 void quantize_row(const T* x, int64_t in, int8_t* q, float* scale) {
   float amax = 0.f;
-  for (int64_t k = 0; k < in; ++k) amax = std::max(amax, std::abs(lmprog::to_f32(x[k])));
+  bool has_nan = false;  // (std::max drops a NaN: the row's scale carries it instead)
+  for (int64_t k = 0; k < in; ++k) {
+    const float v = lmprog::to_f32(x[k]);
+    amax = std::max(amax, std::abs(v));
+    has_nan |= lmprog::is_nan_bits(v);
+  }
+  if (has_nan) amax = std::numeric_limits<float>::quiet_NaN();
   // Quotients in double, rounded once to float: correctly rounded float quotients (53 bits
   // hold two roundings of 24), which -ffast-math's reciprocal multiply would not be.
-  const float inv = amax > 0.f ? static_cast<float>(127.0 / static_cast<double>(amax)) : 0.f;
+  const float inv =
+      !has_nan && amax > 0.f ? static_cast<float>(127.0 / static_cast<double>(amax)) : 0.f;
   for (int64_t k = 0; k < in; ++k) {
     q[k] = static_cast<int8_t>(std::nearbyint(lmprog::to_f32(x[k]) * inv));
   }

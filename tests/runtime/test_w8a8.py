@@ -339,3 +339,24 @@ def test_smoothing_refuses_bad_alpha_and_quantized_layers(tiny_path):
         pytest.raises(TypeError, match="nn.Linear"),
     ):
         smooth_for_w8a8(engine.runner.model, {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layer_type", ["w8a8", "q8", "q4"])
+@pytest.mark.parametrize("rows", [2, 40, 300])  # packed / tiled kernels; `_int_mm` / dense
+def test_a_nan_in_a_row_makes_that_row_nan_and_no_other(dtype, layer_type, rows):
+    """A NaN activation was quantized as 0 (std::max drops it), so the row came out finite,
+    where the torch fallback and the float product give NaN."""
+    from lmprog_runtime.models.quantization import Q4Linear, Q8Linear
+
+    linear, layer = _layer(64, 24, bias=False, seed=rows)
+    layer = {"w8a8": layer, "q8": Q8Linear(linear), "q4": Q4Linear(linear)}[layer_type]
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    with torch.no_grad():
+        clean = layer(x)
+        x[1, 5] = float("nan")
+        out = layer(x)
+    assert bool(out[1].isnan().all())
+    others = torch.ones(rows, dtype=torch.bool)
+    others[1] = False
+    assert torch.equal(out[others], clean[others])
