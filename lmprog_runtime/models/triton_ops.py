@@ -161,6 +161,7 @@ class TritonOps(TorchOps):
             raise ValueError("rope: head_dim must be even and contiguous")
         if positions.shape != (num_tokens,) or positions.dtype != torch.int64:
             raise ValueError("rope: positions must be [num_tokens] int64")
+        positions = positions.contiguous()  # (the kernel reads token t's at offset t)
         if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim:
             raise ValueError("rope: cos and sin must be [context_len, head_dim]")
         if cos.stride() != sin.stride() or cos.stride(1) != 1:

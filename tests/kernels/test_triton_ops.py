@@ -57,13 +57,17 @@ def test_silu_and_mul(dtype, dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [16, 40])
-def test_rope_in_place_on_views_of_a_fused_projection(dtype, head_dim):
+@pytest.mark.parametrize("strided_positions", [False, True])
+def test_rope_in_place_on_views_of_a_fused_projection(dtype, head_dim, strided_positions):
     """q and k are strided views into one [tokens, (heads + 2 * kv_heads) * head_dim]
-    projection, as in the model; v (the rest) must not change."""
+    projection, as in the model; v (the rest) must not change. Positions may be a strided
+    view too (the kernel once read a slice's positions as if contiguous)."""
     num_tokens, heads, kv_heads, context_len = 9, 4, 2, 64
     qkv = _randn(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     positions = torch.tensor([0, 3, 63, 5, 5, 1, 17, 40, 2], dtype=torch.int64, device="cpu")
+    if strided_positions:
+        positions = torch.stack([positions, positions.flip(0)], dim=1)[:, 0]
     freqs = torch.arange(context_len, device="cpu")[:, None] * (
         10000.0 ** (-torch.arange(0, head_dim, 2, device="cpu") / head_dim)
     )
