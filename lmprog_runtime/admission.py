@@ -42,7 +42,10 @@ class Admission:
             entries.append((req, n))
             budget -= n
             num_active += 1
-        if self._room(num_active) <= 0:
+        # Rows held by waiting requests (jumped forward, or a group's members admitted in
+        # parts): such requests need no free row.
+        held = self.req_to_token.num_reqs - self.req_to_token.num_free - num_active
+        if self._room(num_active, held) <= 0:
             # A full batch admits nothing: the queue is not read (a dataset's may hold
             # thousands; as SGLang's scheduler, which tries no prefill then either).
             return self._alloc_extend(entries) if entries else None
@@ -69,7 +72,7 @@ class Admission:
                 ]
             if len(members) == 1 and req.kv_len == 0 and self._shares_uncached_prefix(req, blocks):
                 continue  # compute the shared prefix once: this one reuses it next step
-            room = self._room(num_active)
+            room = self._room(num_active, sum(m.req_pool_idx is not None for m in members))
             if len(members) > room:
                 if req.group is not None and not entries and not self.running and room > 0:
                     members = members[:room]  # a group too big to ever fit goes in parts
@@ -144,9 +147,13 @@ class Admission:
                     return eligible, end
         return eligible, len(self.waiting)
 
-    def _room(self, num_active: int) -> int:
-        """How many more requests may run next to `num_active`."""
-        return min(self.config.max_running_requests - num_active, self.req_to_token.num_free)
+    def _room(self, num_active: int, holding: int = 0) -> int:
+        """How many more requests may run next to `num_active`, `holding` of them holding
+        their request-table rows already (a request that jumped forward keeps its row while
+        it waits to extend: with every row so held, nothing was admitted, and the loop
+        failed a request as unschedulable)."""
+        rows = self.req_to_token.num_free + max(holding, 0)
+        return min(self.config.max_running_requests - num_active, rows)
 
     def _note_chunked(self, req: Req, n: int) -> None:
         """`req` computes `n` tokens now: if that leaves part of its prompt, it is the

@@ -358,7 +358,10 @@ class Engine(RequestMaker, EngineLoop, EngineView):
                 raise RuntimeError("the engine has been shut down")
             limit = self.config.max_queued_requests
             queued = self._num_unfinished - len(self.scheduler.running)
-            if limit is not None and queued + len(reqs) > limit:
+            # (a group's internal prefill of its shared prefix is not the caller's request)
+            group = reqs[-1].group if reqs else None
+            asked = len(reqs) - (group is not None and group.prefix_req is not None)
+            if limit is not None and queued + asked > limit:
                 raise QueueFull(
                     f"the engine's queue is full: {queued} requests wait and "
                     f"max_queued_requests={limit}; submit fewer at a time or raise the limit"

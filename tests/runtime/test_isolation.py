@@ -198,6 +198,11 @@ def test_the_queue_is_bounded(tiny_path):
             engine.submit(["x"] * 5, GREEDY)
         outs = engine.generate(["x"] * 4, GREEDY)  # at the limit: accepted
         assert len(outs) == 4
+        # A group's internal prefill of the prompts' shared prefix is not counted (four
+        # grouped prompts were refused).
+        shared = ["the same long prefix of tokens " * 4 + str(i) for i in range(4)]
+        futures = engine.submit(shared, GREEDY, group=True)
+        assert len([f.result() for f in futures]) == 4
 
 
 def _interrupt_main_after(seconds: float) -> threading.Timer:

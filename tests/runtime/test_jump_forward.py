@@ -143,6 +143,21 @@ def test_mixed_batch_with_jump_forward_equals_each_alone(engines):
     assert on.memory_state()["kv_slots_locked"] == 0
 
 
+@pytest.mark.parametrize(("max_running", "count"), [(1, 1), (2, 2), (4, 8)])
+def test_requests_jumping_forward_with_every_table_row_taken_all_finish(
+    engines, tiny_path, max_running, count
+):
+    """A request that jumps forward waits to extend holding its table row: with every row
+    so held nothing was admitted, and the loop failed one as unschedulable."""
+    regex = r"The answer is (yes|no)\. Thank you very much for asking!"
+    params = {"max_new_tokens": 64, "temperature": 0, "regex": regex}
+    prompts = [f"Question {i}:" for i in range(count)]
+    alone = [engines[0].generate(p, params)["text"] for p in prompts]
+    with Engine(tiny_path, max_total_tokens=4096, max_running_requests=max_running) as engine:
+        assert [o["text"] for o in engine.generate(prompts, params)] == alone
+        assert engine.memory_state()["req_slots_free"] == max_running
+
+
 def test_penalties_count_the_tokens_a_jump_forward_wrote(engines, monkeypatch):
     """Penalties with jump-forward: the tokens a jump appends (or retokenizes) are not
     drawn, so the request's counts are counted again from its output at its next draw.
