@@ -49,7 +49,8 @@ class ModelRunner:
         W8A8's calibration text."""
         self.config = config
         self.device = device_with_index(torch.device(config.device))
-        self.model = load_model(model_path, serving_dtype(config, model_path), config.device)
+        dtype = serving_dtype(config, model_path)
+        self.model = load_model(model_path, dtype, config.device, config.context_len)
         if config.quantization == "w8a8_int8":
             from lmprog_runtime.models.smoothing import calibrate_and_smooth
 

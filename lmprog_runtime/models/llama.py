@@ -28,14 +28,16 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE tables: cos/sin `[context_len, head_dim]` for every position."""
+    """Rotate-half RoPE tables: cos/sin `[length, head_dim]`, a row per position (`length`:
+    the model's context, or the shorter one the engine serves: a model made for a million
+    tokens would otherwise hold a GiB of tables)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, length: int | None = None) -> None:
         super().__init__()
         # Computed on the CPU even while the model is built on the meta device: the tables are
         # small, and the first meta-device arange costs seconds of one-time setup in torch.
         with torch.device("cpu"):
-            positions = torch.arange(config.context_len, dtype=torch.float32)
+            positions = torch.arange(length or config.context_len, dtype=torch.float32)
             freqs = positions[:, None] * config.inv_freq()[None, :]  # [context_len, head_dim // 2]
             emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -108,7 +110,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head over a flat token batch."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rope_length: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -117,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = RotaryEmbedding(config, rope_length)
         self.ops: TorchOps = TorchOps()  # ModelRunner may swap in NativeOps
         # Plain decode steps on the native backend run every layer in one native call.
         self.use_decode_stack = True

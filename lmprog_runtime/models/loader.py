@@ -24,7 +24,11 @@ _FUSED = {
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+def load_model(
+    model_path: str, dtype: torch.dtype, device: str, context_len: int | None = None
+) -> LlamaForCausalLM:
+    """The checkpoint's model, its RoPE tables `context_len` positions long (None: the
+    model's whole context)."""
     path = Path(model_path)
     if not path.is_dir():
         raise ValueError(f"model_path {model_path!r} does not exist or is not a directory")
@@ -33,7 +37,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: str) -> LlamaForCaus
     if not files:
         raise ValueError(f"model_path {model_path!r} has no .safetensors weights")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, rope_length=1)  # (its tables are made below)
     # Made where it runs, in the dtype it runs in: each checkpoint tensor is converted once
     # as it is copied in (no float32 copy of the whole model in host memory first: 28 GB
     # for a 7B model).
@@ -49,10 +53,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: str) -> LlamaForCaus
     parts_loaded: dict[str, set[int]] = {}
     loaded: set[str] = set()
 
-    from safetensors import safe_open
-
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with _open_safetensors(file) as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 target = _target_name(key)
                 if target is None:
@@ -76,8 +78,19 @@ def load_model(model_path: str, dtype: torch.dtype, device: str) -> LlamaForCaus
     missing = sorted(n for n in params if n not in loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path!r} is missing weights: {missing[:8]}")
-    model.rotary = RotaryEmbedding(config)  # the meta-device tables were never filled
+    model.rotary = RotaryEmbedding(
+        config, min(context_len or config.context_len, config.context_len)
+    )
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _open_safetensors(file: Path):  # noqa: ANN202 - safetensors' reader
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt")
+    except SafetensorError as error:  # (not a ValueError, and it names no file)
+        raise ValueError(f"{file} is not a readable safetensors file: {error}") from None
 
 
 def _target_name(key: str) -> tuple[str, int | None] | None:
@@ -108,6 +121,11 @@ def _copy(
     target = params[name].data
     if rows is not None:
         target = target.narrow(0, *rows)
+    if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"weight {name!r} is {tensor.dtype}: lmprog reads float32, float16 and bfloat16 "
+            "checkpoints (a quantized one needs its scales, which it does not read)"
+        )
     if tuple(target.shape) != tuple(tensor.shape):
         raise ValueError(
             f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"

@@ -52,11 +52,14 @@ class ModelConfig:
         path = Path(model_path)
         if not (path / "config.json").is_file():
             raise ValueError(f"model_path {str(model_path)!r} has no config.json")
-        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        raw = _read_json(path / "config.json")
         generation = {}
         if (path / "generation_config.json").is_file():
-            generation = json.loads((path / "generation_config.json").read_text(encoding="utf-8"))
-        return cls.from_dict(raw, generation)
+            generation = _read_json(path / "generation_config.json")
+        try:
+            return cls.from_dict(raw, generation)
+        except KeyError as error:
+            raise ValueError(f"{path / 'config.json'} has no {error.args[0]!r}") from None
 
     @classmethod
     def from_dict(
@@ -67,6 +70,14 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        quantized = raw.get("quantization_config")
+        if quantized:  # (its weights are integers or fp8 with scales beside them)
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+            raise ValueError(
+                f"the checkpoint is quantized ({method!r} quantization_config), which lmprog "
+                "does not read: use its float16/bfloat16 release (and quantization=... to "
+                "quantize it here) or a GGUF file"
             )
         qkv_bias_forced, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         act = raw.get("hidden_act", "silu")
@@ -154,3 +165,13 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data

@@ -271,6 +271,64 @@ def test_checkpoint_without_safetensors_is_rejected(tmp_path, checkpoint):
         load_model(str(tmp_path), torch.float32, "cpu")
 
 
+def _copy_checkpoint(checkpoint, tmp_path: Path) -> Path:
+    path, _ = checkpoint("llama-gqa")
+    for file in Path(path).iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    return tmp_path
+
+
+def _edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        del config[key]
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_a_quantized_checkpoint_is_refused_not_read_as_floats(tmp_path, checkpoint):
+    """An FP8 release (`quantization_config`, fp8 weights with their scales beside them)
+    loaded without a word: raw fp8 values cast to float, every token wrong."""
+    from safetensors.torch import load_file, save_file
+
+    path = _copy_checkpoint(checkpoint, tmp_path)
+    _edit_config(path, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ValueError, match="'fp8' quantization_config"):
+        load_model(str(path), torch.float32, "cpu")
+    _edit_config(path, quantization_config=None)  # the weights alone say it too
+    weights = load_file(path / "model.safetensors")
+    name = next(k for k in weights if k.endswith("down_proj.weight"))
+    weights[name] = weights[name].to(torch.float8_e4m3fn)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        load_model(str(path), torch.float32, "cpu")
+
+
+def test_broken_files_are_value_errors_naming_them(tmp_path, checkpoint):
+    path = _copy_checkpoint(checkpoint, tmp_path)
+    _edit_config(path, intermediate_size=None)
+    with pytest.raises(ValueError, match="config.json has no 'intermediate_size'"):
+        load_model(str(path), torch.float32, "cpu")
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        load_model(str(path), torch.float32, "cpu")
+    path = _copy_checkpoint(checkpoint, tmp_path)
+    weights = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # a cut download
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors"):
+        load_model(str(path), torch.float32, "cpu")
+
+
+def test_rope_tables_cover_the_context_served_not_the_models(checkpoint):
+    """A model made for a million positions held a GiB of tables at any context_len."""
+    path, _ = checkpoint("llama-gqa")
+    full = load_model(path, torch.float32, "cpu")
+    short = load_model(path, torch.float32, "cpu", context_len=24)
+    assert short.rotary.cos.shape == (24, full.rotary.cos.shape[1])
+    assert torch.equal(short.rotary.cos, full.rotary.cos[:24])
+    assert torch.equal(short.rotary.sin, full.rotary.sin[:24])
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_w8a8_smoothing_leaves_every_architecture_bit_for_bit(case, dtype, checkpoint):
