@@ -177,8 +177,16 @@ def _check_magic_and_version(path: Path) -> None:
     if len(head) < 8:
         raise ValueError(f"{path} is a truncated GGUF file ({len(head)} bytes)")
     version = int.from_bytes(head[4:8], "little")
-    swapped = int.from_bytes(head[4:8], "big")  # a big-endian file
-    if version not in _SUPPORTED_VERSIONS and swapped not in _SUPPORTED_VERSIONS:
+    if (
+        version not in _SUPPORTED_VERSIONS
+        and int.from_bytes(head[4:8], "big") in _SUPPORTED_VERSIONS
+    ):
+        # (its weights failed to convert, with numpy's byte-order message naming no file)
+        raise ValueError(
+            f"{path} is a big-endian GGUF file (as converted for s390x), which lmprog does "
+            "not read: use the little-endian file"
+        )
+    if version not in _SUPPORTED_VERSIONS:
         raise ValueError(
             f"{path}: GGUF version {version} is not supported; supported: {_SUPPORTED_VERSIONS}"
         )

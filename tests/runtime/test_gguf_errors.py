@@ -67,6 +67,10 @@ def test_bad_magic_and_version_are_refused(good_gguf, private_cache):
     _assert_refused(_rewrite(good_gguf, b"GGUX" + data[4:]), "not a GGUF file", private_cache)
     bad_version = data[:4] + (7).to_bytes(4, "little") + data[8:]
     _assert_refused(_rewrite(good_gguf, bad_version), "version 7 is not supported", private_cache)
+    # A big-endian file (its version's bytes swapped) failed in conversion, naming no file.
+    version = int.from_bytes(data[4:8], "little")
+    big = data[:4] + version.to_bytes(4, "big") + data[8:]
+    _assert_refused(_rewrite(good_gguf, big), "big-endian GGUF", private_cache)
 
 
 def test_unsupported_architecture_is_refused(tmp_path, private_cache):
