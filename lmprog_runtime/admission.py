@@ -58,9 +58,10 @@ class Admission:
             self.stats.add("admission_waits")
             return None
         admitted: set[int] = set()
+        blocked: set[int] = set()  # groups that cannot go in now: tried once per step
         blocks = PrefixBlocks()
         for req in self.policy.order(waiting):
-            if id(req) in admitted:
+            if id(req) in admitted or id(req.group) in blocked:
                 continue
             # (a lone request is in `waiting` still: only its own admission refuses it;
             # a group going in parts leaves its admitted members in `waiting` until the
@@ -77,6 +78,7 @@ class Admission:
                 if req.group is not None and not entries and not self.running and room > 0:
                     members = members[:room]  # a group too big to ever fit goes in parts
                 elif req.group is not None:
+                    blocked.add(id(req.group))
                     continue
                 else:
                     break
@@ -97,8 +99,11 @@ class Admission:
                 if id(member) not in planned:  # waits: give back its lock and row
                     self.req_cache.cache_finished(member, insert=False)
             if not plan:
-                if req.group is not None or not entries:
+                if req.group is not None:
+                    blocked.add(id(req.group))  # (each member would claim them all again)
                     continue  # a blocked group must not stall the rest
+                # A request that does not fit stops admission, as in SGLang: skipped past, a
+                # request that needs the running ones' room never got it under steady load.
                 break
             for member, n, need in plan:
                 self.stats.add("cached_tokens", claimed[id(member)])
