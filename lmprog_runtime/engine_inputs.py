@@ -92,10 +92,12 @@ def normalize_generate_inputs(
             )
         need = len(ids) + min(sp.max_new_tokens, engine.context_len - len(ids))
         page = engine.config.page_size
-        if -(-need // page) * page + page > engine.runner.num_kv_slots:
+        slots = -(-need // page) * page + page  # whole pages, and one to start it on
+        if slots > engine.runner.num_kv_slots:
+            pages = f" in pages of {page} (and one page more)" if page > 1 else ""
             raise ValueError(
-                f"prompt_tokens + max_new_tokens = {need} exceeds the KV pool of "
-                f"{engine.runner.num_kv_slots} tokens; raise max_total_tokens"
+                f"prompt_tokens + max_new_tokens = {need} takes {slots} KV slots{pages}, "
+                f"more than the pool's {engine.runner.num_kv_slots}; raise max_total_tokens"
             )
         grammar = engine.grammar(*sp.constraint) if sp.constraint is not None else None
         items.append(GenerateItem(list(ids), sp, want_lp, start, top, text, grammar))

@@ -133,9 +133,14 @@ def test_bad_runtime_config(tiny_path):
 
 def test_request_larger_than_the_pool_is_refused(tiny_path):
     with Engine(tiny_path, max_total_tokens=64) as small:
-        with pytest.raises(ValueError, match="KV pool"):
+        with pytest.raises(ValueError, match="more than the pool's 64; raise max_total_tokens"):
             small.generate("hello " * 40, {"max_new_tokens": 40})
         assert len(small.generate("hello", OK)["output_ids"]) == 3
+    # In pages, the slots the request takes are said (it said 13 "exceeds" a pool of 16).
+    with Engine(tiny_path, max_total_tokens=16, page_size=4) as paged:
+        prompt = list(range(10, 22))  # 12 tokens
+        with pytest.raises(ValueError, match="= 13 takes 20 KV slots in pages of 4"):
+            paged.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})
 
 
 def test_shutdown_fails_new_requests(tiny_path):
