@@ -50,7 +50,7 @@ class _Stream:
         self.path = path
         self.last = last
         self.producers = dict(producers)  # variable -> node that produces it
-        self.local: set[str] = set()  # variables produced in this stream (conflict check)
+        self.local: set[str] = set()  # variables produced in this stream (gathered by join)
         self.auto_names = 0
 
 
@@ -78,9 +78,7 @@ class Tracer:
                 )
             self.add_data_edge(stream.producers[node.name], nid)
         name = _produced_name(node)
-        if name is not None:
-            if name in stream.local:
-                raise ValueError(f"variable {name!r} is produced twice in one scope")
+        if name is not None:  # (a name produced again is the new value, as in SGLang)
             stream.local.add(name)
             stream.producers[name] = nid
         return nid

@@ -123,10 +123,6 @@ def test_static_errors_before_any_request(engine):
         s += "x" + s["missing"]
 
     @lp.function
-    def twice(s):
-        s += lp.gen("a", max_tokens=1) + lp.gen("a", max_tokens=1)
-
-    @lp.function
     def bad_regex(s):
         s += lp.gen("a", regex="(unclosed")
 
@@ -145,7 +141,6 @@ def test_static_errors_before_any_request(engine):
     engine.reset_stats()
     cases = [
         (unknown, "missing", KeyError),  # running, the read itself fails
-        (twice, "produced twice", None),  # running, a name may be reused (as in SGLang)
         (bad_regex, "invalid regex", ValueError),
         (bad_schema, "invalid JSON schema", ValueError),
         (empty_select, "non-empty", ValueError),
@@ -278,3 +273,23 @@ def test_a_value_read_right_after_it_is_made_shows_as_data():
     producer, consumer = both[0]
     assert f"<- [{producer}" in str(traced).splitlines()[consumer]
     assert f"n{producer} -> n{consumer} [style=dashed" in traced.to_dot()
+
+
+def test_a_name_produced_again_is_the_new_value_as_in_sglang():
+    """SGLang's multi-turn shape (the same gen name each turn) traced: it was refused as a
+    variable produced twice, though `run()` takes it; a later read gets the last value."""
+
+    @lp.function
+    def chat(s, questions):
+        for question in questions:
+            s += lp.user(question)
+            s += lp.assistant(lp.gen("answer", max_tokens=4))
+        s += "Last: " + s["answer"]
+
+    traced = chat.trace(questions=["a", "b"])
+    graph = traced.graph
+    gens = [n for n, d in graph.nodes(data=True) if type(d["node"]).__name__ == "Gen"]
+    reads = [n for n, d in graph.nodes(data=True) if type(d["node"]).__name__ == "VarRef"]
+    assert len(gens) == 2 and len(reads) == 1
+    data_in = [u for u, _, kind in graph.in_edges(reads[0], data="kind") if "data" in kind]
+    assert data_in == [gens[1]]
