@@ -248,9 +248,14 @@ DecodeAttentionWork::DecodeAttentionWork(torch::Tensor q, torch::Tensor k_buf, t
                       order.data_ptr<int64_t>(),
                       static_cast<float>(scale),
                       sliding_window};
+  const int64_t* rows = req_rows.data_ptr<int64_t>();
+  std::vector<char> ordered(batch, 0);  // order must be a permutation: each output written once
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(pb_.lens[b] >= 1 && pb_.lens[b] <= pb_.context_len, "seq_len out of range");
-    TORCH_CHECK(pb_.ord[b] >= 0 && pb_.ord[b] < batch, "order out of range");
+    TORCH_CHECK(rows[b] >= 0 && rows[b] < req_to_token.size(0), "req_rows out of range");
+    TORCH_CHECK(pb_.ord[b] >= 0 && pb_.ord[b] < batch && !ordered[pb_.ord[b]],
+                "order must be a permutation of the batch");
+    ordered[pb_.ord[b]] = 1;
   }
   q_ = std::move(q), k_buf_ = std::move(k_buf), v_buf_ = std::move(v_buf);
   tensors_[0] = std::move(req_to_token), tensors_[1] = std::move(req_rows);

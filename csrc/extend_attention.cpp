@@ -166,7 +166,8 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
   const int64_t slots_total = k_buf.size(0);
   for (int64_t r = 0; r < requests; ++r) {
     TORCH_CHECK(extend[r] >= 0 && prefix[r] >= 0 && prefix[r] + extend[r] <= table_stride &&
-                    starts[r] >= 0 && starts[r] + extend[r] <= q.size(0),
+                    starts[r] >= 0 && starts[r] + extend[r] <= q.size(0) && rows[r] >= 0 &&
+                    rows[r] < req_to_token.size(0),
                 "extend_attention: request ", r, " is out of range");
     for (int64_t k = 0; k < prefix[r] + extend[r]; ++k) {
       const int64_t slot = table[rows[r] * table_stride + k];

@@ -160,6 +160,25 @@ def test_native_decode_attention_matches_torch(heads, kv_heads, head_dim, window
         assert_kernel_close(got, expected)
 
 
+@pytest.mark.parametrize(
+    ("rows", "order", "message"),
+    [
+        ([0, 1_000_000], [0, 1], "req_rows out of range"),  # (read past the table: SIGSEGV)
+        ([0, -1], [0, 1], "req_rows out of range"),
+        ([0, 1], [0, 0], "permutation"),  # (a request's output was left unwritten)
+    ],
+)
+def test_decode_attention_refuses_rows_and_orders_out_of_range(rows, order, message):
+    from lmprog_runtime.native import load_native
+
+    q = torch.randn(2, 4, 16)
+    k_buf = v_buf = torch.randn(40, 2, 16)
+    table = torch.arange(1, 3 * 8 + 1).view(3, 8)  # rows 0-2 of 8 slots
+    args = [torch.tensor(rows), torch.tensor([3, 5]), torch.zeros(2, dtype=torch.int64)]
+    with pytest.raises(RuntimeError, match=message):
+        load_native().decode_attention(q, k_buf, v_buf, table, *args, torch.tensor(order), 0.25, 0)
+
+
 def test_native_and_torch_engines_agree_with_transformers(tiny_path, hf_tiny):
     from lmprog_runtime import Engine
 
