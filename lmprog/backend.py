@@ -7,6 +7,7 @@ API; another runtime (a server, a mock for fast tests) only needs these few meth
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -60,8 +61,11 @@ class Backend(ABC):
         return [future.result() for future in self.submit(input_ids, params, **options)]
 
     @abstractmethod
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The model's chat template applied to `messages` (ValueError if it has none)."""
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = False
+    ) -> str:
+        """The model's chat template applied to `messages` (ValueError if it has none), with
+        the text that prompts an assistant turn when `add_generation_prompt`."""
 
     @property
     @abstractmethod
@@ -72,7 +76,8 @@ class Backend(ABC):
         """Role texts read off the chat template, computed once per backend."""
         roles = getattr(self, "_chat_roles", None)
         if roles is None:
-            roles = self._chat_roles = ChatRoles(self.render_chat)
+            prompt = functools.partial(self.render_chat, add_generation_prompt=True)
+            roles = self._chat_roles = ChatRoles(self.render_chat, prompt)
         return roles
 
 
@@ -126,14 +131,16 @@ class EngineBackend(Backend):
             if not future.done():
                 self.engine.abort(future.request_id)
 
-    def render_chat(self, messages):
+    def render_chat(self, messages, add_generation_prompt=False):
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
                 "this model's tokenizer has no chat template, so roles (lp.system / lp.user / "
                 "lp.assistant) cannot be rendered; write the prompt text yourself"
             )
         with self._template_lock:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
 
     @property
     def context_token_id(self) -> int:

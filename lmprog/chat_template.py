@@ -33,8 +33,15 @@ class RoleText(NamedTuple):
 
 
 class ChatRoles:
-    def __init__(self, render: Callable[[list[dict[str, str]]], str]) -> None:
+    def __init__(
+        self,
+        render: Callable[[list[dict[str, str]]], str],
+        render_prompt: Callable[[list[dict[str, str]]], str] | None = None,
+    ) -> None:
+        """`render`: the template over messages; `render_prompt` (optional): the same with
+        the generation prompt (`add_generation_prompt=True`)."""
         self._render = render
+        self._render_prompt = render_prompt
         self._cache: dict[tuple[str, ...], RoleText] = {}
         self._default_system: object = _UNREAD
 
@@ -91,21 +98,41 @@ class ChatRoles:
         begin, _, end = full[len(head) :].partition(_PLACEHOLDER)
         if any(_slot(i) in begin for i in range(len(prev))):
             raise ValueError("the chat template moves earlier messages after a new one")
+        if role == "assistant":
+            begin = self._generation_prompt(prev, head) or begin
         return RoleText(begin, "" if is_followed else end)
 
+    def _generation_prompt(self, prev: list[dict[str, str]], head: str) -> str | None:
+        """What the template writes to prompt an assistant turn after `prev`, as transformers
+        prompts generation (`add_generation_prompt=True`). It differs from the begin of an
+        assistant message written last where a template gives the last one more: Qwen3's
+        empty think block (which turns thinking off), DeepSeek-R1's begins with `<think>`."""
+        if self._render_prompt is None or not prev:
+            return None
+        try:
+            prompt = self._render_prompt(prev)
+        except Exception:  # noqa: BLE001 - the begin read off the message stands
+            return None
+        return prompt[len(head) :] if prompt.startswith(head) and len(prompt) > len(head) else None
+
     def _head(self, prev: list[dict[str, str]], full: str) -> str:
-        """The text of the conversation `prev` as its roles wrote it: its own render, or,
-        where that leaves out a content (written once a message follows), the text of
-        `full` up to the end of the last content."""
+        """The text of the conversation `prev` as its roles wrote it, within `full`: its own
+        render; or, where that writes its last message otherwise (Qwen3 gives the last
+        assistant message a think block), `full` up to the end of that message, its end
+        text the same; or, where the render leaves out a content (written once a message
+        follows), `full` up to the end of the last content."""
         try:
             alone = self._render(prev)
         except Exception:  # noqa: BLE001 - read off `full` below
             alone = ""
-        if all(m["content"] in alone for m in prev):
-            return alone
         last = prev[-1]["content"]
-        cut = full.find(last)
-        return full[: cut + len(last)] if cut >= 0 else alone
+        cut = full.find(last) + len(last)
+        if all(m["content"] in alone for m in prev):
+            if full.startswith(alone):
+                return alone
+            end = alone[alone.rfind(last) + len(last) :]
+            return full[:cut] + end if cut >= len(last) and full.startswith(end, cut) else alone
+        return full[:cut] if cut >= len(last) else alone
 
     def default_system_prompt(self) -> str | None:
         """The system message the template writes when a conversation starts without one

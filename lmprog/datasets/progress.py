@@ -52,8 +52,10 @@ class UsageBackend(Backend):
     def abort(self, futures: list[Future]) -> None:
         self.inner.abort(futures)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.inner.render_chat(messages)
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = False
+    ) -> str:
+        return self.inner.render_chat(messages, add_generation_prompt)
 
     @property
     def context_token_id(self) -> int:

@@ -52,8 +52,12 @@ def _renderer(template: str):
         raise jinja2.TemplateError(message)
 
     compiled = jinja2.Environment().from_string(template)
-    return lambda messages: compiled.render(
-        messages=messages, raise_exception=raise_exception, bos_token="<s>", eos_token="</s>"
+    return lambda messages, add_generation_prompt=False: compiled.render(
+        messages=messages,
+        raise_exception=raise_exception,
+        bos_token="<s>",
+        eos_token="</s>",
+        add_generation_prompt=add_generation_prompt,
     )
 
 
@@ -143,3 +147,26 @@ def _written(chat: ChatRoles, messages: list[dict[str, str]]) -> str:
         text = chat.role_text(roles[i], roles[first:i] if i == first else roles[:i])
         written += text.begin + messages[i]["content"] + text.end
     return written
+
+
+LAST_THINKS = (  # Qwen3's shape: the last assistant message gets an (empty) think block
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' and loop.last -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def test_an_assistant_turn_begins_with_the_templates_generation_prompt():
+    """Read as the last message, Qwen3's assistant turn began with an empty think block,
+    which turns the model's thinking off (and was written into every earlier turn too);
+    transformers prompts generation with `add_generation_prompt=True`, without it."""
+    render = _renderer(LAST_THINKS)
+    chat = ChatRoles(render, lambda m: render(m, add_generation_prompt=True))
+    user = [{"role": "user", "content": "Hi"}]
+    prompt = _written(chat, user) + chat.role_text("assistant", ["user"]).begin
+    assert prompt == render(user, add_generation_prompt=True)
+    turns = [*user, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    assert _written(chat, turns) == render(turns)
