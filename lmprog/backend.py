@@ -81,13 +81,38 @@ class Backend(ABC):
         return roles
 
 
+class _ChatTemplate:
+    """An engine's chat template, rendered under a lock, and the role texts read off it:
+    kept per engine (`_engine_chats`), so its wrappers share them without holding it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.lock = threading.Lock()
+        self.roles = ChatRoles(self, functools.partial(self, add_generation_prompt=True))
+
+    def __call__(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "this model's tokenizer has no chat template, so roles (lp.system / lp.user / "
+                "lp.assistant) cannot be rendered; write the prompt text yourself"
+            )
+        with self.lock:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+
+
 class EngineBackend(Backend):
     """`Backend` over an in-process `lmprog_runtime.Engine`."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self._template_lock = threading.Lock()
+        with _wrappers_lock:
+            chat = _engine_chats.get(engine)
+            if chat is None:
+                chat = _engine_chats[engine] = _ChatTemplate(engine.tokenizer)
+        self._chat = chat
 
     def encode(self, text: str) -> list[int]:
         bos = getattr(self.tokenizer, "bos_token", None)
@@ -132,15 +157,10 @@ class EngineBackend(Backend):
                 self.engine.abort(future.request_id)
 
     def render_chat(self, messages, add_generation_prompt=False):
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(
-                "this model's tokenizer has no chat template, so roles (lp.system / lp.user / "
-                "lp.assistant) cannot be rendered; write the prompt text yourself"
-            )
-        with self._template_lock:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+        return self._chat(messages, add_generation_prompt)
+
+    def chat_roles(self) -> ChatRoles:
+        return self._chat.roles  # (one per engine, not per wrapper)
 
     @property
     def context_token_id(self) -> int:
@@ -181,18 +201,27 @@ def flush_cache(backend: Any = None) -> bool:
     return engine.flush_cache()
 
 
-_engine_backends: weakref.WeakKeyDictionary[Any, EngineBackend] = weakref.WeakKeyDictionary()
+# Engine -> its wrapper and its chat template, neither holding the engine: a value that did
+# kept its key alive, and every engine a program had used stayed, loop thread and all.
+_engine_backends: weakref.WeakKeyDictionary[Any, weakref.ref[EngineBackend]] = (
+    weakref.WeakKeyDictionary()
+)
+_engine_chats: weakref.WeakKeyDictionary[Any, _ChatTemplate] = weakref.WeakKeyDictionary()
 _wrappers_lock = threading.Lock()
 
 
 def as_backend(backend: Any) -> Backend:
-    """A `Backend` for an Engine (one wrapper per engine, so its caches are shared)."""
+    """A `Backend` for an Engine: the one wrapper in use for it, else a new one (a wrapper
+    holds its engine; the engine's chat template is kept with the engine, not the wrapper)."""
     if isinstance(backend, Backend):
         return backend
     if hasattr(backend, "generate") and hasattr(backend, "tokenizer"):
         with _wrappers_lock:
-            wrapper = _engine_backends.get(backend)
-            if wrapper is None:
-                wrapper = _engine_backends[backend] = EngineBackend(backend)
+            ref = _engine_backends.get(backend)
+            wrapper = ref() if ref is not None else None
+        if wrapper is None:
+            wrapper = EngineBackend(backend)
+            with _wrappers_lock:
+                _engine_backends[backend] = weakref.ref(wrapper)
         return wrapper
     raise TypeError(f"backend must be an lp.Engine or an lp.Backend, got {type(backend).__name__}")

@@ -26,7 +26,26 @@ def _build(
     """Build and use an engine; return weak references to it and its KV pool, and its loop
     thread. Built in a helper so that no frame of the test keeps a strong reference."""
     engine = Engine(tiny_path, max_total_tokens=max_total_tokens)
-    if use == "generate":
+    if use in ("program", "default backend"):
+        import lmprog as lp
+
+        @lp.function
+        def hello(s):
+            s += "Hello," + lp.gen("a", max_tokens=3, temperature=0)
+
+        if use == "program":
+            assert hello.run(backend=engine)["a"] is not None
+        else:
+            import lmprog.backend
+
+            saved = lmprog.backend._default_backend
+            try:
+                lp.set_default_backend(engine)
+                assert hello.run()["a"] is not None
+                lp.set_default_backend(Engine(tiny_path, max_total_tokens=256))  # a re-run
+            finally:
+                lmprog.backend._default_backend = saved
+    elif use == "generate":
         assert len(engine.generate("hello", OK)["output_ids"]) == 3
     elif use == "stream":
         assert "".join(c["text"] for c in engine.generate("hello", OK, stream=True))
@@ -40,8 +59,10 @@ def _is_collected(refs: tuple[weakref.ref, ...], thread: threading.Thread) -> bo
     return all(ref() is None for ref in refs) and not thread.is_alive()
 
 
-@pytest.mark.parametrize("use", ["none", "generate", "stream"])
+@pytest.mark.parametrize("use", ["none", "generate", "stream", "program", "default backend"])
 def test_an_unreferenced_engine_is_collected_and_its_thread_exits(tiny_path, use):
+    """Also one a program ran on, or the default backend until another replaced it: the
+    frontend's wrapper registry once held every such engine (and its loop thread) forever."""
     engine_ref, pool_ref, thread = _build(tiny_path, use)
     assert _is_collected((engine_ref, pool_ref), thread)
 
