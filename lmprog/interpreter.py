@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -368,3 +369,14 @@ def _refused(interp: Interpreter, stream: Stream, error: BaseException) -> None:
 
 
 INTERPRETER = Interpreter()
+
+
+def _reset_in_child() -> None:
+    """A forked child has no interpreter thread (only the forking thread goes with it), and
+    the parent's programs are not its own: start afresh (it once waited forever on the
+    parent's thread, which it thought was running)."""
+    INTERPRETER.__init__()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import os
+import signal
 import threading
 import time
 import tracemalloc
@@ -40,6 +42,7 @@ from reference_interpreter import (  # the module beside this file
 )
 
 import lmprog as lp
+import lmprog.backend
 
 HYPO = settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
 MANY = settings(HYPO, max_examples=1500)  # the slow tier
@@ -549,3 +552,77 @@ def test_body_uses_real_values_and_runs_once_with_its_tool(engine):
         assert state.error() is None
         assert (state.text(), state.ret_value) == (text, ret)
         assert (BODY_RUNS[key], TOOL_CALLS[key]) == (1, 1)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_program_runs_runs_its_own(engine):
+    """The child inherited the interpreter's thread as running (only the forking thread
+    goes with a fork), so its first program waited forever."""
+    from concurrent.futures import Future
+
+    class Later(lmprog.backend.EngineBackend):  # answers each request once `release` is set
+        release = threading.Event()
+
+        def submit(self, input_ids, params, **options):
+            futures = [Future() for _ in input_ids]
+
+            def answer():
+                self.release.wait(30)
+                for future, out in zip(futures, super(Later, self).submit(input_ids, params)):
+                    future.set_result(out.result())
+
+            threading.Thread(target=answer, daemon=True).start()
+            return futures
+
+    @lp.function
+    def hello(s):
+        s += "Hello," + lp.gen("a", max_tokens=2, temperature=0)
+
+    running = hello.run(backend=Later(engine), stream=True)
+    pid = os.fork()
+    if pid == 0:  # the child: a program on a backend without threads or torch
+        code = 1
+        try:
+            code = 0 if _echo_program_runs() else 1
+        finally:
+            os._exit(code)
+    Later.release.set()
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+    assert running["a"] is not None
+
+
+def _echo_program_runs() -> bool:
+    from concurrent.futures import Future
+
+    class Echo(lp.Backend):
+        def encode(self, text):
+            return [1 + ord(c) % 100 for c in text]
+
+        def decode(self, ids):
+            return "x" * len(ids)
+
+        def submit(self, input_ids, params, **options):
+            future = Future()
+            meta = {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}
+            meta["finish_reason"] = {"type": "length", "length": 1}
+            future.set_result({"text": "ok", "output_ids": [1], "meta_info": meta})
+            return [future]
+
+        def render_chat(self, messages, add_generation_prompt=False):
+            raise ValueError("no chat template")
+
+        @property
+        def context_token_id(self):
+            return 0
+
+    @lp.function
+    def echo(s):
+        s += "hi" + lp.gen("a", max_tokens=1)
+
+    return echo.run(backend=Echo())["a"] == "ok"
