@@ -77,10 +77,15 @@ class RadixTreeView:
         return out
 
     def _label(self, node: NodeView) -> str:
+        """The node's first tokens as text, control characters escaped (`\\n`, `\\x1b`):
+        XML has no place for most of them, and an SVG holding one does not display."""
         text = self._decode(node.preview)
         if node.num_tokens > len(node.preview):
             text += "..."
-        return text.replace("\n", "\\n")
+        return "".join(
+            ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape").decode()
+            for ch in text
+        )
 
     def __str__(self) -> str:
         lines = [f"radix cache: {len(self.nodes())} nodes"]

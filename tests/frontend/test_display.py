@@ -152,6 +152,16 @@ def test_radix_tree_view_matches_the_cache(engine):
         engine.radix_tree(max_nodes=0)
 
 
+def test_radix_tree_drawing_escapes_control_characters(engine):
+    """A cached prompt with a bell, a form feed or an escape: the SVG held them raw, which
+    XML forbids (the drawing did not display); the text view shows them escaped."""
+    engine.flush_cache()
+    engine.generate("Ding\x07 page\x0c colour\x1b[31m end", {"max_new_tokens": 1})
+    view = engine.radix_tree()
+    ET.fromstring(view._repr_svg_())  # well-formed
+    assert "\\x07" in str(view) and "\x07" not in str(view)
+
+
 def test_radix_tree_shows_what_running_requests_lock(engine):
     started = threading.Event()
     future = engine.submit("A long one", LONG, on_chunk=lambda i, c: started.set())[0]
