@@ -329,10 +329,14 @@ class ProgramState(StateBlocks):
         return f"ProgramState({self.text()})"
 
     def __repr__(self) -> str:
-        """Short text, whatever the length of the state (a terminal never sees HTML)."""
-        self.sync()
-        st = self._stream.st
-        return short_repr("ProgramState", st.text, st.variables, self._stream.error)
+        """Short text, whatever the length of the state (a terminal never sees HTML). It
+        does not wait: a running program shows what it has so far, marked running (it once
+        waited for the end, and so did `asyncio.run` returning such a state)."""
+        stream = self._stream
+        with stream.cv:
+            text, variables, error = stream.st.text, dict(stream.st.variables), stream.error
+            kind = "ProgramState" if stream.is_done else "ProgramState[running]"
+        return short_repr(kind, text, variables, error)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(repr(self))

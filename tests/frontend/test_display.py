@@ -61,6 +61,26 @@ def test_a_failed_program_shows_its_error(engine):
     assert "error=RuntimeError" in repr(state)
 
 
+def test_repr_of_a_running_program_does_not_wait_for_it(engine):
+    """repr waited for the program's end (so did `asyncio.run` returning a running state)."""
+    release = threading.Event()
+
+    @lp.function
+    def slow(s):
+        s += "Hello" + lp.gen("x", max_tokens=2, temperature=0)
+        release.wait(60)  # a tool call, say
+        s += " bye"
+
+    state = slow.run(backend=engine, stream=True)
+    try:
+        assert state["x"] is not None
+        assert repr(state).startswith("ProgramState[running](text='Hello")
+    finally:
+        release.set()
+    state.sync()
+    assert repr(state).startswith("ProgramState(text='Hello") and "bye" in repr(state)
+
+
 def test_repr_is_short_plain_text_however_long_the_state(engine):
     @lp.function
     def long(s):
