@@ -305,24 +305,32 @@ class ProgramState(StateBlocks):
         """`text_iter` for asyncio. With `return_meta_data`, yields `(delta, meta_info)`: the
         gen's meta info so far (its `output_token_logprobs` grow chunk by chunk)."""
         import asyncio
+        from concurrent.futures import ThreadPoolExecutor
 
         loop = asyncio.get_running_loop()
-        if not self._stream.is_streaming:
-            await loop.run_in_executor(None, self.sync)
-            if var_name is None:
-                yield (self.text(), None) if return_meta_data else self.text()
-            else:
-                value = self[var_name]
-                yield (value, self._stream.st.meta.get(var_name)) if return_meta_data else value
-            return
-        start, is_done = 0, False
-        while not is_done:
-            deltas, start, is_done = await loop.run_in_executor(
-                None, self._stream.next_deltas, start, var_name
-            )
-            for delta, meta in deltas:
-                yield (delta, meta) if return_meta_data else delta
-        self._raise_error()
+        # A thread of its own waits for the text: on the loop's default executor, a few
+        # consumers waiting on slow programs held every thread, and the others starved.
+        waiter = ThreadPoolExecutor(1, thread_name_prefix="lmprog-async-iter")
+        try:
+            if not self._stream.is_streaming:
+                await loop.run_in_executor(waiter, self.sync)
+                if var_name is None:
+                    yield (self.text(), None) if return_meta_data else self.text()
+                else:
+                    value = self[var_name]
+                    meta = self._stream.st.meta.get(var_name)
+                    yield (value, meta) if return_meta_data else value
+                return
+            start, is_done = 0, False
+            while not is_done:
+                deltas, start, is_done = await loop.run_in_executor(
+                    waiter, self._stream.next_deltas, start, var_name
+                )
+                for delta, meta in deltas:
+                    yield (delta, meta) if return_meta_data else delta
+            self._raise_error()
+        finally:
+            waiter.shutdown(wait=False)  # (a wait in progress ends with the program)
 
     def __str__(self) -> str:
         """`ProgramState(<the whole text>)`, as SGLang's (`text()` is the bare text)."""

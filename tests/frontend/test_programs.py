@@ -492,6 +492,43 @@ def test_a_streamed_branch_streams_the_text_it_inherits(engine):
         assert "".join(branch.text_iter()) == branch.text(), stream
 
 
+def test_an_async_consumer_waiting_on_a_slow_program_starves_no_other(engine):
+    """Each consumer waited on a thread of the loop's default executor: as many consumers
+    as it has threads, their programs in a tool call, and every other consumer waited."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    release = threading.Event()
+
+    @lp.function
+    def slow(s):
+        s += "Q:" + lp.gen("plan", max_tokens=2, temperature=0)
+        release.wait(60)
+        s += " done"
+
+    @lp.function
+    def quick(s):
+        s += "Hi" + lp.gen("a", max_tokens=2, temperature=0)
+
+    async def text(state):
+        return "".join([delta async for delta in state.text_async_iter()])
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+        waiting = asyncio.create_task(text(slow.run(backend=engine, stream=True)))
+        await asyncio.sleep(0.2)
+        state = quick.run(backend=engine, stream=True)
+        try:
+            got = await asyncio.wait_for(text(state), timeout=20)
+        finally:
+            release.set()
+        return got, state.text(), await waiting
+
+    got, expected, slow_text = asyncio.run(main())
+    assert got == expected and slow_text.endswith(" done")
+
+
 @pytest.mark.parametrize("name", ["age", "pick", "free"])
 def test_a_streamed_value_comes_with_its_meta_info(engine, name):
     """`text_async_iter(name, return_meta_data=True)`: a number gen's and a select's value
