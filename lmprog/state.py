@@ -9,12 +9,11 @@ runtime as one group; `join()` appends the join, which waits for every branch.
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from lmprog.api import role_expr
 from lmprog.backend import Backend
 from lmprog.display import short_repr, state_html
 from lmprog.interpreter import INTERPRETER
@@ -23,64 +22,15 @@ from lmprog.ir import (
     Fork,
     Gen,
     Join,
-    RoleBegin,
-    RoleEnd,
     Select,
     SetVar,
-    VarScopeBegin,
     VarScopeEnd,
     as_expr,
     flatten,
 )
+from lmprog.state_blocks import BranchGroup, StateBlocks, check_join_mode
 from lmprog.static_checks import check_static
 from lmprog.stream import Stream
-
-JOIN_MODES = ("gather_variable", "concate_and_append")
-
-
-class StateBlocks:
-    """`with s.user():`, `with s.assistant():`, `with s.system():` and `with s.var_scope(name):`,
-    for any state that can append a node; `s.user(expr)` appends a whole message (SGLang's
-    method form)."""
-
-    def _append_node(self, node: Expr) -> None:
-        raise NotImplementedError
-
-    def __iadd__(self, expr: Expr | str) -> Any:
-        raise NotImplementedError
-
-    @contextmanager
-    def _role_block(self, role: str) -> Iterator[StateBlocks]:
-        self._append_node(RoleBegin(role))
-        try:
-            yield self
-        finally:
-            self._append_node(RoleEnd(role))
-
-    def _role(self, role: str, expr: Expr | str | None) -> Any:
-        if expr is None:
-            return self._role_block(role)
-        self.__iadd__(role_expr(role, expr))
-        return None
-
-    def system(self, expr: Expr | str | None = None):
-        """`with s.system(): s += ...` writes a system message; `s.system(expr)` appends one."""
-        return self._role("system", expr)
-
-    def user(self, expr: Expr | str | None = None):
-        return self._role("user", expr)
-
-    def assistant(self, expr: Expr | str | None = None):
-        return self._role("assistant", expr)
-
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[StateBlocks]:
-        """Capture the text written inside the block as variable `name`."""
-        self._append_node(VarScopeBegin(name))
-        try:
-            yield self
-        finally:
-            self._append_node(VarScopeEnd(name))
 
 
 class ProgramState(StateBlocks):
@@ -353,47 +303,6 @@ class ProgramState(StateBlocks):
         """Jupyter: the transcript by role, generated and selected spans highlighted."""
         self.sync()
         return state_html(self._stream.st, self._stream.error)
-
-
-class BranchGroup:
-    """The branches of a fork: `group += expr | callable(i) | list`, `group[i]`, iteration."""
-
-    def __init__(self, branches: list[Any]) -> None:
-        self._branches = branches
-
-    def __len__(self) -> int:
-        return len(self._branches)
-
-    def __getitem__(self, i: int) -> Any:
-        return self._branches[i]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._branches)
-
-    def __setitem__(self, i: int, value: Any) -> None:
-        """`forks[i] += expr` appends to branch i, then assigns it back."""
-        if value is not self._branches[i]:
-            raise TypeError("forks[i] can only be appended to: `forks[i] += ...`")
-
-    def __iadd__(
-        self, other: Expr | str | Callable[[int], Expr | str] | list | tuple
-    ) -> BranchGroup:
-        if isinstance(other, (list, tuple)):  # (one item per branch, as SGLang's)
-            if len(other) != len(self._branches):
-                raise ValueError(f"{len(other)} items for {len(self._branches)} branches")
-            items = other
-        elif callable(other) and not isinstance(other, Expr):
-            items = [other(i) for i in range(len(self._branches))]
-        else:
-            items = [other] * len(self._branches)
-        for branch, item in zip(self._branches, items):
-            branch += item
-        return self
-
-
-def check_join_mode(mode: str) -> None:
-    if mode not in JOIN_MODES:
-        raise ValueError(f"join mode must be one of {JOIN_MODES}, got {mode!r}")
 
 
 class ProgramStateGroup(BranchGroup):

@@ -33,7 +33,7 @@ from lmprog.ir import (
     as_expr,
     flatten,
 )
-from lmprog.state import BranchGroup, StateBlocks, check_join_mode
+from lmprog.state_blocks import BranchGroup, StateBlocks, check_join_mode
 from lmprog.static_checks import check_static
 
 Path = tuple[tuple[int, int], ...]  # (fork id, branch index) from the root to a stream
