@@ -99,14 +99,19 @@ class ChatRoles:
         if any(_slot(i) in begin for i in range(len(prev))):
             raise ValueError("the chat template moves earlier messages after a new one")
         if role == "assistant":
-            begin = self._generation_prompt(prev, head) or begin
+            prompt = self._generation_prompt(prev, head)
+            if prompt is not None and begin.startswith(prompt):
+                # A template that gives the last assistant message more text than an
+                # earlier one (Qwen3's empty think block, which turns thinking off): the
+                # turn begins as transformers prompts generation, as earlier turns do.
+                begin = prompt
         return RoleText(begin, "" if is_followed else end)
 
     def _generation_prompt(self, prev: list[dict[str, str]], head: str) -> str | None:
         """What the template writes to prompt an assistant turn after `prev`, as transformers
-        prompts generation (`add_generation_prompt=True`). It differs from the begin of an
-        assistant message written last where a template gives the last one more: Qwen3's
-        empty think block (which turns thinking off), DeepSeek-R1's begins with `<think>`."""
+        prompts generation (`add_generation_prompt=True`); None where it writes none. (One
+        that adds to the message's begin, DeepSeek-R1's `<think>`, is not taken: a few-shot
+        turn written with it would differ from the template's render of that turn.)"""
         if self._render_prompt is None or not prev:
             return None
         try:

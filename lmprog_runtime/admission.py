@@ -80,6 +80,8 @@ class Admission:
                 elif req.group is not None:
                     blocked.add(id(req.group))
                     continue
+                elif room <= 0 < self.config.max_running_requests - num_active:
+                    continue  # no free row for it: a request holding one may still go in
                 else:
                     break
             try:

@@ -179,9 +179,9 @@ class _RowRunner:
         self.opts = opts
         self.params = program_params(fn)
         # A program with `**columns` takes every column no named parameter takes.
-        self.takes_all = any(
-            p.kind is p.VAR_KEYWORD for p in inspect.signature(fn.func).parameters.values()
-        )
+        every = list(inspect.signature(fn.func).parameters.values())
+        self.takes_all = any(p.kind is p.VAR_KEYWORD for p in every)
+        self.state_name = every[0].name if every else ""  # (`s`: never a column's)
         self.pool = ThreadPoolExecutor(opts.num_threads, thread_name_prefix="lmprog-map")
         self._running: dict[int, ProgramState] = {}
         self._cancelled: list[BaseException] = []
@@ -228,7 +228,7 @@ class _RowRunner:
             else:
                 kwargs[p.name] = value
         if self.takes_all:
-            named = {p.name for p in self.params} | self.fn.bound.keys()
+            named = {p.name for p in self.params} | self.fn.bound.keys() | {self.state_name}
             kwargs.update((k, v) for k, v in row.items() if k not in named)
         return args, kwargs, None
 

@@ -219,6 +219,17 @@ def calibrate_and_smooth(
     and smooth the model (the text cut to the model's context). Returns how many projection
     inputs were smoothed."""
     ids = tokenize(CALIBRATION_TEXT)[: model.config.context_len]
-    count = smooth_for_w8a8(model, activation_ranges(model, ids), alpha)
+    served_rope = model.rotary
+    if len(ids) > served_rope.cos.shape[0]:
+        # Tables for the calibration text (those of a short `context_len` are shorter):
+        # the smoothing does not depend on the context served.
+        from lmprog_runtime.models.llama import RotaryEmbedding
+
+        model.rotary = RotaryEmbedding(model.config, len(ids)).to(served_rope.cos.device)
+    try:
+        ranges = activation_ranges(model, ids)
+    finally:
+        model.rotary = served_rope
+    count = smooth_for_w8a8(model, ranges, alpha)
     logger.info("W8A8 smoothing: %d projection inputs over %d calibration tokens", count, len(ids))
     return count

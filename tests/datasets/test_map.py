@@ -263,7 +263,7 @@ def test_a_program_with_var_keywords_takes_the_columns_no_parameter_takes(engine
         s["seen"] = sorted(columns)
         s += f"{tone}: {question} {columns['user name']}" + lp.gen("answer", max_tokens=2)
 
-    rows = [{"question": "hi", "user name": "Ada", "tone": "dry", "id": 3}]
+    rows = [{"question": "hi", "user name": "Ada", "tone": "dry", "id": 3, "s": "not the state"}]
     (row,) = list(ask.map(rows, backend=engine, **GREEDY))
     assert row["error"] is None and row["seen"] == ["id", "user name"]
     alone = ask.run("hi", tone="dry", **{"user name": "Ada", "id": 3}, backend=engine, **GREEDY)

@@ -143,17 +143,22 @@ def test_mixed_batch_with_jump_forward_equals_each_alone(engines):
     assert on.memory_state()["kv_slots_locked"] == 0
 
 
-@pytest.mark.parametrize(("max_running", "count"), [(1, 1), (2, 2), (4, 8)])
+@pytest.mark.parametrize(
+    ("max_running", "count", "policy"),
+    [(1, 1, "lpm"), (2, 2, "lpm"), (4, 8, "lpm"), (4, 8, "dfs-weight"), (4, 8, "fcfs")],
+)
 def test_requests_jumping_forward_with_every_table_row_taken_all_finish(
-    engines, tiny_path, max_running, count
+    engines, tiny_path, max_running, count, policy
 ):
     """A request that jumps forward waits to extend holding its table row: with every row
-    so held nothing was admitted, and the loop failed one as unschedulable."""
+    so held nothing was admitted, and the loop failed one as unschedulable. (`dfs-weight`
+    orders such requests after those with a cached match: one without a row came first.)"""
     regex = r"The answer is (yes|no)\. Thank you very much for asking!"
     params = {"max_new_tokens": 64, "temperature": 0, "regex": regex}
     prompts = [f"Question {i}:" for i in range(count)]
     alone = [engines[0].generate(p, params)["text"] for p in prompts]
-    with Engine(tiny_path, max_total_tokens=4096, max_running_requests=max_running) as engine:
+    limits = {"max_running_requests": max_running, "schedule_policy": policy}
+    with Engine(tiny_path, max_total_tokens=4096, **limits) as engine:
         assert [o["text"] for o in engine.generate(prompts, params)] == alone
         assert engine.memory_state()["req_slots_free"] == max_running
 

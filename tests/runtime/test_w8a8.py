@@ -360,3 +360,16 @@ def test_a_nan_in_a_row_makes_that_row_nan_and_no_other(dtype, layer_type, rows)
     others = torch.ones(rows, dtype=torch.bool)
     others[1] = False
     assert torch.equal(out[others], clean[others])
+
+
+def test_a_short_context_quantizes_as_the_full_one(tiny_path):
+    """The calibration text outruns RoPE tables cut to a short `context_len` (an IndexError
+    at engine construction); it is calibrated over the model's own positions, so the
+    quantized weights do not depend on the context served."""
+    with Engine(tiny_path, quantization="w8a8_int8", context_len=64, max_total_tokens=256) as a:
+        short = a.runner.model.layers[0].mlp.down_proj
+        with Engine(tiny_path, quantization="w8a8_int8", max_total_tokens=256) as b:
+            full = b.runner.model.layers[0].mlp.down_proj
+            assert torch.equal(short.qweight, full.qweight)
+            assert torch.equal(short.scales, full.scales)
+        assert a.runner.model.rotary.cos.shape[0] == 64
