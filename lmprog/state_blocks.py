@@ -27,12 +27,16 @@ class StateBlocks:
         raise NotImplementedError
 
     @contextmanager
-    def _role_block(self, role: str) -> Iterator[StateBlocks]:
-        self._append_node(RoleBegin(role))
+    def _block(self, begin: Expr, end: Expr) -> Iterator[StateBlocks]:
+        """`begin`, what the `with` body appends, then `end` (also when the body raises)."""
+        self._append_node(begin)
         try:
             yield self
         finally:
-            self._append_node(RoleEnd(role))
+            self._append_node(end)
+
+    def _role_block(self, role: str) -> Any:
+        return self._block(RoleBegin(role), RoleEnd(role))
 
     def _role(self, role: str, expr: Expr | str | None) -> Any:
         if expr is None:
@@ -50,14 +54,9 @@ class StateBlocks:
     def assistant(self, expr: Expr | str | None = None):
         return self._role("assistant", expr)
 
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[StateBlocks]:
+    def var_scope(self, name: str) -> Any:
         """Capture the text written inside the block as variable `name`."""
-        self._append_node(VarScopeBegin(name))
-        try:
-            yield self
-        finally:
-            self._append_node(VarScopeEnd(name))
+        return self._block(VarScopeBegin(name), VarScopeEnd(name))
 
 
 class BranchGroup:
