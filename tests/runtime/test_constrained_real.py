@@ -118,7 +118,7 @@ def test_integers_end_where_the_model_ends_them(instruct, how):
     assert [state["n"] for state in states] == ["24", "365"]  # the text, as in SGLang
 
 
-@pytest.mark.parametrize("regex", [r"\w+", r"[^\W\d]+", r"[\w-]+", r"\W+"])
+@pytest.mark.parametrize("regex", [r"[\w-]+", r"[^\W\d]+"])  # \w in a class, \W negated
 def test_word_classes_take_the_tokens_python_reads_as_word_characters(instruct, regex):
     """Rust's `\\w` also takes combining marks (U+094D, U+05B0: 22 single tokens of this
     vocabulary), which Python's does not: outputs would not `re.fullmatch`. A whole token
