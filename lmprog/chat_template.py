@@ -43,6 +43,7 @@ class ChatRoles:
         self._render = render
         self._render_prompt = render_prompt
         self._cache: dict[tuple[str, ...], RoleText] = {}
+        self._whole: set[tuple[str, ...]] = set()  # short keys whose read the template refused
         self._default_system: object = _UNREAD
 
     def role_text(self, role: str, previous_roles: list[str]) -> RoleText:
@@ -53,18 +54,22 @@ class ChatRoles:
         text = self._cache.get(key)
         if text is not None:
             return text
-        try:
-            # The previous message stands in for the whole conversation so far: the text a
-            # new message adds depends on what precedes it only through the template.
-            text = self._read(previous_roles[-1:], role)
-        except ValueError:
-            if len(previous_roles) < 2:
-                raise
-            # A template that checks the whole conversation (roles alternating from a
-            # first user message, as Mistral's and Llama 2's): render all of it.
-            key = ("<all>", *previous_roles, role)
-            text = self._cache.get(key) or self._read(previous_roles, role)
-        self._cache[key] = text
+        if key not in self._whole:
+            try:
+                # The previous message stands in for the whole conversation so far: the text
+                # a new message adds depends on what precedes it only through the template.
+                text = self._cache[key] = self._read(previous_roles[-1:], role)
+                return text
+            except ValueError:
+                if len(previous_roles) < 2:
+                    raise
+                self._whole.add(key)  # (not tried again: it fails the same way)
+        # A template that checks the whole conversation (roles alternating from a first
+        # user message, as Mistral's and Llama 2's): render all of it.
+        whole = ("<all>", *previous_roles, role)
+        text = self._cache.get(whole)
+        if text is None:
+            text = self._cache[whole] = self._read(previous_roles, role)
         return text
 
     def _read(self, previous_roles: list[str], role: str) -> RoleText:
