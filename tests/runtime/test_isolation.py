@@ -7,6 +7,7 @@ slot held, nothing running or waiting.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 
@@ -250,6 +251,29 @@ def test_ctrl_c_in_run_batch_cancels_every_program(engine):
         _two_long_gens.run_batch([{"topic": str(i)} for i in range(20)], backend=engine)
     timer.join()
     assert _tokens_after_settling(engine) < 20_000  # of the 40,000 the batch would make
+
+
+def test_cancelling_an_async_consumer_cancels_its_streaming_program(engine):
+    """A task reading `text_async_iter` is cancelled (a client went away): the program
+    stops, as with Ctrl-C in `text_iter`, and its state says why."""
+    engine.reset_stats()
+    state = _two_long_gens.run(topic="cats", backend=engine, stream=True)
+
+    async def consume(first: asyncio.Event) -> None:
+        async for _ in state.text_async_iter():
+            first.set()
+
+    async def main() -> None:
+        first = asyncio.Event()
+        task = asyncio.create_task(consume(first))
+        await asyncio.wait_for(first.wait(), 60)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert isinstance(state.error(), asyncio.CancelledError)
+    assert _tokens_after_settling(engine) < 1900  # of the 2000 it would make
 
 
 def test_a_loop_iteration_that_raises_fails_its_requests_and_the_loop_goes_on(
