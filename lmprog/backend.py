@@ -88,7 +88,11 @@ class _ChatTemplate:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.lock = threading.Lock()
-        self.roles = ChatRoles(self, functools.partial(self, add_generation_prompt=True))
+        self.roles = ChatRoles(
+            self,
+            functools.partial(self, add_generation_prompt=True),
+            trailers=getattr(tokenizer, "all_special_tokens", ()),
+        )
 
     def __call__(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         if not getattr(self.tokenizer, "chat_template", None):

@@ -11,7 +11,7 @@ conversation does not start with one. That prompt is read off the template the s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 ROLES = ("system", "user", "assistant")
@@ -37,11 +37,15 @@ class ChatRoles:
         self,
         render: Callable[[list[dict[str, str]]], str],
         render_prompt: Callable[[list[dict[str, str]]], str] | None = None,
+        trailers: Iterable[str] = (),
     ) -> None:
         """`render`: the template over messages; `render_prompt` (optional): the same with
-        the generation prompt (`add_generation_prompt=True`)."""
-        self._render = render
+        the generation prompt (`add_generation_prompt=True`); `trailers`: the tokenizer's
+        special tokens, which a template may write after a conversation's last message."""
+        self._render_whole = render
         self._render_prompt = render_prompt
+        self._trailers = sorted({t for t in trailers if t}, key=len, reverse=True)
+        self._trailer: str | None = None  # read at first use
         self._cache: dict[tuple[str, ...], RoleText] = {}
         self._whole: set[tuple[str, ...]] = set()  # short keys whose read the template refused
         self._default_system: object = _UNREAD
@@ -71,6 +75,34 @@ class ChatRoles:
         if text is None:
             text = self._cache[whole] = self._read(previous_roles, role)
         return text
+
+    def trailer(self) -> str:
+        """What the template writes after the last message of a conversation, whatever it
+        is, and not when prompting generation: Phi-3's end of text. No role's text holds it
+        (a prompt never ends a conversation), so renders are read without it."""
+        if self._trailer is None:
+            self._trailer = self._read_trailer()
+        return self._trailer
+
+    def _read_trailer(self) -> str:
+        if self._render_prompt is None:
+            return ""
+        user = [{"role": "user", "content": _PLACEHOLDER}]
+        try:
+            whole, prompt = self._render_whole(user), self._render_prompt(user)
+        except Exception:  # noqa: BLE001 - a template that refuses a user message alone
+            return ""
+        if prompt.startswith(whole):
+            return ""
+        for token in self._trailers:  # (a special token: a text split would cut one in two)
+            if whole.endswith(token) and prompt.startswith(whole[: -len(token)]):
+                return token
+        return ""
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        """The template over `messages`, without its trailer."""
+        text, trailer = self._render_whole(messages), self.trailer()
+        return text[: -len(trailer)] if trailer and text.endswith(trailer) else text
 
     def _read(self, previous_roles: list[str], role: str) -> RoleText:
         """A message's role text, read off renders of the previous messages (placeholders

@@ -170,3 +170,53 @@ def test_an_assistant_turn_begins_with_the_templates_generation_prompt():
     assert prompt == render(user, add_generation_prompt=True)
     turns = [*user, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
     assert _written(chat, turns) == render(turns)
+
+
+# Phi-3's shape: the end-of-text token after a conversation's last message, never before a
+# generation prompt.
+CLOSED_BY_EOS = (
+    "{%- for m in messages -%}"
+    "{{- '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- else -%}{{- eos_token -}}"
+    "{%- endif -%}"
+)
+
+
+@pytest.mark.parametrize("roles", CONVERSATIONS)
+def test_a_template_closing_a_conversation_with_end_of_text_writes_roles_without_it(roles):
+    """Every such template was refused ("rewrites earlier messages"): the end of text read
+    as the end of each message. Its roles are the render without the trailer, and an
+    assistant turn opens as the generation prompt does."""
+    render = _renderer(CLOSED_BY_EOS)
+    chat = ChatRoles(render, lambda m: render(m, add_generation_prompt=True), ["<s>", "</s>"])
+    assert chat.trailer() == "</s>"
+    messages = [{"role": r, "content": f"{r} says {i}"} for i, r in enumerate(roles)]
+    expected = render(messages)
+    assert expected.endswith("<|end|>\n</s>")
+    assert _written(chat, messages) == expected.removesuffix("</s>")
+    if roles[-1] == "user":
+        prompt = _written(chat, messages) + chat.role_text("assistant", roles).begin
+        assert prompt == render(messages, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("template", [CHATML, SMOL_LIKE, ALTERNATE, SYSTEM_IN_FIRST_TURN])
+def test_templates_without_a_trailer_have_none(template):
+    render = _renderer(template)
+    chat = ChatRoles(render, lambda m: render(m, add_generation_prompt=True), ["<s>", "</s>"])
+    assert chat.trailer() == ""
+
+
+def test_an_engine_reads_the_trailer_off_its_tokenizer_s_special_tokens(tiny_path):
+    """The engine's role texts take the tokenizer's own special tokens as trailers."""
+    from transformers import AutoTokenizer
+
+    from lmprog.backend import _ChatTemplate
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    tokenizer.chat_template = CLOSED_BY_EOS
+    chat = _ChatTemplate(tokenizer)
+    assert chat.roles.trailer() == tokenizer.eos_token
+    user = [{"role": "user", "content": "Hi"}]
+    begin, end = chat.roles.role_text("user", [])
+    assert begin + "Hi" + end == chat(user).removesuffix(tokenizer.eos_token)
