@@ -11,13 +11,20 @@ vocabulary takes 20-35 MiB: a dataset run with a pattern per row, or token heali
 patterns, would otherwise grow without bound). Dropping one only drops the cache's
 reference: requests using it keep it; asked for again, it compiles again. Compiles still
 running are never dropped, so their callers keep sharing them.
+
+A compile that outlasts the timeout is abandoned: its thread is interrupted (the
+jump-forward FSM's build, pure Python, stops at once; outlines-core's compile, native code,
+when it returns), and later compiles go to fresh threads, so a pattern that explodes never
+holds up the others.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -45,7 +52,8 @@ class GrammarCache:
         self.max_entries = max_entries
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, str], Future] = OrderedDict()  # oldest use first
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lmprog-grammar")
+        self._jobs: dict[Future, _Job] = {}  # the compiles submitted and not yet over
+        self._pool = _new_pool()
         self._closed = False
 
     def char_fsm(self, grammar: Grammar):
@@ -65,16 +73,19 @@ class GrammarCache:
                 raise RuntimeError(SHUT_DOWN)
             future = self._entries.get(key)
             if future is None:
-                future = self._pool.submit(self._compile, kind, pattern)
+                job = _Job()
+                future = self._pool.submit(job.run, self._compile, kind, pattern)
                 self._entries[key] = future
+                self._jobs[future] = job
             else:
                 self._entries.move_to_end(key)
         try:
             grammar = future.result(timeout=self.timeout_s)
         except CancelledError as error:  # (queued when the engine shut down)
             raise RuntimeError(SHUT_DOWN) from error
-        except FutureTimeout as error:
+        except (FutureTimeout, _Abandoned) as error:
             self._forget(key, future)
+            self._abandon(future)
             also = " (or turn jump-forward off: disable_jump_forward=True)" * self.jump_forward
             raise ValueError(
                 f"{kind} took longer than {self.timeout_s:g} s to compile; simplify it{also}"
@@ -82,8 +93,23 @@ class GrammarCache:
         except Exception:
             self._forget(key, future)  # a bad pattern is not remembered
             raise
+        finally:
+            with self._lock:
+                self._jobs.pop(future, None)
         self._trim()
         return grammar
+
+    def _abandon(self, future: Future) -> None:
+        """A compile outlasted the timeout: stop it, and let later compiles start on fresh
+        threads (its own may stay busy in native code for long)."""
+        with self._lock:
+            job = self._jobs.pop(future, None)
+            if job is None or self._closed:
+                return
+            old, self._pool = self._pool, _new_pool()
+        future.cancel()  # (not started yet: it never will)
+        job.interrupt()
+        old.shutdown(wait=False)  # its other threads exit once its queue is done
 
     def close(self) -> None:
         """Stop the compile threads (the engine shuts down): compiles not started are
@@ -130,3 +156,53 @@ def _build_char_fsm(grammar: Grammar) -> None:
     except Exception as error:  # noqa: BLE001 - interegular's own exception types
         logger.info("no jump-forward for %.80r: %s", grammar.regex, error)
         grammar._char_fsm = False  # type: ignore[attr-defined]
+
+
+def _new_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="lmprog-grammar")
+
+
+class _Abandoned(BaseException):
+    """Raised in a compile's thread to stop it (a BaseException: no `except Exception` in a
+    library it runs through may swallow it)."""
+
+
+def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Raise `exc` in the thread `thread_id` at its next Python instruction (None: clear
+    one pending)."""
+    py_exc = ctypes.py_object(exc) if exc is not None else None
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), py_exc)
+
+
+class _Job:
+    """One compile on a pool thread, which the caller may interrupt while it runs, and only
+    then: an interruption never outlives the compile (a pending one is cleared at its end)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.thread_id: int | None = None
+        self.is_interrupted = False
+
+    def run(self, compile_: Callable[[str, str], Grammar], kind: str, pattern: str) -> Grammar:
+        with self.lock:
+            if self.is_interrupted:
+                raise _Abandoned
+            self.thread_id = threading.get_ident()
+        try:
+            return compile_(kind, pattern)
+        finally:
+            while True:  # (an interruption arriving here is taken, then the loop goes on)
+                try:
+                    with self.lock:
+                        self.thread_id = None
+                        if self.is_interrupted:
+                            _set_async_exc(threading.get_ident(), None)
+                    break
+                except _Abandoned:
+                    continue
+
+    def interrupt(self) -> None:
+        with self.lock:
+            self.is_interrupted = True
+            if self.thread_id is not None:
+                _set_async_exc(self.thread_id, _Abandoned)

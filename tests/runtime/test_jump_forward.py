@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import Counter
 
 import jsonschema
@@ -326,3 +327,25 @@ def test_a_slow_jump_forward_fsm_is_bounded_by_the_compile_timeout(tiny_path, mo
                 engine.generate("x", {"regex": "[ab]{2}-fsm-held", "max_new_tokens": 4})
         finally:
             release.set()
+
+
+def test_a_compile_past_the_timeout_stops_and_leaves_the_compile_threads_free(tiny_path):
+    """`(a|b)*a(a|b){13}`'s jump-forward FSM takes interegular minutes to build. Refused at
+    the timeout, each build went on: four of them held every compile thread, and any other
+    pattern then timed out behind them. Now each stops at the timeout, and its thread
+    exits."""
+    before = set(_compile_threads())  # (other engines' compile threads are not this one's)
+    with Engine(tiny_path, max_total_tokens=1024, grammar_compile_timeout_s=2) as engine:
+        for tail in "cdef":  # one per compile thread
+            with pytest.raises(ValueError, match="longer than 2 s"):
+                engine.generate("x", {"regex": f"(a|b)*a(a|b){{13}}{tail}", "max_new_tokens": 2})
+        out = engine.generate("x", {"regex": "[0-9]{3}", "max_new_tokens": 8})
+        assert re.fullmatch("[0-9]{3}", out["text"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and set(_compile_threads()) - before:
+        time.sleep(0.1)
+    assert not set(_compile_threads()) - before
+
+
+def _compile_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("lmprog-grammar")]
