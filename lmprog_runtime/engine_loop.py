@@ -378,5 +378,5 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
         if req.on_done is not None:
             try:
                 req.on_done(req)
-            except Exception:  # a caller's callback must not fail the step of others
+            except BaseException:  # a caller's callback (sys.exit() too) must not fail
                 logger.exception("on_done callback of request %d failed", req.rid)

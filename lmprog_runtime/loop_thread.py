@@ -1,9 +1,9 @@
 """The engine's loop thread itself: it runs steps while its engine has work, and exits
 once the engine is shut down or collected.
 
-The thread holds the engine only weakly (a strong reference for one step at a time, none
-while it waits), so an engine nobody references is collected with its model and KV pool,
-and its finalizer (`wake`) wakes the thread to exit.
+The thread holds the engine only weakly while it waits (a strong reference while it has
+work), so an engine nobody references is collected with its model and KV pool once its
+requests are done, and its finalizer (`wake`) wakes the thread to exit.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, freeze: Busy
     the collector's freeze (`gc_freeze.py`) is told when it takes up work and when it has
     none left.
 
-    A strong reference is taken for one check or step and dropped before waiting, so while
+    A strong reference is held while there is work and dropped before waiting, so while
     the engine is idle only callers keep it alive. The idle check and the wait share one
     acquisition of `cv`, so a submit cannot slip between them; the engine's
     finalizer notifies `cv`, and the next check finds the reference dead.
@@ -65,10 +65,11 @@ def _serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, freeze: Bus
         freeze.busy()
         try:
             engine._run_once()
-        except Exception as error:  # a bug outside any one step: fail what it held, go on
+        except BaseException as error:  # a bug outside any one step: fail what it held, go on
             logger.exception("engine loop iteration failed")
             engine._fail_all(error)
-        del engine  # the last reference may be dropped here: the next check then exits
+        # (the reference is kept while work remains: an engine its caller dropped with
+        # requests unfinished serves them, then is collected once idle)
 
 
 def wake(cv: threading.Condition) -> None:

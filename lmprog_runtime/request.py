@@ -204,7 +204,7 @@ class Req(ReqText):
         if self.on_chunk is not None:
             try:
                 self.on_chunk(chunk)
-            except Exception:  # a caller's callback must not fail the step of others
+            except BaseException:  # a caller's callback (sys.exit() too) must not fail
                 logger.exception("on_chunk callback of request %d failed", self.rid)
 
     @property

@@ -161,7 +161,9 @@ def request_error(req: Req) -> Exception:
 
 
 def resolve_future(future: Future, req: Req) -> None:
-    """A submitted request finished: its future gets the result or the error."""
+    """A submitted request finished: its future gets the result or the error (and lets go
+    of its engine)."""
+    future.__dict__.pop("engine", None)
     if req.error is not None:
         future.set_exception(request_error(req))
     else:

@@ -11,6 +11,7 @@ before its shutdown, since shutting down fails whatever is left and so hides a l
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 
@@ -97,7 +98,8 @@ def _engine_registry():
         registry.engines.add(self)
 
     def checking_shutdown(self):
-        registry.on_shutdown(self)
+        if threading.current_thread() is not self._thread:  # (from a callback, it is refused)
+            registry.on_shutdown(self)
         shutdown(self)
 
     with pytest.MonkeyPatch.context() as patch:

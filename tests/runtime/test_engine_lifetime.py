@@ -1,8 +1,8 @@
 """An Engine nobody references is collected: its loop thread exits and its KV pool is freed.
 
-The loop thread holds the engine only weakly, so dropping the last reference (as re-running a
-notebook cell that builds `lp.Engine(...)` does) must not leak a model, a KV pool and a
-thread each time.
+The loop thread holds the engine only weakly while idle, so dropping the last reference (as
+re-running a notebook cell that builds `lp.Engine(...)` does) must not leak a model, a KV
+pool and a thread each time.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 import weakref
 
 import pytest
@@ -153,6 +154,26 @@ def test_an_engine_dropped_mid_request_is_collected_when_the_loop_lets_go(tiny_p
     engine_ref, thread = _abandon_a_stream(tiny_path)
     thread.join(JOIN_S)  # it finishes the abandoned request, then finds the engine gone
     assert _is_collected((engine_ref,), thread)
+
+
+def _submit_and_drop(tiny_path: str) -> tuple[list, weakref.ref]:
+    engine = Engine(tiny_path, max_total_tokens=1024)
+    futures = engine.submit(["Hello", "World"], {"max_new_tokens": 200, "ignore_eos": True})
+    return futures, weakref.ref(engine)
+
+
+def test_an_engine_dropped_with_requests_pending_serves_them_then_is_collected(tiny_path):
+    """The loop once let go of the engine between steps: collected mid-work, its futures
+    never resolved (no error either)."""
+    futures, engine_ref = _submit_and_drop(tiny_path)
+    gc.collect()
+    outs = [future.result(timeout=120) for future in futures]
+    assert [len(out["output_ids"]) for out in outs] == [200, 200]
+    deadline = time.monotonic() + JOIN_S
+    while engine_ref() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert engine_ref() is None
 
 
 def test_a_script_that_exits_while_its_engine_works_exits_cleanly(tiny_path, tmp_path):

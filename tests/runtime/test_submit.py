@@ -72,6 +72,52 @@ def test_a_failing_callback_does_not_fail_the_other_requests(engine):
         )
 
 
+@pytest.mark.parametrize("error", [SystemExit, KeyboardInterrupt, GeneratorExit])
+def test_a_callback_raising_a_base_exception_does_not_stop_the_engine(engine, error):
+    """`sys.exit()` in a callback (a stream's, or a future's done-callback) once ended the
+    loop thread: every request then waited forever, and later ones were still accepted."""
+
+    def bad_chunk(i: int, chunk: dict) -> None:
+        raise error
+
+    def bad_done(future) -> None:
+        raise error
+
+    params = {"max_new_tokens": 6, "temperature": 0}
+    failing = engine.submit(PROMPTS[:1], params, on_chunk=bad_chunk)
+    done_failing = engine.submit(PROMPTS[1:2], params)
+    done_failing[0].add_done_callback(bad_done)
+    fine = engine.submit(PROMPTS[2:3], params)
+    for future, prompt in zip(failing + done_failing + fine, PROMPTS[:3]):
+        expected = engine.generate(prompt, params)["output_ids"]
+        assert future.result(timeout=120)["output_ids"] == expected
+    assert engine._thread.is_alive()
+
+
+def test_shutdown_from_a_callback_is_refused_and_changes_nothing(engine):
+    """A callback runs on the loop thread, which cannot join itself: `shutdown()` there
+    once stopped the loop half-way, its requests never resolved and their slots held."""
+    refused: list[BaseException] = []
+
+    def shut(i: int, chunk: dict) -> None:
+        try:
+            engine.shutdown()
+        except RuntimeError as error:
+            refused.append(error)
+
+    params = {"max_new_tokens": 6, "temperature": 0}
+    futures = engine.submit(PROMPTS[:1], params, on_chunk=shut) + engine.submit(
+        PROMPTS[1:2], params
+    )
+    for future, prompt in zip(futures, PROMPTS[:2]):
+        assert (
+            future.result(timeout=120)["output_ids"]
+            == engine.generate(prompt, params)["output_ids"]
+        )
+    assert refused and "own loop thread" in str(refused[0])
+    assert engine._thread.is_alive() and not engine._stopping
+
+
 @pytest.mark.parametrize(
     "pattern", [r"[A-Z]\w", r"\d", r"[aeiou]{2}", r"qu?i", r"(?i)qu", r"\bth", r"e\W"]
 )
