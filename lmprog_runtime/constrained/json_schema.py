@@ -91,12 +91,7 @@ def schema_to_regex(schema: str, layout: Layout = DEFAULT_LAYOUT) -> str:
         raise ValueError(f"json_schema is not valid JSON: {error}") from error
     numbers: dict[str, str] = {}
     parsed = _replace_numbers(prepared(parsed), numbers, schema)
-    unsupported = sorted(_unsupported_keywords(parsed))
-    if unsupported:
-        raise ValueError(
-            f"unsupported JSON schema feature(s) {unsupported}: outputs could not be "
-            "guaranteed to validate"
-        )
+    _refuse(_unsupported_keywords(parsed))
     space = _unused("LMPROGSPACE", schema)
     try:
         regex = build_regex_from_schema(json.dumps(parsed), space)
@@ -107,6 +102,14 @@ def schema_to_regex(schema: str, layout: Layout = DEFAULT_LAYOUT) -> str:
         if marker in regex.replace("\\", ""):  # rendered otherwise: never leave it as text
             raise ValueError(f"unsupported JSON schema: cannot place a number pattern in {regex}")
     return _lay_out(regex, space, layout)
+
+
+def _refuse(keywords: set[str]) -> None:
+    if keywords:
+        raise ValueError(
+            f"unsupported JSON schema feature(s) {sorted(keywords)}: outputs could not be "
+            "guaranteed to validate"
+        )
 
 
 def _lay_out(regex: str, space: str, layout: Layout) -> str:
@@ -147,6 +150,8 @@ def _replace_numbers(schema: Any, numbers: dict[str, str], text: str) -> Any:
         ]
         return _replace_numbers({"anyOf": options}, numbers, text)
     if kind in ("integer", "number") and "enum" not in schema and "const" not in schema:
+        # (its own keywords, bounds aside, are checked here: the marker replaces them all)
+        _refuse(_unsupported_keywords({k: v for k, v in schema.items() if k not in BOUND_KEYWORDS}))
         pattern = _integer_pattern(schema) if kind == "integer" else _number_pattern(schema)
         marker = _unused(f"LMPROGNUMBER{len(numbers)}X", text)  # plain: never escaped
         numbers[marker] = pattern

@@ -198,3 +198,23 @@ def test_bounds_apply_through_refs_and_oddly_named_properties():
             doc = {"default": a, "enum": b}
             expected = jsonschema.Draft202012Validator(schema).is_valid(doc)
             assert bool(re.fullmatch(regex, json.dumps(doc))) == expected, doc
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 10}, "multipleOf"),
+        ({"type": "integer", "not": {"const": 5}, "minimum": 0, "maximum": 9}, "not"),
+        ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+        ({"type": ["integer", "null"], "multipleOf": 2}, "multipleOf"),
+        (
+            {"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 3}}},
+            "multipleOf",
+        ),
+    ],
+)
+def test_keywords_a_number_pattern_cannot_enforce_are_refused(schema, keyword):
+    """The number's own pattern replaced its subschema before the check, so these were
+    accepted: `multipleOf: 3` on 0..10 compiled to `(10|[0-9])`, and 1 was written."""
+    with pytest.raises(ValueError, match=f"unsupported.*{keyword}"):
+        schema_to_regex(json.dumps(schema))
