@@ -4,6 +4,7 @@ and in batches, with their body run once."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -155,6 +156,43 @@ def test_static_errors_before_any_request(engine):
             states = program.run_batch([{}, {}], backend=engine)
             assert all(isinstance(s.error(), run_error) for s in states)
     assert engine.stats()["forward_passes"] == 0  # nothing reached the engine
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        ({"regex": "a{2,1}"}, "min repeat greater than max"),
+        ({"json_schema": '{"type": "strin"}'}, "strin"),
+        ({"json_schema": '{"type": "integer", "multipleOf": 3}'}, "multipleOf"),
+    ],
+)
+def test_constraints_the_runtime_refuses_are_refused_at_the_line_that_writes_them(
+    engine, constraint, message
+):
+    """These passed `trace()` and `+=`, failing only once submitted."""
+
+    @lp.function
+    def program(s):
+        s += "x" + lp.gen("a", max_tokens=4, **constraint)
+
+    engine.reset_stats()
+    with pytest.raises(ValueError, match=message):
+        program.trace()
+    with pytest.raises(ValueError, match=message):
+        program.run(backend=engine)
+    assert engine.stats()["forward_passes"] == 0
+
+
+@pytest.mark.parametrize("regex", [r"[\u0400-\u04FF]{2}", r"\u00e9{2}", "(yes|no)$"])
+def test_patterns_the_runtime_serves_without_jump_forward_run_in_programs(engine, regex):
+    """interegular (the jump-forward FSM's reader) cannot read these, and the static check
+    once asked it: programs refused them, though the engine serves them."""
+
+    @lp.function
+    def program(s):
+        s += "Answer: " + lp.gen("a", regex=regex, max_tokens=8, temperature=0)
+
+    assert re.fullmatch(regex, program.run(backend=engine)["a"])
 
 
 @pytest.mark.parametrize(
