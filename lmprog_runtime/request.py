@@ -253,6 +253,8 @@ class Req(ReqText):
         token_id = self.output_ids[-1]
         n = len(self.output_ids)
         ends = n >= self.min_new_tokens and token_id in self._ends_on  # EOS or a stop token
+        if ends and n == 1 and self.heal is not None and token_id == self.heal.token_id:
+            ends = False  # the backed-up prompt token written again: prompt text, not output
         if self.matcher is not None:
             if token_id == self.grammar_eos:  # only allowed where the pattern is complete
                 self.finished_reason = {"type": "stop", "matched": token_id}
@@ -335,7 +337,10 @@ class Req(ReqText):
             return
         if cut:
             text = self.decoded_text()
-            complete = _fully_matches(self.grammar.regex, text[: self._first_stop(text, 0)[0]])
+            kept = text[: self._first_stop(text, 0)[0]]
+            # (a healed pattern begins with the backed-up text, which the text does not)
+            healed = self.heal.text if self.heal is not None else ""
+            complete = _fully_matches(self.grammar.regex, healed + kept)
         else:
             complete = self.matcher.is_complete()
         if not complete:

@@ -155,10 +155,12 @@ class RequestMaker:
         return self._grammars.get(kind, pattern)
 
     def _char_fsm(self, item: Any) -> Any:
-        """Jump-forward applies to constrained requests without stop strings or logprobs."""
+        """Jump-forward applies to constrained requests without stops or logprobs (a forced
+        token is never checked against `stop_token_ids`: it would not stop there)."""
         if item.grammar is None or self.config.disable_jump_forward:
             return None
-        if item.params.stop or item.params.stop_regex or item.return_logprob:
+        params = item.params
+        if params.stop or params.stop_regex or params.stop_token_ids or item.return_logprob:
             return None
         return self._grammars.char_fsm(item.grammar)
 

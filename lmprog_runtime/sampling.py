@@ -92,6 +92,8 @@ def sample_rows(
         if not req.can_stop:
             # A grammar decides by itself where its output may end: its EOS stays allowed.
             keep = {req.grammar_eos} if req.matcher is not None else set()
+            if req.heal is not None and not req.output_ids:  # (it regenerates prompt text)
+                keep.add(req.heal.token_id)
             banned = [t for t in (req.eos_token_ids | req.stop_token_ids) - keep if 0 <= t < vocab]
         penalty = counts.row_of(req, offset, draws) if params.has_penalties else None
         mask = next(words) if req.matcher is not None else None

@@ -349,3 +349,21 @@ def test_a_compile_past_the_timeout_stops_and_leaves_the_compile_threads_free(ti
 
 def _compile_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("lmprog-grammar")]
+
+
+def test_stop_token_ids_stop_a_constrained_request_as_with_jump_forward_off(engines):
+    """Forced tokens were never checked against `stop_token_ids`: a stop id inside the
+    forced text did not stop the request. Requests with stop ids now run without
+    jump-forward, so their output is the one jump-forward off gives."""
+    on, off = engines
+    regex = "The city is (Paris|London)\\."
+    base = {"regex": regex, "max_new_tokens": 24, "temperature": 0}
+    tokens = off.generate("Capital:", base)["output_ids"]
+    assert len(tokens) > 4
+    for stop_id in tokens[1:4]:
+        params = {**base, "stop_token_ids": [stop_id]}
+        expected = off.generate("Capital:", params)
+        out = on.generate("Capital:", params)
+        assert out["output_ids"] == expected["output_ids"]
+        assert out["meta_info"]["finish_reason"] == expected["meta_info"]["finish_reason"]
+        assert out["meta_info"]["finish_reason"]["matched"] == stop_id

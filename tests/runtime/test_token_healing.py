@@ -267,3 +267,30 @@ def test_min_new_tokens_counts_on_top_of_the_healed_token(engine):
     )
     cut = free["text"].find(stop, len(first))
     assert out["text"] == (free["text"] if cut < 0 else free["text"][:cut])
+
+
+def test_a_healed_constrained_output_cut_by_a_stop_is_complete_when_it_matches(engine):
+    """The kept text was matched against the healed pattern (backed-up text first) without
+    that text: a full match was reported incomplete. Reference: `re.fullmatch`."""
+    regex = "[0-9]+( [a-z]+)?"
+    base = {"temperature": 0, "max_new_tokens": 8, "regex": regex, "stop": " "}
+    for prompt in ("Age: ", "Count: ", "Year: "):
+        out = engine.generate(prompt, {**base, "token_healing": True})
+        assert out["meta_info"]["token_healing"]  # (what the test is about)
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "stop"
+        assert ("constraint" in reason) == (re.fullmatch(regex, out["text"]) is None), out
+
+
+def test_the_backed_up_token_written_again_is_not_a_stop_token(engine):
+    """A stop token id is new output's: the healed first draw writing the prompt's own
+    token again once ended the request at once with an empty text (stop strings already
+    skipped that text), and `min_new_tokens` banned it from that draw."""
+    ids = engine.encode("The answer is")
+    base = {"max_new_tokens": 5, "temperature": 0, "token_healing": True, "ignore_eos": True}
+    free = engine.generate(input_ids=ids, sampling_params=base)
+    assert free["output_ids"][0] == ids[-1]  # (what the test is about: the same token again)
+    for extra in ({}, {"min_new_tokens": 1}):
+        params = {**base, **extra, "stop_token_ids": [ids[-1]]}
+        out = engine.generate(input_ids=ids, sampling_params=params)
+        assert out["output_ids"] == free["output_ids"] and out["text"] == free["text"]
