@@ -277,11 +277,12 @@ class Function:
                     if bar is not None:
                         bar.update(1)
                     yield future.result()
-            except BaseException as error:  # Ctrl-C: the programs still running stop
-                if not isinstance(error, GeneratorExit):
-                    cancelled.append(error)
-                    for state in list(running.values()):
-                        state._cancel(error)
+            except BaseException as error:  # Ctrl-C, or the generator closed: they stop
+                if isinstance(error, GeneratorExit):  # (nobody will read them)
+                    error = RuntimeError("run_batch was stopped before this program finished")
+                cancelled.append(error)
+                for state in list(running.values()):
+                    state._cancel(error)
                 raise
             finally:
                 for future in futures:  # programs not started yet never start

@@ -253,6 +253,25 @@ def test_ctrl_c_in_run_batch_cancels_every_program(engine):
     assert _tokens_after_settling(engine) < 20_000  # of the 40,000 the batch would make
 
 
+def test_closing_a_run_batch_generator_cancels_the_programs_still_running(engine):
+    """Nobody can read the programs a closed `generator_style` batch still ran: closing it
+    waited for all of them (as breaking out of `map` does not)."""
+
+    @lp.function
+    def short_or_long(s, n):
+        s += f"{n}:" + lp.gen("a", max_tokens=n, ignore_eos=True)
+
+    engine.reset_stats()
+    lengths = [4] + [1000] * 8
+    states = short_or_long.run_batch(
+        [{"n": n} for n in lengths], backend=engine, generator_style=True, num_threads=9
+    )
+    first = next(states)
+    states.close()
+    assert first.error() is None and len(first["a"]) > 0
+    assert _tokens_after_settling(engine) < 4000  # of the 8000 the long ones would make
+
+
 def test_cancelling_an_async_consumer_cancels_its_streaming_program(engine):
     """A task reading `text_async_iter` is cancelled (a client went away): the program
     stops, as with Ctrl-C in `text_iter`, and its state says why."""
