@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from lmprog.api import assistant, gen, user
+from lmprog.datasets.mapping import check_data
 from lmprog.datasets.sinks import check_output
 from lmprog.datasets.sources import open_source
 from lmprog.function import Function, _split_kwargs
+from lmprog.ops import SAMPLING_KEYS
 
 _EPILOG = """\
 The output is JSONL or Parquet: the input columns, one column per program variable,
@@ -44,7 +46,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             program, data = _generate_program(args)
         program, defaults = _apply_settings(program, args.set)
-        check_output(args.output, args.resume)  # (before the model loads)
+        # Said before the model loads: the output path, the input file and its columns.
+        check_output(args.output, args.resume)
+        check_data(
+            program,
+            data,
+            id_column=args.id_column,
+            include_text=args.text,
+            include_usage=args.usage,
+        )
         from lmprog_runtime import Engine
 
         engine = Engine(args.model, **_parse_pairs(args.engine, "--engine"))
@@ -87,7 +97,10 @@ def load_program(spec: str) -> Function:
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.path.insert(0, str(path.parent.resolve()))  # its own imports, as `python FILE`
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except SyntaxError as error:  # bad input, as a one-line message (exit 2)
+            raise ValueError(f"program file {error.filename}:{error.lineno}: {error.msg}") from None
     else:
         module = importlib.import_module(location)
     program = getattr(module, name, None)
@@ -144,7 +157,23 @@ def _apply_settings(program: Function, pairs: list[str]) -> tuple[Function, dict
     """`--set`: sampling options become defaults for every gen, the rest (and any the
     program has a parameter for) fix arguments."""
     defaults, arguments = _split_kwargs(_parse_pairs(pairs, "--set"), program.keyword_names)
+    _check_sampling(defaults)
     return (program.bind(**arguments) if arguments else program), defaults
+
+
+def _check_sampling(defaults: dict[str, Any]) -> None:
+    """The engine checks sampling values per request, so a bad one would be every row's
+    error (and a resume would skip those rows): here it is said once, up front."""
+    from lmprog_runtime.sampling_params import SamplingParams
+
+    params = {SAMPLING_KEYS[k]: v for k, v in defaults.items() if k in SAMPLING_KEYS}
+    if isinstance(params.get("min_new_tokens"), int) and "max_new_tokens" not in params:
+        # (gens may give their own max_tokens: the default of 128 is no bound here)
+        params["max_new_tokens"] = params["min_new_tokens"]
+    try:
+        SamplingParams.from_dict(params)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--set: {error}") from None
 
 
 def _parse_pairs(pairs: list[str], flag: str) -> dict[str, Any]:

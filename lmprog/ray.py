@@ -16,7 +16,11 @@
 model into an Engine and runs each batch as a program batch (`Function.map`, so a batch's
 rows share the engine's continuous batching and radix cache), returning the input columns
 with the program's variables, `ret_value` and `error`: a failing row is an error value,
-never a failed task. `route_by_prefix` sorts the dataset by a hash of each row's prompt
+never a failed task. Batches have the same columns of the same types (Ray writes each
+batch as its own file, and a reader of the directory needs one schema): `error` is always
+a string column, and the variables of the program's gens and selects are there even in a
+batch where every row failed: those that tracing the program finds, and those earlier
+batches on the actor had. `route_by_prefix` sorts the dataset by a hash of each row's prompt
 prefix (`lmprog.datasets.ordering.route_key`), so each actor receives contiguous key ranges
 and its radix cache sees rows that share their prompts (the job sglang-router's cache-aware
 routing does for servers), while Ray's sort keeps the ranges balanced.
@@ -30,9 +34,11 @@ from __future__ import annotations
 from typing import Any
 
 from lmprog.datasets.mapping import map_program
-from lmprog.datasets.ordering import PrefixTemplate, route_key
+from lmprog.datasets.ordering import PrefixTemplate, program_params, route_key
+from lmprog.datasets.progress import USAGE_COLUMNS
 from lmprog.datasets.sources import native
 from lmprog.function import Function
+from lmprog.ir import Argument, Gen, Select
 
 ROUTE_COLUMN = "lmprog_route"
 
@@ -69,13 +75,28 @@ class ProgramRunner:
             "num_threads": num_threads,
             **(defaults or {}),
         }
+        import pyarrow as pa
 
-    def __call__(self, batch: Any) -> dict[str, list[Any]]:
+        # The columns `map` writes after the variables, in its order, and their types.
+        tail = {"ret_value": None, **({"text": pa.string()} if include_text else {})}
+        tail |= dict.fromkeys(USAGE_COLUMNS, pa.int64()) if include_usage else {}
+        self.tail = [*tail, "error"]
+        # Every column known so far, with its type (for a batch whose values are all None).
+        self.types = _variable_types(program)
+        self.types |= {n: t for n, t in tail.items() if t is not None} | {"error": pa.string()}
+
+    def __call__(self, batch: Any) -> Any:
+        import pyarrow as pa
+
         rows = batch_rows(batch)
         results = map_program(
             self.program, rows, backend=self.engine, index_column=None, **self.options
         )
-        return _columns(list(results), rows)
+        table = _table(list(results), rows, self.types, self.tail)
+        for field in table.schema:  # (for later batches where this column is all None)
+            if field.type != pa.null():
+                self.types.setdefault(field.name, field.type)
+        return table
 
 
 def route_by_prefix(ds: Any, program: Function, num_blocks: int | None = None) -> Any:
@@ -125,10 +146,57 @@ def batch_rows(batch: Any) -> list[dict[str, Any]]:
     raise TypeError(f"unsupported batch type {type(batch).__name__}")
 
 
-def _columns(results: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """Rows to columns; a column some rows lack (a variable only some programs set) is
-    None there. An empty batch keeps its input columns."""
+def _variable_types(program: Function) -> dict[str, Any]:
+    """The variables of the program's gens and selects outside forks, as far as tracing it
+    with symbolic arguments sees (it stops where Python needs an argument's value: an `if`
+    on it), and their types: strings, or numbers for a gen with `dtype`."""
+    import pyarrow as pa
+
+    try:
+        traced = program.trace(**{p.name: Argument(p.name) for p in program_params(program)})
+        nodes = [node for _, node in traced.stream(())]
+    except Exception:  # noqa: BLE001 - the columns are then the ones the rows give
+        nodes = []
+    types: dict[str, Any] = {}
+    for node in nodes:
+        if isinstance(node, (Gen, Select)) and node.name is not None:
+            dtype = node.dtype if isinstance(node, Gen) else None
+            types[node.name] = {int: pa.int64(), float: pa.float64()}.get(dtype, pa.string())
+    return types
+
+
+def _table(
+    results: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    types: dict[str, Any],
+    tail: list[str],
+) -> Any:
+    """Result rows as a pyarrow Table: the input columns, the variables (those of `types`
+    included, even where no row has them), then `tail`. A column all None takes its type
+    from `types`; one no Arrow type holds (values of mixed types) is JSON text."""
+    import pyarrow as pa
+
     names: dict[str, None] = dict.fromkeys(rows[0]) if rows else {}
+    names.update(dict.fromkeys(types))
     for result in results:
         names.update(dict.fromkeys(result))
-    return {name: [r.get(name) for r in results] for name in names}
+    order = [n for n in names if n not in tail] + tail
+    arrays = []
+    for name in order:
+        values = [r.get(name) for r in results]
+        try:
+            array = pa.array(values)
+        except (pa.ArrowException, OverflowError):
+            array = pa.array([None if v is None else _json_text(v) for v in values], pa.string())
+        if pa.types.is_null(array.type) and name in types:
+            array = pa.nulls(len(values), types[name])
+        arrays.append(array)
+    return pa.Table.from_arrays(arrays, names=order)
+
+
+def _json_text(value: Any) -> str:
+    import json
+
+    from lmprog.datasets.sinks import to_jsonable
+
+    return json.dumps(value, ensure_ascii=False, default=to_jsonable)

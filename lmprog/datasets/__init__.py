@@ -6,9 +6,10 @@
 `sources` reads rows (lists of dicts, pandas, Hugging Face datasets, JSONL / CSV /
 Parquet), `ordering` computes each row's prompt prefix (cache-aware order, Ray routing),
 `runner` runs rows in bounded windows on a pool of threads, `sinks` appends results
-durably and resumes, `progress` counts tokens and draws the bar, `mapping` checks the
-arguments and ties them together. `lmprog.ray` runs the same rows on Ray Data; the CLI
-(`lmprog.cli`) is a thin layer over `map`.
+durably and resumes (`parquet` builds a Parquet output from its journal), `progress`
+counts tokens and draws the bar, `mapping` checks the arguments and ties them together.
+`lmprog.ray` runs the same rows on Ray Data; the CLI (`lmprog.cli`) is a thin layer over
+`map`.
 """
 
 from __future__ import annotations

@@ -148,6 +148,30 @@ def map_program(
     return MapRun(start)
 
 
+def check_data(
+    fn: Function,
+    data: Any,
+    *,
+    id_column: str | None = None,
+    include_text: bool = False,
+    include_usage: bool = False,
+) -> None:
+    """What `map` checks of `data` before a row runs (its kind, its file, its columns),
+    without a backend: the CLI says it before the model loads."""
+    source = open_source(data)
+    opts = MapOptions(
+        id_column=id_column,
+        index_column=INDEX_COLUMN,
+        ordered=True,
+        cache_aware=True,
+        include_text=include_text,
+        include_usage=include_usage,
+        window=DEFAULT_WINDOW,
+        num_threads=1,
+    )
+    _check_columns(fn, source.columns, opts, source.name)
+
+
 def _check_columns(fn: Function, columns: list[str] | None, opts: MapOptions, name: str) -> None:
     """Columns known before reading (tables, CSV, Parquet): every row would fail the same
     way, so say it now (ValueError naming the column)."""

@@ -6,9 +6,10 @@ order) and its rows handed to `num_threads` threads, each running one program to
 either way at most about two windows of rows are held at once, so memory stays flat in the
 number of rows (the ids of an output file excepted). Rows are appended to the sink in
 chunks (whole lines, fsync) in the order they come out. A row's failure (its program
-raised, a request was refused, a column is missing) is its `error` column, never the
-map's; a map stopped early (the iterator closed, Ctrl-C, a bad id) cancels the programs
-still running and writes only rows that finished before, so a resumed run redoes the rest.
+raised, a request was refused, a column is missing, a value JSON cannot hold) is its
+`error` column, never the map's; a map stopped early (the iterator closed, Ctrl-C, a bad
+id) cancels the programs still running and writes the rows that had finished (with
+`ordered`, those waiting for an earlier row too), so a resumed run redoes the rest.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class RowResult(NamedTuple):
     row: dict[str, Any]
     usage: dict[str, int]
     is_error: bool
+    is_cancelled: bool = False  # the map was stopped while it ran: not a finished row
 
 
 def iter_results(
@@ -86,9 +88,10 @@ def iter_results(
     order = itertools.count()
     pending: deque[RowJob] = deque()
     inflight: dict[Future, RowJob] = {}
-    finished: dict[int, dict[str, Any]] = {}  # ordered: rows waiting for earlier ones
+    # Finished rows not yet out (ordered: waiting for earlier ones), with their lines.
+    finished: dict[int, tuple[dict[str, Any], bytes | None]] = {}
     next_out = 0
-    unwritten: list[dict[str, Any]] = []
+    unwritten: list[bytes] = []  # lines of rows out, not yet written
     last_write = time.monotonic()
     is_exhausted = is_complete = False
     reserved = opts.reserved()
@@ -118,6 +121,20 @@ def iter_results(
         is_exhausted = True
         return jobs
 
+    def collect(job: RowJob, result: RowResult) -> None:
+        """A finished row, and its line: a row JSON cannot hold as it is gets an error."""
+        row, is_error, line = result.row, result.is_error, None
+        if sink is not None:
+            encoded = sink.encode(row)  # (now: the caller may change the row it gets)
+            if encoded.problem is not None:
+                error = row["error"]
+                row["error"] = encoded.problem if error is None else f"{error}; {encoded.problem}"
+                is_error = True
+                encoded = sink.encode(row)
+            line = encoded.line
+        progress.row_done(result.usage, is_error)
+        finished[job.order] = (row, line)
+
     def write(force: bool) -> None:
         nonlocal last_write
         if (
@@ -140,12 +157,9 @@ def iter_results(
             if not inflight:
                 break
             ready, _ = wait(inflight, return_when=FIRST_COMPLETED)
-            out: list[dict[str, Any]] = []
+            out: list[tuple[dict[str, Any], bytes | None]] = []
             for future in ready:
-                job = inflight.pop(future)
-                result = future.result()
-                progress.row_done(result.usage, result.is_error)
-                finished[job.order] = result.row
+                collect(inflight.pop(future), future.result())
             if opts.ordered:
                 while next_out in finished:
                     out.append(finished.pop(next_out))
@@ -153,16 +167,26 @@ def iter_results(
             else:
                 out = list(finished.values())
                 finished.clear()
-            unwritten.extend(out)  # all of them, before the caller may stop at a yield
+            # all of them, before the caller may stop at a yield
+            unwritten.extend(line for _, line in out if line is not None)
             write(force=False)
-            for row in out:
-                yield dict(row)  # a copy: the caller may change it before it is written
+            for row, _ in out:
+                yield row
         is_complete = True
     finally:
         if not is_complete:
             runner.cancel()
         runner.pool.shutdown(wait=True, cancel_futures=True)
         try:
+            if sink is not None and not is_complete:
+                # Every row that had finished is written, in whatever order: those waiting
+                # for an earlier row and those done but not yet collected. (A resumed run
+                # finds rows by their key, never by their place in the file.)
+                for future, job in inflight.items():
+                    is_done = not future.cancelled() and future.exception() is None
+                    if is_done and not future.result().is_cancelled:
+                        collect(job, future.result())
+                unwritten.extend(line for _, (_, line) in sorted(finished.items()) if line)
             write(force=True)
         finally:
             if sink is not None:
@@ -206,7 +230,9 @@ class _RowRunner:
         del self._running[job.order]
         error = state._stream.error
         usage = dict(backend.usage)
-        return RowResult(self._result(job, state, error, usage), usage, error is not None)
+        is_cancelled = bool(self._cancelled) and error is self._cancelled[0]
+        row = self._result(job, state, error, usage)
+        return RowResult(row, usage, error is not None, is_cancelled)
 
     def cancel(self) -> None:
         self._cancelled.append(RuntimeError("the map was stopped before this row finished"))
@@ -267,4 +293,11 @@ def _row_id(row: dict[str, Any], position: int, id_column: str | None) -> Any:
         raise ValueError(
             f"row {position}: id_column {id_column!r} must be a str or int, got {value!r}"
         )
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # written with U+FFFD, it would never match again
+            raise ValueError(
+                f"row {position}: id_column {id_column!r} holds a lone surrogate: {value!r}"
+            ) from None
     return value

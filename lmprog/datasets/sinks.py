@@ -1,51 +1,117 @@
-"""Where a map's results go: a JSONL file appended in whole lines, or a Parquet file built
-from such a journal when the run completes; and what an earlier, interrupted run left.
+"""Where a map's results go: a JSONL file appended in whole lines (or, for a Parquet output,
+its journal: `parquet.py`); what an earlier, interrupted run left; how a row becomes a line.
 
 Durability: every chunk of result rows is one `write` of whole lines, then `flush` and
 `fsync`, so a kill (SIGKILL, power cut) leaves at most one partial last line, which the
 next run with `resume=True` cuts off before appending. The rows already there are read
 back by their key (the id column, or the row index), so the resumed run skips them and the
-file ends with each row exactly once. A Parquet output cannot be appended to, so its rows
-go to `<output>.journal.jsonl` first; when every row is done the journal becomes the
-Parquet file (written beside it, then renamed over it) and is removed. While the journal
-exists it is the truth: a resumed run reads it, and an existing Parquet file is first
-copied into it. Nothing here runs programs.
+file ends with each row exactly once, whatever order its lines are in. Nothing here runs
+programs.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 OUTPUT_SUFFIXES = (".jsonl", ".parquet")
-PARQUET_CHUNK_ROWS = 4096  # rows per pass over the journal when building the Parquet file
-
-
-# A Parquet output's metadata entry holding each row's key (JSON), where its key column
-# mixes types and so holds them as strings (3 and "3" would read back the same).
-KEYS_METADATA = b"lmprog.keys"
 
 
 def row_key(value: Any) -> str:
     """A row's identity as stored: its id (or index) in JSON, so 3 and "3" differ (and a
     numpy integer is its int, as the file holds it)."""
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=_jsonable)
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=to_jsonable)
 
 
-def encode_row(row: dict[str, Any]) -> bytes:
-    """One JSONL line; a value JSON cannot hold is written as its `str()`."""
-    return (json.dumps(row, ensure_ascii=False, default=_jsonable) + "\n").encode("utf-8")
+class EncodedRow(NamedTuple):
+    line: bytes  # one JSONL line, with its newline
+    problem: str | None  # what had to be replaced to write the row (None: nothing)
 
 
-def _jsonable(value: Any) -> Any:
+def encode_row(row: dict[str, Any], default: Callable[[Any], Any] | None = None) -> EncodedRow:
+    """One JSONL line. A value JSON has no type for is written as `default(value)` (its
+    `str()` by default). NaN and infinities are written as null (JSON has no such numbers).
+    A row that still cannot be written as it is (a string with a lone surrogate, a dict key
+    that is no str / int / float / bool / None, a list holding itself) is written with those
+    parts replaced (U+FFFD, the key's `str()`, null), and `problem` says what was replaced."""
+    default = default or to_jsonable
+    try:
+        text = json.dumps(row, ensure_ascii=False, allow_nan=False, default=default)
+        return EncodedRow((text + "\n").encode("utf-8"), None)
+    except Exception:  # noqa: BLE001 - written below, part by part
+        pass
+    problems: set[str] = set()
+    text = json.dumps(_writable(row, problems, set(), default), ensure_ascii=False)
+    problem = (
+        "ValueError: the row cannot be written as JSON as it is: " + "; ".join(sorted(problems))
+        if problems
+        else None  # (only NaN / infinities: written as null, not an error)
+    )
+    return EncodedRow((text + "\n").encode("utf-8"), problem)
+
+
+def to_jsonable(value: Any) -> Any:
+    """A value JSON has no type for: a numpy value's Python one, a set's list, or its str()."""
     if hasattr(value, "tolist"):  # numpy
         return value.tolist()
     if isinstance(value, (set, frozenset, tuple)):
         return list(value)
     return str(value)
+
+
+def _writable(value: Any, problems: set[str], active: set[int], default: Any) -> Any:
+    """`value` as JSON can hold it; each kind of part replaced is noted in `problems`.
+    `active`: the ids of the containers being walked (a container inside itself)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            problems.add("a string with a lone surrogate (written with U+FFFD)")
+            return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, (dict, list, tuple, set, frozenset)):
+        if id(value) in active:
+            problems.add("a container that holds itself (written as null)")
+            return None
+        active.add(id(value))
+        try:
+            if isinstance(value, dict):
+                return {
+                    _writable_key(k, problems, active, default): _writable(
+                        v, problems, active, default
+                    )
+                    for k, v in value.items()
+                }
+            return [_writable(v, problems, active, default) for v in value]
+        finally:
+            active.discard(id(value))
+    try:
+        converted = default(value)
+    except Exception as error:  # noqa: BLE001 - a value whose conversion raised
+        problems.add(f"a {type(value).__name__} that could not be converted: {error!r}")
+        return None
+    return _writable(converted, problems, active, default)
+
+
+def _writable_key(key: Any, problems: set[str], active: set[int], default: Any) -> Any:
+    if hasattr(key, "tolist"):  # a numpy scalar
+        key = key.tolist()
+    if isinstance(key, str):
+        return _writable(key, problems, active, default)
+    if key is None or isinstance(key, (bool, int)):
+        return key
+    if isinstance(key, float) and math.isfinite(key):
+        return key
+    problems.add(f"a dict key of type {type(key).__name__} (written as its str())")
+    return _writable(str(key), problems, active, default)
 
 
 def check_output(output: str | os.PathLike[str], resume: bool) -> Path:
@@ -69,29 +135,39 @@ def check_output(output: str | os.PathLike[str], resume: bool) -> Path:
     return path
 
 
+def is_parquet(path: Path) -> bool:
+    return path.suffix.lower() == ".parquet"  # (x.PARQUET too, as `check_output` takes it)
+
+
 def journal_path(path: Path) -> Path:
-    return path.with_name(path.name + ".journal.jsonl") if path.suffix == ".parquet" else path
+    return path.with_name(path.name + ".journal.jsonl") if is_parquet(path) else path
 
 
 class JsonlSink:
-    """Appends result rows to a JSONL file; `done` holds the keys of the rows already in it."""
+    """Appends result lines to a JSONL file; `done` holds the keys of the rows already in it."""
 
     def __init__(self, path: Path, key_column: str) -> None:
         self.path = path
         self.key_column = key_column
         self.done: set[str] = set()
         if path.exists():
-            self.done = _read_keys(path, key_column)
+            self.done = _read_keys(path, key_column, self.decode_line)
         is_new = not path.exists()
         self._file = path.open("ab")
         if is_new:  # the new directory entry must survive a power cut too
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
 
-    def write(self, rows: list[dict[str, Any]]) -> None:
-        """Append `rows` as one write of whole lines, durable when this returns."""
-        if not rows:
+    def encode(self, row: dict[str, Any]) -> EncodedRow:
+        return encode_row(row)
+
+    def decode_line(self, line: bytes) -> Any:
+        return json.loads(line)
+
+    def write(self, lines: list[bytes]) -> None:
+        """Append `lines` (from `encode`) as one write, durable when this returns."""
+        if not lines:
             return
-        self._file.write(b"".join(encode_row(r) for r in rows))
+        self._file.write(b"".join(lines))
         self._file.flush()
         os.fsync(self._file.fileno())
 
@@ -99,30 +175,15 @@ class JsonlSink:
         self._file.close()
 
 
-class ParquetSink(JsonlSink):
-    """Rows go to the journal; `close(is_complete=True)` turns it into the Parquet file."""
-
-    def __init__(self, path: Path, key_column: str) -> None:
-        self.output = path
-        journal = journal_path(path)
-        if path.exists() and not journal.exists():
-            _parquet_to_journal(path, journal, key_column)
-        super().__init__(journal, key_column)
-
-    def close(self, is_complete: bool) -> None:
-        super().close(is_complete)
-        if is_complete:
-            _journal_to_parquet(self.path, self.output, self.key_column)
-            self.path.unlink()
-
-
 def open_sink(path: Path, key_column: str) -> JsonlSink:
-    return (
-        ParquetSink(path, key_column) if path.suffix == ".parquet" else JsonlSink(path, key_column)
-    )
+    if is_parquet(path):
+        from lmprog.datasets.parquet import ParquetSink
+
+        return ParquetSink(path, key_column)
+    return JsonlSink(path, key_column)
 
 
-def _read_keys(path: Path, key_column: str) -> set[str]:
+def _read_keys(path: Path, key_column: str, decode: Callable[[bytes], Any]) -> set[str]:
     """The keys of the complete lines; a partial last line (a write cut by a kill) is cut
     off the file here, before anything is appended."""
     keys: set[str] = set()
@@ -132,7 +193,7 @@ def _read_keys(path: Path, key_column: str) -> set[str]:
             if not line.endswith(b"\n"):
                 break  # the last line, cut short
             try:
-                row = json.loads(line)
+                row = decode(line)
             except json.JSONDecodeError:
                 raise ValueError(
                     f"{path}:{line_no}: not a result row (a file lmprog did not write?)"
@@ -149,103 +210,9 @@ def _read_keys(path: Path, key_column: str) -> set[str]:
     return keys
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _journal_rows(journal: Path) -> Iterator[list[dict[str, Any]]]:
-    chunk: list[dict[str, Any]] = []
-    with journal.open("rb") as f:
-        for line in f:
-            chunk.append(json.loads(line))
-            if len(chunk) == PARQUET_CHUNK_ROWS:
-                yield chunk
-                chunk = []
-    if chunk:
-        yield chunk
-
-
-def _parquet_to_journal(parquet: Path, journal: Path, key_column: str) -> None:
-    """Copy a finished Parquet output into a new journal (a resumed run appends to it),
-    each row's key as it was (`KEYS_METADATA`)."""
-    import pyarrow.parquet as pq
-
-    file = pq.ParquetFile(parquet)
-    metadata = file.schema_arrow.metadata or {}
-    keys = iter(json.loads(metadata[KEYS_METADATA])) if KEYS_METADATA in metadata else None
-    tmp = journal.with_name(journal.name + ".tmp")
-    with tmp.open("wb") as f:
-        for batch in file.iter_batches(batch_size=PARQUET_CHUNK_ROWS):
-            rows = batch.to_pylist()
-            for row in rows if keys is not None else ():
-                row[key_column] = json.loads(next(keys))
-            f.write(b"".join(encode_row(r) for r in rows))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, journal)
-    _fsync_dir(journal.parent)
-
-
-def _journal_to_parquet(journal: Path, output: Path, key_column: str) -> None:
-    """Two passes over the journal, one chunk in memory at a time: the first settles each
-    column's Arrow type, the second writes the chunks with it. A key column of mixed types
-    (ids 1 and "b": strings in the file) keeps its keys in the file's metadata too."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    columns: dict[str, set[Any]] = {}
-    for chunk in _journal_rows(journal):
-        for name in {k: None for row in chunk for k in row}:
-            columns.setdefault(name, set()).add(_arrow_type([r.get(name) for r in chunk]))
-    types = {name: _settle_type(found) for name, found in columns.items()}
-    schema = pa.schema([(name, t) for name, t in types.items()])
-    if types.get(key_column) == pa.string() and columns[key_column] != {pa.string()}:
-        keys = [row_key(r.get(key_column)) for chunk in _journal_rows(journal) for r in chunk]
-        schema = schema.with_metadata({KEYS_METADATA: json.dumps(keys)})
-    tmp = output.with_name(output.name + ".tmp")
-    with pq.ParquetWriter(tmp, schema) as writer:
-        for chunk in _journal_rows(journal):
-            arrays = [_arrow_array([r.get(n) for r in chunk], types[n]) for n in types]
-            writer.write_table(pa.Table.from_arrays(arrays, schema=schema))
-    with tmp.open("rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, output)
-    _fsync_dir(output.parent)
-
-
-def _arrow_type(values: list[Any]) -> Any:
-    """The type pyarrow infers for one chunk of a column; None when it cannot hold it."""
-    import pyarrow as pa
-
-    try:
-        return pa.array(values).type
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-        return None
-
-
-def _settle_type(found: set[Any]) -> Any:
-    """One type for a column: the only type its chunks had (ints and floats make floats);
-    otherwise strings, each non-string value written as JSON."""
-    import pyarrow as pa
-
-    found = {t for t in found if t is None or t != pa.null()}
-    if found == {pa.int64(), pa.float64()}:
-        return pa.float64()
-    if len(found) == 1 and None not in found:
-        return found.pop()
-    return pa.null() if not found else pa.string()
-
-
-def _arrow_array(values: list[Any], arrow_type: Any) -> Any:
-    import pyarrow as pa
-
-    if arrow_type == pa.string():
-        values = [
-            v if v is None or isinstance(v, str) else json.dumps(v, default=_jsonable)
-            for v in values
-        ]
-    return pa.array(values, type=arrow_type)

@@ -132,10 +132,18 @@ def _count_lines(path: Path) -> int:
 
 
 def _csv_rows(path: Path) -> Iterator[dict[str, Any]]:
-    """CSV values are strings, as written; a missing trailing cell is an empty string."""
+    """CSV values are strings, as written; a missing trailing cell is an empty string, and
+    a cell past the header's last column is an error of the file (it has no column name)."""
     with path.open(newline="", encoding="utf-8-sig") as f:
-        for row in csv.DictReader(f, restval=""):
-            yield dict(row)
+        reader = csv.DictReader(f, restval="")
+        for row in reader:
+            if None in row:  # (where DictReader puts the cells past the header)
+                num_columns = len(reader.fieldnames)
+                raise ValueError(
+                    f"{path}:{reader.line_num}: {num_columns + len(row[None])} cells, but the "
+                    f"header names {num_columns} columns"
+                )
+            yield row
 
 
 def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:

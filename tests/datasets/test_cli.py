@@ -169,3 +169,36 @@ def test_an_output_under_a_file_or_in_a_missing_directory_exits_2(tmp_path):
         proc = lmprog("run", f"{PROGRAMS}:qa", *io, check=False)
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("syntax error", "broken.py:3: "),
+        ("temperature=abc", "--set: temperature must be a number"),
+        ("max_new_tokens=-1", "--set: max_new_tokens must be >= 0"),
+        ("no column", "has no column 'question'"),
+        ("no input", "does not exist"),
+    ],
+)
+def test_bad_input_is_said_before_the_model_loads(tmp_path, case, message):
+    """A program file with a syntax error (once a traceback, exit 1), a bad sampling value
+    (once every row's error, exit 0), a missing column or input file: exit 2 with a message,
+    before the model (here a missing one) loads."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("import lmprog as lp\n\ndef broken(s:\n", encoding="utf-8")
+    source = tmp_path / "in.csv"
+    source.write_text("id,system\n1,Hi\n", encoding="utf-8")
+    out = tmp_path / "o.jsonl"
+    args = {
+        "syntax error": ["run", f"{broken}:broken", "--input", str(source)],
+        "temperature=abc": ["run", f"{PROGRAMS}:qa", "--input", str(source), "--set", case],
+        "max_new_tokens=-1": ["run", f"{PROGRAMS}:qa", "--input", str(source), "--set", case],
+        "no column": ["run", f"{PROGRAMS}:qa", "--input", str(source)],
+        "no input": ["run", f"{PROGRAMS}:qa", "--input", str(tmp_path / "missing.jsonl")],
+    }[case]
+    io = ["--output", str(out), "--quiet", "--model", str(tmp_path / "no_such_model")]
+    proc = lmprog(*args, *io, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not out.exists()

@@ -88,3 +88,46 @@ def test_two_actors_give_the_single_process_rows(cluster, engine):
     assert os.getpid() not in actors and len(actors) == 2
     # Whole blocks of 2 prompts go to an actor: it computes only those (random: all 8).
     assert sum(len(s) for s in actors.values()) <= len(SYSTEMS) + 3, actors
+
+
+@lp.function
+def answer(s, question):
+    s += lp.user(question)
+    s += lp.assistant(lp.gen("answer", max_tokens=3))
+
+
+def test_every_batch_has_the_same_columns_and_types(tmp_path):
+    """Ray writes each batch as its own file: a batch without errors (error all None), one
+    where every row fails before its gen (a prompt past the context: no answer at all) and
+    a mixed one once had three schemas, and pandas could not read the directory back."""
+    import numpy as np
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from ray.data.block import BlockAccessor
+
+    from lmprog.ray import ProgramRunner
+
+    runner = ProgramRunner(answer, "tiny", defaults=GREEDY, include_usage=True)
+    too_long = " word" * (runner.engine.context_len + 10)
+    batches = [
+        {"question": np.array(["Hi?", "Why?"])},  # Ray's default batch format
+        {"question": np.array([too_long, too_long])},
+        pa.table({"question": [too_long, "Who?"]}),
+    ]
+    try:
+        for i, batch in enumerate(batches):
+            block = BlockAccessor.batch_to_block(runner(batch))  # what Ray makes of it
+            pq.write_table(block, tmp_path / f"{i}.parquet")  # a file per batch, as Ray does
+    finally:
+        runner.engine.shutdown()
+    schemas = [pq.read_schema(tmp_path / f"{i}.parquet") for i in range(len(batches))]
+    assert all(schema.equals(schemas[0]) for schema in schemas), schemas
+    assert schemas[0].field("error").type == pa.string()
+    assert schemas[0].field("answer").type == pa.string()
+    df = pd.read_parquet(tmp_path)
+    assert sorted(df["question"]) == sorted(["Hi?", "Why?", too_long, too_long, too_long, "Who?"])
+    for row in df.to_dict("records"):
+        is_too_long = row["question"] == too_long
+        assert pd.isna(row["error"]) != is_too_long and pd.isna(row["answer"]) == is_too_long
+        assert str(runner.engine.context_len) in row["error"] if is_too_long else row["answer"]

@@ -6,6 +6,7 @@ fixed seed); the others stop a run in-process (closing its iterator) or cut the 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 from map_programs import GREEDY, make_rows, qa, read_jsonl, short, write_jsonl
+
+import lmprog as lp
 
 HERE = Path(__file__).resolve().parent
 COMPARED = ("id", "question", "answer", "verdict", "ret_value", "error")
@@ -102,8 +105,8 @@ def test_resume_counts_the_input_rows_it_skips_not_the_rows_the_file_holds(engin
 def test_resuming_a_parquet_file_whose_ids_mix_ints_and_strings_runs_each_row_once(
     engine, tmp_path
 ):
-    """Ids 1 and "b" are strings in the file ("1"); the keys it keeps in its metadata tell
-    1 from "1" again (without them, rows 1 and 3 ran twice)."""
+    """Ids 1 and "row 0" make a JSON text column (`1`, `"row 0"`), which a resumed run reads
+    back as they were: 1 and "1" stay two rows (once both "1": rows 1 and 3 ran twice)."""
     import pyarrow.parquet as pq
 
     rows = [{**row, "id": i if i % 2 else f"row {i}"} for i, row in enumerate(make_rows(6))]
@@ -113,7 +116,7 @@ def test_resuming_a_parquet_file_whose_ids_mix_ints_and_strings_runs_each_row_on
     summary = qa.map(rows, output=out, id_column="id", resume=True, backend=engine, **GREEDY).run()
     assert (summary.num_rows, summary.num_skipped) == (3, 4)
     ids = [r["id"] for r in pq.read_table(out).to_pylist()]
-    assert sorted(ids) == sorted(["1", "row 0", "row 2", "3", "row 4", "5", "1"])
+    assert sorted(ids) == sorted(json.dumps(row["id"]) for row in rows)
 
 
 def test_resuming_with_numpy_integer_ids_runs_each_row_once(engine, tmp_path):
@@ -174,3 +177,52 @@ def test_sigkill_at_random_points_then_resume(engine, tmp_path, num_rows, num_ki
     uninterrupted = short.map(rows, id_column="id", backend=engine, **GREEDY)
     reference = {r["id"]: r for r in uninterrupted}
     assert all(r == reference[r["id"]] and r["error"] is None for r in written)
+
+
+@pytest.mark.parametrize("id_column", [None, "id"])
+def test_a_stopped_ordered_run_writes_the_rows_waiting_for_an_earlier_one(
+    engine, tmp_path, id_column
+):
+    """Row 1 runs long; rows 2-9 finish before it, and wait for it (input order). Breaking
+    out of the loop writes them too, not only row 0; a resumed run (by id, or by row
+    position) runs the rest, and the file ends with each row once."""
+    release = threading.Event()
+    bodies_done = []
+
+    @lp.function
+    def second_is_slow(s, q):
+        if q == "q1":
+            release.wait(timeout=60)
+        s += q + lp.gen("answer", max_tokens=2)
+        bodies_done.append(s["answer"])  # (reading it waits for the gen)
+
+    rows = [{"id": f"r{i}", "q": f"q{i}"} for i in range(10)]
+    key = id_column or "row_index"
+    out = tmp_path / "out.jsonl"
+    run = iter(second_is_slow.map(rows, output=out, id_column=id_column, backend=engine, **GREEDY))
+    assert next(run)["q"] == "q0"
+    deadline = time.monotonic() + 60
+    while len(bodies_done) < 9 and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the other rows' progress
+    assert len(bodies_done) == 9
+    release.set()  # (row 1 goes on, and is cancelled or finishes: either is right)
+    run.close()
+    written = read_jsonl(out)
+    keys = [r[key] for r in written]
+    everyone_but_1 = {rows[i]["id"] if id_column else i for i in range(10) if i != 1}
+    assert everyone_but_1 <= set(keys) and len(keys) == len(set(keys))
+    assert all(r["error"] is None for r in written)
+
+    resumed = second_is_slow.map(
+        rows, output=out, id_column=id_column, resume=True, backend=engine, **GREEDY
+    )
+    summary = resumed.run()
+    assert (summary.num_rows, summary.num_skipped) == (10 - len(written), len(written))
+    final = read_jsonl(out)
+    assert sorted(r[key] for r in final) == sorted(
+        r["id"] if id_column else i for i, r in enumerate(rows)
+    )
+    reference = {
+        r["q"]: r for r in second_is_slow.map(rows, id_column="id", backend=engine, **GREEDY)
+    }
+    assert all(r["answer"] == reference[r["q"]]["answer"] for r in final)
