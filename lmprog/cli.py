@@ -16,6 +16,7 @@ import importlib.util
 import inspect
 import json
 import keyword
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,6 +103,10 @@ def load_program(spec: str) -> Function:
         except SyntaxError as error:  # bad input, as a one-line message (exit 2)
             raise ValueError(f"program file {error.filename}:{error.lineno}: {error.msg}") from None
     else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            # The current directory's modules, as `python -m lmprog` finds them (the
+            # console script's path starts at its own directory instead).
+            sys.path.insert(0, os.getcwd())
         module = importlib.import_module(location)
     program = getattr(module, name, None)
     if not isinstance(program, Function):

@@ -202,3 +202,22 @@ def test_bad_input_is_said_before_the_model_loads(tmp_path, case, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+def test_a_module_in_the_current_directory_loads_as_with_python_m(tmp_path, monkeypatch):
+    """`lmprog run programs:qa`, the console script, did not find `programs.py` in the
+    current directory (its path starts at its own directory), where `python -m lmprog`
+    did."""
+    from lmprog.cli import load_program
+
+    (tmp_path / "cwd_programs_probe.py").write_text(
+        "import lmprog as lp\n\n@lp.function\ndef qa(s, q):\n    s += q + lp.gen('a')\n",
+        encoding="utf-8",
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cwd_programs_probe", raising=False)
+    try:
+        assert load_program("cwd_programs_probe:qa").func.__name__ == "qa"
+    finally:
+        sys.modules.pop("cwd_programs_probe", None)
