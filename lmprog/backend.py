@@ -52,6 +52,11 @@ class Backend(ABC):
         i. Bad input raises here (ValueError / TypeError), before anything is submitted;
         callbacks must not block."""
 
+    def check_constraint(self, kind: str, pattern: str) -> None:  # noqa: B027 - optional
+        """Raise ValueError if this backend would refuse the constraint (`kind` "regex" or
+        "json_schema", as JSON text): called when a gen is appended, before any request.
+        A backend that cannot tell without compiling accepts it here."""
+
     def abort(self, futures: list[Future]) -> None:  # noqa: B027 - optional to override
         """Cancel the requests behind `futures` (from `submit`); their futures then fail.
         A backend that cannot cancel lets them run to the end."""
@@ -162,6 +167,11 @@ class EngineBackend(Backend):
 
     def render_chat(self, messages, add_generation_prompt=False):
         return self._chat(messages, add_generation_prompt)
+
+    def check_constraint(self, kind: str, pattern: str) -> None:
+        from lmprog_runtime.constrained.checks import check_constraint
+
+        check_constraint(kind, pattern)
 
     def chat_roles(self) -> ChatRoles:
         return self._chat.roles  # (one per engine, not per wrapper)

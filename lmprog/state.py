@@ -100,7 +100,7 @@ class ProgramState(StateBlocks):
                 if leaf.name is None:
                     leaf = replace(leaf, name=f"gen_{stream.auto_names}")
                     stream.auto_names += 1
-                check_static(leaf)
+                check_static(leaf, stream.ops.backend)
                 produces = leaf.name
             elif isinstance(leaf, VarScopeEnd):
                 produces = leaf.name

@@ -7,57 +7,82 @@ import functools
 import json
 import re
 import warnings
+from typing import TYPE_CHECKING
 
 from lmprog.ir import Expr, Gen
 
+if TYPE_CHECKING:
+    from lmprog.backend import Backend
 
-def check_static(node: Expr) -> None:
-    """Errors a node has before any request: an invalid regex or JSON schema."""
-    if isinstance(node, Gen):
-        if node.regex is not None:
-            error = _regex_error(node.regex)
-            if error is not None:
-                raise ValueError(f"gen {node.name!r} has an invalid regex {node.regex!r}: {error}")
-        if node.json_schema is not None:
-            error = _schema_error(node.json_schema)
-            if error is not None:
-                raise ValueError(f"gen {node.name!r} has an invalid JSON schema: {error}")
+
+def check_static(node: Expr, backend: Backend | None = None) -> None:
+    """Errors a node has before any request: an invalid regex or JSON schema; with a
+    `backend`, also what it would refuse of them (`Backend.check_constraint`)."""
+    if not isinstance(node, Gen):
+        return
+    if node.regex is not None:
+        error = _regex_error(node.regex)
+        if error is not None:
+            raise ValueError(f"gen {node.name!r} has an invalid regex {node.regex!r}: {error}")
+    if node.json_schema is not None:
+        try:
+            schema = json.loads(node.json_schema)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"gen {node.name!r} has an invalid JSON schema: {error}") from error
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"gen {node.name!r}: a JSON schema must be an object or a bool")
+    if backend is None:
+        return
+    for kind, pattern in (("regex", node.regex), ("json_schema", node.json_schema)):
+        if pattern is not None:
+            try:
+                backend.check_constraint(kind, pattern)
+            except ValueError as error:
+                what = "regex" if kind == "regex" else "JSON schema"
+                raise ValueError(f"gen {node.name!r} has an invalid {what}: {error}") from None
 
 
 @functools.lru_cache(maxsize=256)  # (a dataset run appends the same pattern for every row)
 def _regex_error(regex: str) -> str | None:
-    """Why the runtime would refuse `regex` as a pattern, as Python's `re` reads it (outputs
-    `re.fullmatch` it); None if it would not. (It once asked interegular, the jump-forward
-    FSM's reader, which refuses what the runtime serves without jump-forward: `$`,
-    `\\u00e9`, `[\\u0400-\\u04FF]`, and took `a{2,1}`.)"""
-    from lmprog_runtime.constrained.outlines_backend import rust_only_class_syntax
-
+    """Why `regex` cannot constrain a gen, read as Python's `re` reads it (outputs
+    `re.fullmatch` it): re refuses it, or it asks what a finite automaton cannot do;
+    None if neither. (It once asked interegular, the jump-forward FSM's reader, which
+    refuses what the runtime serves without jump-forward: `\\u00e9`, `[\\u0400-\\u04FF]`,
+    `(?x)`, and took `a{2,1}`.)"""
     try:
-        with warnings.catch_warnings():  # (re's FutureWarning on `[[`: refused below)
+        with warnings.catch_warnings():  # (re's FutureWarning on `[[`: the backend refuses it)
             warnings.simplefilter("ignore", FutureWarning)
-            re.compile(regex)
+            tree = re._parser.parse(regex)  # type: ignore[attr-defined]
     except re.error as error:
         return f"Python's re refuses it: {error}"
-    dialect = rust_only_class_syntax(regex)
-    if dialect is not None:
-        return f"{dialect!r} in a character class is Rust's syntax, which re reads otherwise"
-    return None
+    return _automaton_error(tree)
 
 
-@functools.lru_cache(maxsize=256)
-def _schema_error(schema: str) -> str | None:
-    """Why the runtime would refuse `schema` (JSON text), read by its own translation to a
-    regex (unknown types, keywords it cannot enforce); None if it would not."""
-    from lmprog_runtime.constrained.json_schema import schema_to_regex
+_NOT_REGULAR = {
+    "GROUPREF": "a back-reference",
+    "GROUPREF_EXISTS": "a conditional group",
+    "ASSERT": "a lookaround",
+    "ASSERT_NOT": "a lookaround",
+    "ATOMIC_GROUP": "an atomic group",
+}
+_ANCHORS = {"AT_BOUNDARY", "AT_NON_BOUNDARY", "AT_BEGINNING_STRING", "AT_END_STRING"}
 
-    try:
-        parsed = json.loads(schema)
-    except json.JSONDecodeError as error:
-        return str(error)
-    if not isinstance(parsed, (dict, bool)):
-        return "a JSON schema must be an object or a bool"
-    try:
-        schema_to_regex(schema)
-    except ValueError as error:
-        return str(error)
+
+def _automaton_error(tree: object) -> str | None:
+    """The first construct of a parsed pattern that a finite automaton (outlines-core's
+    index) cannot follow: back-references, lookarounds, atomic groups, `\\b` `\\B` `\\A`
+    `\\Z`; None if there is none."""
+    for op, arg in tree:  # type: ignore[attr-defined]
+        name = str(op)
+        if name in _NOT_REGULAR:
+            return f"{_NOT_REGULAR[name]} is not a regular construct; the engine cannot follow it"
+        if name == "AT" and str(arg) in _ANCHORS:
+            return "\\b, \\B, \\A and \\Z are not supported (write the text they stand for)"
+        for part in arg if isinstance(arg, (tuple, list)) else ():
+            children = part if isinstance(part, list) else [part]
+            for child in children:
+                if hasattr(child, "data"):  # a nested pattern (a group, a branch, a repeat)
+                    found = _automaton_error(child)
+                    if found is not None:
+                        return found
     return None

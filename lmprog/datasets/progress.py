@@ -64,6 +64,9 @@ class UsageBackend(Backend):
     def chat_roles(self) -> ChatRoles:
         return self.inner.chat_roles()  # computed once per model, not once per row
 
+    def check_constraint(self, kind: str, pattern: str) -> None:
+        self.inner.check_constraint(kind, pattern)
+
 
 class Progress:
     """Totals over finished rows, and the bar that shows them (silent when disabled)."""

@@ -14,8 +14,9 @@ running are never dropped, so their callers keep sharing them.
 
 A compile that outlasts the timeout is abandoned: its thread is interrupted (the
 jump-forward FSM's build, pure Python, stops at once; outlines-core's compile, native code,
-when it returns), and later compiles go to fresh threads, so a pattern that explodes never
-holds up the others.
+when it returns), and later compiles go to fresh threads, so a pattern that explodes does
+not hold up the others (while at most `MAX_STUCK` abandoned compiles still run: the
+threads of more would grow without bound).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar
 
 MAX_PATTERN_CHARS = 50_000
+MAX_STUCK = 4  # abandoned compiles (busy in native code) beside which fresh threads start
 SHUT_DOWN = "the engine was shut down before this pattern compiled"
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class GrammarCache:
         self._entries: OrderedDict[tuple[str, str], Future] = OrderedDict()  # oldest use first
         self._jobs: dict[Future, _Job] = {}  # the compiles submitted and not yet over
         self._pool = _new_pool()
+        self._old_pools: list[ThreadPoolExecutor] = []  # replaced after a timeout
+        self._stuck: set[_Job] = set()  # abandoned compiles that may still run
         self._closed = False
 
     def char_fsm(self, grammar: Grammar):
@@ -101,22 +105,30 @@ class GrammarCache:
 
     def _abandon(self, future: Future) -> None:
         """A compile outlasted the timeout: stop it, and let later compiles start on fresh
-        threads (its own may stay busy in native code for long)."""
+        threads, as its own may stay busy in native code for long (up to `MAX_STUCK` such
+        compiles: past them, later ones wait for the threads there are, as before)."""
         with self._lock:
             job = self._jobs.pop(future, None)
-            if job is None or self._closed:
+            if job is None or self._closed or future.cancel():  # (not started: never will)
                 return
-            old, self._pool = self._pool, _new_pool()
-        future.cancel()  # (not started yet: it never will)
+            self._stuck = {j for j in self._stuck if not j.is_over}
+            self._stuck.add(job)
+            old, is_replaced = self._pool, len(self._stuck) <= MAX_STUCK
+            if is_replaced:
+                self._pool = _new_pool()
+                self._old_pools.append(old)
         job.interrupt()
-        old.shutdown(wait=False)  # its other threads exit once its queue is done
+        if is_replaced:
+            old.shutdown(wait=False)  # its other threads exit once its queue is done
 
     def close(self) -> None:
         """Stop the compile threads (the engine shuts down): compiles not started are
         cancelled, one running finishes on its own, and the threads then exit."""
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+            pools, self._old_pools = [*self._old_pools, self._pool], []
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def keys(self) -> list[tuple[str, str]]:
         """The cached (kind, pattern) keys, least recently used first."""
@@ -182,6 +194,7 @@ class _Job:
         self.lock = threading.Lock()
         self.thread_id: int | None = None
         self.is_interrupted = False
+        self.is_over = False
 
     def run(self, compile_: Callable[[str, str], Grammar], kind: str, pattern: str) -> Grammar:
         with self.lock:
@@ -194,7 +207,7 @@ class _Job:
             while True:  # (an interruption arriving here is taken, then the loop goes on)
                 try:
                     with self.lock:
-                        self.thread_id = None
+                        self.thread_id, self.is_over = None, True
                         if self.is_interrupted:
                             _set_async_exc(threading.get_ident(), None)
                     break

@@ -159,28 +159,36 @@ def test_static_errors_before_any_request(engine):
 
 
 @pytest.mark.parametrize(
-    ("constraint", "message"),
+    ("constraint", "message", "traced"),
     [
-        ({"regex": "a{2,1}"}, "min repeat greater than max"),
-        ({"json_schema": '{"type": "strin"}'}, "strin"),
-        ({"json_schema": '{"type": "integer", "multipleOf": 3}'}, "multipleOf"),
+        ({"regex": "a{2,1}"}, "min repeat greater than max", True),
+        ({"regex": r"(a|b)\1"}, "back-reference", True),
+        ({"regex": r"(?<=x)y"}, "lookaround", True),
+        ({"regex": r"\bword\b"}, r"\\b", True),
+        ({"regex": "[[:digit:]]"}, "Rust", False),
+        ({"json_schema": '{"type": "strin"}'}, "strin", False),
+        ({"json_schema": '{"type": "integer", "multipleOf": 3}'}, "multipleOf", False),
     ],
 )
 def test_constraints_the_runtime_refuses_are_refused_at_the_line_that_writes_them(
-    engine, constraint, message
+    engine, constraint, message, traced
 ):
-    """These passed `trace()` and `+=`, failing only once submitted."""
+    """These passed `+=` (and `trace()`), failing only once submitted. Tracing, with no
+    backend, sees what the pattern language refuses; a run asks its backend too."""
 
     @lp.function
     def program(s):
         s += "x" + lp.gen("a", max_tokens=4, **constraint)
 
     engine.reset_stats()
-    with pytest.raises(ValueError, match=message):
-        program.trace()
+    if traced:
+        with pytest.raises(ValueError, match=message):
+            program.trace()
     with pytest.raises(ValueError, match=message):
         program.run(backend=engine)
     assert engine.stats()["forward_passes"] == 0
+    with pytest.raises(ValueError, match="cannot compile|unsupported|Rust"):  # the reference
+        engine.generate("x", {"max_new_tokens": 1, **constraint})
 
 
 @pytest.mark.parametrize("regex", [r"[\u0400-\u04FF]{2}", r"\u00e9{2}", "(yes|no)$"])

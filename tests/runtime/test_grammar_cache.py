@@ -87,3 +87,42 @@ def test_an_engine_with_a_cache_of_one_serves_every_pattern_and_keeps_the_last(t
 def test_a_bad_cache_size_is_refused(value, error):
     with pytest.raises(error, match="grammar_cache_size"):
         RuntimeConfig(grammar_cache_size=value)
+
+
+class _NativeStall(OutlinesGrammarBackend):
+    """A compile that stays in native code past the timeout, where no interruption reaches
+    (a sleep stands in for outlines-core's index build)."""
+
+    def __init__(self, tokenizer, eos_token_id, release):
+        super().__init__(tokenizer, eos_token_id)
+        self.release = release
+
+    def compile_regex(self, regex):
+        if regex.startswith("stall"):
+            self.release.wait(60)
+        return super().compile_regex(regex)
+
+
+def test_compiles_stuck_past_the_timeout_hold_a_bounded_number_of_threads(tiny_path):
+    """Each timeout starts a fresh pool so that later patterns compile, but only beside
+    `MAX_STUCK` stuck compiles: twelve once held twelve threads, one per stuck compile."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from lmprog_runtime.constrained.grammar_cache import MAX_STUCK
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    release = threading.Event()
+    before = {t for t in threading.enumerate() if t.name.startswith("lmprog-grammar")}
+    cache = GrammarCache(_NativeStall(tokenizer, tokenizer.eos_token_id, release), timeout_s=0.2)
+    try:
+        assert cache.get("regex", "(yes|no)") is not None
+        for i in range(12):
+            with pytest.raises(ValueError, match="longer than"):
+                cache.get("regex", f"stall{i}")
+        ours = {t for t in threading.enumerate() if t.name.startswith("lmprog-grammar")} - before
+        assert len(ours) <= MAX_STUCK + 4  # the stuck ones, and one pool's
+    finally:
+        release.set()
+        cache.close()
