@@ -279,12 +279,6 @@ class ProgramState(StateBlocks):
                 for delta, meta in deltas:
                     yield (delta, meta) if return_meta_data else delta
             self._raise_error()
-        except asyncio.CancelledError as error:
-            # The consumer's task was cancelled: a streaming run's program is cancelled
-            # with it (its requests stop), as Ctrl-C cancels it in `text_iter`.
-            if self._body is not None:
-                self._cancel(error)
-            raise
         finally:
             waiter.shutdown(wait=False)  # (a wait in progress ends with the program)
 
