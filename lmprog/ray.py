@@ -173,8 +173,11 @@ def _table(
 ) -> Any:
     """Result rows as a pyarrow Table: the input columns, the variables (those of `types`
     included, even where no row has them), then `tail`. A column all None takes its type
-    from `types`; one no Arrow type holds (values of mixed types) is JSON text."""
+    from `types`; one no Arrow type holds as it is (mixed types, dicts of other keys, `{}`)
+    is JSON text, as in a Parquet output."""
     import pyarrow as pa
+
+    from lmprog.datasets.parquet import column_array
 
     names: dict[str, None] = dict.fromkeys(rows[0]) if rows else {}
     names.update(dict.fromkeys(types))
@@ -184,19 +187,8 @@ def _table(
     arrays = []
     for name in order:
         values = [r.get(name) for r in results]
-        try:
-            array = pa.array(values)
-        except (pa.ArrowException, OverflowError):
-            array = pa.array([None if v is None else _json_text(v) for v in values], pa.string())
+        array = column_array(values)
         if pa.types.is_null(array.type) and name in types:
             array = pa.nulls(len(values), types[name])
         arrays.append(array)
     return pa.Table.from_arrays(arrays, names=order)
-
-
-def _json_text(value: Any) -> str:
-    import json
-
-    from lmprog.datasets.sinks import to_jsonable
-
-    return json.dumps(value, ensure_ascii=False, default=to_jsonable)

@@ -161,6 +161,12 @@ def _journal_to_parquet(journal: Path, output: Path) -> None:
     fsync_dir(output.parent)
 
 
+def column_array(values: list[Any]) -> Any:
+    """`values` as one Arrow array Parquet can write: of the type that holds each value as
+    it is, else JSON text (`lmprog.ray`'s batches, as this file's chunks)."""
+    return _arrow_array(values, _exact_type(values))
+
+
 def _exact_type(values: list[Any]) -> Any:
     """The type pyarrow infers for one chunk of a column, if it holds every value as it is
     (a struct fills a dict's missing keys with None: not exact) and Parquet can write it;

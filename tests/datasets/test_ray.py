@@ -131,3 +131,29 @@ def test_every_batch_has_the_same_columns_and_types(tmp_path):
         is_too_long = row["question"] == too_long
         assert pd.isna(row["error"]) != is_too_long and pd.isna(row["answer"]) == is_too_long
         assert str(runner.engine.context_len) in row["error"] if is_too_long else row["answer"]
+
+
+def test_a_batch_of_values_arrow_cannot_type_exactly_is_written_as_json_text(tmp_path):
+    """A `ret_value` of `{}` in every row made a struct with no field, which Parquet cannot
+    write; dicts of different keys came back with each other's keys as nulls."""
+    import json
+
+    import pyarrow.parquet as pq
+    from ray.data.block import BlockAccessor
+
+    from lmprog.ray import ProgramRunner
+
+    @lp.function
+    def returns(s, key):
+        s += "Say:" + lp.gen("said", max_tokens=2)
+        return {} if key == "" else {key: 1}
+
+    runner = ProgramRunner(returns, "tiny", defaults=GREEDY)
+    try:
+        for i, keys in enumerate([["", ""], ["a", "b"]]):
+            block = BlockAccessor.batch_to_block(runner({"key": keys}))
+            pq.write_table(block, tmp_path / f"{i}.parquet")
+            back = pq.read_table(tmp_path / f"{i}.parquet").column("ret_value").to_pylist()
+            assert [json.loads(v) for v in back] == [{} if k == "" else {k: 1} for k in keys]
+    finally:
+        runner.engine.shutdown()
