@@ -280,9 +280,7 @@ class Engine(RequestMaker, EngineLoop, EngineView):
             future: Future = Future()
             future.set_running_or_notify_cancel()
             future.request_id = req.rid  # type: ignore[attr-defined] - for `abort`
-            # A pending future keeps its engine alive (until `resolve_future`): an engine its
-            # caller dropped right after submitting was collected, its futures never resolved.
-            future.engine = self  # type: ignore[attr-defined]
+            future.engine = self  # type: ignore[attr-defined] - alive till `resolve_future`
             req.on_done = functools.partial(resolve_future, future)
             if on_chunk is not None:
                 req.on_chunk = functools.partial(on_chunk, i)
@@ -317,11 +315,8 @@ class Engine(RequestMaker, EngineLoop, EngineView):
         return bool(self._command("flush_cache"))
 
     def shutdown(self) -> None:
-        if threading.current_thread() is self._thread:
-            raise RuntimeError(
-                "shutdown() was called from the engine's own loop thread (a request's "
-                "callback); call it once the callback has returned"
-            )
+        if threading.current_thread() is self._thread:  # (a callback: it cannot join itself)
+            raise RuntimeError("shutdown() cannot run on the engine's own loop thread (a callback)")
         with self._cv:
             if self._stopping:
                 return
