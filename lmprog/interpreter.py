@@ -180,9 +180,10 @@ class Interpreter:
     def fail(self, stream: Stream, error: BaseException) -> None:
         """The stream's program failed: its own error, or one of its requests was refused.
         It and its branches end once their requests in flight (if any) are back; branches
-        not started end now."""
+        not started end now. A program that has ended keeps its outcome (a late cancel of a
+        whole batch finds it finished)."""
         with stream.cv:
-            if stream.error is None:
+            if stream.error is None and not stream.is_done:
                 stream.error = error
             for branches in stream.branches.values():
                 for branch in branches:

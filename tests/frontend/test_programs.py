@@ -549,3 +549,16 @@ def test_a_streamed_value_comes_with_its_meta_info(engine, name):
     assert "".join(value for value, _ in pieces) == state[name]
     assert pieces[-1][1] is not None
     assert pieces[-1][1]["completion_tokens"] == state.get_meta_info(name)["completion_tokens"]
+
+
+def test_a_late_cancel_leaves_a_finished_program_as_it_ended(engine):
+    """A batch stopped just as one of its programs ended (`map` closed, `run_batch`'s
+    generator closed) once failed that program after the fact: its row went unwritten."""
+
+    @lp.function
+    def short(s):
+        s += "Hi" + lp.gen("a", max_tokens=2)
+
+    state = short.run(backend=engine)
+    state._cancel(RuntimeError("the batch was stopped"))
+    assert state.error() is None and len(state["a"]) > 0
