@@ -54,6 +54,12 @@ class Admission:
             self.admission_wait.reset()
             return None  # (every decode step: nothing is computed for it)
         used = self._reserved_tokens()
+        for chunked, n in entries:  # its next chunk's slots are taken before any admitted
+            # request's: uncounted, a request admitted beside it locked the prefix whose
+            # eviction the chunk needed, and the two failed to allocate at every step
+            used += (
+                self.allocator.pages_needed(n, self._last_slot(chunked)) * self.allocator.page_size
+            )
         if not entries and num_decoding and self._admission_waits(waiting, num_active, used):
             self.stats.add("admission_waits")
             return None
