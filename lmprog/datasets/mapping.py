@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmprog.datasets.ordering import program_params
 from lmprog.datasets.progress import Progress
-from lmprog.datasets.runner import MapOptions, iter_results
+from lmprog.datasets.runner import MapOptions, iter_results, reserved_columns
 from lmprog.datasets.sinks import check_output, open_sink
 from lmprog.datasets.sources import open_source
 
@@ -137,7 +137,7 @@ def map_program(
         num_threads=num_threads,
         defaults=run_defaults,
     )
-    _check_columns(fn, source.columns, opts, source.name)
+    _check_columns(fn, source.columns, opts.id_column, opts.reserved(), source.name)
     resolved = _resolve(backend)
 
     def start() -> tuple[Iterator[dict[str, Any]], Progress]:
@@ -159,27 +159,24 @@ def check_data(
     """What `map` checks of `data` before a row runs (its kind, its file, its columns),
     without a backend: the CLI says it before the model loads."""
     source = open_source(data)
-    opts = MapOptions(
-        id_column=id_column,
-        index_column=INDEX_COLUMN,
-        ordered=True,
-        cache_aware=True,
-        include_text=include_text,
-        include_usage=include_usage,
-        window=DEFAULT_WINDOW,
-        num_threads=1,
-    )
-    _check_columns(fn, source.columns, opts, source.name)
+    reserved = reserved_columns(id_column, INDEX_COLUMN, include_text, include_usage)
+    _check_columns(fn, source.columns, id_column, reserved, source.name)
 
 
-def _check_columns(fn: Function, columns: list[str] | None, opts: MapOptions, name: str) -> None:
+def _check_columns(
+    fn: Function,
+    columns: list[str] | None,
+    id_column: str | None,
+    reserved: set[str],
+    name: str,
+) -> None:
     """Columns known before reading (tables, CSV, Parquet): every row would fail the same
     way, so say it now (ValueError naming the column)."""
     if columns is None:
         return
-    if opts.id_column is not None and opts.id_column not in columns:
-        raise ValueError(f"id_column {opts.id_column!r} is not a column of {name}: {columns}")
-    clash = opts.reserved() & set(columns)
+    if id_column is not None and id_column not in columns:
+        raise ValueError(f"id_column {id_column!r} is not a column of {name}: {columns}")
+    clash = reserved & set(columns)
     if clash:
         raise ValueError(
             f"{name} has column(s) {sorted(clash)}, which the output writes itself; rename them"

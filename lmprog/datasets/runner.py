@@ -52,9 +52,18 @@ class MapOptions:
 
     def reserved(self) -> set[str]:
         """Output columns lmprog writes itself (an input column of that name clashes)."""
-        names = {"ret_value", "error"} | ({"text"} if self.include_text else set())
-        names |= set(USAGE_COLUMNS) if self.include_usage else set()
-        return names | ({self.index_column} if self.index_column and not self.id_column else set())
+        return reserved_columns(
+            self.id_column, self.index_column, self.include_text, self.include_usage
+        )
+
+
+def reserved_columns(
+    id_column: str | None, index_column: str | None, include_text: bool, include_usage: bool
+) -> set[str]:
+    """Output columns lmprog writes itself, for these options (`MapOptions.reserved`)."""
+    names = {"ret_value", "error"} | ({"text"} if include_text else set())
+    names |= set(USAGE_COLUMNS) if include_usage else set()
+    return names | ({index_column} if index_column and not id_column else set())
 
 
 class RowJob(NamedTuple):
