@@ -53,13 +53,10 @@ class Admission:
         if not waiting and not entries:
             self.admission_wait.reset()
             return None  # (every decode step: nothing is computed for it)
-        used = self._reserved_tokens()
-        for chunked, n in entries:  # its next chunk's slots are taken before any admitted
-            # request's: uncounted, a request admitted beside it locked the prefix whose
-            # eviction the chunk needed, and the two failed to allocate at every step
-            used += (
-                self.allocator.pages_needed(n, self._last_slot(chunked)) * self.allocator.page_size
-            )
+        # The chunked prompt's next chunk is allocated first: counted here, a request
+        # admitted beside it can no longer lock the prefix the chunk must evict (both then
+        # failed to allocate, at every step).
+        used = self._reserved_tokens() + sum(self._slots_needed(r, n) for r, n in entries)
         if not entries and num_decoding and self._admission_waits(waiting, num_active, used):
             self.stats.add("admission_waits")
             return None
@@ -160,6 +157,10 @@ class Admission:
                     return eligible, end
         return eligible, len(self.waiting)
 
+    def _slots_needed(self, req: Req, n: int) -> int:
+        """KV slots that extending `req` by `n` tokens takes, in whole pages."""
+        return self.allocator.pages_needed(n, self._last_slot(req)) * self.allocator.page_size
+
     def _room(self, num_active: int, holding: int = 0) -> int:
         """How many more requests may run next to `num_active`, `holding` of them holding
         their request-table rows already (a request that jumped forward keeps its row while
@@ -209,8 +210,7 @@ class Admission:
                     return None
             if chunk_size is not None and can_chunk and extend > chunk_size:
                 extend = chunk_size
-            pages = self.allocator.pages_needed(extend, self._last_slot(req))
-            need = pages * self.allocator.page_size
+            need = self._slots_needed(req, extend)
             reserve = int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
             if need + reserve > available and (entries or plan or self.running):
                 if plan and not entries and not self.running:

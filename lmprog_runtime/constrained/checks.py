@@ -10,12 +10,9 @@ import functools
 @functools.lru_cache(maxsize=256)  # (a dataset run appends the same pattern for every row)
 def _error(kind: str, pattern: str) -> str | None:
     if kind == "regex":
-        from lmprog_runtime.constrained.outlines_backend import rust_only_class_syntax
+        from lmprog_runtime.constrained.outlines_backend import class_syntax_error
 
-        dialect = rust_only_class_syntax(pattern)
-        if dialect is not None:
-            return f"{dialect!r} in a character class is Rust's syntax, which re reads otherwise"
-        return None
+        return class_syntax_error(pattern)
     from lmprog_runtime.constrained.json_schema import schema_to_regex
 
     try:

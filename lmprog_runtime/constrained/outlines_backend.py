@@ -99,14 +99,9 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
     def compile_regex(self, regex: str) -> Grammar:
         from outlines_core import Index
 
-        dialect = rust_only_class_syntax(regex)
-        if dialect is not None:
-            raise ValueError(
-                f"cannot compile regex {regex!r}: {dialect!r} in a character class is Rust's "
-                "syntax (a nested class, a POSIX class or a set operation), which Python's "
-                "re reads otherwise, so outputs would not re.fullmatch it; write the class "
-                "out (escape a literal '[' as '\\[')"
-            )
+        reason = class_syntax_error(regex)
+        if reason is not None:
+            raise ValueError(f"cannot compile regex {regex!r}: {reason}")
         try:
             return _OutlinesGrammar(Index(python_word_classes(regex), self._vocabulary), regex)
         except Exception as error:  # outlines-core raises ValueError / RuntimeError / panics
@@ -114,6 +109,19 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
 
     def schema_to_regex(self, schema: str) -> str:
         return schema_to_regex(schema)
+
+
+def class_syntax_error(regex: str) -> str | None:
+    """Why `regex` is refused for its character classes (`rust_only_class_syntax`), or
+    None."""
+    dialect = rust_only_class_syntax(regex)
+    if dialect is None:
+        return None
+    return (
+        f"{dialect!r} in a character class is Rust's syntax (a nested class, a POSIX class "
+        "or a set operation), which Python's re reads otherwise, so outputs would not "
+        "re.fullmatch it; write the class out (escape a literal '[' as '\\[')"
+    )
 
 
 def rust_only_class_syntax(regex: str) -> str | None:
