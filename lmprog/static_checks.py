@@ -64,20 +64,21 @@ _NOT_REGULAR = {
     "ASSERT": "a lookaround",
     "ASSERT_NOT": "a lookaround",
     "ATOMIC_GROUP": "an atomic group",
+    "POSSESSIVE_REPEAT": "a possessive repeat",
 }
-_ANCHORS = {"AT_BOUNDARY", "AT_NON_BOUNDARY", "AT_BEGINNING_STRING", "AT_END_STRING"}
+_BOUNDARIES = {"AT_BOUNDARY", "AT_NON_BOUNDARY"}
 
 
 def _automaton_error(tree: object) -> str | None:
     """The first construct of a parsed pattern that a finite automaton (outlines-core's
-    index) cannot follow: back-references, lookarounds, atomic groups, `\\b` `\\B` `\\A`
-    `\\Z`; None if there is none."""
+    index) cannot follow: back-references, lookarounds, atomic groups, `\\b` `\\B`; None if
+    there is none. (Where an anchor stands is the backend's check: `portable_regex`.)"""
     for op, arg in tree:  # type: ignore[attr-defined]
         name = str(op)
         if name in _NOT_REGULAR:
             return f"{_NOT_REGULAR[name]} is not a regular construct; the engine cannot follow it"
-        if name == "AT" and str(arg) in _ANCHORS:
-            return "\\b, \\B, \\A and \\Z are not supported (write the text they stand for)"
+        if name == "AT" and str(arg) in _BOUNDARIES:
+            return "\\b and \\B are not supported (write the text they stand for)"
         for part in arg if isinstance(arg, (tuple, list)) else ():
             children = part if isinstance(part, list) else [part]
             for child in children:

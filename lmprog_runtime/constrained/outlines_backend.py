@@ -3,14 +3,13 @@
 The vocabulary is handed to outlines-core as the bytes each token stands for: byte-level
 BPE tokens are mapped back through the GPT-2 byte-to-unicode table, byte-fallback tokens
 (`<0x0A>`) to their byte, SentencePiece's `▁` to a space. Special tokens are left out,
-except EOS, which the index allows only where the text is a complete match.
+except EOS, which the index allows only where the text is a complete match. Each regex
+reaches it as `portable_regex` writes it again, so that it reads it as Python's `re` does.
 """
 
 from __future__ import annotations
 
-import functools
 import re
-import sys
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from lmprog_runtime.byte_decode import unicode_to_byte
 from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar, Matcher
 from lmprog_runtime.constrained.json_schema import schema_to_regex
+from lmprog_runtime.constrained.portable_regex import portable_regex
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -103,7 +103,11 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         if reason is not None:
             raise ValueError(f"cannot compile regex {regex!r}: {reason}")
         try:
-            return _OutlinesGrammar(Index(python_word_classes(regex), self._vocabulary), regex)
+            portable = portable_regex(regex)
+        except ValueError as error:
+            raise ValueError(f"cannot compile regex {regex!r}: {error}") from None
+        try:
+            return _OutlinesGrammar(Index(portable, self._vocabulary), regex)
         except Exception as error:  # outlines-core raises ValueError / RuntimeError / panics
             raise ValueError(f"cannot compile regex {regex!r}: {error}") from error
 
@@ -146,39 +150,3 @@ def rust_only_class_syntax(regex: str) -> str | None:
             return regex[i : i + 2]
         i += 1
     return None
-
-
-def python_word_classes(regex: str) -> str:
-    """`regex` with `\\w` and `\\W` spelled out as the classes of Python's `re`, for
-    outlines-core's engine (Rust), whose `\\w` also takes combining marks (U+0301,
-    U+094D: 22 single tokens of SmolLM2's vocabulary) and other characters Python's does not,
-    so that every output still `re.fullmatch`es the pattern. Nested in a class the class is a
-    union, as Rust reads it (`[\\w-]`, `[^\\W\\d]`)."""
-    if "\\w" not in regex and "\\W" not in regex:
-        return regex
-    out, i = [], 0
-    while i < len(regex):
-        ch = regex[i]
-        if ch == "\\" and i + 1 < len(regex):
-            pair = regex[i : i + 2]
-            if pair == "\\w":
-                pair = f"[{_python_word_ranges()}]"
-            elif pair == "\\W":
-                pair = f"[^{_python_word_ranges()}]"
-            out.append(pair)
-            i += 2
-            continue
-        out.append(ch)
-        i += 1
-    return "".join(out)
-
-
-@functools.cache
-def _python_word_ranges() -> str:
-    """The characters `re`'s `\\w` matches in a str pattern, as Rust class ranges."""
-    every = "".join(map(chr, range(sys.maxunicode + 1)))
-    spans = (m.span() for m in re.finditer(r"\w+", every))
-    return "".join(
-        f"\\x{{{start:X}}}" if end - start == 1 else f"\\x{{{start:X}}}-\\x{{{end - 1:X}}}"
-        for start, end in spans
-    )

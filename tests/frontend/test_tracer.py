@@ -165,6 +165,8 @@ def test_static_errors_before_any_request(engine):
         ({"regex": r"(a|b)\1"}, "back-reference", True),
         ({"regex": r"(?<=x)y"}, "lookaround", True),
         ({"regex": r"\bword\b"}, r"\\b", True),
+        ({"regex": "a*+"}, "possessive", True),
+        ({"regex": "x(a|^b)"}, "only at the start", False),
         ({"regex": "[[:digit:]]"}, "Rust", False),
         ({"json_schema": '{"type": "strin"}'}, "strin", False),
         ({"json_schema": '{"type": "integer", "multipleOf": 3}'}, "multipleOf", False),
@@ -191,10 +193,14 @@ def test_constraints_the_runtime_refuses_are_refused_at_the_line_that_writes_the
         engine.generate("x", {"max_new_tokens": 1, **constraint})
 
 
-@pytest.mark.parametrize("regex", [r"[\u0400-\u04FF]{2}", r"\u00e9{2}", "(yes|no)$"])
+SERVED = [r"[\u0400-\u04FF]{2}", r"\u00e9{2}", "(yes|no)$", r"\A(yes|no)\Z", "^a{,3}b$"]
+
+
+@pytest.mark.parametrize("regex", SERVED)
 def test_patterns_the_runtime_serves_without_jump_forward_run_in_programs(engine, regex):
     """interegular (the jump-forward FSM's reader) cannot read these, and the static check
-    once asked it: programs refused them, though the engine serves them."""
+    once asked it, or refused `\\A`: programs refused them, though the engine serves them
+    (it refused `^` and `a{,3}` too)."""
 
     @lp.function
     def program(s):

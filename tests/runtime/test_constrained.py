@@ -228,6 +228,33 @@ def test_bad_constraint_is_refused_at_submit_while_another_request_runs(engine, 
         assert next(iter(bad.items())) not in engine._grammars._entries
 
 
+# outlines-core's engine (Rust) refused these or read them otherwise: `^` anywhere, `a{,3}`;
+# `a{1, 3}` as a repeat, where Python's re reads text; `\\S` and `(?i)` took characters
+# Python's do not (U+001C, U+212A). An anchor at an edge stays one under token healing.
+PYTHON_READINGS = [r"^[0-9]{2}$", r"\A(yes|no)\Z", "a{,3}b", r"[\w-]{1,4}$", r"(?i)[a-k]{2}"]
+PYTHON_READINGS += ["a{1, 3}", "$", r"^\S{1,3}", r"(?s).{1,2}"]
+
+
+@pytest.mark.parametrize("regex", PYTHON_READINGS)
+@pytest.mark.parametrize("healing", [False, True])
+def test_patterns_mean_what_pythons_re_reads_in_them(engine, regex, healing):
+    """Four samples each, from a prompt whose last token (a lone space) heals."""
+    params = {"regex": regex, "max_new_tokens": 16, "token_healing": healing}
+    params = [{**params, "seed": seed, "temperature": 1} for seed in range(4)]
+    for out in engine.generate(["Age: "] * 4, params):
+        assert ("token_healing" in out["meta_info"]) == healing
+        assert "constraint" not in out["meta_info"]["finish_reason"], (regex, out)
+        assert re.fullmatch(regex, out["text"]), (regex, out["text"])
+
+
+@pytest.mark.parametrize(
+    "regex", [r"x(a|^b)", r"a$\n", r"a\Ab", r"(^a)*", r"\bword", r"a*+", r"(?>ab)"]
+)
+def test_anchors_away_from_the_edges_and_possessive_repeats_are_refused(engine, regex):
+    with pytest.raises(ValueError, match="only at the start|not supported|not a regular"):
+        engine.generate("Hi", {"regex": regex, "max_new_tokens": 4})
+
+
 def test_any_unicode_character_is_producible(engine):
     """Byte-level BPE covers all 256 bytes, so no regex is unproducible for want of a
     character; only an empty language (`[^\\s\\S]` above) is refused as incompatible."""

@@ -118,11 +118,17 @@ def test_integers_end_where_the_model_ends_them(instruct, how):
     assert [state["n"] for state in states] == ["24", "365"]  # the text, as in SGLang
 
 
-@pytest.mark.parametrize("regex", [r"[\w-]+", r"[^\W\d]+"])  # \w in a class, \W negated
-def test_word_classes_take_the_tokens_python_reads_as_word_characters(instruct, regex):
+# \w in a class, \W negated; \S, a class and \w under (?i), anchors.
+CLASSES = [r"[\w-]+", r"[^\W\d]+", r"\S+", r"(?i)[a-z]+", r"(?i)\w+", r"^\s+$"]
+
+
+@pytest.mark.parametrize("regex", CLASSES)
+def test_classes_take_the_tokens_python_reads_in_them(instruct, regex):
     """Rust's `\\w` also takes combining marks (U+094D, U+05B0: 22 single tokens of this
-    vocabulary), which Python's does not: outputs would not `re.fullmatch`. A whole token
-    must be allowed exactly where Python's `re` reads each of its characters as the class."""
+    vocabulary), its `\\S` takes U+001C..U+001F, and its `(?i)` folds case otherwise
+    (Python's `(?i)[a-z]` takes U+0130 and U+0131): outputs would not `re.fullmatch`, or
+    could not be all it matches. A whole token must be allowed exactly where Python's `re`
+    reads each of its characters as the class."""
     from lmprog_runtime.constrained.outlines_backend import OutlinesGrammarBackend, token_bytes
 
     tokenizer = instruct.tokenizer

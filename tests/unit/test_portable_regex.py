@@ -1,0 +1,103 @@
+"""`portable_regex` against Python's `re`: its output is a Python regex too, and must take
+exactly the strings the input takes under `re.fullmatch`, on patterns built from pieces
+that Rust's engine reads otherwise (classes, `(?i)`, `(?s)`, anchors, `{,n}`) and strings
+of characters where the readings differ (U+212A, U+0130, U+001C, combining marks). That
+Rust reads the output as Python does is checked on a real vocabulary, in
+tests/runtime/test_constrained_real.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmprog_runtime.constrained.portable_regex import nests_as_written, portable_regex
+
+CHARS = "aAkKsS_-. 0٣\n\t\x1c\u212a\u0130\u0131\u017f\u0301\u0345é{},$^\\"
+PIECES = [
+    "a", "k", "s", r"\.", "-", " ", ".", r"\w", r"\W", r"\d", r"\D", r"\s", r"\S", "[a-k]",
+    r"[^a\s]", r"[\w-]", r"[^\W\d]", "[é{]", r"\u0130", r"\x1c", "{", "a{1, 3}", "[.^$]",
+]  # fmt: skip
+
+
+def _repeat(piece: str) -> st.SearchStrategy[str]:
+    counts = st.sampled_from(["", "?", "*", "+", "{2}", "{,2}", "{1,}", "{0,2}?", "{,}"])
+    return counts.map(lambda count: f"(?:{piece}){count}")
+
+
+BODIES = st.recursive(
+    st.sampled_from(PIECES),
+    lambda inner: st.one_of(
+        st.lists(inner, min_size=2, max_size=3).map("".join),
+        st.lists(inner, min_size=2, max_size=3).map(lambda ps: "(" + "|".join(ps) + ")"),
+        inner.flatmap(_repeat),
+        inner.map(lambda p: f"(?i:{p})"),
+    ),
+    max_leaves=5,
+)
+PATTERNS = st.tuples(
+    st.sampled_from(["", "(?i)", "(?s)", "(?a)", "(?is)"]),
+    st.sampled_from(["", "^", r"\A"]),
+    BODIES,
+    st.sampled_from(["", "$", r"\Z"]),
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(PATTERNS, st.lists(st.text(CHARS, max_size=5), min_size=20, max_size=20))
+def test_the_output_takes_the_strings_the_pattern_takes(pattern, texts):
+    portable = re.compile(portable_regex(pattern))
+    original = re.compile(pattern)
+    for text in texts:
+        assert bool(portable.fullmatch(text)) == bool(original.fullmatch(text)), (pattern, text)
+
+
+@pytest.mark.parametrize("pattern", [r"\w", r"\S", r"(?i)[a-z]", r"(?i)k", r"(?s).", "[^a]"])
+def test_a_class_is_every_character_python_takes_in_it(pattern):
+    portable = re.compile(portable_regex(pattern))
+    original = re.compile(pattern)
+    for code in range(0x30000):
+        if not 0xD800 <= code <= 0xDFFF:  # (no UTF-8 text holds a surrogate)
+            char = chr(code)
+            assert bool(portable.fullmatch(char)) == bool(original.fullmatch(char)), hex(code)
+
+
+@pytest.mark.parametrize(
+    "pattern", ["\\w", "(?i)\u0130", "\u00e9{2}", r"[\U0001F600-\U0001F64F]", "a{1, 3}"]
+)
+def test_the_output_is_letters_digits_escapes_and_syntax(pattern):
+    """Nothing left that the two engines could read apart: every other character escaped."""
+    assert re.fullmatch(r"([A-Za-z0-9()?:|*+{},\[\]^-]|\\x[0-9a-f]{2}|\\u[0-9a-f]{4}"
+                        r"|\\U[0-9a-f]{8})*", portable_regex(pattern))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        ("x(a|^b)", "only at the start"),
+        ("a$b", "only at the start"),
+        (r"a$\n", "only at the start"),
+        ("(^a)*", "only at the start"),
+        (r"\bx", r"\\b and \\B"),
+        (r"(a)\1", "back-reference"),
+        ("(?=a)a", "lookaround"),
+        ("a*+", "possessive"),
+        ("(?>a)", "atomic"),
+        ("(a", "Python's re refuses it"),
+    ],
+)
+def test_what_no_finite_automaton_follows_is_refused_with_why(pattern, message):
+    with pytest.raises(ValueError, match=message):
+        portable_regex(pattern)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "nests"),
+    [("a+", True), ("[^a]", True), ("^a", False), ("a$", False), ("(?i)a", False), ("(", True)],
+)
+def test_what_changes_meaning_behind_other_text_is_told(pattern, nests):
+    """A healed pattern puts the backed-up text in front (`token_healing.healed_pattern`):
+    an anchor or a global flag would then mean another thing, or be refused."""
+    assert nests_as_written(pattern) == nests
