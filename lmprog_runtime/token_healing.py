@@ -28,7 +28,11 @@ import torch
 
 from lmprog_runtime.constrained.base import Matcher, word_allows
 from lmprog_runtime.constrained.outlines_backend import token_bytes
-from lmprog_runtime.constrained.portable_regex import nests_as_written, portable_regex
+from lmprog_runtime.constrained.portable_regex import (
+    nests_as_written,
+    portable_regex,
+    without_edge_anchors,
+)
 
 # Prompt tokens an output is decoded after: those before a backed-up token, or
 # (`Engine._detok_context`) the prompt's last ones.
@@ -119,13 +123,16 @@ class TokenHealer:
 def healed_pattern(text: str, regex: str) -> str:
     """`regex` with the literal `text` in front: ASCII other than letters and digits as
     `\\xHH` escapes (read alike by outlines-core and interegular), other characters as
-    themselves (none of them is special in a regex). A `regex` with an anchor or a global
-    flag (`^\\d+$`, `(?i)yes`) goes in as `portable_regex` writes it, which has neither:
-    they belong to the gen's own output. (The rest go in as written: jump-forward reads
-    them with interegular, which reads neither anchors nor the portable form.)"""
+    themselves (none of them is special in a regex). Anchors and global flags belong to the
+    gen's own output: a `regex` with them (`^\\d+$`, `(?i)yes`) goes in without its edge
+    anchors, or as `portable_regex` writes it (with neither) where that is not enough. The
+    rest go in as written: jump-forward reads them with interegular, which does not read
+    the portable form."""
     literal = "".join(
         ch if ch.isalnum() or not ch.isascii() else f"\\x{ord(ch):02x}" for ch in text
     )
+    if not nests_as_written(regex):
+        regex = without_edge_anchors(regex)
     if not nests_as_written(regex):
         with contextlib.suppress(ValueError):  # (the compile refuses it again, naming why)
             regex = portable_regex(regex)

@@ -30,6 +30,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar
+from lmprog_runtime.constrained.portable_regex import without_edge_anchors
 
 MAX_PATTERN_CHARS = 50_000
 MAX_STUCK = 4  # abandoned compiles (busy in native code) beside which fresh threads start
@@ -160,11 +161,13 @@ class GrammarCache:
 
 def _build_char_fsm(grammar: Grammar) -> None:
     """Set `grammar._char_fsm`: its character FSM, or False where interegular cannot read
-    a pattern outlines-core compiled (`\\u00e9`, `$`, flags: no jump-forward then)."""
+    a pattern outlines-core compiled (`\\u00e9`, an anchor inside it, flags: no
+    jump-forward then)."""
     from lmprog_runtime.constrained.jump_forward import CharFSM
 
     try:
-        grammar._char_fsm = CharFSM(grammar.regex)  # type: ignore[attr-defined]
+        regex = without_edge_anchors(grammar.regex)  # (interegular reads no anchor)
+        grammar._char_fsm = CharFSM(regex)  # type: ignore[attr-defined]
     except Exception as error:  # noqa: BLE001 - interegular's own exception types
         logger.info("no jump-forward for %.80r: %s", grammar.regex, error)
         grammar._char_fsm = False  # type: ignore[attr-defined]

@@ -69,6 +69,22 @@ def nests_as_written(regex: str) -> bool:
     return not tree.state.flags & ~re.UNICODE and "AT" not in _op_names(tree)
 
 
+def without_edge_anchors(regex: str) -> str:
+    """`regex` less a `^` / `\\A` it starts with and a `$` / `\\Z` it ends with, cut
+    from its text: the same whole matches, for a reader that reads no anchor (interegular,
+    which builds jump-forward's FSM) or behind other text (a healed pattern)."""
+    for start in ("^", "\\A"):
+        if regex.startswith(start):
+            regex = regex[len(start) :]
+            break
+    for end in ("$", "\\Z"):
+        stem = regex[: len(regex) - len(end)]
+        escaped = (len(stem) - len(stem.rstrip("\\"))) % 2 == 1  # (`\\$` is a dollar)
+        if regex.endswith(end) and not escaped:
+            return stem
+    return regex
+
+
 def _parse(regex: str):
     """Python's parse of `regex` (re.error where it refuses it)."""
     with warnings.catch_warnings():  # (re's FutureWarning on `[[`: the compile refuses it)

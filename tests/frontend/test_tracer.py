@@ -197,10 +197,10 @@ SERVED = [r"[\u0400-\u04FF]{2}", r"\u00e9{2}", "(yes|no)$", r"\A(yes|no)\Z", "^a
 
 
 @pytest.mark.parametrize("regex", SERVED)
-def test_patterns_the_runtime_serves_without_jump_forward_run_in_programs(engine, regex):
-    """interegular (the jump-forward FSM's reader) cannot read these, and the static check
-    once asked it, or refused `\\A`: programs refused them, though the engine serves them
-    (it refused `^` and `a{,3}` too)."""
+def test_patterns_the_static_check_once_refused_run_in_programs(engine, regex):
+    """The static check once asked interegular (the jump-forward FSM's reader), which
+    cannot read the first three, and refused `\\A`: programs refused these, though the
+    engine serves them (since it reads `^` and `a{,3}` as Python's `re` does)."""
 
     @lp.function
     def program(s):

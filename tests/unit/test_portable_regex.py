@@ -13,7 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmprog_runtime.constrained.portable_regex import nests_as_written, portable_regex
+from lmprog_runtime.constrained.portable_regex import (
+    nests_as_written,
+    portable_regex,
+    without_edge_anchors,
+)
 
 CHARS = "aAkKsS_-. 0٣\n\t\x1c\u212a\u0130\u0131\u017f\u0301\u0345é{},$^\\"
 PIECES = [
@@ -48,10 +52,29 @@ PATTERNS = st.tuples(
 @settings(max_examples=300, deadline=None)
 @given(PATTERNS, st.lists(st.text(CHARS, max_size=5), min_size=20, max_size=20))
 def test_the_output_takes_the_strings_the_pattern_takes(pattern, texts):
-    portable = re.compile(portable_regex(pattern))
+    """So does the pattern less its edge anchors (jump-forward's FSM reads it)."""
     original = re.compile(pattern)
-    for text in texts:
-        assert bool(portable.fullmatch(text)) == bool(original.fullmatch(text)), (pattern, text)
+    for rewritten in (portable_regex(pattern), without_edge_anchors(pattern)):
+        rewritten = re.compile(rewritten)
+        for text in texts:
+            expected = bool(original.fullmatch(text))
+            assert bool(rewritten.fullmatch(text)) == expected, (pattern, rewritten, text)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "cut"),
+    [
+        ("^a$", "a"),
+        (r"\Aa\Z", "a"),
+        ("^$", ""),
+        (r"a\$", r"a\$"),  # an escaped dollar
+        ("a\\\\$", "a\\\\"),  # an escaped backslash, then the anchor
+        ("[$]", "[$]"),
+        ("(?i)^a$", "(?i)^a"),  # (a flag first: the `^` is left, and the pattern read so)
+    ],
+)
+def test_edge_anchors_are_cut_from_the_text(pattern, cut):
+    assert without_edge_anchors(pattern) == cut
 
 
 @pytest.mark.parametrize("pattern", [r"\w", r"\S", r"(?i)[a-z]", r"(?i)k", r"(?s).", "[^a]"])
