@@ -13,7 +13,10 @@ tokenizers (byte fallback, `▁` for spaces) keep the tokenizer's own decode.
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any
+
+_BYTE_PIECE = re.compile("<0x[0-9A-Fa-f]{2}>")
 
 
 def unicode_to_byte() -> dict[str, int]:
@@ -90,3 +93,15 @@ class ByteLevelTable:
             return b"".join(map(piece, map(operator.index, ids))).decode("utf-8", "replace")
         except (KeyError, TypeError):
             return None
+
+
+def byte_piece_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of a byte-fallback tokenizer's byte pieces (`<0xE2>`), where its decoder
+    reads them as runs (the tokenizers library's `ByteFallback`): a run that is not valid
+    UTF-8 decodes to one U+FFFD per byte, its valid characters too, so a byte piece's text
+    is known only once a piece of another kind follows it. Empty for other tokenizers."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or "ByteFallback" not in str(backend.decoder):
+        return frozenset()
+    pieces = tokenizer.get_vocab().items()
+    return frozenset(token_id for piece, token_id in pieces if _BYTE_PIECE.fullmatch(piece))

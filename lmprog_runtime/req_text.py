@@ -20,7 +20,8 @@ class ReqText:
     def decoded_text(self) -> str:
         """The output decoded so far, incrementally: only the new tokens are decoded, after
         the previous window as context (so merged pieces and leading spaces come out as in
-        a full decode); an incomplete UTF-8 sequence waits for the token that completes it.
+        a full decode); an incomplete UTF-8 sequence waits for the token that completes it,
+        and a run of byte-fallback pieces for a piece of another kind.
         The new tokens are taken one at a time, so the text is the same however many
         tokens came since the last call (a trailing incomplete sequence holds back only
         itself, not the complete tokens before it)."""
@@ -36,6 +37,8 @@ class ReqText:
                 )
             after = self.tokenizer.decode(self._detok_ids(start, end), skip_special_tokens=skip)
             self._tried = end
+            if self._byte_pieces and self._detok_ids(end - 1, end)[0] in self._byte_pieces:
+                continue  # (a byte piece's run may go on, and change its text)
             if len(after) > len(before) and not after.endswith("\ufffd"):
                 self._decoded_text += after[len(before) :]
                 start, read, before = read, end, None

@@ -83,6 +83,7 @@ class RequestMaker:
                 heal=heal,
                 detok_context=self._detok_context(item) if heal is None else None,
                 context_free_decode=self._byte_table is not None,
+                byte_pieces=self._byte_pieces,
             )
             for item, seed, heal in zip(items, seeds, heals)
         ]

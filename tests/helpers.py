@@ -241,3 +241,25 @@ def metaspace_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+
+
+def byte_fallback_tokenizer():
+    """A Llama-2-style tokenizer (SentencePiece BPE with byte fallback), built by hand:
+    characters outside its few words are `<0xNN>` byte pieces, and its decoder reads a run
+    of them together (`ByteFallback`): one not valid UTF-8 gives one U+FFFD per byte."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    pieces += ["▁", "a", "b", "▁a", "▁b", "ab", "▁ab"]
+    merges = [("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b")]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tk.add_special_tokens([AddedToken(s, special=True) for s in pieces[:3]])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )

@@ -228,16 +228,56 @@ def test_streamed_text_adds_up_to_the_final_text_and_stops_as_unstreamed(tokeniz
     assert quiet.text.startswith(before[: max(0, len(before) - overlap)])
 
 
-@pytest.fixture(scope="module")
-def metaspace_engine(tmp_path_factory):
-    """An engine on a random tiny Llama whose tokenizer is SentencePiece-style (Metaspace,
-    a decoder that strips the text's first space)."""
-    from helpers import TINY_ARCH_CONFIG, metaspace_tokenizer, random_hf_model
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_byte_fallback_runs_stream_the_final_text(data):
+    """A byte-fallback tokenizer decodes a run of byte pieces together, and one that is not
+    valid UTF-8 as one U+FFFD per byte: a stray byte after a whole character changes that
+    character's text too. The text grows only as a prefix of the full decode, and the
+    streamed text adds up to the final one (it once streamed the character, then stopped)."""
+    from helpers import byte_fallback_tokenizer
+
+    from lmprog_runtime.byte_decode import byte_piece_ids
+
+    tokenizer = byte_fallback_tokenizer()
+    pieces = byte_piece_ids(tokenizer)
+    assert len(pieces) == 256
+    characters = st.sampled_from(["▁a", "▁ab", "b", "▁", "✅", "é", "日", "🙂"]).map(
+        lambda text: tokenizer.encode(text.replace("▁", " "), add_special_tokens=False)
+    )
+    stray = (
+        st.sampled_from([0xF0, 0xE2, 0x9C, 0x80])
+        .map(lambda b: [f"<0x{b:02X}>"])
+        .map(tokenizer.convert_tokens_to_ids)
+    )
+    parts = data.draw(st.lists(st.one_of(characters, stray), min_size=1, max_size=12))
+    ids = [token for part in parts for token in part]
+    quiet, streamed = (
+        Req(
+            0,
+            [1],
+            SamplingParams.from_dict({"max_new_tokens": 100}),
+            tokenizer=tokenizer,
+            eos_token_ids=frozenset(),
+            context_len=1000,
+            byte_pieces=pieces,
+        )  # fmt: skip
+        for _ in range(2)
+    )
+    for n in range(1, len(ids) + 1):
+        quiet.output_ids.append(ids[n - 1])
+        assert tokenizer.decode(ids[:n], skip_special_tokens=True).startswith(quiet.decoded_text())
+    deltas = _run(streamed, ids, streamed=True)
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    assert streamed.text == "".join(deltas) == full
+
+
+def _engine_with(tokenizer, path):
+    """An engine on a random tiny Llama with `tokenizer`, saved under `path`."""
+    from helpers import TINY_ARCH_CONFIG, random_hf_model
 
     from lmprog_runtime import Engine
 
-    tokenizer = metaspace_tokenizer()
-    path = tmp_path_factory.mktemp("metaspace")
     model = random_hf_model(
         "llama",
         **{**TINY_ARCH_CONFIG, "vocab_size": len(tokenizer)},
@@ -246,9 +286,32 @@ def metaspace_engine(tmp_path_factory):
     )
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
-    engine = Engine(str(path), max_total_tokens=2048, dtype="float32")
+    return Engine(str(path), max_total_tokens=2048, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def metaspace_engine(tmp_path_factory):
+    """An engine on a random tiny Llama whose tokenizer is SentencePiece-style (Metaspace,
+    a decoder that strips the text's first space)."""
+    from helpers import metaspace_tokenizer
+
+    tokenizer = metaspace_tokenizer()
+    engine = _engine_with(tokenizer, tmp_path_factory.mktemp("metaspace"))
     yield engine, tokenizer
     engine.shutdown()
+
+
+def test_byte_fallback_outputs_stream_the_final_text(tmp_path):
+    """Random weights draw byte pieces in every order, runs that are not UTF-8 included:
+    whole and streamed, the text is what the output adds to the prompt's full decode."""
+    from helpers import byte_fallback_tokenizer
+
+    tokenizer = byte_fallback_tokenizer()
+    with _engine_with(tokenizer, tmp_path) as engine:
+        ids = tokenizer("ab").input_ids
+        for seed in range(12):
+            params = {"max_new_tokens": 24, "temperature": 8.0, "seed": seed, "ignore_eos": True}
+            _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params)
 
 
 @pytest.mark.parametrize("prompt", ["Hi", "Hi Hi", "Hi!"])
