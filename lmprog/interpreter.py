@@ -101,7 +101,7 @@ class Interpreter:
     def advance(self, stream: Stream, outbox: Outbox) -> None:
         """Run `stream`'s nodes until one needs a request, a join waits, or none is left."""
         while True:
-            with stream.cv:
+            with stream.lock:
                 if stream.is_done or stream.is_busy or not stream.is_started:
                     return
                 limit = len(stream.nodes) if stream.hold is None else stream.hold
@@ -117,7 +117,7 @@ class Interpreter:
             except BaseException as error:  # noqa: BLE001 - this program fails, others go on
                 self.fail(stream, error)
                 return
-            with stream.cv:
+            with stream.lock:
                 if finished:
                     stream.pos += 1
                 stream.cv.notify_all()
@@ -141,7 +141,7 @@ class Interpreter:
                 branch.st = st.copy()
                 branch.st.on_emit = branch._on_emit
                 branch.fork_base = base
-                with branch.cv:
+                with branch.lock:
                     if branch.is_streaming and st.text:  # (its stream starts with the text
                         branch.events.append((None, st.text, None))  # it inherits)
                     branch.is_started = True
@@ -150,7 +150,7 @@ class Interpreter:
             return True
         if isinstance(node, Join):
             branches = stream.branches[node.fork_id]
-            with stream.cv:
+            with stream.lock:
                 failed = [b.error for b in branches if b.error is not None]
                 if failed:
                     raise failed[0]
@@ -171,7 +171,7 @@ class Interpreter:
     def _set_busy(stream: Stream) -> bool:
         """Mark a request in flight, unless the program has just failed (its thread may
         fail it at any time): then nothing is sent and the stream ends."""
-        with stream.cv:
+        with stream.lock:
             if stream.error is not None:
                 return False
             stream.is_busy = True
@@ -182,7 +182,7 @@ class Interpreter:
         It and its branches end once their requests in flight (if any) are back; branches
         not started end now. A program that has ended keeps its outcome (a late cancel of a
         whole batch finds it finished)."""
-        with stream.cv:
+        with stream.lock:
             if stream.error is None and not stream.is_done:
                 stream.error = error
             for branches in stream.branches.values():
@@ -208,7 +208,7 @@ class Interpreter:
             self.post(functools.partial(self._abort_in_flight, stream, again=False))
 
     def _end(self, stream: Stream) -> None:
-        with stream.cv:
+        with stream.lock:
             if stream.is_done:
                 return
             stream.is_done = True
@@ -229,12 +229,12 @@ class Interpreter:
         try:
             if stream.error is None:
                 apply()
-                with stream.cv:
+                with stream.lock:
                     stream.pos += 1
         except BaseException as error:  # noqa: BLE001 - this program fails, others go on
-            with stream.cv:
+            with stream.lock:
                 stream.error = stream.error or error
-        with stream.cv:
+        with stream.lock:
             stream.is_busy = False
             stream.cv.notify_all()
         if stream.error is not None:
@@ -254,7 +254,7 @@ class Interpreter:
         try:
             self._apply_chunk(stream, gen, chunk)
         except BaseException as error:  # noqa: BLE001 - this program fails, others go on
-            with stream.cv:
+            with stream.lock:
                 stream.error = stream.error or error  # it ends when its request is back
 
     def _apply_chunk(self, stream: Stream, gen: Gen, chunk: dict[str, Any]) -> None:
@@ -364,7 +364,7 @@ class _Countdown:
 
 
 def _refused(interp: Interpreter, stream: Stream, error: BaseException) -> None:
-    with stream.cv:
+    with stream.lock:
         stream.is_busy = False
     interp.fail(stream, error)
 

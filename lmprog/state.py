@@ -124,7 +124,7 @@ class ProgramState(StateBlocks):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"fork size must be a positive int, got {size!r}")
         parent = self._stream
-        with parent.cv:
+        with parent.lock:
             if parent.is_closed:
                 raise RuntimeError("this state's program has ended; it cannot fork")
             fork_id = len(parent.branches)
@@ -152,14 +152,14 @@ class ProgramState(StateBlocks):
         outside a streaming run's body, until the body has returned and all of it has run."""
         self._join_body()
         stream = self._stream
-        with self._cancel_on_interrupt(), stream.cv:
+        with self._cancel_on_interrupt(), stream.lock:
             stream.wait(stream.is_synced)
 
     def _wait_done(self) -> None:
         """Wait until this state and every branch below it have ended (after `close`)."""
         self._join_body()
         for stream in self._stream.lineage():
-            with stream.cv:
+            with stream.lock:
                 stream.wait(lambda: False)
 
     def _cancel(self, error: BaseException) -> None:
@@ -187,7 +187,7 @@ class ProgramState(StateBlocks):
         """Wait until the node setting `name` has run; from outside a streaming run's body,
         for the body to append it first (or to end without it)."""
         stream, outside = self._stream, self._outside_body()
-        with self._cancel_on_interrupt(), stream.cv:
+        with self._cancel_on_interrupt(), stream.lock:
             stream.wait(
                 lambda: (
                     (not outside or name in stream.producers or stream.is_closed)
@@ -211,7 +211,7 @@ class ProgramState(StateBlocks):
         """Set a variable at this point of the program (later reads see it); on a finished
         state, set it at once."""
         stream = self._stream
-        with stream.cv:
+        with stream.lock:
             if not stream.is_closed:
                 stream.append([(SetVar(name, value), name)])
                 return
@@ -291,7 +291,7 @@ class ProgramState(StateBlocks):
         does not wait: a running program shows what it has so far, marked running (it once
         waited for the end, and so did `asyncio.run` returning such a state)."""
         stream = self._stream
-        with stream.cv:
+        with stream.lock:
             text, variables, error = stream.st.text, dict(stream.st.variables), stream.error
             kind = "ProgramState" if stream.is_done else "ProgramState[running]"
         return short_repr(kind, text, variables, error)
@@ -322,7 +322,7 @@ class ProgramStateGroup(BranchGroup):
         for branch in branches:
             branch.close()
         parent = self._parent._stream
-        with parent.cv:  # (one step: a reader waiting for a gathered name sees it at once)
+        with parent.lock:  # (one step: a reader waiting for a gathered name sees it at once)
             index = parent.append([(Join(self._fork_id, mode), None)])
             if mode == "gather_variable":
                 for branch in branches:

@@ -56,6 +56,10 @@ class Stream:
         self.is_done = False
         self.is_queued = False
         self.inflight: list[Any] = []  # the futures of its request(s) in flight
+        # Taken as `with stream.lock:` (the RLock's own C `__enter__`), never `with
+        # stream.cv:`: `Condition.__enter__` is Python, and a Ctrl-C between its acquire and
+        # its return left the lock held, hanging every program after it.
+        self.lock = interpreter.lock
         self.cv = threading.Condition(interpreter.lock)
         interpreter.add_live()
 
@@ -63,7 +67,7 @@ class Stream:
     def append(self, nodes: list[tuple[Expr, str | None]]) -> int:
         """Append `(node, variable it sets or None)` pairs as one step of the program (one
         `+=`); returns the index of the first."""
-        with self.cv:
+        with self.lock:
             if self.is_closed:
                 raise RuntimeError("this state's program has ended; nothing can be appended")
             first = len(self.nodes)
@@ -85,7 +89,7 @@ class Stream:
 
     def close(self) -> None:
         """The program will append nothing more here (nor in the branches of this state)."""
-        with self.cv:
+        with self.lock:
             for stream in self.lineage():
                 stream.is_closed = True
                 stream.hold = None
@@ -128,7 +132,7 @@ class Stream:
         """The non-empty text deltas (of `var_name`, or all) among the events from `start`
         on, waiting for at least one event or the end; returns them with their meta info,
         where the next call starts, and whether the stream has ended (no event after)."""
-        with self.cv:
+        with self.lock:
             self.wait(lambda: len(self.events) > start)
             events, is_done = self.events[start:], self.is_done
         deltas = [
@@ -141,6 +145,6 @@ class Stream:
     def _on_emit(self, name: str | None, text: str) -> None:
         if self.is_streaming:
             meta = self.st.meta.get(name) if name is not None else None
-            with self.cv:
+            with self.lock:
                 self.events.append((name, text, meta))
                 self.cv.notify_all()

@@ -174,8 +174,10 @@ class Engine(RequestMaker, EngineLoop, EngineView):
         self._deadlines: list[tuple[float, int]] = []
         self._schedule_failures = 0
         self._fault_hook: Callable[[str, Req], None] | None = None
-        # Reentrant (the default RLock): the finalizer may run on the loop thread inside `cv`.
-        self._cv = threading.Condition()
+        # Reentrant: the finalizer may run on the loop thread inside `cv`. Callers take it as
+        # `with self._lock:` (C's `__enter__`: a Ctrl-C in `Condition.__enter__` kept it held).
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
         self._stopping = False
         # The thread gets a weak reference and the condition variable, never `self` (a bound
         # method would keep the engine alive as long as the thread runs, i.e. forever).
@@ -295,7 +297,7 @@ class Engine(RequestMaker, EngineLoop, EngineView):
         in the prefix cache. An id that has already finished (or never existed) is ignored."""
         if isinstance(request_id, bool) or not isinstance(request_id, int):
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
-        with self._cv:
+        with self._lock:
             self._aborts.append((request_id, RequestAborted(f"request {request_id} was aborted")))
             self._cv.notify_all()
 
@@ -318,7 +320,7 @@ class Engine(RequestMaker, EngineLoop, EngineView):
     def shutdown(self) -> None:
         if threading.current_thread() is self._thread:  # (a callback: it cannot join itself)
             raise RuntimeError("shutdown() cannot run on the engine's own loop thread (a callback)")
-        with self._cv:
+        with self._lock:
             if self._stopping:
                 return
             self._stopping = True
@@ -346,7 +348,7 @@ class Engine(RequestMaker, EngineLoop, EngineView):
         """Run `name` on the loop thread, between steps, and return its result (or raise
         its exception here)."""
         done, result = threading.Event(), []
-        with self._cv:
+        with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine has been shut down")
             self._commands.append((name, args, done, result))
@@ -357,7 +359,7 @@ class Engine(RequestMaker, EngineLoop, EngineView):
         return result[0]
 
     def _submit(self, reqs: list[Req]) -> None:
-        with self._cv:
+        with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine has been shut down")
             limit = self.config.max_queued_requests

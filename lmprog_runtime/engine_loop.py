@@ -72,7 +72,7 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
 
     def _take_inputs(self) -> None:
         """Admit what callers submitted, run their commands, cancel what they aborted."""
-        with self._cv:
+        with self._lock:
             new, self._inbox = self._inbox, []
             commands, self._commands = self._commands, []
             aborts, self._aborts = self._aborts, []
@@ -113,7 +113,7 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
         abort of a request not taken in yet (submitted meanwhile) waits for `_take_inputs`,
         which takes the request in first."""
         live = self._live
-        with self._cv:
+        with self._lock:
             aborts = [abort for abort in self._aborts if abort[0] in live]
             self._aborts = [abort for abort in self._aborts if abort[0] not in live]
         self._cancel(aborts)
@@ -363,7 +363,7 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
             req.text = ""
         if req.error is None:
             self._stats.add("finished_requests")
-        with self._cv:
+        with self._lock:
             self._num_unfinished -= 1
         self._announce(req)
 

@@ -562,3 +562,42 @@ def test_a_late_cancel_leaves_a_finished_program_as_it_ended(engine):
     state = short.run(backend=engine)
     state._cancel(RuntimeError("the batch was stopped"))
     assert state.error() is None and len(state["a"]) > 0
+
+
+def test_callers_never_take_the_shared_locks_through_condition_enter(engine, monkeypatch):
+    """A Ctrl-C lands between bytecodes. In `threading.Condition.__enter__` (Python) it can
+    land after the lock's acquire, before the `with` takes over: the lock stays held, and
+    every program after it hangs (a probe saw it in 320 of 645 interrupts). So callers take
+    the interpreter's and the engine's locks as `with lock:`, the RLock's own C method.
+    Recorded here: each `Condition.__enter__` on the main thread over one of those locks,
+    while a program runs, streams, forks, reads and batches, and the engine generates,
+    aborts and runs a command."""
+    import threading
+
+    entered, main = [], threading.get_ident()
+    enter = threading.Condition.__enter__
+
+    def recording_enter(cv):
+        if threading.get_ident() == main:  # (not current_thread(): a thread starting enters)
+            entered.append(cv._lock)
+        return enter(cv)
+
+    @lp.function
+    def prog(s):
+        s += "Once" + lp.gen("a", max_tokens=3, **GREEDY)
+        forks = s.fork(2)
+        forks += lp.gen("b", max_tokens=2, **GREEDY)
+        forks.join()
+        s += s["a"] + lp.gen("c", max_tokens=2, **GREEDY)
+
+    monkeypatch.setattr(threading.Condition, "__enter__", recording_enter)
+    state = prog.run(backend=engine)
+    streamed = prog.run(stream=True, backend=engine)
+    assert "".join(streamed.text_iter()) and streamed["c"] == state["c"]
+    prog.run_batch([{}, {}], backend=engine)
+    engine.generate("Hi", {"max_new_tokens": 2})
+    engine.abort(123456)
+    engine.flush_cache()
+    monkeypatch.undo()
+    shared = {id(engine._cv._lock), id(state._stream.cv._lock)}
+    assert not [lock for lock in entered if id(lock) in shared]
