@@ -56,6 +56,9 @@ class BaseGrammarBackend(ABC):
     def schema_to_regex(self, schema: str) -> str:
         """A JSON schema (as JSON text) to the regex of the documents it accepts."""
 
+    def close(self) -> None:  # noqa: B027 - a backend with nothing to stop keeps it
+        """Stop what compiles (the engine shuts down)."""
+
 
 def word_allows(words: torch.Tensor, token_id: int) -> bool:
     """Whether mask words (`Matcher.fill_mask_words`' layout) allow `token_id`."""

@@ -6,17 +6,18 @@ serving while a new schema compiles. The submitting caller waits for it, at most
 caller as ValueError before anything is queued. Concurrent callers asking for the same
 pattern share one compile.
 
-The cache keeps the `max_entries` grammars used last (a compiled grammar over a 49k-token
-vocabulary takes 20-35 MiB: a dataset run with a pattern per row, or token healing's
+The cache keeps the `max_entries` grammars used last (a small JSON schema's grammar over a
+49k-token vocabulary takes about 14 MiB with jump-forward's FSM: a dataset run with a pattern per row, or token healing's
 patterns, would otherwise grow without bound). Dropping one only drops the cache's
 reference: requests using it keep it; asked for again, it compiles again. Compiles still
 running are never dropped, so their callers keep sharing them.
 
 A compile that outlasts the timeout is abandoned: its thread is interrupted (the
 jump-forward FSM's build, pure Python, stops at once; outlines-core's compile, native code,
-when it returns), and later compiles go to fresh threads, so a pattern that explodes does
-not hold up the others (while at most `MAX_STUCK` abandoned compiles still run: the
-threads of more would grow without bound).
+runs in a child process that is then killed: `index_process.py`), and later compiles go to
+fresh threads, so a pattern that explodes does not hold up the others (while at most
+`MAX_STUCK` abandoned compiles still run, as a backend's native code in a thread would:
+the threads of more would grow without bound).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class GrammarCache:
         except (FutureTimeout, _Abandoned) as error:
             self._forget(key, future)
             self._abandon(future)
+            if self._closed:
+                raise RuntimeError(SHUT_DOWN) from error
             also = " (or turn jump-forward off: disable_jump_forward=True)" * self.jump_forward
             raise ValueError(
                 f"{kind} took longer than {self.timeout_s:g} s to compile; simplify it{also}"
@@ -124,12 +127,17 @@ class GrammarCache:
 
     def close(self) -> None:
         """Stop the compile threads (the engine shuts down): compiles not started are
-        cancelled, one running finishes on its own, and the threads then exit."""
+        cancelled, running ones interrupted (their callers get the shutdown's error), and
+        the threads then exit."""
         with self._lock:
             self._closed = True
             pools, self._old_pools = [*self._old_pools, self._pool], []
+            running = list(self._jobs.values())
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
+        for job in running:
+            job.interrupt()
+        self.backend.close()
 
     def keys(self) -> list[tuple[str, str]]:
         """The cached (kind, pattern) keys, least recently used first."""

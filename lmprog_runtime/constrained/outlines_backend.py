@@ -16,6 +16,7 @@ import torch
 
 from lmprog_runtime.byte_decode import unicode_to_byte
 from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar, Matcher
+from lmprog_runtime.constrained.index_process import IndexCompiler
 from lmprog_runtime.constrained.json_schema import schema_to_regex
 from lmprog_runtime.constrained.portable_regex import portable_regex
 
@@ -95,10 +96,9 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         for token_id, data in token_bytes(tokenizer).items():
             by_bytes.setdefault(data, []).append(token_id)
         self._vocabulary = Vocabulary(eos_token_id, by_bytes)
+        self._indexes = IndexCompiler(self._vocabulary)  # (in child processes: stoppable)
 
     def compile_regex(self, regex: str) -> Grammar:
-        from outlines_core import Index
-
         reason = class_syntax_error(regex)
         if reason is not None:
             raise ValueError(f"cannot compile regex {regex!r}: {reason}")
@@ -107,12 +107,15 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         except ValueError as error:
             raise ValueError(f"cannot compile regex {regex!r}: {error}") from None
         try:
-            return _OutlinesGrammar(Index(portable, self._vocabulary), regex)
+            return _OutlinesGrammar(self._indexes.compile(portable), regex)
         except Exception as error:  # outlines-core raises ValueError / RuntimeError / panics
             raise ValueError(f"cannot compile regex {regex!r}: {error}") from error
 
     def schema_to_regex(self, schema: str) -> str:
         return schema_to_regex(schema)
+
+    def close(self) -> None:
+        self._indexes.close()
 
 
 def class_syntax_error(regex: str) -> str | None:

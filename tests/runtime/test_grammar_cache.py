@@ -1,5 +1,5 @@
 """The compiled-grammar cache is bounded: the `grammar_cache_size` grammars used last are
-kept, older ones dropped (a grammar over a 49k-token vocabulary takes 20-35 MiB; a dataset
+kept, older ones dropped (a schema's grammar over a 49k-token vocabulary takes ~14 MiB; a dataset
 run with a pattern per row would otherwise grow without bound). Checked against a naive
 least-recently-used list on real outlines-core compiles over the tiny model's vocabulary.
 """
@@ -7,6 +7,7 @@ least-recently-used list on real outlines-core compiles over the tiny model's vo
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -126,3 +127,27 @@ def test_compiles_stuck_past_the_timeout_hold_a_bounded_number_of_threads(tiny_p
     finally:
         release.set()
         cache.close()
+
+
+def test_a_native_compile_that_explodes_is_stopped_at_the_timeout(tiny_path):
+    """outlines-core's compile of `(abc|def|ghi0){1,20}[a-z0-9]{3,60}x0` (native code) went
+    on after its timeout at a full core and 25-100 MB/s, past `shutdown()`; with eight of
+    them every later pattern timed out too, behind them. Each now runs in a child process,
+    killed at the timeout: nothing of ours stays busy, and a plain pattern compiles."""
+    psutil = pytest.importorskip("psutil")
+
+    config = {"max_total_tokens": 1024, "disable_jump_forward": True}
+    others = {child.pid for child in psutil.Process().children()}  # (other engines')
+    with Engine(tiny_path, grammar_compile_timeout_s=1, **config) as engine:
+        for i in range(8):
+            exploding = f"(abc|def|ghi{i}){{1,20}}[a-z0-9]{{3,60}}x{i}"
+            with pytest.raises(ValueError, match="longer than 1 s"):
+                engine.generate("x", {"regex": exploding, "max_new_tokens": 2})
+        out = engine.generate("x", {"regex": "[ab]{3}", "max_new_tokens": 8})
+        assert re.fullmatch("[ab]{3}", out["text"])
+        children = [c for c in psutil.Process().children() if c.pid not in others]
+        for child in children:
+            child.cpu_percent()
+        time.sleep(1.0)
+        assert sum(child.cpu_percent() for child in children if child.is_running()) < 50
+    assert not [child for child in children if child.is_running()]  # (shut down: all gone)
