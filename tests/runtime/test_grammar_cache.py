@@ -1,6 +1,6 @@
 """The compiled-grammar cache is bounded: the `grammar_cache_size` grammars used last are
-kept, older ones dropped (a schema's grammar over a 49k-token vocabulary takes ~14 MiB; a dataset
-run with a pattern per row would otherwise grow without bound). Checked against a naive
+kept, older ones dropped (a schema's grammar over a 49k-token vocabulary takes ~14 MiB; a
+dataset run with a pattern per row would otherwise grow without bound). Checked against a naive
 least-recently-used list on real outlines-core compiles over the tiny model's vocabulary.
 """
 
