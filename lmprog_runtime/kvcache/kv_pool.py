@@ -7,6 +7,9 @@ and the request-to-token table's business.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
@@ -23,8 +26,8 @@ class KVPool:
         self.num_slots = num_slots
         self.num_layers = num_layers
         shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v_buffers = [_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(
@@ -36,3 +39,14 @@ class KVPool:
         """Write new keys/values. slots: [num_tokens]; k, v: [num_tokens, num_kv_heads, head_dim]."""
         self.k_buffers[layer_id][slots] = k
         self.v_buffers[layer_id][slots] = v
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A buffer of zeros. On a CPU it lies in anonymous memory, which the OS hands out page
+    by page as it is first written: a pool takes the memory of the tokens it has held, not
+    its whole size at once (`torch.zeros` wrote every page: 3 GB for SmolLM2-135M's
+    default pool of 65,536 tokens in float32, for an engine that had run nothing)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # (zeros, mapped on first use)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)
