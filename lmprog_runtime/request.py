@@ -61,6 +61,7 @@ class Req(ReqText):
         detok_context: tuple[list[int], int] | None = None,
         context_free_decode: bool = False,
         byte_pieces: frozenset[int] = frozenset(),
+        stop_token_texts: dict[int, str] | None = None,
         on_chunk: Callable[[dict[str, Any]], None] | None = None,
         on_done: Callable[[Req], None] | None = None,
     ) -> None:
@@ -75,6 +76,10 @@ class Req(ReqText):
         self._ends_on = (
             (self.eos_token_ids | self.stop_token_ids) if stop_ids else self.eos_token_ids
         )
+        # Stop strings that are a special token's text end on it (`RequestMaker._special_stops`)
+        self._stop_token_texts = stop_token_texts or {}
+        if stop_token_texts:
+            self._ends_on = self._ends_on | frozenset(stop_token_texts)
         # Generation ends at the context length even if max_new_tokens allows more. A healed
         # prompt's backed-up token is generated again on top of max_ and min_new_tokens.
         healed = 1 if heal is not None else 0
@@ -165,8 +170,7 @@ class Req(ReqText):
         # without the window before it (`decoded_text`).
         before_output = self._detok_context or self._detok_cut or self._detok_skip
         self._decodes_alone = context_free_decode and not before_output
-        # Byte-fallback pieces: text decoded after one may still change (`byte_piece_ids`).
-        self._byte_pieces = byte_pieces
+        self._byte_pieces = byte_pieces  # (text decoded after one may change: `byte_piece_ids`)
         self._scanned = 0  # characters of the decoded text searched for stop strings
         self._min_text = 0  # characters of it before the min_new_tokens-th token's
         self._stop_regex = StopRegexScanner(params.stop_regex) if params.stop_regex else None
@@ -272,7 +276,9 @@ class Req(ReqText):
                     self.matcher = None  # token healing: the first token only
         if n >= self.min_new_tokens:  # (`can_stop`)
             if ends:
-                self.finished_reason = {"type": "stop", "matched": token_id}
+                is_id = token_id in self.eos_token_ids or token_id in self.stop_token_ids
+                matched = token_id if is_id else self._stop_token_texts[token_id]
+                self.finished_reason = {"type": "stop", "matched": matched}
                 self._mark_incomplete_constraint()
                 return
             if self._has_stops:

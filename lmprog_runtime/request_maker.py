@@ -11,6 +11,7 @@ makes (`_jump_forward`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +85,7 @@ class RequestMaker:
                 detok_context=self._detok_context(item) if heal is None else None,
                 context_free_decode=self._byte_table is not None,
                 byte_pieces=self._byte_pieces,
+                stop_token_texts=self._special_stops(item.params),
             )
             for item, seed, heal in zip(items, seeds, heals)
         ]
@@ -110,6 +112,25 @@ class RequestMaker:
         context = item.input_ids[-CONTEXT_TOKENS:]
         text = self.decode(context, skip_special_tokens=item.params.skip_special_tokens)
         return None if text.endswith("\ufffd") else (context, len(text))
+
+    def _special_stops(self, params: SamplingParams) -> dict[int, str] | None:
+        """The stop strings that are a special token's whole text, by that token's id. A
+        decode that skips special tokens never holds their text, so `stop="<|im_end|>"`
+        never matched; it now ends the output as the token does (SGLang searches a decode
+        that keeps them)."""
+        if not params.stop or not params.skip_special_tokens:
+            return None
+        found = {self._special_ids[s]: s for s in params.stop if s in self._special_ids}
+        return found or None
+
+    @functools.cached_property
+    def _special_ids(self) -> dict[str, int]:
+        """Each special token's text -> its id (those a decode skipping them drops)."""
+        tokenizer = self.tokenizer
+        ids = set(tokenizer.all_special_ids)
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        ids |= {token_id for token_id, token in added.items() if token.special}
+        return {tokenizer.convert_ids_to_tokens(token_id): token_id for token_id in ids}
 
     @staticmethod
     def _matcher(item: Any, heal: Heal | None) -> Any:

@@ -366,3 +366,34 @@ def test_arrival_order_matches_a_waiting_request_only_when_it_comes_up(tiny_path
     assert [o["output_ids"] for o in outs] == alone
     # Each is matched when admitted, and at most once more (as the first that did not fit).
     assert len(set(matched)) == 8 and len(matched) <= 2 * 8
+
+
+def test_a_stop_string_that_is_a_special_tokens_text_ends_on_that_token(engine):
+    """Text decoded with special tokens skipped never holds `<|im_start|>`, so that stop
+    string never matched (SmolLM2 with `ignore_eos` ran on into a made-up next turn); SGLang
+    searches a decode that keeps them. Near-uniform draws on the tiny model write the token
+    somewhere; the output with the stop string is the one without it, cut after the token,
+    and reports the string. With `skip_special_tokens=False` the text holds it as before."""
+    special = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    free = [
+        {"max_new_tokens": 256, "temperature": 100.0, "seed": seed, "ignore_eos": True}
+        for seed in range(60)
+    ]
+    stopped = [{**p, "stop": ["zzzz", "<|im_start|>"]} for p in free]
+    hits = 0
+    for params, whole, cut in zip(
+        stopped, engine.generate(["Hi"] * 60, free), engine.generate(["Hi"] * 60, stopped)
+    ):
+        ids = whole["output_ids"]
+        if special not in ids:
+            assert cut["output_ids"] == ids
+            continue
+        hits += 1
+        end = ids.index(special) + 1
+        assert cut["output_ids"] == ids[:end]
+        assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": "<|im_start|>"}
+        assert cut["text"] == engine.tokenizer.decode(ids[:end], skip_special_tokens=True)
+        kept = engine.generate("Hi", {**params, "skip_special_tokens": False})
+        assert kept["output_ids"] == ids[:end]
+        assert kept["meta_info"]["finish_reason"] == {"type": "stop", "matched": "<|im_start|>"}
+    assert hits  # (about 7 of 60 expected)
