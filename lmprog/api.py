@@ -30,6 +30,7 @@ from lmprog.ir import (  # noqa: F401 - REGEX_* are public here too
     RoleEnd,
     Select,
     as_expr,
+    check_text,
 )
 
 DTYPES = {"int": int, "float": float, "bool": bool, "str": str}
@@ -200,6 +201,8 @@ def select(
         )
     if len(set(choices)) != len(choices):
         raise ValueError(f"select has duplicate choices: {list(choices)}")
+    for choice in choices:
+        check_text(choice, "a select choice")
     if not isinstance(choices_method, ChoicesSamplingMethod):
         raise TypeError(
             "choices_method must be lp.token_length_normalized, lp.greedy_token_selection, "

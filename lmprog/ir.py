@@ -200,6 +200,7 @@ def as_expr(value: Expr | str) -> Expr:
     if isinstance(value, Expr):
         return value
     if isinstance(value, str):
+        check_text(value, "appended text")
         return Text(value)
     raise TypeError(f"cannot append {type(value).__name__} to a program state; use str or lp.*")
 
@@ -212,3 +213,14 @@ def flatten(expr: Expr) -> list[Expr]:
             out.extend(flatten(part))
         return out
     return [expr]
+
+
+def check_text(text: str, what: str) -> None:
+    """ValueError if `text` holds a lone surrogate (`"\\ud83d"`, half an emoji from a
+    mis-decoded file or a JSON escape): no tokenizer encodes one (its error was a TypeError
+    about input types, raised when the program ran)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        raise ValueError(f"{what} holds a lone surrogate, U+{code:04X}: it is not text") from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lmprog_runtime.sampling_params import SamplingParams
+from lmprog_runtime.sampling_params import SamplingParams, check_text
 
 if TYPE_CHECKING:
     from lmprog_runtime.engine import Engine
@@ -46,6 +46,7 @@ def normalize_generate_inputs(
         for p in prompts:
             if p == "":
                 raise ValueError("prompt is empty")
+            check_text(p, "prompt")
         ids_list = [engine.encode(p) for p in prompts]
     else:
         if not isinstance(input_ids, list):

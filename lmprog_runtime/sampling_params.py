@@ -129,6 +129,8 @@ class SamplingParams:
             raise TypeError("stop must be a string or a list of strings")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for text in self.stop:  # (one never matches: outputs are UTF-8)
+            check_text(text, "a stop string")
         if not isinstance(self.stop_regex, list) or not all(
             isinstance(s, str) for s in self.stop_regex
         ):
@@ -196,3 +198,17 @@ def _is_finite(value: int | float) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def check_text(text: str, name: str) -> None:
+    """ValueError naming `name` if `text` holds a lone surrogate (`"\\ud800"`, from a
+    mis-decoded file or a JSON escape): no UTF-8 holds one, and the tokenizer's own error
+    was a TypeError about its input types."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        raise ValueError(
+            f"{name} holds a lone surrogate (U+{code:04X} at index {error.start}), which is "
+            "not text: no UTF-8 holds one"
+        ) from None

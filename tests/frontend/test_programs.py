@@ -601,3 +601,19 @@ def test_callers_never_take_the_shared_locks_through_condition_enter(engine, mon
     monkeypatch.undo()
     shared = {id(engine._cv._lock), id(state._stream.cv._lock)}
     assert not [lock for lock in entered if id(lock) in shared]
+
+
+def test_a_lone_surrogate_is_refused_where_it_is_written(engine):
+    """Half an emoji (`"\\ud83d"`) in appended text, an argument or a choice: a ValueError at
+    the line, not the tokenizer's TypeError once the program ran."""
+
+    @lp.function
+    def appends(s, question):
+        s += lp.user("Q: " + question)
+        s += lp.gen("x", max_tokens=2)
+
+    with pytest.raises(ValueError, match="appended text holds a lone surrogate, U\\+D83D"):
+        appends.run(question="smile \ud83d", backend=engine)
+    with pytest.raises(ValueError, match="select choice holds a lone surrogate"):
+        lp.select("x", choices=["a", "b\udc00"])
+    assert appends.run(question="smile \U0001f600", backend=engine).error() is None

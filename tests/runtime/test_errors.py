@@ -208,3 +208,19 @@ def test_a_pool_or_table_larger_than_memory_is_refused_by_the_setting_that_asks(
     with Engine(tiny_path, max_total_tokens=4096, max_running_requests=64) as fits:
         params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
         assert fits.generate("Hi", params)["meta_info"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda e: e.generate("a\ud800b", {"max_new_tokens": 2}), "prompt"),
+        (lambda e: e.generate(["ok", "x\udfff"], {"max_new_tokens": 2}), "prompt"),
+        (lambda e: e.generate("ab", {"stop": ["\udc00"], "max_new_tokens": 2}), "stop string"),
+    ],
+)
+def test_a_lone_surrogate_is_a_value_error_naming_where(engine, call, name):
+    """No UTF-8 holds a lone surrogate (half an emoji from a mis-decoded file): the
+    tokenizer's own error was a TypeError about its input types, and a stop string with
+    one was taken and could never match."""
+    with pytest.raises(ValueError, match=f"{name} holds a lone surrogate"):
+        call(engine)
