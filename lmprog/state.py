@@ -198,11 +198,10 @@ class ProgramState(StateBlocks):
     def __getitem__(self, name: str) -> Any:
         """The value of variable `name`, once the node producing it has run."""
         self._wait_var(name)
-        variables = self._stream.st.variables
-        if name not in variables:
+        if name not in self._stream.st.variables:
             self._raise_error()
-            raise KeyError(f"unknown variable {name!r}; this state has {sorted(variables)}")
-        return variables[name]
+            self._check_produced(name)
+        return self._stream.st.variables[name]
 
     def get_var(self, name: str) -> Any:
         return self[name]
@@ -248,6 +247,7 @@ class ProgramState(StateBlocks):
             for delta, _ in deltas:
                 yield delta
         self._raise_error()
+        self._check_produced(var_name)
 
     async def text_async_iter(
         self, var_name: str | None = None, return_meta_data: bool = False
@@ -279,8 +279,16 @@ class ProgramState(StateBlocks):
                 for delta, meta in deltas:
                     yield (delta, meta) if return_meta_data else delta
             self._raise_error()
+            self._check_produced(var_name)
         finally:
             waiter.shutdown(wait=False)  # (a wait in progress ends with the program)
+
+    def _check_produced(self, var_name: str | None) -> None:
+        """A streamed variable the program never produced (a misspelt name) is a KeyError
+        once the program has ended, as a read of it is; it ended the stream silently."""
+        variables = self._stream.st.variables
+        if var_name is not None and var_name not in variables:
+            raise KeyError(f"unknown variable {var_name!r}; this state has {sorted(variables)}")
 
     def __str__(self) -> str:
         """`ProgramState(<the whole text>)`, as SGLang's (`text()` is the bare text)."""

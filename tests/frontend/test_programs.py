@@ -617,3 +617,25 @@ def test_a_lone_surrogate_is_refused_where_it_is_written(engine):
     with pytest.raises(ValueError, match="select choice holds a lone surrogate"):
         lp.select("x", choices=["a", "b\udc00"])
     assert appends.run(question="smile \U0001f600", backend=engine).error() is None
+
+
+def test_streaming_a_variable_the_program_never_produced_is_a_key_error(engine):
+    """A misspelt name: the stream ended with nothing and no error, where reading the
+    variable raises KeyError."""
+    import asyncio
+
+    @lp.function
+    def prog(s):
+        s += "Hi" + lp.gen("answer", max_tokens=3, **GREEDY)
+
+    state = prog.run(stream=True, backend=engine)
+    with pytest.raises(KeyError, match="unknown variable 'anwser'"):
+        list(state.text_iter("anwser"))
+    assert "".join(state.text_iter("answer")) == state["answer"]
+
+    async def read(name):
+        return [delta async for delta in state.text_async_iter(name)]
+
+    with pytest.raises(KeyError, match="anwser"):
+        asyncio.run(read("anwser"))
+    assert "".join(asyncio.run(read("answer"))) == state["answer"]
