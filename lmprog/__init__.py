@@ -53,7 +53,7 @@ from lmprog.choices import (
 )
 from lmprog.display import to_dataframe
 from lmprog.function import Function, function
-from lmprog.state import ProgramState, ProgramStateGroup
+from lmprog.state import ProgramCancelled, ProgramState, ProgramStateGroup
 
 __all__ = [
     "REGEX_BOOL",
@@ -66,6 +66,7 @@ __all__ = [
     "Engine",
     "EngineBackend",
     "Function",
+    "ProgramCancelled",
     "ProgramState",
     "ProgramStateGroup",
     "Runtime",

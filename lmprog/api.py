@@ -52,6 +52,7 @@ def gen(
     ignore_eos: bool | None = None,
     token_healing: bool | None = None,
     end_outside_pattern: bool | None = None,
+    timeout_s: float | None = None,
     return_logprob: bool | None = None,
     logprob_start_len: int | None = None,
     top_logprobs_num: int | None = None,
@@ -80,6 +81,10 @@ def gen(
     its pattern, a token the pattern cannot take ends it (guidance's rule), so "Age: " +
     gen(regex="[0-9]{1,3}") + "\n" ends at "25" where the model goes on with a newline;
     False: only EOS ends it (SGLang's and outlines' rule).
+
+    `timeout_s`: the request fails with TimeoutError (and so does the program) if it has
+    not finished that many seconds after it was sent; `run(timeout_s=...)` sets it for
+    every gen of the program.
     """
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
@@ -105,6 +110,7 @@ def gen(
             "min_p": min_p,
             "frequency_penalty": frequency_penalty,
             "presence_penalty": presence_penalty,
+            "timeout_s": timeout_s,
         },
     )
     if max_tokens is not None and max_tokens < 0:
@@ -126,6 +132,7 @@ def gen(
         "ignore_eos": ignore_eos,
         "token_healing": token_healing,
         "end_outside_pattern": end_outside_pattern,
+        "timeout_s": timeout_s,
         # Not sampling parameters: the interpreter passes them to the backend per request.
         # (None, as every key here: `run()`'s default, if it gives one)
         "return_logprob": return_logprob,

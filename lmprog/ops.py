@@ -49,6 +49,7 @@ SAMPLING_KEYS = {
     "ignore_eos": "ignore_eos",
     "token_healing": "token_healing",
     "end_outside_pattern": "end_outside_pattern",
+    "timeout_s": "timeout_s",
 }
 
 

@@ -33,6 +33,10 @@ from lmprog.static_checks import check_static
 from lmprog.stream import Stream
 
 
+class ProgramCancelled(RuntimeError):
+    """A program stopped by `ProgramState.cancel()`."""
+
+
 class ProgramState(StateBlocks):
     """The state `s` of one program run (or of one branch of a fork).
 
@@ -161,6 +165,14 @@ class ProgramState(StateBlocks):
         for stream in self._stream.lineage():
             with stream.lock:
                 stream.wait(lambda: False)
+
+    def cancel(self) -> None:
+        """Stop the program (a deadline, a stop button; `asyncio.wait_for` on its reader
+        does not stop it): nothing more is sent for it, its requests in flight are aborted
+        within one engine step, freeing their slots, and its body's next read raises
+        `ProgramCancelled`, which `error()` then holds. A program that has ended stays as
+        it ended."""
+        self._cancel(ProgramCancelled("the program was cancelled"))
 
     def _cancel(self, error: BaseException) -> None:
         """Fail the program with `error` and abort its requests in flight."""

@@ -639,3 +639,49 @@ def test_streaming_a_variable_the_program_never_produced_is_a_key_error(engine):
     with pytest.raises(KeyError, match="anwser"):
         asyncio.run(read("anwser"))
     assert "".join(asyncio.run(read("answer"))) == state["answer"]
+
+
+def test_cancel_stops_a_running_program_and_leaves_an_ended_one(engine):
+    """There was no public way to stop a program (a deadline, a notebook's stop button):
+    `asyncio.wait_for` on its reader leaves it running. `cancel()` aborts its requests in
+    flight and its next read raises ProgramCancelled."""
+
+    @lp.function
+    def long(s):
+        s += "Tell a long story:" + lp.gen("story", max_tokens=3000, ignore_eos=True)
+        s += lp.gen("more", max_tokens=3000, ignore_eos=True)
+
+    engine.reset_stats()
+    state = long.run(stream=True, backend=engine)
+    chunks = state.text_iter("story")
+    next(chunks)  # (the first tokens have come: the request runs)
+    state.cancel()
+    with pytest.raises(lp.ProgramCancelled):
+        list(chunks)
+    assert isinstance(state.error(), lp.ProgramCancelled)
+    assert engine.stats()["decode_tokens"] < 3000  # (the rest was never computed)
+    assert "more" not in state._stream.st.variables
+
+    @lp.function
+    def short(s):
+        s += "Hi" + lp.gen("x", max_tokens=2)
+
+    done = short.run(backend=engine)
+    done.cancel()
+    assert done.error() is None and len(done["x"]) > 0
+
+
+def test_timeout_s_is_a_program_default_and_a_gen_argument(engine):
+    """The engine's per-request deadline, which programs could not set: `run()` refused it
+    as an argument the program does not take."""
+
+    @lp.function
+    def long(s):
+        s += "Tell a long story:" + lp.gen("story", max_tokens=3000, ignore_eos=True)
+
+    with pytest.raises(TimeoutError):
+        long.run(timeout_s=0.05, backend=engine)
+    states = long.run_batch([{}, {}], timeout_s=0.05, backend=engine)
+    assert all(isinstance(state.error(), TimeoutError) for state in states)
+    with pytest.raises(TypeError, match="timeout_s must be a number"):
+        lp.gen("x", timeout_s="1")
