@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import sys
 import threading
+import warnings
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,9 @@ CSS = (
 )
 # A repr longer than this shows its start and end only.
 REPR_CHARS = 120
+# The live view draws a streaming transcript at most once per this many seconds: each draw
+# sends the whole transcript, and one per token cost more than the generation itself.
+LIVE_INTERVAL_S = 0.1
 
 
 def state_html(st: ExecState, error: BaseException | None = None) -> str:
@@ -129,9 +133,21 @@ def in_notebook() -> bool:
     return shell is not None and hasattr(shell, "kernel")
 
 
-def show_live(state: ProgramState) -> threading.Thread:
+def show_live(state: ProgramState) -> threading.Thread | None:
     """Show a streaming state in the current output cell and update it in place as text
-    arrives (one display handle), until its program ends. Returns the updating thread."""
+    arrives (one display handle), until its program ends. Returns the updating thread.
+
+    Each update sends the whole transcript, so while text arrives the view is drawn at most
+    once every `LIVE_INTERVAL_S`; the finished transcript (with the program's error, if
+    any) is always drawn last. Outside a Jupyter kernel there is no cell to update
+    (`display` only prints the object's name, and returns no handle): a warning, no view.
+    """
+    if not in_notebook():
+        warnings.warn(
+            "live=True shows a view only in a Jupyter notebook; the program runs without one",
+            stacklevel=3,  # the caller of `run`
+        )
+        return None
     from IPython.display import HTML, display
 
     stream = state._stream
@@ -140,8 +156,11 @@ def show_live(state: ProgramState) -> threading.Thread:
     def follow() -> None:
         start, is_done = 0, False
         while not is_done:
-            _, start, is_done = stream.next_deltas(start, None)
+            _, start, is_done = stream.next_deltas(start, None)  # new text, or the end
             handle.update(HTML(state_html(stream.st.copy(), stream.error if is_done else None)))
+            if not is_done:  # let text gather, but wake at the end for the final draw
+                with stream.lock:
+                    stream.cv.wait_for(lambda: stream.is_done, LIVE_INTERVAL_S)
 
     thread = threading.Thread(target=follow, name="lmprog-live-view", daemon=True)
     thread.start()

@@ -23,11 +23,15 @@ def _model_name(engine: Engine) -> str:
 
 
 def engine_repr(engine: Engine) -> str:
+    """One line; a shut-down engine says so (its empty queues would read as idle)."""
     memory = engine.memory_state()
+    if engine._stopping:
+        requests = "shut down"
+    else:
+        requests = f"running={memory['num_running']}, waiting={memory['num_waiting']}"
     return (
         f"Engine(model={_model_name(engine)!r}, device={engine.config.device!r}, "
-        f"kv_slots={memory['kv_slots_total']}, running={memory['num_running']}, "
-        f"waiting={memory['num_waiting']})"
+        f"kv_slots={memory['kv_slots_total']}, {requests})"
     )
 
 
@@ -55,8 +59,12 @@ def engine_html(engine: Engine) -> str:
         f"{runner.attention_backend} attention)",
         "KV slots": f"{memory['kv_slots_total']:,} total: {shares['free']:,} free, "
         f"{shares['cached']:,} cached, {shares['locked']:,} locked",
-        "requests": f"{memory['num_running']} running, {memory['num_waiting']} waiting, "
-        f"{int(stats['finished_requests']):,} finished",
+        "requests": (
+            "none: shut down"
+            if engine._stopping
+            else f"{memory['num_running']} running, {memory['num_waiting']} waiting"
+        )
+        + f", {int(stats['finished_requests']):,} finished",
         "prefix cache hit rate": f"{hit_rate:.1%} of {int(prompt):,} prompt tokens",
         "tokens": f"{int(stats['prefill_tokens']):,} prefilled, "
         f"{int(stats['decode_tokens']):,} decoded, "
@@ -71,7 +79,7 @@ def engine_html(engine: Engine) -> str:
     )
     return (
         '<div class="lmprog-engine" style="font-family:ui-monospace,Menlo,monospace;'
-        'font-size:12px"><b>lmprog Engine</b>'
+        f'font-size:12px"><b>lmprog Engine{" (shut down)" if engine._stopping else ""}</b>'
         f'<div style="display:flex;height:10px;width:24em;margin:4px 0;border:1px solid #bbb">'
         f"{bar}</div><table>{cells}</table></div>"
     )

@@ -76,23 +76,27 @@ class RadixTreeView:
             stack.extend((depth + 1, child) for child in reversed(node.children))
         return out
 
-    def _label(self, node: NodeView) -> str:
-        """The node's first tokens as text, control characters escaped (`\\n`, `\\x1b`):
-        XML has no place for most of them, and an SVG holding one does not display."""
+    def _text(self, node: NodeView) -> str:
+        """The node's first tokens as text, `...` after them when the edge is longer."""
         text = self._decode(node.preview)
-        if node.num_tokens > len(node.preview):
-            text += "..."
+        return text + "..." if node.num_tokens > len(node.preview) else text
+
+    def _label(self, node: NodeView) -> str:
+        """`_text` for the drawing, control characters escaped (`\\n`, `\\x1b`): XML has
+        no place for most of them, and an SVG holding one does not display."""
         return "".join(
             ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape").decode()
-            for ch in text
+            for ch in self._text(node)
         )
 
     def __str__(self) -> str:
+        # `repr` of the raw text escapes control characters once; `repr` of `_label`
+        # escaped its escapes again (a newline showed as `\\n`).
         lines = [f"radix cache: {len(self.nodes())} nodes"]
         for depth, node in self.nodes():
             lines.append(
                 f"{'  ' * depth}{node.num_tokens} tokens, {node.hit_count} hits, "
-                f"{node.state}: {self._label(node)!r}"
+                f"{node.state}: {self._text(node)!r}"
             )
         if self.omitted:
             lines.append(f"... {self.omitted} more nodes not shown")

@@ -198,6 +198,7 @@ def test_live_view_updates_one_display_until_the_end(engine, monkeypatch):
     """`run(stream=True, live=True)`: one display, updated in place; the last update is
     the finished transcript."""
     display_module = pytest.importorskip("IPython.display")
+    monkeypatch.setattr("lmprog.display.in_notebook", lambda: True)  # (a kernel, faked)
     shown = []
     updated = threading.Condition()
 

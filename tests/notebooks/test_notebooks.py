@@ -4,7 +4,8 @@ Each notebook in `notebooks/` is executed in a real Jupyter kernel (nbclient) on
 model; any cell error fails the test. The executed notebook is then rendered to HTML with
 nbconvert, as a reader would see it, and the views each notebook is about must be in the
 page: the engine report, state transcripts by role, the traced graph and the radix tree as
-SVG, results as a DataFrame table.
+SVG, results as a DataFrame table. Run twice in one kernel, a notebook leaves one engine
+alive: the output history keeps no engine.
 """
 
 from __future__ import annotations
@@ -101,3 +102,32 @@ def test_the_live_view_updates_one_display_in_place(executed):
     displays = [o for o in cell.outputs if o.output_type == "display_data"]
     assert len(displays) == 1
     assert "lmprog-role-assistant" in displays[0].data["text/html"]
+
+
+# Run in a kernel after a notebook ran twice: how many engines are still alive. An engine
+# freezes the collector while it works and a while after (`gc_freeze.py`), and a frozen
+# cycle is never collected: the freeze is undone first.
+COUNT_ENGINES = """\
+import gc
+from lmprog_runtime.engine import _LIVE
+gc.unfreeze()
+gc.collect()
+print(len(_LIVE))"""
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_running_a_notebook_again_leaves_one_engine(name, monkeypatch):
+    """Every cell run twice in one kernel, in order. IPython's output history (`Out`, `_`) keeps the value
+    of each cell's last expression: a cell ending with a bare `engine` (or a `state`, which
+    holds its engine) kept every engine the notebook made alive, about 3 GB each on
+    SmolLM2. `display(...)` shows the same report and keeps nothing."""
+    monkeypatch.setenv("LMPROG_NOTEBOOK_MODEL", "tiny")  # the kernel inherits it
+    book = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    sources = [cell.source for cell in book.cells if cell.cell_type == "code"]
+    book.cells = [nbformat.v4.new_code_cell(source) for source in sources + sources]
+    book.cells.append(nbformat.v4.new_code_cell(COUNT_ENGINES))
+    nbclient.NotebookClient(
+        book, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    ).execute()
+    (output,) = [o for o in book.cells[-1].outputs if o.output_type == "stream"]
+    assert output.text.strip() == "1"

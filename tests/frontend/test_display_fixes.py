@@ -1,0 +1,116 @@
+"""The notebook live view of a streaming run: drawn a bounded number of times however many
+tokens stream (each draw sends the whole transcript), the finished transcript or the error
+always drawn last, and outside a notebook a warning instead of a crashing thread.
+
+The notebook is faked: `in_notebook()` says yes and IPython's `display` returns a handle
+that records what it is sent, so no kernel is needed.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+
+import lmprog as lp
+import lmprog.display as lp_display
+
+NUM_TOKENS = 500
+
+
+@lp.function
+def long_reply(s, question):
+    s += lp.user(question)
+    s += lp.assistant(lp.gen("answer", max_tokens=NUM_TOKENS, ignore_eos=True, temperature=0))
+
+
+@lp.function
+def failing(s):
+    s += lp.user("hi") + lp.assistant(lp.gen("a", max_tokens=5, temperature=0))
+    s["a"]  # waits for the gen, so the error comes after some text streamed
+    raise ValueError("<boom & co>")
+
+
+class FakeNotebook:
+    """IPython's `display` as a kernel answers it: a handle whose updates are recorded."""
+
+    def __init__(self) -> None:
+        self.shown: list[str] = []  # the first display, then every update
+        self.changed = threading.Condition()
+
+    def display(self, obj, display_id=False):
+        assert display_id is True
+        self.shown.append(obj.data)
+        return self
+
+    def update(self, obj) -> None:
+        with self.changed:
+            self.shown.append(obj.data)
+            self.changed.notify_all()
+
+    def wait_for_last(self, html: str) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.shown[-1] == html, timeout=60)
+
+
+@pytest.fixture
+def notebook(monkeypatch):
+    display_module = pytest.importorskip("IPython.display")
+    fake = FakeNotebook()
+    monkeypatch.setattr(display_module, "display", fake.display)
+    monkeypatch.setattr(lp_display, "in_notebook", lambda: True)
+    return fake
+
+
+def test_a_long_stream_is_drawn_a_bounded_number_of_times(engine, notebook, monkeypatch):
+    """With an interval longer than the run, a 500-token stream is drawn at most twice
+    after its first display (the first text, then the end), not once per token; the last
+    draw is the finished transcript."""
+    monkeypatch.setattr(lp_display, "LIVE_INTERVAL_S", 3600.0)
+    state = long_reply.run(question="Tell me.", backend=engine, stream=True, live=True)
+    state.sync()
+    assert state.get_meta_info("answer")["completion_tokens"] == NUM_TOKENS
+    notebook.wait_for_last(state._repr_html_())  # returns early: the end wakes the view
+    assert 2 <= len(notebook.shown) <= 3, len(notebook.shown)
+
+
+def test_the_view_follows_the_stream_between_draws(engine, notebook, monkeypatch):
+    """With no interval the view is drawn as text arrives (more than the end alone), and
+    every draw holds the text of the draw before: a throttled view loses nothing."""
+    monkeypatch.setattr(lp_display, "LIVE_INTERVAL_S", 0.0)
+    state = long_reply.run(question="Tell me.", backend=engine, stream=True, live=True)
+    state.sync()
+    notebook.wait_for_last(state._repr_html_())
+    assert len(notebook.shown) > 3
+    answers = [
+        "".join(re.findall(r'lmprog-gen"[^>]*>(.*?)<sub>', page, re.S)) for page in notebook.shown
+    ]
+    assert all(later.startswith(earlier) for earlier, later in zip(answers, answers[1:]))
+
+
+def test_an_error_is_drawn_last_at_once(engine, notebook, monkeypatch):
+    """The pause between draws ends when the program does: its error is shown without
+    waiting out the interval."""
+    monkeypatch.setattr(lp_display, "LIVE_INTERVAL_S", 3600.0)
+    state = failing.run(backend=engine, stream=True, live=True)
+    state.sync()
+    assert isinstance(state.error(), ValueError)
+    notebook.wait_for_last(state._repr_html_())
+    assert "lmprog-error" in notebook.shown[-1] and "&lt;boom &amp; co&gt;" in notebook.shown[-1]
+
+
+def test_live_outside_a_notebook_warns_and_runs_without_a_view(engine, monkeypatch, capsys):
+    """Plain Python has no cell to update: `display` printed the object's name and
+    returned None, and the view's thread died on `None.update`."""
+    crashes = []
+    monkeypatch.setattr(threading, "excepthook", crashes.append)
+    threads_before = set(threading.enumerate())
+    with pytest.warns(UserWarning, match="notebook"):
+        state = long_reply.run(question="Hi", backend=engine, stream=True, live=True)
+    state.sync()
+    started = {t.name for t in set(threading.enumerate()) - threads_before}
+    assert "lmprog-live-view" not in started
+    assert crashes == []
+    assert "HTML object" not in capsys.readouterr().out
+    assert state["answer"]
