@@ -95,13 +95,33 @@ class ByteLevelTable:
             return None
 
 
-def byte_piece_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids of a byte-fallback tokenizer's byte pieces (`<0xE2>`), where its decoder
+def byte_pieces(tokenizer: Any) -> dict[int, int]:
+    """A byte-fallback tokenizer's byte pieces (`<0xE2>`), id -> byte, where its decoder
     reads them as runs (the tokenizers library's `ByteFallback`): a run that is not valid
     UTF-8 decodes to one U+FFFD per byte, its valid characters too, so a byte piece's text
     is known only once a piece of another kind follows it. Empty for other tokenizers."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or "ByteFallback" not in str(backend.decoder):
-        return frozenset()
+        return {}
     pieces = tokenizer.get_vocab().items()
-    return frozenset(token_id for piece, token_id in pieces if _BYTE_PIECE.fullmatch(piece))
+    return {
+        token_id: int(piece[3:5], 16) for piece, token_id in pieces if _BYTE_PIECE.fullmatch(piece)
+    }
+
+
+def ends_inside_a_character(ids: list[int], pieces: dict[int, int]) -> bool:
+    """Whether `ids`, whose text ends in U+FFFD, end inside a UTF-8 sequence: for byte
+    pieces, read from their bytes (a U+FFFD they spell whole is a character); otherwise
+    guessed from that U+FFFD."""
+    tail = []
+    for token_id in reversed(ids):
+        if token_id not in pieces:
+            break
+        tail.append(pieces[token_id])
+    if not tail:
+        return not pieces  # (a byte-fallback tokenizer's other pieces are whole text)
+    try:
+        bytes(reversed(tail)).decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from lmprog_runtime.admission_wait import GRAPHED_ADMISSION_WAIT_STEPS
-from lmprog_runtime.byte_decode import ByteLevelTable, byte_piece_ids
+from lmprog_runtime.byte_decode import ByteLevelTable, byte_pieces
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.constrained.outlines_backend import is_byte_level
 from lmprog_runtime.engine_loop import EngineLoop
@@ -106,7 +106,7 @@ class Engine(RequestMaker, EngineLoop, EngineView):
         self._byte_table = (
             ByteLevelTable.of(self.tokenizer._tokenizer) if self._backend_decode else None
         )
-        self._byte_pieces = byte_piece_ids(self.tokenizer)  # (decoded as runs: held back)
+        self._byte_pieces = byte_pieces(self.tokenizer)  # (decoded as runs: held back)
         with device_scope(torch.device(self.config.device)):  # (its graphs are captured)
             self.runner = ModelRunner(self.config, model_dir, self.tokenizer)
         self.context_len = self.runner.context_len

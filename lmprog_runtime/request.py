@@ -13,7 +13,8 @@ import logging
 import queue
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ class Req(ReqText):
         heal: Heal | None = None,
         detok_context: tuple[list[int], int] | None = None,
         context_free_decode: bool = False,
-        byte_pieces: frozenset[int] = frozenset(),
+        byte_pieces: Mapping[int, int] = MappingProxyType({}),
         stop_token_texts: dict[int, str] | None = None,
         on_chunk: Callable[[dict[str, Any]], None] | None = None,
         on_done: Callable[[Req], None] | None = None,
@@ -170,7 +171,7 @@ class Req(ReqText):
         # without the window before it (`decoded_text`).
         before_output = self._detok_context or self._detok_cut or self._detok_skip
         self._decodes_alone = context_free_decode and not before_output
-        self._byte_pieces = byte_pieces  # (text decoded after one may change: `byte_piece_ids`)
+        self._byte_pieces = byte_pieces  # (text decoded after one may change: `byte_pieces`)
         self._scanned = 0  # characters of the decoded text searched for stop strings
         self._min_text = 0  # characters of it before the min_new_tokens-th token's
         self._stop_regex = StopRegexScanner(params.stop_regex) if params.stop_regex else None

@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from lmprog_runtime.byte_decode import ends_inside_a_character
 from lmprog_runtime.constrained.jump_forward import jump_forward
 from lmprog_runtime.engine_inputs import normalize_generate_inputs
 from lmprog_runtime.request import Req
@@ -111,7 +112,9 @@ class RequestMaker:
             return None
         context = item.input_ids[-CONTEXT_TOKENS:]
         text = self.decode(context, skip_special_tokens=item.params.skip_special_tokens)
-        return None if text.endswith("\ufffd") else (context, len(text))
+        if text.endswith("\ufffd") and ends_inside_a_character(context, self._byte_pieces):
+            return None  # (a genuine U+FFFD once dropped the context, and a leading space)
+        return context, len(text)
 
     def _special_stops(self, params: SamplingParams) -> dict[int, str] | None:
         """The stop strings that are a special token's whole text, by that token's id. A

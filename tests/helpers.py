@@ -246,7 +246,8 @@ def metaspace_tokenizer():
 def byte_fallback_tokenizer():
     """A Llama-2-style tokenizer (SentencePiece BPE with byte fallback), built by hand:
     characters outside its few words are `<0xNN>` byte pieces, and its decoder reads a run
-    of them together (`ByteFallback`): one not valid UTF-8 gives one U+FFFD per byte."""
+    of them together (`ByteFallback`): one not valid UTF-8 gives one U+FFFD per byte. Its
+    decode strips the text's first space, as Llama-2's does."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -256,8 +257,13 @@ def byte_fallback_tokenizer():
     vocab = {piece: i for i, piece in enumerate(pieces)}
     tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
     tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    tk.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tk.decoder = decoders.Sequence(  # (Llama-2's: the text's first space is stripped)
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
     )
     tk.add_special_tokens([AddedToken(s, special=True) for s in pieces[:3]])
     return PreTrainedTokenizerFast(

@@ -237,10 +237,10 @@ def test_byte_fallback_runs_stream_the_final_text(data):
     streamed text adds up to the final one (it once streamed the character, then stopped)."""
     from helpers import byte_fallback_tokenizer
 
-    from lmprog_runtime.byte_decode import byte_piece_ids
+    from lmprog_runtime.byte_decode import byte_pieces
 
     tokenizer = byte_fallback_tokenizer()
-    pieces = byte_piece_ids(tokenizer)
+    pieces = byte_pieces(tokenizer)
     assert len(pieces) == 256
     characters = st.sampled_from(["▁a", "▁ab", "b", "▁", "✅", "é", "日", "🙂"]).map(
         lambda text: tokenizer.encode(text.replace("▁", " "), add_special_tokens=False)
@@ -312,6 +312,13 @@ def test_byte_fallback_outputs_stream_the_final_text(tmp_path):
         for seed in range(12):
             params = {"max_new_tokens": 24, "temperature": 8.0, "seed": seed, "ignore_eos": True}
             _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params)
+        # A prompt ending in a U+FFFD of its own (three byte pieces, a whole character), then
+        # a spaced word: the prompt's tokens were taken to end inside a character and left
+        # out of the output's decode, which then lost its leading space.
+        ids = tokenizer("ab\ufffd").input_ids
+        assert tokenizer.convert_ids_to_tokens(ids[-3:]) == ["<0xEF>", "<0xBF>", "<0xBD>"]
+        params = {"max_new_tokens": 4, "temperature": 0, "regex": " ab"}
+        assert _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params)["text"] == " ab"
 
 
 @pytest.mark.parametrize("prompt", ["Hi", "Hi Hi", "Hi!"])
