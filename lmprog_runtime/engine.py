@@ -27,6 +27,7 @@ from lmprog_runtime.admission_wait import GRAPHED_ADMISSION_WAIT_STEPS
 from lmprog_runtime.byte_decode import ByteLevelTable, byte_pieces
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.constrained.outlines_backend import is_byte_level
+from lmprog_runtime.engine_async import EngineAsync
 from lmprog_runtime.engine_loop import EngineLoop
 from lmprog_runtime.engine_view import EngineView
 from lmprog_runtime.forward_worker import ForwardWorker
@@ -61,7 +62,7 @@ from lmprog_runtime.transfer import device_scope, require_device
 logger = logging.getLogger(__name__)
 
 
-class Engine(RequestMaker, EngineLoop, EngineView):
+class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
     """Runs a Llama-family checkpoint in this process with continuous batching.
 
     `model_path` is a named model (`"smollm2-135m-instruct"`, `"tiny"`, ...), a Hugging Face
