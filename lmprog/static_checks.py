@@ -11,6 +11,11 @@ from typing import TYPE_CHECKING
 
 from lmprog.ir import Expr, Gen
 
+try:  # (Python 3.11 on; 3.10 has it as sre_parse)
+    from re import _parser
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_parse as _parser
+
 if TYPE_CHECKING:
     from lmprog.backend import Backend
 
@@ -52,7 +57,7 @@ def _regex_error(regex: str) -> str | None:
     try:
         with warnings.catch_warnings():  # (re's FutureWarning on `[[`: the backend refuses it)
             warnings.simplefilter("ignore", FutureWarning)
-            tree = re._parser.parse(regex)  # type: ignore[attr-defined]
+            tree = _parser.parse(regex)
     except re.error as error:
         return f"Python's re refuses it: {error}"
     return _automaton_error(tree)

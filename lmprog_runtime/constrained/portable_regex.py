@@ -20,13 +20,25 @@ The output is a valid Python regex too, with the same meaning (the tests check b
 
 from __future__ import annotations
 
+import _sre
 import functools
 import re
 import sys
 import warnings
 
+try:  # (Python 3.11 on; 3.10 has them as sre_parse, sre_constants and no extra cases)
+    from re import _casefix, _constants, _parser
+
+    _EXTRA_CASES: dict[int, tuple[int, ...]] = _casefix._EXTRA_CASES
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as _constants
+    import sre_parse as _parser
+
+    _EXTRA_CASES = {}
+
 _SURROGATES = (0xD800, 0xDFFF)  # (no UTF-8 text holds one; Rust's classes cannot name one)
 _KEPT_FLAGS = re.IGNORECASE | re.ASCII | re.DOTALL  # (what a character class depends on)
+_TYPE_FLAGS = re.ASCII | re.UNICODE | re.LOCALE
 _STARTS = {"AT_BEGINNING", "AT_BEGINNING_STRING"}
 _ENDS = {"AT_END", "AT_END_STRING"}
 _REFUSED = {
@@ -89,7 +101,7 @@ def _parse(regex: str):
     """Python's parse of `regex` (re.error where it refuses it)."""
     with warnings.catch_warnings():  # (re's FutureWarning on `[[`: the compile refuses it)
         warnings.simplefilter("ignore", FutureWarning)
-        return re._parser.parse(regex)  # type: ignore[attr-defined]
+        return _parser.parse(regex)
 
 
 def _op_names(items) -> set[str]:
@@ -124,6 +136,8 @@ def _item(op: str, arg, flags: int, at_start: bool, at_end: bool) -> str:
         return "(?:" + "|".join(branches) + ")"
     if op == "SUBPATTERN":
         _group, add, remove, body = arg
+        if add & _TYPE_FLAGS:  # (`(?u:...)` in `(?a)`: one type flag replaces the other)
+            flags &= ~_TYPE_FLAGS
         inner = _sequence(list(body), (flags | add) & ~remove, at_start=at_start, at_end=at_end)
         return f"(?:{inner})"
     if op in ("MAX_REPEAT", "MIN_REPEAT"):  # (lazy or greedy: the same whole matches)
@@ -131,8 +145,8 @@ def _item(op: str, arg, flags: int, at_start: bool, at_end: bool) -> str:
         once = high <= 1  # (an anchor in a body repeated twice would stand mid-pattern)
         inner = _sequence(list(body), flags, at_start=at_start and once, at_end=at_end and once)
         return f"(?:{inner}){_count(low, high)}"
-    if op == "LITERAL" and not flags & re.IGNORECASE and not _is_surrogate(arg):
-        return _char(arg)
+    if op == "LITERAL" and not _is_surrogate(arg):
+        return _render(_case_spans(arg, flags)) if flags & re.IGNORECASE else _char(arg)
     spans = _direct_spans(op, arg, flags)
     return _render(_scanned_spans(_python_class(op, arg), flags) if spans is None else spans)
 
@@ -149,7 +163,7 @@ def _anchor(code: str, at_start: bool, at_end: bool) -> str:
 
 
 def _count(low: int, high: int) -> str:
-    if high == re._constants.MAXREPEAT:  # type: ignore[attr-defined]
+    if high == _constants.MAXREPEAT:
         return {0: "*", 1: "+"}.get(low, f"{{{low},}}")
     if (low, high) == (0, 1):
         return "?"
@@ -179,6 +193,32 @@ def _python_class(op: str, arg) -> str:
         else:
             raise ValueError(f"unexpected {kind} in a character class")
     return "[" + "".join(parts) + "]"
+
+
+@functools.lru_cache(maxsize=4096)
+def _case_spans(code: int, flags: int) -> tuple[tuple[int, int], ...]:
+    """The characters Python's `re` takes for the letter `code` under `(?i)`: among those
+    of its lowercase (re's `tolower`) and re's table of extra case pairs (`ſ` for `s`),
+    each asked of `re` itself. (Scanning all of Unicode took 12 ms a letter.)"""
+    pattern = re.compile(_char(code), flags & _KEPT_FLAGS)
+    groups, lowered = _lower_groups(), _sre.unicode_tolower(code)
+    related = {code, *groups.get(lowered, ())}
+    for extra in _EXTRA_CASES.get(lowered, ()):
+        related |= {extra, *groups.get(_sre.unicode_tolower(extra), ())}
+    found = sorted(x for x in related if pattern.fullmatch(chr(x)))
+    return tuple(_without_surrogates(_union([(x, x) for x in found])))
+
+
+@functools.cache
+def _lower_groups() -> dict[int, set[int]]:
+    """re's lowercase of a character -> every character with that lowercase (where one
+    has a lowercase other than itself)."""
+    groups: dict[int, set[int]] = {}
+    for code in range(sys.maxunicode + 1):
+        lowered = _sre.unicode_tolower(code)
+        if lowered != code:
+            groups.setdefault(lowered, {lowered}).add(code)
+    return groups
 
 
 def _direct_spans(op: str, arg, flags: int) -> tuple[tuple[int, int], ...] | None:

@@ -48,5 +48,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devic
     default pool of 65,536 tokens in float32, for an engine that had run nothing)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # (zeros, mapped on first use)
+    # (private: a forked process writes its own copy, as with `torch.zeros`)
+    memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(memory, dtype=dtype).view(shape)

@@ -23,6 +23,7 @@ CHARS = "aAkKsS_-. 0٣\n\t\x1c\u212a\u0130\u0131\u017f\u0301\u0345é{},$^\\"
 PIECES = [
     "a", "k", "s", r"\.", "-", " ", ".", r"\w", r"\W", r"\d", r"\D", r"\s", r"\S", "[a-k]",
     r"[^a\s]", r"[\w-]", r"[^\W\d]", "[é{]", r"\u0130", r"\x1c", "{", "a{1, 3}", "[.^$]",
+    r"(?u:\w)", r"(?a:\w)", "(?a:k)",
 ]  # fmt: skip
 
 
@@ -77,7 +78,11 @@ def test_edge_anchors_are_cut_from_the_text(pattern, cut):
     assert without_edge_anchors(pattern) == cut
 
 
-@pytest.mark.parametrize("pattern", [r"\w", r"\S", r"(?i)[a-z]", r"(?i)k", r"(?s).", "[^a]"])
+CLASSES = [r"\w", r"\S", r"(?i)[a-z]", r"(?i)k", r"(?s).", "[^a]", r"(?a)(?u:\w)", r"(?ia)(?u:k)"]
+CLASSES += ["(?i)s", "(?i)\u0130", "(?i)\u03c3", "(?i)\u01c5", "(?i)\u00df", "(?ia)s"]
+
+
+@pytest.mark.parametrize("pattern", CLASSES)
 def test_a_class_is_every_character_python_takes_in_it(pattern):
     portable = re.compile(portable_regex(pattern))
     original = re.compile(pattern)
