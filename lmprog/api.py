@@ -84,7 +84,7 @@ def gen(
 
     `timeout_s`: the request fails with TimeoutError (and so does the program) if it has
     not finished that many seconds after it was sent; `run(timeout_s=...)` sets it for
-    every gen of the program.
+    every gen of the program (selects take no deadline).
     """
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")

@@ -7,12 +7,13 @@ caller as ValueError before anything is queued. Concurrent callers asking for th
 pattern share one compile.
 
 The cache keeps the `max_entries` grammars used last (a small JSON schema's grammar over a
-49k-token vocabulary takes about 14 MiB with jump-forward's FSM: a dataset run with a pattern per row, or token healing's
-patterns, would otherwise grow without bound). Dropping one only drops the cache's
+49k-token vocabulary takes about 14 MiB with jump-forward's FSM: a dataset run with a
+pattern per row, or token healing's patterns, would otherwise grow without bound). Dropping one only drops the cache's
 reference: requests using it keep it; asked for again, it compiles again. Compiles still
 running are never dropped, so their callers keep sharing them.
 
-A compile that outlasts the timeout is abandoned: its thread is interrupted (the
+A compile that outlasts the timeout, or whose only caller is interrupted (Ctrl-C), is
+abandoned: its thread is interrupted (the
 jump-forward FSM's build, pure Python, stops at once; outlines-core's compile, native code,
 runs in a child process that is then killed: `index_process.py`), and later compiles go to
 fresh threads, so a pattern that explodes does not hold up the others (while at most
@@ -57,6 +58,7 @@ class GrammarCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, str], Future] = OrderedDict()  # oldest use first
         self._jobs: dict[Future, _Job] = {}  # the compiles submitted and not yet over
+        self._waiting: dict[Future, int] = {}  # callers waiting for each of those
         self._pool = _new_pool()
         self._old_pools: list[ThreadPoolExecutor] = []  # replaced after a timeout
         self._stuck: set[_Job] = set()  # abandoned compiles that may still run
@@ -85,6 +87,7 @@ class GrammarCache:
                 self._jobs[future] = job
             else:
                 self._entries.move_to_end(key)
+            self._waiting[future] = self._waiting.get(future, 0) + 1
         try:
             grammar = future.result(timeout=self.timeout_s)
         except CancelledError as error:  # (queued when the engine shut down)
@@ -101,9 +104,20 @@ class GrammarCache:
         except Exception:
             self._forget(key, future)  # a bad pattern is not remembered
             raise
+        except BaseException:  # Ctrl-C while waiting: a compile no one else waits for stops
+            with self._lock:
+                alone = self._waiting.get(future) == 1
+            if alone:
+                self._forget(key, future)
+                self._abandon(future)
+            raise
         finally:
             with self._lock:
-                self._jobs.pop(future, None)
+                left = self._waiting.pop(future, 1) - 1
+                if left:
+                    self._waiting[future] = left
+                else:
+                    self._jobs.pop(future, None)
         self._trim()
         return grammar
 

@@ -3,8 +3,8 @@ time, and sends each back pickled.
 
 Run as a script (`python index_child.py`), so that it imports only outlines-core, not the
 runtime (torch). Frames on stdin and stdout are an 8-byte length, then a pickle: first the
-vocabulary, then one regex per request, each answered `("ok", index)` or
-`("error", message)`. It ends when stdin closes, or when its parent is gone.
+vocabulary, then one regex per request, each answered `("ok", index, resident MiB)` or
+`("error", message, resident MiB)`. It ends when stdin closes, or when its parent is gone.
 """
 
 from __future__ import annotations
@@ -65,12 +65,22 @@ def main() -> None:
     vocabulary = read_frame(stdin)
     while (regex := read_frame(stdin)) is not None:
         try:
-            reply: tuple[str, object] = ("ok", Index(regex, vocabulary))
+            status, value = "ok", Index(regex, vocabulary)
         except BaseException as error:  # noqa: BLE001 - outlines-core panics are BaseException
             if isinstance(error, (KeyboardInterrupt, SystemExit)):
                 raise
-            reply = ("error", str(error) or type(error).__name__)
-        write_frame(stdout, reply)
+            status, value = "error", str(error) or type(error).__name__
+        write_frame(stdout, (status, value, resident_mib()))
+
+
+def resident_mib() -> float:
+    """This process's resident memory in MiB (0 where /proc cannot tell)."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0.0
+    return int(line.split()[1]) / 1024
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ shared.
 from __future__ import annotations
 
 import pickle
-import select
+import selectors
 import subprocess
 import sys
 import threading
@@ -26,6 +26,7 @@ from lmprog_runtime.constrained.index_child import read_frame, write_frame, writ
 
 CHILD = str(Path(__file__).with_name("index_child.py"))
 MAX_IDLE = 4
+MAX_IDLE_MIB = 256  # (a child that grew past this for a large compile is not kept idle)
 POLL_S = 0.05  # (how soon an abandoned compile's thread sees its interruption)
 
 
@@ -36,42 +37,53 @@ class IndexCompiler:
         self._vocabulary = pickle.dumps(vocabulary)  # (each child gets it once)
         self._lock = threading.Lock()
         self._idle: list[subprocess.Popen] = []
+        self._busy: set[subprocess.Popen] = set()
         self._closed = False
-        weakref.finalize(self, _kill_all, self._idle)
+        weakref.finalize(self, _kill_all, self._idle, self._busy)
 
     def compile(self, regex: str) -> Any:
         """outlines-core's `Index` of `regex`; ValueError with outlines-core's message where
-        it refuses it. Interruptible: an exception raised in this thread meanwhile ends the
-        wait and kills the child."""
-        child = self._take()
-        done = False
-        try:
-            write_frame(child.stdin.fileno(), regex)
-            while not select.select([child.stdout], [], [], POLL_S)[0]:
-                pass  # (an exception raised in this thread lands here)
-            reply = read_frame(child.stdout.fileno())
-            if reply is None:
-                raise ValueError(f"the index compile ended without a result ({child.wait()})")
-            done = True
-        finally:
-            self._give_back(child) if done else _kill(child)
-        status, value = reply
+        it refuses it, RuntimeError where no child could compile it. Interruptible: an
+        exception raised in this thread meanwhile ends the wait and kills the child."""
+        for reused in (True, False):
+            child, fresh = self._take()
+            done = False
+            try:
+                reply = _ask(child, regex)
+                done = reply is not None
+            except (OSError, ValueError):  # (its pipe broke or was closed: the child is gone)
+                reply = None
+            finally:
+                self._give_back(child) if done and reply[2] < MAX_IDLE_MIB else self._drop(child)
+            if reply is not None:
+                break
+            if fresh or not reused:  # (an idle child may have died: one more, on a fresh one)
+                raise RuntimeError(
+                    f"the index compile process ended without a result (exit code "
+                    f"{child.returncode}; it runs {sys.executable} {CHILD})"
+                )
+        status, value, _ = reply
         if status != "ok":
             raise ValueError(value)
         return value
 
     def close(self) -> None:
-        """Stop the idle children; a busy one stops when its compile returns or is
-        abandoned."""
+        """Stop the children, idle and busy (a busy one's compile then fails)."""
         with self._lock:
             self._closed = True
-            idle, self._idle[:] = list(self._idle), []
-        _kill_all(idle)
+            children = [*self._idle, *self._busy]
+            self._idle.clear()
+        _kill_all(children)
 
-    def _take(self) -> subprocess.Popen:
+    def _take(self) -> tuple[subprocess.Popen, bool]:
+        """A child for one compile, and whether it is new."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine was shut down before this pattern compiled")
             if self._idle:
-                return self._idle.pop()
+                child = self._idle.pop()
+                self._busy.add(child)
+                return child, False
         child = subprocess.Popen(
             [sys.executable, CHILD],
             stdin=subprocess.PIPE,
@@ -79,19 +91,38 @@ class IndexCompiler:
             stderr=subprocess.DEVNULL,
             bufsize=0,
         )
+        with self._lock:
+            self._busy.add(child)
         try:
             write_pickled(child.stdin.fileno(), self._vocabulary)
         except BaseException:
-            _kill(child)
+            self._drop(child)
             raise
-        return child
+        return child, True
 
     def _give_back(self, child: subprocess.Popen) -> None:
         with self._lock:
+            self._busy.discard(child)
             if not self._closed and len(self._idle) < MAX_IDLE:
                 self._idle.append(child)
                 return
         _kill(child)
+
+    def _drop(self, child: subprocess.Popen) -> None:
+        with self._lock:
+            self._busy.discard(child)
+        _kill(child)
+
+
+def _ask(child: subprocess.Popen, regex: str) -> tuple[str, Any, float] | None:
+    """`child`'s reply for `regex`: (status, index or message, its resident MiB); None if
+    it ended first."""
+    write_frame(child.stdin.fileno(), regex)
+    with selectors.DefaultSelector() as selector:  # (not select(): no fd above 1023)
+        selector.register(child.stdout, selectors.EVENT_READ)
+        while not selector.select(POLL_S):
+            pass  # (an exception raised in this thread lands here)
+    return read_frame(child.stdout.fileno())
 
 
 def _kill(child: subprocess.Popen) -> None:
@@ -101,6 +132,6 @@ def _kill(child: subprocess.Popen) -> None:
         pipe.close()
 
 
-def _kill_all(children: list[subprocess.Popen]) -> None:
-    for child in children:
+def _kill_all(*groups: Any) -> None:
+    for child in [child for group in groups for child in list(group)]:
         _kill(child)

@@ -151,3 +151,59 @@ def test_a_native_compile_that_explodes_is_stopped_at_the_timeout(tiny_path):
         time.sleep(1.0)
         assert sum(child.cpu_percent() for child in children if child.is_running()) < 50
     assert not [child for child in children if child.is_running()]  # (shut down: all gone)
+
+
+def test_ctrl_c_while_a_pattern_compiles_stops_the_compile(tiny_path):
+    """Ctrl-C while the caller waited for a compile left the compile running (its child at
+    a full core, and the process unable to exit); a compile no one else waits for now
+    stops, and the engine compiles other patterns."""
+    import signal
+    import threading
+
+    psutil = pytest.importorskip("psutil")
+
+    others = {child.pid for child in psutil.Process().children()}
+    config = {"max_total_tokens": 1024, "disable_jump_forward": True}
+    with Engine(tiny_path, grammar_compile_timeout_s=120, **config) as engine:
+        main = threading.main_thread().ident
+        timer = threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                exploding = "(abc|def|ghi9){1,20}[a-z0-9]{3,60}x9"
+                engine.generate("x", {"regex": exploding, "max_new_tokens": 2})
+        finally:
+            timer.cancel()
+        time.sleep(0.5)  # (the interruption lands within a poll of the child's pipe)
+        children = [c for c in psutil.Process().children() if c.pid not in others]
+        for child in children:
+            child.cpu_percent()
+        time.sleep(1.0)
+        assert sum(c.cpu_percent() for c in children if c.is_running()) < 50
+        out = engine.generate("x", {"regex": "[ab]{3}", "max_new_tokens": 8})
+        assert re.fullmatch("[ab]{3}", out["text"])
+
+
+def test_compiles_go_on_past_a_dead_child_and_past_fd_1023(backend, tmp_path):
+    """An idle child that died (the OOM killer, a signal) made the next pattern "invalid"
+    (Broken pipe); with over 1,023 files open, `select()` refused every compile."""
+    import resource
+
+    assert backend.compile_regex("a+b").new_matcher() is not None  # (a child is idle now)
+    for child in list(backend._indexes._idle):
+        child.kill()
+        child.wait()
+    assert backend.compile_regex("b+a").new_matcher() is not None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"only {hard} files may be open")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    files = [open(tmp_path / "f", "w") for _ in range(1100)]  # noqa: SIM115
+    try:
+        for child in list(backend._indexes._idle):  # (a new child: its pipes above 1023)
+            backend._indexes._drop(child)
+        assert backend.compile_regex("c+").new_matcher() is not None
+    finally:
+        for file in files:
+            file.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
