@@ -42,6 +42,7 @@ from lmprog_runtime.penalties import PenaltyCounts
 from lmprog_runtime.request import Req
 from lmprog_runtime.request_maker import RequestMaker, backend_decode
 from lmprog_runtime.results import (
+    DoneFlag,
     QueueFull,
     RequestAborted,
     RequestStream,
@@ -302,18 +303,6 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
             self._aborts.append((request_id, RequestAborted(f"request {request_id} was aborted")))
             self._cv.notify_all()
 
-    @property
-    def fault_hook(self) -> Callable[[str, Req], None] | None:
-        """Tests only: called as `hook(point, req)` at "schedule" (admission), "forward"
-        (for each request of a forward) and "sample"; raising there fails that request
-        alone."""
-        return self._fault_hook
-
-    @fault_hook.setter
-    def fault_hook(self, hook: Callable[[str, Req], None] | None) -> None:
-        self._fault_hook = hook
-        self.scheduler.fault = hook if hook is not None else _no_fault
-
     def flush_cache(self) -> bool:
         """Drop every cached prefix. Returns False (and drops nothing) while requests run."""
         return bool(self._command("flush_cache"))
@@ -348,7 +337,7 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
     def _command(self, name: str, *args: Any) -> Any:
         """Run `name` on the loop thread, between steps, and return its result (or raise
         its exception here)."""
-        done, result = threading.Event(), []
+        done, result = DoneFlag(), []  # (not an Event: see `DoneFlag`)
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine has been shut down")
@@ -388,10 +377,6 @@ def Runtime(model_path: str | os.PathLike[str] | None = None, **server_args: Any
         >>> runtime.shutdown()  # doctest: +SKIP
     """
     return Engine(model_path, **server_args)
-
-
-def _no_fault(point: str, req: Req) -> None:
-    pass
 
 
 # Every engine not yet collected, shut down when the interpreter exits: a loop thread left

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,18 @@ MAX_SCHEDULE_FAILURES = 3
 
 class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
     """The loop-side half of `Engine` (a mixin: `Engine` sets every attribute used here)."""
+
+    @property
+    def fault_hook(self) -> Callable[[str, Req], None] | None:
+        """Tests only: called as `hook(point, req)` at "schedule" (admission), "forward"
+        (for each request of a forward) and "sample"; raising there fails that request
+        alone."""
+        return self._fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: Callable[[str, Req], None] | None) -> None:
+        self._fault_hook = hook
+        self.scheduler.fault = hook if hook is not None else _no_fault
 
     def _is_idle(self) -> bool:
         """Nothing to do until a caller submits or commands (call with `_cv` held)."""
@@ -380,3 +392,7 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
                 req.on_done(req)
             except BaseException:  # a caller's callback (sys.exit() too) must not fail
                 logger.exception("on_done callback of request %d failed", req.rid)
+
+
+def _no_fault(point: str, req: Req) -> None:
+    pass

@@ -18,9 +18,11 @@ if TYPE_CHECKING:
 
 
 class DoneFlag:
-    """`threading.Event`'s `is_set` / `set` / `wait` for one request, set once, by the
-    loop: two objects for the collector to walk where an event makes six (its condition,
-    lock, waiters and the condition's bound methods).
+    """`threading.Event`'s `is_set` / `set` / `wait`, set by the loop (again: no effect):
+    two objects for the collector to walk where an event makes six (its condition, lock,
+    waiters and the condition's bound methods). Its calls are the lock's own (C): an
+    Event's `wait` enters its condition in Python, and a Ctrl-C there left that lock held,
+    so the loop's `set` would hang.
 
     Example:
         >>> flag = DoneFlag()
@@ -54,7 +56,7 @@ class DoneFlag:
 
 
 def wait_all(
-    engine: Engine, reqs: list[Req], woken: threading.Event | None = None
+    engine: Engine, reqs: list[Req], woken: DoneFlag | None = None
 ) -> list[dict[str, Any]]:
     """Wait for every request of `engine` (`woken`, from `wake_once`: first until all are
     done or one failed) and return their results; if the wait is interrupted (Ctrl-C),
@@ -76,7 +78,7 @@ def wait_all(
         raise
 
 
-def wait_for(engine: Engine, event: threading.Event | DoneFlag) -> None:
+def wait_for(engine: Engine, event: DoneFlag) -> None:
     """Wait for `event`, set by `engine`'s loop thread; a RuntimeError if that thread has
     stopped (a caller never waits forever)."""
     while not event.wait(0.5):
@@ -84,12 +86,12 @@ def wait_for(engine: Engine, event: threading.Event | DoneFlag) -> None:
             raise RuntimeError("the engine loop has stopped")
 
 
-def wake_once(reqs: list[Req]) -> threading.Event:
+def wake_once(reqs: list[Req]) -> DoneFlag:
     """An event set when all of `reqs` are done, or one of them failed (set on the loop
     thread, by their `on_done`: set it before they are submitted). A caller waiting for
     a batch wakes once, not at each request: at every wake it takes the GIL from the loop,
     which finishes the others meanwhile (each torch op of the loop hands the GIL over)."""
-    woken, left = threading.Event(), [len(reqs)]
+    woken, left = DoneFlag(), [len(reqs)]
 
     def done(req: Req) -> None:
         left[0] -= 1

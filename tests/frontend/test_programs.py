@@ -710,3 +710,24 @@ def test_a_generator_batch_holds_only_a_window_of_states(engine):
             gc.collect()
             most = max(most, len(alive))
     assert n == 119 and most <= 2 * 4 + 4
+
+
+def test_the_engines_waits_enter_no_condition_on_the_callers_thread(engine, monkeypatch):
+    """`threading.Event.wait` enters its condition in Python: a Ctrl-C there left that
+    lock held, and the engine loop's `set()` of the event would then hang the loop. The
+    caller waits on `DoneFlag`s (the lock's own C calls) instead."""
+    import threading
+
+    entered, main = [], threading.get_ident()
+    enter = threading.Condition.__enter__
+
+    def recording_enter(cv):
+        if threading.get_ident() == main:  # (not current_thread(): a thread starting enters)
+            entered.append(cv)
+        return enter(cv)
+
+    monkeypatch.setattr(threading.Condition, "__enter__", recording_enter)
+    engine.generate(["Hi", "Ho"], {"max_new_tokens": 3})
+    engine.flush_cache()
+    monkeypatch.undo()
+    assert entered == []
