@@ -45,7 +45,7 @@ class IndexCompiler:
         """outlines-core's `Index` of `regex`; ValueError with outlines-core's message where
         it refuses it, RuntimeError where no child could compile it. Interruptible: an
         exception raised in this thread meanwhile ends the wait and kills the child."""
-        for reused in (True, False):
+        for first_try in (True, False):
             child, fresh = self._take()
             done = False
             try:
@@ -57,7 +57,7 @@ class IndexCompiler:
                 self._give_back(child) if done and reply[2] < MAX_IDLE_MIB else self._drop(child)
             if reply is not None:
                 break
-            if fresh or not reused:  # (an idle child may have died: one more, on a fresh one)
+            if fresh or not first_try:  # (an idle child may have died: once more, on a new one)
                 raise RuntimeError(
                     f"the index compile process ended without a result (exit code "
                     f"{child.returncode}; it runs {sys.executable} {CHILD})"
