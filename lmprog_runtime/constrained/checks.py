@@ -10,15 +10,10 @@ import functools
 @functools.lru_cache(maxsize=256)  # (a dataset run appends the same pattern for every row)
 def _error(kind: str, pattern: str) -> str | None:
     from lmprog_runtime.constrained.json_schema import schema_to_regex
-    from lmprog_runtime.constrained.outlines_backend import class_syntax_error
-    from lmprog_runtime.constrained.portable_regex import portable_regex
+    from lmprog_runtime.constrained.outlines_backend import engine_regex
 
     try:
-        if kind == "regex":
-            reason = class_syntax_error(pattern)
-            if reason is not None:
-                return reason
-        portable_regex(pattern if kind == "regex" else schema_to_regex(pattern))
+        engine_regex(pattern if kind == "regex" else schema_to_regex(pattern))
     except ValueError as error:
         return str(error)
     return None

@@ -8,17 +8,17 @@ pattern share one compile.
 
 The cache keeps the `max_entries` grammars used last (a small JSON schema's grammar over a
 49k-token vocabulary takes about 14 MiB with jump-forward's FSM: a dataset run with a
-pattern per row, or token healing's patterns, would otherwise grow without bound). Dropping one only drops the cache's
-reference: requests using it keep it; asked for again, it compiles again. Compiles still
-running are never dropped, so their callers keep sharing them.
+pattern per row, or token healing's patterns, would otherwise grow without bound). Dropping
+one only drops the cache's reference: requests using it keep it; asked for again, it
+compiles again. Compiles still running are never dropped, so their callers keep sharing
+them.
 
 A compile that outlasts the timeout, or whose only caller is interrupted (Ctrl-C), is
-abandoned: its thread is interrupted (the
-jump-forward FSM's build, pure Python, stops at once; outlines-core's compile, native code,
-runs in a child process that is then killed: `index_process.py`), and later compiles go to
-fresh threads, so a pattern that explodes does not hold up the others (while at most
-`MAX_STUCK` abandoned compiles still run, as a backend's native code in a thread would:
-the threads of more would grow without bound).
+abandoned: its thread is interrupted (the jump-forward FSM's build, pure Python, stops at
+once; outlines-core's compile, native code, runs in a child process that is then killed:
+`index_process.py`), and later compiles go to fresh threads, so a pattern that explodes does
+not hold up the others (while at most `MAX_STUCK` abandoned compiles still run, as a
+backend's native code in a thread would: the threads of more would grow without bound).
 """
 
 from __future__ import annotations

@@ -99,11 +99,8 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         self._indexes = IndexCompiler(self._vocabulary)  # (in child processes: stoppable)
 
     def compile_regex(self, regex: str) -> Grammar:
-        reason = class_syntax_error(regex)
-        if reason is not None:
-            raise ValueError(f"cannot compile regex {regex!r}: {reason}")
         try:
-            portable = portable_regex(regex)
+            portable = engine_regex(regex)
         except ValueError as error:
             raise ValueError(f"cannot compile regex {regex!r}: {error}") from None
         try:
@@ -118,17 +115,18 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         self._indexes.close()
 
 
-def class_syntax_error(regex: str) -> str | None:
-    """Why `regex` is refused for its character classes (`rust_only_class_syntax`), or
-    None."""
+def engine_regex(regex: str) -> str:
+    """`regex` as outlines-core is given it (`portable_regex`); ValueError naming why it
+    is refused for what it says: Rust's class syntax (`rust_only_class_syntax`), or what
+    `portable_regex` cannot write. (The compile and the frontend's check both ask here.)"""
     dialect = rust_only_class_syntax(regex)
-    if dialect is None:
-        return None
-    return (
-        f"{dialect!r} in a character class is Rust's syntax (a nested class, a POSIX class "
-        "or a set operation), which Python's re reads otherwise, so outputs would not "
-        "re.fullmatch it; write the class out (escape a literal '[' as '\\[')"
-    )
+    if dialect is not None:
+        raise ValueError(
+            f"{dialect!r} in a character class is Rust's syntax (a nested class, a POSIX "
+            "class or a set operation), which Python's re reads otherwise, so outputs would "
+            "not re.fullmatch it; write the class out (escape a literal '[' as '\\[')"
+        )
+    return portable_regex(regex)
 
 
 def rust_only_class_syntax(regex: str) -> str | None:
