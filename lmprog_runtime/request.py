@@ -73,14 +73,15 @@ class Req(ReqText):
         self.eos_token_ids = NO_TOKEN_IDS if params.ignore_eos else eos_token_ids
         stop_ids = params.stop_token_ids
         self.stop_token_ids = frozenset(stop_ids) if stop_ids else NO_TOKEN_IDS
-        # (read at every token)
-        self._ends_on = (
+        # The tokens that end it once min_new_tokens is reached, banned until then (read at
+        # every token)
+        self.ends_on = (
             (self.eos_token_ids | self.stop_token_ids) if stop_ids else self.eos_token_ids
         )
         # Stop strings that are a special token's text end on it (`RequestMaker._special_stops`)
         self._stop_token_texts = stop_token_texts or {}
         if stop_token_texts:
-            self._ends_on = self._ends_on | frozenset(stop_token_texts)
+            self.ends_on = self.ends_on | frozenset(stop_token_texts)
         # Generation ends at the context length even if max_new_tokens allows more. A healed
         # prompt's backed-up token is generated again on top of max_ and min_new_tokens.
         healed = 1 if heal is not None else 0
@@ -260,7 +261,7 @@ class Req(ReqText):
         and checks it while that forward runs)."""
         token_id = self.output_ids[-1]
         n = len(self.output_ids)
-        ends = n >= self.min_new_tokens and token_id in self._ends_on  # EOS or a stop token
+        ends = n >= self.min_new_tokens and token_id in self.ends_on  # EOS or a stop token
         if ends and n == 1 and self.heal is not None and token_id == self.heal.token_id:
             ends = False  # the backed-up prompt token written again: prompt text, not output
         if self.matcher is not None:
@@ -313,7 +314,7 @@ class Req(ReqText):
             return False
         out = self.output_ids
         n = len(out)
-        return n < self.max_new_tokens and (n < self.min_new_tokens or out[-1] not in self._ends_on)
+        return n < self.max_new_tokens and (n < self.min_new_tokens or out[-1] not in self.ends_on)
 
     @property
     def checks_last_token_alone(self) -> bool:
@@ -329,7 +330,7 @@ class Req(ReqText):
         last one (`check_last_token`) after."""
         held = len(self.output_ids)
         take = max(1, min(len(tokens), self.max_new_tokens - held))  # (the last by length)
-        ends = self._ends_on
+        ends = self.ends_on
         if ends and not ends.isdisjoint(tokens[:take]):
             for k in range(max(0, self.min_new_tokens - held - 1), take):  # (`can_stop`)
                 if tokens[k] in ends:

@@ -94,7 +94,7 @@ def sample_rows(
             keep = {req.grammar_eos} if req.matcher is not None else set()
             if req.heal is not None and not req.output_ids:  # (it regenerates prompt text)
                 keep.add(req.heal.token_id)
-            banned = [t for t in (req.eos_token_ids | req.stop_token_ids) - keep if 0 <= t < vocab]
+            banned = [t for t in req.ends_on - keep if 0 <= t < vocab]
         penalty = counts.row_of(req, offset, draws) if params.has_penalties else None
         mask = next(words) if req.matcher is not None else None
         # A complete match that may end on any token draws unmasked; the request keeps

@@ -29,7 +29,7 @@ class SteadyCheck:
 
     Example (the requests' fields are all it reads):
         >>> from types import SimpleNamespace as R
-        >>> reqs = [R(output_ids=[5], max_new_tokens=3, min_new_tokens=0, _ends_on={2})]
+        >>> reqs = [R(output_ids=[5], max_new_tokens=3, min_new_tokens=0, ends_on={2})]
         >>> steady = SteadyCheck(reqs)
         >>> reqs[0].output_ids.append(7)
         >>> steady.settles(reqs)  # 2 tokens of 3, and 7 ends nothing
@@ -48,7 +48,7 @@ class SteadyCheck:
         # on a token while k < quiet (each one's min_new_tokens unreached).
         self.room = min(r.max_new_tokens - n for r, n in zip(reqs, lens))
         self.quiet = min(r.min_new_tokens - n for r, n in zip(reqs, lens))
-        self.ends = frozenset().union(*[r._ends_on for r in reqs])
+        self.ends = frozenset().union(*[r.ends_on for r in reqs])
 
     def settles(self, reqs: list[Req]) -> bool:
         """Whether checking `reqs` now would do nothing (see the class). Each request of a

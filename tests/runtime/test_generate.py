@@ -396,4 +396,8 @@ def test_a_stop_string_that_is_a_special_tokens_text_ends_on_that_token(engine):
         kept = engine.generate("Hi", {**params, "skip_special_tokens": False})
         assert kept["output_ids"] == ids[:end]
         assert kept["meta_info"]["finish_reason"] == {"type": "stop", "matched": "<|im_start|>"}
+        # Like EOS and stop tokens, the token is banned while min_new_tokens is unreached:
+        # it was the draw at `end - 1`, which now picks another token.
+        held = engine.generate("Hi", {**params, "min_new_tokens": end, "max_new_tokens": end})
+        assert special not in held["output_ids"] and held["output_ids"][: end - 1] == ids[: end - 1]
     assert hits  # (about 7 of 60 expected)
