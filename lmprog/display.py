@@ -1,5 +1,5 @@
-"""How program states look: a chat transcript in Jupyter, short text everywhere else, a
-live view of a streaming run, and a table of many states.
+"""How program states look: a chat transcript in Jupyter (a fork's branches below it),
+short text everywhere else, a live view of a streaming run, and a table of many states.
 
 Jupyter asks for `_repr_html_`; a terminal only ever sees `repr()` / `str()`, so no HTML
 reaches it. IPython and pandas are imported only when a notebook view or a DataFrame is
@@ -20,6 +20,7 @@ from lmprog.ops import Span
 if TYPE_CHECKING:
     from lmprog.ops import ExecState
     from lmprog.state import ProgramState
+    from lmprog.stream import Stream
 
 ROLE_COLORS = {"system": "#9a9a9a", "user": "#3a7bd5", "assistant": "#2e9e5b"}
 SPAN_COLORS = {"gen": "#d9f2df", "select": "#dde8fb"}
@@ -32,6 +33,7 @@ CSS = (
     ".lmprog-text{white-space:pre-wrap;margin:4px 0}"
     ".lmprog-span{border-radius:3px;padding:0 2px}"
     ".lmprog-span sub{font-size:9px;opacity:.6;margin-left:2px}"
+    ".lmprog-branch{border-left:3px dashed #c9a227;margin:6px 0 6px 14px;padding:2px 8px}"
     ".lmprog-error{color:#b00020;margin-top:6px}</style>"
 )
 # A repr longer than this shows its start and end only.
@@ -41,10 +43,53 @@ REPR_CHARS = 120
 LIVE_INTERVAL_S = 0.1
 
 
-def state_html(st: ExecState, error: BaseException | None = None) -> str:
+def state_html(
+    st: ExecState,
+    error: BaseException | None = None,
+    branches: Iterable[tuple[str, ExecState, int]] = (),
+) -> str:
     """The state as a transcript: one block per chat role, generated and selected spans
-    highlighted with their variable names (a select's choices and scores on hover)."""
+    highlighted with their variable names (a select's choices and scores on hover). Below
+    it, each of `branches` (a label, a fork branch's state, and how many of its spans it
+    inherited at the fork): its own text, what it added to the forked state."""
     out = [CSS, '<div class="lmprog-state">']
+    _transcript(out, st.spans, st.meta)
+    for label, branch, first in branches:
+        out.append(
+            f'<div class="lmprog-branch"><span class="lmprog-role-name">{html.escape(label)}</span>'
+        )
+        roles = [span.name for span in branch.spans[:first] if span.kind == "role"]
+        open_role = roles[-1] if len(roles) % 2 else None  # (a role's begin and end alike)
+        _transcript(out, branch.spans[first:], branch.meta, open_role)
+        out.append("</div>")
+    if error is not None:
+        message = html.escape(f"{type(error).__name__}: {error}")
+        out.append(f'<div class="lmprog-error">{message}</div>')
+    out.append("</div>")
+    return "".join(out)
+
+
+def stream_html(stream: Stream, error: BaseException | None = None) -> str:
+    """`state_html` of a program's state with its fork branches that have started (a
+    branch's own branches after it), as they stand now."""
+    with stream.lock:
+        st = stream.st.copy()
+        branches, todo = [], [("", stream)]
+        while todo:
+            prefix, parent = todo.pop(0)
+            for fork_id, forked in parent.branches.items():
+                for i, branch in enumerate(forked):
+                    if branch.is_started:
+                        label = f"{prefix}fork {fork_id}, branch {i}"
+                        branches.append((label, branch.st.copy(), branch.fork_spans))
+                        todo.append((f"{label} / ", branch))
+    return state_html(st, error, branches)
+
+
+def _transcript(
+    out: list[str], spans: list[Span], meta: dict, open_role: str | None = None
+) -> None:
+    """Append `spans` to `out` as HTML; they begin inside role `open_role` if not None."""
     plain: list[str] = []  # text outside any role
 
     def flush_plain() -> None:
@@ -52,34 +97,34 @@ def state_html(st: ExecState, error: BaseException | None = None) -> str:
             out.append(f'<div class="lmprog-text">{"".join(plain)}</div>')
             plain.clear()
 
+    def begin(role: str) -> None:
+        color = ROLE_COLORS.get(role, "#888")
+        out.append(
+            f'<div class="lmprog-role lmprog-role-{html.escape(role)}" '
+            f'style="border-color:{color}"><span class="lmprog-role-name" '
+            f'style="color:{color}">{html.escape(role)}</span>'
+        )
+
     target = plain
-    for span in _merged(st.spans):
+    if open_role is not None:
+        begin(open_role)
+        target = out
+    for span in _merged(spans):
         if span.kind == "role":
             if target is plain:  # a role begins
                 flush_plain()
-                role = span.name or ""
-                color = ROLE_COLORS.get(role, "#888")
-                out.append(
-                    f'<div class="lmprog-role lmprog-role-{html.escape(role)}" '
-                    f'style="border-color:{color}"><span class="lmprog-role-name" '
-                    f'style="color:{color}">{html.escape(role)}</span>'
-                )
+                begin(span.name or "")
                 target = out
             else:  # it ends
                 out.append("</div>")
                 target = plain
         elif span.kind in SPAN_COLORS:
-            target.append(_span_html(span.kind, span.text, span.name, st.meta.get(span.name)))
+            target.append(_span_html(span.kind, span.text, span.name, meta.get(span.name)))
         else:
             target.append(html.escape(span.text))
     if target is out:
         out.append("</div>")
     flush_plain()
-    if error is not None:
-        message = html.escape(f"{type(error).__name__}: {error}")
-        out.append(f'<div class="lmprog-error">{message}</div>')
-    out.append("</div>")
-    return "".join(out)
 
 
 def _merged(spans: list[Span]) -> list[Span]:
@@ -151,13 +196,15 @@ def show_live(state: ProgramState) -> threading.Thread | None:
     from IPython.display import HTML, display
 
     stream = state._stream
-    handle = display(HTML(state_html(stream.st)), display_id=True)
+    handle = display(HTML(stream_html(stream)), display_id=True)
 
     def follow() -> None:
-        start, is_done = 0, False
+        drawn, is_done = 0, False
         while not is_done:
-            _, start, is_done = stream.next_deltas(start, None)  # new text, or the end
-            handle.update(HTML(state_html(stream.st.copy(), stream.error if is_done else None)))
+            with stream.lock:  # new text (its own or a fork branch's), or the end
+                stream.cv.wait_for(lambda seen=drawn: stream.emitted > seen or stream.is_done)
+                drawn, is_done = stream.emitted, stream.is_done
+            handle.update(HTML(stream_html(stream, stream.error if is_done else None)))
             if not is_done:  # let text gather, but wake at the end for the final draw
                 with stream.lock:
                     stream.cv.wait_for(lambda: stream.is_done, LIVE_INTERVAL_S)

@@ -140,7 +140,7 @@ class Interpreter:
             for branch in stream.branches[node.fork_id]:
                 branch.st = st.copy()
                 branch.st.on_emit = branch._on_emit
-                branch.fork_base = base
+                branch.fork_base, branch.fork_spans = base, len(st.spans)
                 with branch.lock:
                     if branch.is_streaming and st.text:  # (its stream starts with the text
                         branch.events.append((None, st.text, None))  # it inherits)

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from lmprog.backend import Backend
-from lmprog.display import short_repr, state_html
+from lmprog.display import short_repr, stream_html
 from lmprog.interpreter import INTERPRETER
 from lmprog.ir import (
     Expr,
@@ -204,7 +204,8 @@ class ProgramState(StateBlocks):
                 lambda: (
                     (not outside or name in stream.producers or stream.is_closed)
                     and stream.has_run(name)
-                )
+                ),
+                release=not outside,
             )
 
     def __getitem__(self, name: str) -> Any:
@@ -255,7 +256,9 @@ class ProgramState(StateBlocks):
         start, is_done = 0, False
         while not is_done:
             with self._cancel_on_interrupt():
-                deltas, start, is_done = self._stream.next_deltas(start, var_name)
+                deltas, start, is_done = self._stream.next_deltas(
+                    start, var_name, release=not self._outside_body()
+                )
             for delta, _ in deltas:
                 yield delta
         self._raise_error()
@@ -320,9 +323,10 @@ class ProgramState(StateBlocks):
         printer.text(repr(self))
 
     def _repr_html_(self) -> str:
-        """Jupyter: the transcript by role, generated and selected spans highlighted."""
+        """Jupyter: the transcript by role, generated and selected spans highlighted, and
+        each fork branch's own text below it."""
         self.sync()
-        return state_html(self._stream.st, self._stream.error)
+        return stream_html(self._stream, self._stream.error)
 
 
 class ProgramStateGroup(BranchGroup):

@@ -46,6 +46,9 @@ class Stream:
         self.auto_names = 0
         self.branches: dict[int, list[Stream]] = {}  # fork id -> its branch streams
         self.fork_base: tuple[set[str], int] = (set(), 0)  # parent's variables, text length
+        self.fork_spans = 0  # how many of its state's spans it inherited at the fork
+        self.root: Stream = parent.root if parent is not None else self
+        self.emitted = 0  # (root) text pieces streamed by it and its branches: the live view
         self.st = ExecState()
         self.st.on_emit = self._on_emit
         self.events: list[tuple[str | None, str, dict[str, Any] | None]] = []
@@ -105,11 +108,12 @@ class Stream:
                 todo.extend(branches)
         return out
 
-    def wait(self, ready: Callable[[], bool]) -> None:
-        """Wait (lock held) until `ready()` or this stream has ended; forks being filled
-        above it are released, since the reader needs them to run."""
+    def wait(self, ready: Callable[[], bool], release: bool = True) -> None:
+        """Wait (lock held) until `ready()` or this stream has ended. With `release`, forks
+        being filled above it are released, since the reader needs them to run; a reader
+        watching a streaming body from outside waits for the body to fill them instead."""
         stream: Stream | None = self
-        while stream is not None:
+        while release and stream is not None:
             if stream.hold is not None:
                 stream.hold = None
                 self.interpreter.wake(stream)
@@ -127,13 +131,14 @@ class Stream:
         return self.is_synced() if index is None else self.pos > index
 
     def next_deltas(
-        self, start: int, var_name: str | None
+        self, start: int, var_name: str | None, release: bool = True
     ) -> tuple[list[tuple[str, dict[str, Any] | None]], int, bool]:
         """The non-empty text deltas (of `var_name`, or all) among the events from `start`
-        on, waiting for at least one event or the end; returns them with their meta info,
-        where the next call starts, and whether the stream has ended (no event after)."""
+        on, waiting for at least one event or the end (`release` as in `wait`); returns them
+        with their meta info, where the next call starts, and whether the stream has ended
+        (no event after)."""
         with self.lock:
-            self.wait(lambda: len(self.events) > start)
+            self.wait(lambda: len(self.events) > start, release)
             events, is_done = self.events[start:], self.is_done
         deltas = [
             (delta, meta)
@@ -148,3 +153,7 @@ class Stream:
             with self.lock:
                 self.events.append((name, text, meta))
                 self.cv.notify_all()
+                root = self.root
+                root.emitted += 1
+                if root is not self:
+                    root.cv.notify_all()
