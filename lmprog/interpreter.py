@@ -28,6 +28,7 @@ from typing import Any
 
 from lmprog.ir import Expr, Fork, Gen, Join, Select
 from lmprog.ops import SelectPlan, gathered_variables
+from lmprog.outbox import Outbox
 from lmprog.stream import Stream
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,8 @@ class Interpreter:
 
     def fail(self, stream: Stream, error: BaseException) -> None:
         """The stream's program failed: its own error, or one of its requests was refused.
-        It and its branches end once their requests in flight (if any) are back; branches
+        It and its branches end once their requests in flight (if any) are back, or now
+        where a request waits for its pattern to compile (it is aborted once sent); branches
         not started end now. A program that has ended keeps its outcome (a late cancel of a
         whole batch finds it finished)."""
         with stream.lock:
@@ -190,7 +192,7 @@ class Interpreter:
                     if not branch.is_done:
                         branch.is_started = True
                         self.fail(branch, error)
-            if not stream.is_busy:
+            if not stream.is_busy or stream.is_compiling:
                 self._end(stream)
 
     def cancel(self, stream: Stream, error: BaseException) -> None:
@@ -276,97 +278,6 @@ class Interpreter:
             stream.ops.finish_select(stream.st, sel, plan, outs)
 
         self._resume(stream, apply)
-
-
-class Outbox:
-    """The requests of one interpreter round, submitted together at its end. Sibling fork
-    branches' gens go as one request group; a request the backend refuses fails only its
-    own stream."""
-
-    def __init__(self) -> None:
-        self.gens: list[tuple[Stream, Gen, list[int], dict[str, Any]]] = []
-        self.selects: list[tuple[Stream, Select, SelectPlan]] = []
-
-    def flush(self, interp: Interpreter) -> None:
-        groups: dict[tuple[int, ...], list] = {}  # (backend, [parent, fork]) -> its gens
-        for item in self.gens:
-            stream = item[0]
-            backend = id(stream.ops.backend)
-            key = (backend, id(stream.parent), stream.fork_id) if stream.parent else (backend,)
-            groups.setdefault(key, []).append(item)
-        for key, items in groups.items():
-            self._submit_gens(interp, items, group=len(key) > 1 and len(items) > 1)
-        for stream, sel, plan in self.selects:
-            ids, starts = stream.ops.select_requests(plan)
-            try:
-                futures = stream.ops.backend.submit(
-                    ids,
-                    # (with the tokens' texts, as SGLang's select asks for them)
-                    [{"max_new_tokens": 0, "return_text_in_logprobs": True}] * len(ids),
-                    group=True,
-                    return_logprob=True,
-                    logprob_start_len=starts,
-                )
-            except Exception as error:  # noqa: BLE001 - refused: this program fails
-                interp.post(functools.partial(_refused, interp, stream, error))
-                continue
-            stream.inflight = futures
-            done = functools.partial(interp.select_done, stream, sel, plan, futures)
-            countdown = _Countdown(len(futures), lambda done=done: interp.post(done))
-            for future in futures:
-                future.add_done_callback(countdown)
-
-    def _submit_gens(self, interp: Interpreter, items: list, group: bool) -> None:
-        backend = items[0][0].ops.backend
-        streamed = [
-            stream.is_streaming and not stream.ops.is_number_gen(gen) for stream, gen, _, _ in items
-        ]
-
-        def on_chunk(i: int, chunk: dict[str, Any]) -> None:
-            if streamed[i]:
-                stream, gen = items[i][0], items[i][1]
-                interp.post(functools.partial(interp.gen_chunk, stream, gen, chunk))
-
-        try:
-            futures = backend.submit(
-                [ids for _, _, ids, _ in items],
-                [params for _, _, _, params in items],
-                group=group,
-                on_chunk=on_chunk if any(streamed) else None,
-            )
-        except Exception as error:  # noqa: BLE001 - find the refused one(s): submit alone
-            if len(items) > 1:
-                for item in items:
-                    self._submit_gens(interp, [item], group=False)
-            else:
-                interp.post(functools.partial(_refused, interp, items[0][0], error))
-            return
-        for (stream, gen, _, _), future, is_streamed in zip(items, futures, streamed):
-            stream.inflight = [future]
-            done = functools.partial(interp.gen_done, stream, gen, is_streamed)
-            future.add_done_callback(lambda f, done=done: interp.post(functools.partial(done, f)))
-
-
-class _Countdown:
-    """Calls `then` once, when it has been called `count` times (from any threads)."""
-
-    def __init__(self, count: int, then: Callable[[], None]) -> None:
-        self._count = count
-        self._then = then
-        self._lock = threading.Lock()
-
-    def __call__(self, _: Any) -> None:
-        with self._lock:
-            self._count -= 1
-            is_last = self._count == 0
-        if is_last:
-            self._then()
-
-
-def _refused(interp: Interpreter, stream: Stream, error: BaseException) -> None:
-    with stream.lock:
-        stream.is_busy = False
-    interp.fail(stream, error)
 
 
 INTERPRETER = Interpreter()

@@ -59,6 +59,7 @@ class Stream:
         self.is_done = False
         self.is_queued = False
         self.inflight: list[Any] = []  # the futures of its request(s) in flight
+        self.is_compiling = False  # its request is being submitted: its pattern compiles
         # Taken as `with stream.lock:` (the RLock's own C `__enter__`), never `with
         # stream.cv:`: `Condition.__enter__` is Python, and a Ctrl-C between its acquire and
         # its return left the lock held, hanging every program after it.

@@ -352,6 +352,12 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine has been shut down")
+            if not self._thread.is_alive():  # (its futures would never resolve)
+                raise RuntimeError(
+                    "the engine loop is not running in this process (a child forked from "
+                    "the engine's process has no loop thread: make engines in the child, "
+                    "started with multiprocessing's 'spawn' method)"
+                )
             limit = self.config.max_queued_requests
             queued = self._num_unfinished - len(self.scheduler.running)
             # (a group's internal prefill of its shared prefix is not the caller's request)

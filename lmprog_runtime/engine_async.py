@@ -4,7 +4,9 @@ Built on `Engine.submit`: the futures resolve on the engine's loop thread and ar
 through `asyncio.wrap_future`, so the event loop never blocks (a plain `generate` in a
 coroutine holds it for the whole generation); streamed chunks are handed to the event loop
 with `call_soon_threadsafe`. A task cancelled while it awaits aborts its requests, which
-then free their slots within one engine step.
+then free their slots within one engine step; so does an event loop closed under a stream.
+A `regex` / `json_schema` request is submitted from a worker thread, since its submit may
+wait for the pattern to compile (up to `grammar_compile_timeout_s`): the event loop goes on.
 
 `EngineAsync` holds this method of `Engine` (a mixin).
 """
@@ -12,6 +14,8 @@ then free their slots within one engine step.
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
@@ -46,13 +50,59 @@ class EngineAsync:
         is_single = isinstance(prompt, str) or (
             prompt is None and isinstance(input_ids, list) and not _is_nested(input_ids)
         )
-        if stream:
-            if not is_single:
-                raise ValueError("stream=True takes a single prompt")
-            return self._async_stream(prompt, sampling_params, inputs)
-        futures = self.submit(prompt, sampling_params, **inputs)  # type: ignore[attr-defined]
-        results = await self._awaited(futures)
-        return results[0] if is_single else results
+        if not stream:
+            futures = await self._submitted(prompt, sampling_params, inputs)
+            results = await self._awaited(futures)
+            return results[0] if is_single else results
+        if not is_single:
+            raise ValueError("stream=True takes a single prompt")
+        # Submitted here: bad input raises at the await, and the request starts at once.
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+        submitted: list[Future] = []
+
+        def hand_on(_: int, chunk: dict[str, Any] | None) -> None:  # (the engine's thread)
+            try:
+                loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+            except RuntimeError:  # the event loop was closed: no one will read the rest
+                for future in submitted:
+                    self.abort(future.request_id)  # type: ignore[attr-defined]
+
+        inputs["on_chunk"] = hand_on
+        submitted += await self._submitted(prompt, sampling_params, inputs)
+        submitted[0].add_done_callback(lambda _: hand_on(0, None))
+        return self._async_stream(submitted[0], chunks)
+
+    async def _submitted(
+        self, prompt: Any, sampling_params: Any, inputs: dict[str, Any]
+    ) -> list[Future]:
+        """`submit`'s futures; from a worker thread where a pattern may compile. A task
+        cancelled meanwhile aborts the requests once they are submitted."""
+        submit = self.submit  # type: ignore[attr-defined]
+        call = functools.partial(submit, prompt, sampling_params, **inputs)
+        if not _may_compile(sampling_params):
+            return call()
+        submitted: Future = Future()
+        submitted.set_running_or_notify_cancel()  # (a cancelled await must not cancel it)
+
+        def run() -> None:
+            try:
+                submitted.set_result(call())
+            except BaseException as error:  # noqa: BLE001 - raised at the await
+                submitted.set_exception(error)
+
+        threading.Thread(target=run, name="lmprog-async-submit", daemon=True).start()
+        try:
+            return await asyncio.wrap_future(submitted)
+        except asyncio.CancelledError:
+            submitted.add_done_callback(self._abort_all)
+            raise
+
+    def _abort_all(self, submitted: Future) -> None:
+        if submitted.exception() is None:
+            for future in submitted.result():
+                self.abort(future.request_id)  # type: ignore[attr-defined]
 
     async def _awaited(self, futures: list[Future]) -> list[dict[str, Any]]:
         """The futures' results; a cancelled wait aborts the requests still running."""
@@ -65,18 +115,8 @@ class EngineAsync:
             raise
 
     async def _async_stream(
-        self, prompt: Any, sampling_params: Any, inputs: dict[str, Any]
+        self, future: Future, chunks: asyncio.Queue[dict[str, Any] | None]
     ) -> AsyncIterator[dict[str, Any]]:
-        loop = asyncio.get_running_loop()
-        chunks: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-
-        def hand_on(_: int, chunk: dict[str, Any]) -> None:  # (on the engine's loop thread)
-            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
-
-        (future,) = self.submit(  # type: ignore[attr-defined]
-            prompt, sampling_params, on_chunk=hand_on, **inputs
-        )
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(chunks.put_nowait, None))
         try:
             while (chunk := await chunks.get()) is not None:
                 yield chunk
@@ -84,6 +124,15 @@ class EngineAsync:
         finally:
             if not future.done():  # (left early, or cancelled)
                 self.abort(future.request_id)  # type: ignore[attr-defined]
+
+
+def _may_compile(sampling_params: Any) -> bool:
+    """Whether a submit of these params may compile a pattern (wait for seconds)."""
+    every = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    return any(
+        isinstance(p, dict) and (p.get("regex") is not None or p.get("json_schema") is not None)
+        for p in every
+    )
 
 
 def _is_nested(input_ids: list) -> bool:

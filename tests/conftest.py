@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny-model engine per session, and the clean-engine check.
+"""Shared fixtures: one tiny-model engine per session, the clean-engine check, and
+compiles held until a test releases them (`held`).
 
 Every `lmprog_runtime.Engine` built while the tests run (by a test, by a fixture of any
 scope, or by the library for a test) is registered. After every test, each registered
@@ -147,3 +148,29 @@ def hf_tiny(tiny_path):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(tiny_path)
+
+
+# How long a held compile waits for its test's release at most.
+HELD_WAIT_S = 60
+
+
+@pytest.fixture
+def held(engine, monkeypatch):
+    """Patterns beginning with `held` compile only once the returned event is set (or
+    after HELD_WAIT_S); its `started` and `ended` say where such a compile stands."""
+    engine.grammar("regex", "[ab]")  # (the engine's grammar cache exists from here)
+    backend = engine._grammars.backend
+    release, started, ended = threading.Event(), threading.Event(), threading.Event()
+    compile_regex = backend.compile_regex
+
+    def held_compile(regex):
+        if regex.startswith("held"):
+            started.set()
+            release.wait(HELD_WAIT_S)
+            ended.set()
+        return compile_regex(regex)
+
+    monkeypatch.setattr(backend, "compile_regex", held_compile)
+    release.started, release.ended = started, ended
+    yield release
+    release.set()

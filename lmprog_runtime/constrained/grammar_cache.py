@@ -26,16 +26,19 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 
 from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar
 from lmprog_runtime.constrained.portable_regex import without_edge_anchors
 
 MAX_PATTERN_CHARS = 50_000
 MAX_STUCK = 4  # abandoned compiles (busy in native code) beside which fresh threads start
+QUEUED_POLL_S = 0.05  # how often a caller looks whether its queued compile has started
 SHUT_DOWN = "the engine was shut down before this pattern compiled"
 logger = logging.getLogger(__name__)
 
@@ -87,9 +90,10 @@ class GrammarCache:
                 self._jobs[future] = job
             else:
                 self._entries.move_to_end(key)
+            job = self._jobs.get(future)
             self._waiting[future] = self._waiting.get(future, 0) + 1
         try:
-            grammar = future.result(timeout=self.timeout_s)
+            grammar = self._result(future, job)
         except CancelledError as error:  # (queued when the engine shut down)
             raise RuntimeError(SHUT_DOWN) from error
         except (FutureTimeout, _Abandoned) as error:
@@ -120,6 +124,18 @@ class GrammarCache:
                     self._jobs.pop(future, None)
         self._trim()
         return grammar
+
+    def _result(self, future: Future, job: _Job | None) -> Grammar:
+        """The compile's grammar, waiting until `timeout_s` after it started: one queued
+        behind slow compiles is not charged for their time (it timed out, and its pattern
+        was called too slow)."""
+        while job is not None and job.started_at is None:
+            try:
+                return future.result(timeout=QUEUED_POLL_S)
+            except FutureTimeout:
+                continue
+        started = job.started_at if job is not None else time.monotonic()
+        return future.result(timeout=max(0.0, started + self.timeout_s - time.monotonic()))
 
     def _abandon(self, future: Future) -> None:
         """A compile outlasted the timeout: stop it, and let later compiles start on fresh
@@ -213,11 +229,14 @@ def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
 
 class _Job:
     """One compile on a pool thread, which the caller may interrupt while it runs, and only
-    then: an interruption never outlives the compile (a pending one is cleared at its end)."""
+    then: an interruption never outlives the compile (a pending one is cleared at its end),
+    nor lands inside an `uninterrupted()` block (it lands at the block's end)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.thread_id: int | None = None
+        self.started_at: float | None = None  # (time.monotonic())
+        self.shielded = 0  # `uninterrupted()` blocks it is in
         self.is_interrupted = False
         self.is_over = False
 
@@ -225,10 +244,12 @@ class _Job:
         with self.lock:
             if self.is_interrupted:
                 raise _Abandoned
-            self.thread_id = threading.get_ident()
+            self.thread_id, self.started_at = threading.get_ident(), time.monotonic()
+        _running.job = self
         try:
             return compile_(kind, pattern)
         finally:
+            _running.job = None
             while True:  # (an interruption arriving here is taken, then the loop goes on)
                 try:
                     with self.lock:
@@ -242,5 +263,29 @@ class _Job:
     def interrupt(self) -> None:
         with self.lock:
             self.is_interrupted = True
-            if self.thread_id is not None:
+            if self.thread_id is not None and not self.shielded:
                 _set_async_exc(self.thread_id, _Abandoned)
+
+
+_running = threading.local()  # .job: the `_Job` this thread runs, if any
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """A block a compile's interruption must not land in (starting a child process: an
+    exception inside `subprocess.Popen`, after its fork, left the child unreaped); one
+    asked for meanwhile is raised at its end."""
+    job = getattr(_running, "job", None)
+    if job is None:
+        yield
+        return
+    with job.lock:
+        job.shielded += 1
+    try:
+        yield
+    finally:
+        with job.lock:
+            job.shielded -= 1
+            owed = job.is_interrupted and not job.shielded
+        if owed:
+            raise _Abandoned

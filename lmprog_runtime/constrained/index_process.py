@@ -22,6 +22,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from lmprog_runtime.constrained.grammar_cache import uninterrupted
 from lmprog_runtime.constrained.index_child import read_frame, write_frame, write_pickled
 
 CHILD = str(Path(__file__).with_name("index_child.py"))
@@ -46,21 +47,24 @@ class IndexCompiler:
         it refuses it, RuntimeError where no child could compile it. Interruptible: an
         exception raised in this thread meanwhile ends the wait and kills the child."""
         for first_try in (True, False):
-            child, fresh = self._take()
-            done = False
+            child, fresh, done = None, True, False
             try:
+                with uninterrupted():  # (an interruption lands once `child` is set)
+                    child, fresh = self._take()
                 reply = _ask(child, regex)
                 done = reply is not None
             except (OSError, ValueError):  # (its pipe broke or was closed: the child is gone)
                 reply = None
             finally:
-                self._give_back(child) if done and reply[2] < MAX_IDLE_MIB else self._drop(child)
+                if child is not None:
+                    keep = done and reply[2] < MAX_IDLE_MIB
+                    self._give_back(child) if keep else self._drop(child)
             if reply is not None:
                 break
             if fresh or not first_try:  # (an idle child may have died: once more, on a new one)
                 raise RuntimeError(
                     f"the index compile process ended without a result (exit code "
-                    f"{child.returncode}; it runs {sys.executable} {CHILD})"
+                    f"{getattr(child, 'returncode', None)}; it runs {sys.executable} {CHILD})"
                 )
         status, value, _ = reply
         if status != "ok":
@@ -76,7 +80,7 @@ class IndexCompiler:
         _kill_all(children)
 
     def _take(self) -> tuple[subprocess.Popen, bool]:
-        """A child for one compile, and whether it is new."""
+        """A child for one compile, and whether it is new (called `uninterrupted`)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine was shut down before this pattern compiled")
@@ -84,7 +88,7 @@ class IndexCompiler:
                 child = self._idle.pop()
                 self._busy.add(child)
                 return child, False
-        child = subprocess.Popen(
+        child = subprocess.Popen(  # (uninterrupted: an exception inside left it unreaped)
             [sys.executable, CHILD],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -1,0 +1,215 @@
+"""Waiting for a pattern's compile, and other waits that never end, from the engine's side.
+
+- `async_generate` of a `regex` / `json_schema` request compiled its pattern on the event
+  loop's thread: the loop stopped for the compile (seconds, up to its timeout).
+- A stream's request whose event loop was closed ran to its end, logging an error per token.
+- `async_generate(stream=True)` checked its input, and sent its request, only once read.
+- A compile queued behind slow ones was charged for their time, and a trivial pattern
+  failed as "too slow".
+- An interruption (a compile's timeout) landing inside `subprocess.Popen` left the child
+  process unreaped (a zombie per timeout, kept after shutdown).
+- In a child forked from the engine's process, the engine has no loop thread: `submit`,
+  `async_generate` and programs queued requests no one would run, and waited forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+from conftest import engine_leak
+
+from lmprog_runtime.constrained import GrammarCache, index_process
+from lmprog_runtime.constrained.outlines_backend import OutlinesGrammarBackend
+
+WAIT_S = 60
+
+
+def test_the_event_loop_runs_while_a_pattern_compiles(engine, held):
+    plain = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        slow = asyncio.create_task(
+            engine.async_generate("Code:", {"regex": "held[a-c]{3}", "max_new_tokens": 8})
+        )
+        await asyncio.to_thread(held.started.wait, WAIT_S)
+        other = await engine.async_generate("Once upon", plain)  # (the loop is free)
+        assert not held.ended.is_set()
+        held.set()
+        return other, await slow
+
+    other, slow = asyncio.run(main())
+    assert other["output_ids"] == engine.generate("Once upon", plain)["output_ids"]
+    assert re.fullmatch("held[a-c]{3}", slow["text"])
+
+
+def test_a_task_cancelled_while_its_pattern_compiles_aborts_its_request(engine, held):
+    async def main():
+        slow = asyncio.create_task(
+            engine.async_generate(
+                "Code:",
+                {"regex": "held[a-z ]+", "max_new_tokens": 300, "temperature": 0},
+                stream=True,
+            )
+        )
+        await asyncio.to_thread(held.started.wait, WAIT_S)
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        assert not held.ended.is_set()
+
+    asyncio.run(main())
+    engine.reset_stats()
+    held.set()  # the request is sent once its pattern compiles, and aborted at once
+    for thread in threading.enumerate():
+        if thread.name == "lmprog-async-submit":
+            thread.join(WAIT_S)
+    assert engine_leak(engine) is None
+    assert engine.stats()["decode_tokens"] <= 1
+
+
+def test_a_stream_checks_its_input_and_starts_at_the_await(engine):
+    greedy = {"max_new_tokens": 4, "temperature": 0}
+
+    async def main():
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            await engine.async_generate("x", {"max_new_tokens": -5}, stream=True)
+        engine.reset_stats()
+        chunks = await engine.async_generate("x", greedy, stream=True)
+        assert await asyncio.to_thread(engine_leak, engine) is None  # it ran, unread
+        assert engine.stats()["finished_requests"] == 1
+        return "".join([chunk["text"] async for chunk in chunks])
+
+    assert asyncio.run(main()) == engine.generate("x", greedy)["text"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (its task)
+def test_a_stream_whose_event_loop_closed_is_aborted(engine, caplog):
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+
+    async def read():
+        params = {"max_new_tokens": 3000, "ignore_eos": True}
+        chunks = await engine.async_generate("x", params, stream=True)
+        async for _ in chunks:
+            started.set()
+
+    loop.create_task(read())
+    while not started.is_set():
+        loop.run_until_complete(asyncio.sleep(0.01))
+    engine.reset_stats()
+    loop.close()  # (its task not cancelled: the stream's reader is gone)
+    assert engine_leak(engine) is None
+    assert engine.stats()["decode_tokens"] < 3000
+    assert len([r for r in caplog.records if "on_chunk" in r.getMessage()]) <= 1
+    del loop
+    gc.collect()  # (the task's coroutine, never finished, goes here: its warning is ignored)
+
+
+class _Stall(OutlinesGrammarBackend):
+    """Patterns beginning with `stall` wait (in native-like code: no interruption lands)
+    until `release` is set."""
+
+    def __init__(self, tokenizer, eos_token_id, release):
+        super().__init__(tokenizer, eos_token_id)
+        self.release = release
+
+    def compile_regex(self, regex):
+        if regex.startswith("stall"):
+            self.release.wait(WAIT_S)
+        return super().compile_regex(regex)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_path)
+
+
+def test_a_compile_queued_behind_slow_ones_is_not_charged_for_their_time(tokenizer):
+    release = threading.Event()
+    backend = _Stall(tokenizer, tokenizer.eos_token_id, release)
+    cache = GrammarCache(backend, timeout_s=0.5)
+    try:
+        stalls = [
+            threading.Thread(
+                target=lambda i=i: pytest.raises(ValueError, cache.get, "regex", f"stall{i}")
+            )
+            for i in range(4)  # (every thread of the pool busy)
+        ]
+        for thread in stalls:
+            thread.start()
+        time.sleep(0.1)
+        threading.Timer(1.5, release.set).start()  # (past their timeout: they are abandoned)
+        grammar = cache.get("regex", "[ab]")  # queued behind them until they end
+        assert release.is_set() and grammar.new_matcher() is not None
+        for thread in stalls:
+            thread.join(WAIT_S)
+    finally:
+        release.set()
+        cache.close()
+
+
+def test_an_interruption_never_lands_inside_starting_a_compile_process(tokenizer, monkeypatch):
+    """A child process started at the moment its compile timed out was left unreaped."""
+    psutil = pytest.importorskip("psutil")
+    popen = index_process.subprocess.Popen
+
+    class SlowPopen(popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            time.sleep(0.3)  # (forked, not yet returned: the timeout lands here)
+
+    monkeypatch.setattr(index_process.subprocess, "Popen", SlowPopen)
+    backend = OutlinesGrammarBackend(tokenizer, tokenizer.eos_token_id)
+    others = {child.pid for child in psutil.Process().children()}
+    cache = GrammarCache(backend, timeout_s=0.1)
+    try:
+        for i in range(3):
+            with pytest.raises(ValueError, match="longer than"):
+                cache.get("regex", f"[a-c]{{{i + 1}}}x")
+        time.sleep(0.5)  # (the abandoned compiles end)
+        assert not backend._indexes._busy
+    finally:
+        cache.close()
+    ours = [c for c in psutil.Process().children() if c.pid not in others]
+    assert not ours, [(c.pid, c.status()) for c in ours]
+
+
+def test_a_forked_child_is_told_the_engine_does_not_run_there(engine):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the child: report what each call did, then leave at once)
+        try:
+            outcomes = []
+            for call in (
+                lambda: engine.submit("x", {"max_new_tokens": 2}),
+                lambda: asyncio.run(
+                    asyncio.wait_for(engine.async_generate("x", {"max_new_tokens": 2}), 5)
+                ),
+            ):
+                try:
+                    call()
+                    outcomes.append("returned")
+                except RuntimeError as error:
+                    outcomes.append("spawn" in str(error) and "RuntimeError")
+                except TimeoutError:
+                    outcomes.append("waited")
+            os.write(write, repr(outcomes).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + WAIT_S
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    with os.fdopen(read) as pipe:
+        assert pipe.read() == repr(["RuntimeError", "RuntimeError"])
