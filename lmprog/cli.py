@@ -59,21 +59,24 @@ def main(argv: list[str] | None = None) -> int:
         from lmprog_runtime import Engine
 
         engine = Engine(args.model, **_parse_pairs(args.engine, "--engine"))
-        run = program.map(
-            data,
-            output=args.output,
-            id_column=args.id_column,
-            resume=args.resume,
-            ordered=not args.unordered,
-            include_text=args.text,
-            include_usage=args.usage,
-            window=args.window,
-            num_threads=args.threads,
-            progress=not args.quiet,
-            backend=engine,
-            **defaults,
-        )
-        summary = run.run()
+        try:
+            run = program.map(
+                data,
+                output=args.output,
+                id_column=args.id_column,
+                resume=args.resume,
+                ordered=not args.unordered,
+                include_text=args.text,
+                include_usage=args.usage,
+                window=args.window,
+                num_threads=args.threads,
+                progress=not args.quiet,
+                backend=engine,
+                **defaults,
+            )
+            summary = run.run()
+        finally:  # (stops a compile still running at once: the exit waited for it)
+            engine.shutdown()
     except (ValueError, TypeError, OSError, ImportError, AttributeError) as error:
         parser.exit(2, f"lmprog: error: {error}\n")
     except KeyboardInterrupt:
@@ -84,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def load_program(spec: str) -> Function:
@@ -260,8 +270,12 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--usage", action="store_true", help="add prompt/cached/completion token counts"
         )
-        sub.add_argument("--window", type=int, default=1024, help="rows read and sorted at once")
-        sub.add_argument("--threads", type=int, default=128, help="programs running at once")
+        sub.add_argument(
+            "--window", type=_positive_int, default=1024, help="rows read and sorted at once"
+        )
+        sub.add_argument(
+            "--threads", type=_positive_int, default=128, help="programs running at once"
+        )
         sub.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 

@@ -155,6 +155,23 @@ def iter_results(
             unwritten.clear()
             last_write = time.monotonic()
 
+    def save_finished() -> None:
+        """(The map stopped early.) Every row that has finished goes to the file, in
+        whatever order: those waiting for an earlier row and those done but not yet
+        collected. (A resumed run finds rows by their key, never by their place in the
+        file.)"""
+        if sink is None:
+            return
+        for future, job in list(inflight.items()):
+            if future.done():
+                del inflight[future]
+                is_done = not future.cancelled() and future.exception() is None
+                if is_done and not future.result().is_cancelled:
+                    collect(job, future.result())
+        unwritten.extend(line for _, (_, line) in sorted(finished.items()) if line)
+        finished.clear()
+        write(force=True)
+
     try:
         while True:
             while not pending and not is_exhausted and len(inflight) + len(finished) < opts.window:
@@ -165,7 +182,8 @@ def iter_results(
                 inflight[runner.pool.submit(runner.run, job)] = job
             if not inflight:
                 break
-            ready, _ = wait(inflight, return_when=FIRST_COMPLETED)
+            # (a wake at least every FLUSH_S: finished rows are written while none ends)
+            ready, _ = wait(inflight, timeout=FLUSH_S, return_when=FIRST_COMPLETED)
             out: list[tuple[dict[str, Any], bytes | None]] = []
             for future in ready:
                 collect(inflight.pop(future), future.result())
@@ -183,24 +201,22 @@ def iter_results(
                 yield row
         is_complete = True
     finally:
-        if not is_complete:
-            runner.cancel()
-        runner.pool.shutdown(wait=True, cancel_futures=True)
         try:
-            if sink is not None and not is_complete:
-                # Every row that had finished is written, in whatever order: those waiting
-                # for an earlier row and those done but not yet collected. (A resumed run
-                # finds rows by their key, never by their place in the file.)
-                for future, job in inflight.items():
-                    is_done = not future.cancelled() and future.exception() is None
-                    if is_done and not future.result().is_cancelled:
-                        collect(job, future.result())
-                unwritten.extend(line for _, (_, line) in sorted(finished.items()) if line)
-            write(force=True)
+            if not is_complete:
+                runner.cancel()
+                # Before waiting for rows still busy in Python code: a second Ctrl-C while
+                # waiting lost every finished row.
+                save_finished()
         finally:
-            if sink is not None:
-                sink.close(is_complete)
-            progress.close()
+            try:
+                runner.pool.shutdown(wait=True, cancel_futures=True)
+                if not is_complete:
+                    save_finished()
+                write(force=True)
+            finally:
+                if sink is not None:
+                    sink.close(is_complete)
+                progress.close()
 
 
 class _RowRunner:

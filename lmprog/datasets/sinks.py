@@ -11,6 +11,7 @@ programs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -153,7 +154,7 @@ class JsonlSink:
         if path.exists():
             self.done = _read_keys(path, key_column, self.decode_line)
         is_new = not path.exists()
-        self._file = path.open("ab")
+        self._file = path.open("ab", buffering=0)  # (no buffer may hold a failed write)
         if is_new:  # the new directory entry must survive a power cut too
             fsync_dir(path.parent)
 
@@ -164,12 +165,23 @@ class JsonlSink:
         return json.loads(line)
 
     def write(self, lines: list[bytes]) -> None:
-        """Append `lines` (from `encode`) as one write, durable when this returns."""
+        """Append `lines` (from `encode`) as one write, durable when this returns. A write
+        that fails (a full disk) is cut off again: the file holds whole lines only, and a
+        retry or a resumed run goes on from them (a partial one was followed by the retry's
+        whole lines, and a resume refused the file)."""
         if not lines:
             return
-        self._file.write(b"".join(lines))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        fd = self._file.fileno()
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            data = memoryview(b"".join(lines))
+            while data:
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):  # (else a resume cuts the partial line)
+                os.ftruncate(fd, start)
+            raise
 
     def close(self, is_complete: bool) -> None:
         self._file.close()

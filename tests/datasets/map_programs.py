@@ -50,6 +50,13 @@ def ideas(s, topic):
     return len(s["idea"])
 
 
+@lp.function
+def explodes(s, question):
+    """A regex whose outlines-core compile runs for minutes over the tiny vocabulary."""
+    s += lp.user(question)
+    s += lp.assistant(lp.gen("code", regex="(abc|def|ghi9){1,20}[a-z0-9]{3,60}x9"))
+
+
 def make_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """`n` rows over the 8 system prompts, shuffled; ids are ints, questions unique."""
     rng = random.Random(seed)

@@ -4,8 +4,10 @@ against `engine.generate`, `--help`, and bad invocations."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,6 +181,8 @@ def test_an_output_under_a_file_or_in_a_missing_directory_exits_2(tmp_path):
         ("max_new_tokens=-1", "--set: max_new_tokens must be >= 0"),
         ("no column", "has no column 'question'"),
         ("no input", "does not exist"),
+        ("--threads=0", "must be a positive integer, got 0"),
+        ("--window=-3", "must be a positive integer, got -3"),
     ],
 )
 def test_bad_input_is_said_before_the_model_loads(tmp_path, case, message):
@@ -196,6 +200,8 @@ def test_bad_input_is_said_before_the_model_loads(tmp_path, case, message):
         "max_new_tokens=-1": ["run", f"{PROGRAMS}:qa", "--input", str(source), "--set", case],
         "no column": ["run", f"{PROGRAMS}:qa", "--input", str(source)],
         "no input": ["run", f"{PROGRAMS}:qa", "--input", str(tmp_path / "missing.jsonl")],
+        "--threads=0": ["run", f"{PROGRAMS}:qa", "--input", str(source), case],
+        "--window=-3": ["run", f"{PROGRAMS}:qa", "--input", str(source), case],
     }[case]
     io = ["--output", str(out), "--quiet", "--model", str(tmp_path / "no_such_model")]
     proc = lmprog(*args, *io, check=False)
@@ -221,3 +227,27 @@ def test_a_module_in_the_current_directory_loads_as_with_python_m(tmp_path, monk
         assert load_program("cwd_programs_probe:qa").func.__name__ == "qa"
     finally:
         sys.modules.pop("cwd_programs_probe", None)
+
+
+def test_ctrl_c_during_a_slow_compile_exits_at_once(tmp_path):
+    """The exit waited for the compile of the cancelled row to time out (a minute by
+    default): the command never shut its engine down, and Python's exit joins the compile
+    threads before the engine's own at-exit shutdown runs."""
+    psutil = pytest.importorskip("psutil")
+    source = write_jsonl(tmp_path / "in.jsonl", [{"question": "Code?"}])
+    args = ["run", f"{PROGRAMS}:explodes", "--input", str(source), "--quiet"]
+    args += ["--output", str(tmp_path / "o.jsonl"), "--engine", "grammar_compile_timeout_s=600"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmprog", *args], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(
+            "index_child" in " ".join(c.cmdline()) for c in psutil.Process(proc.pid).children()
+        ):
+            time.sleep(0.1)  # (until the compile runs)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)  # (not the compile's 600 s)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "--resume" in stderr
