@@ -67,6 +67,14 @@ class ModelRunner:
             from lmprog_runtime.models.amx_linear import use_amx_linears
 
             use_amx_linears(self.model, available_host_memory())
+        if (
+            dtype == torch.float32
+            and self.device.type == "cpu"
+            and not config.disable_input_major_weights
+        ):
+            from lmprog_runtime.models.weight_layout import use_input_major_weights
+
+            use_input_major_weights(self.model, available_host_memory())
         self.attention_backend = _resolve_backend(config.attention_backend, self.device, dtype)
         if self.attention_backend == "native":
             from lmprog_runtime.models.ops import NativeOps
