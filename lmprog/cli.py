@@ -96,6 +96,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_positive_int.__name__ = "positive integer"  # (argparse: "invalid positive integer value")
+
+
 def load_program(spec: str) -> Function:
     """`path/to/file.py:name` or `package.module:name` -> the `@lp.function` it names."""
     location, sep, name = spec.rpartition(":")
@@ -162,10 +165,15 @@ def _is_txt(path: str) -> bool:
 
 
 def _lines(path: Path, column: str) -> Iterator[dict[str, str]]:
+    from lmprog.datasets.sources import decode_error
+
     with path.open(encoding="utf-8-sig") as f:
-        for line in f:
-            if line.strip():
-                yield {column: line.rstrip("\n")}
+        try:
+            for line in f:
+                if line.strip():
+                    yield {column: line.rstrip("\n")}
+        except UnicodeDecodeError as error:  # (said with the file and line)
+            raise decode_error(path, error) from None
 
 
 def _apply_settings(program: Function, pairs: list[str]) -> tuple[Function, dict[str, Any]]:

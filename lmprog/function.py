@@ -167,10 +167,7 @@ class Function:
         for item in items:
             if not isinstance(item, (dict, tuple, list)):
                 raise TypeError("run_batch takes a list of dicts (keyword args) or tuples")
-        if num_threads == "auto":
-            num_threads = AUTO_THREADS
-        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-            raise ValueError(f"num_threads must be a positive int or 'auto', got {num_threads!r}")
+        num_threads = check_num_threads(num_threads)
         resolved = _resolve(backend)
         calls = [((), item) if isinstance(item, dict) else (tuple(item), {}) for item in items]
         states = self._run_pool(
@@ -285,7 +282,7 @@ class Function:
                     done, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for future in done:
                         if bar is not None:
-                            bar.update(1)
+                            advance_bar(bar)
                         yield future.result()
                     del done
             except BaseException as error:  # Ctrl-C, or the generator closed: they stop
@@ -312,6 +309,33 @@ class Function:
             stream.interpreter.cancel(stream, error)
         finally:
             stream.close()
+
+
+def advance_bar(bar: Any) -> None:
+    """One more item done on a tqdm `bar`; the last of its total closes it, which prints
+    the 100% line once: an `update` would print it first whenever the bar was due a
+    refresh, and the close print it again (with `generator_style`, only once the caller
+    asked for one more state, after what it printed itself)."""
+    if bar.total is None or bar.n + 1 < bar.total:
+        bar.update(1)
+    else:
+        bar.n = bar.total
+        bar.close()
+
+
+def check_num_threads(num_threads: Any) -> int:
+    """`num_threads` of `run_batch` and `map` as a count: TypeError for a value that is no
+    int or `"auto"` (1.5, `"8"`, True), ValueError for an int below 1."""
+    if num_threads == "auto":
+        return AUTO_THREADS
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int):
+        raise TypeError(
+            f"num_threads must be a positive int or 'auto', got {type(num_threads).__name__} "
+            f"{num_threads!r}"
+        )
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be a positive int or 'auto', got {num_threads!r}")
+    return num_threads
 
 
 def _resolve(backend: Any):

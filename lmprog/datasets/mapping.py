@@ -94,7 +94,7 @@ def map_program(
     **defaults: Any,
 ) -> MapRun:
     """See `Function.map`."""
-    from lmprog.function import AUTO_THREADS, _resolve, _split_kwargs
+    from lmprog.function import _resolve, _split_kwargs, check_num_threads
 
     run_defaults, extra = _split_kwargs(defaults, fn.keyword_names)
     if extra:
@@ -114,10 +114,7 @@ def map_program(
             raise TypeError(f"{name} must be a bool, got {value!r}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int, got {window!r}")
-    if num_threads == "auto":
-        num_threads = AUTO_THREADS
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"num_threads must be a positive int or 'auto', got {num_threads!r}")
+    num_threads = check_num_threads(num_threads)
     if id_column is not None and not isinstance(id_column, str):
         raise TypeError(f"id_column must be a column name (str), got {id_column!r}")
     if resume and output is None:

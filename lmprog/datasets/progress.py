@@ -17,6 +17,7 @@ from typing import Any
 
 from lmprog.backend import Backend
 from lmprog.chat_template import ChatRoles
+from lmprog.function import advance_bar
 
 USAGE_COLUMNS = ("prompt_tokens", "cached_tokens", "completion_tokens")
 
@@ -100,7 +101,7 @@ class Progress:
             self.totals[name] += usage.get(name, 0)
         if self._bar is not None:
             self._bar.set_postfix_str(self.postfix(), refresh=False)
-            self._bar.update(1)
+            advance_bar(self._bar)
 
     def postfix(self) -> str:
         seconds = max(time.monotonic() - self._start, 1e-9)

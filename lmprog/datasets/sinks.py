@@ -145,7 +145,12 @@ def journal_path(path: Path) -> Path:
 
 
 class JsonlSink:
-    """Appends result lines to a JSONL file; `done` holds the keys of the rows already in it."""
+    """Appends result lines to a JSONL file; `done` holds the keys of the rows already in it.
+
+    The file is created at once (a path that cannot be written fails before a row runs);
+    one this sink created is removed again by a `close` before any line was written and
+    before the map completed (a bad id or input row at the start), so the same command
+    runs again without `resume`. A file that existed before is never removed."""
 
     def __init__(self, path: Path, key_column: str) -> None:
         self.path = path
@@ -153,9 +158,10 @@ class JsonlSink:
         self.done: set[str] = set()
         if path.exists():
             self.done = _read_keys(path, key_column, self.decode_line)
-        is_new = not path.exists()
+        self._is_new = not path.exists()
+        self._has_lines = False  # a write of this sink has succeeded
         self._file = path.open("ab", buffering=0)  # (no buffer may hold a failed write)
-        if is_new:  # the new directory entry must survive a power cut too
+        if self._is_new:  # the new directory entry must survive a power cut too
             fsync_dir(path.parent)
 
     def encode(self, row: dict[str, Any]) -> EncodedRow:
@@ -182,9 +188,16 @@ class JsonlSink:
             with contextlib.suppress(OSError):  # (else a resume cuts the partial line)
                 os.ftruncate(fd, start)
             raise
+        self._has_lines = True
 
     def close(self, is_complete: bool) -> None:
+        """Close the file; an incomplete map's file that this sink created and wrote no line
+        to is removed (an empty file would make the next run ask for `resume`)."""
         self._file.close()
+        if not is_complete and self._is_new and not self._has_lines:
+            with contextlib.suppress(OSError):  # (the error that stopped the map comes first)
+                self.path.unlink()
+                fsync_dir(self.path.parent)
 
 
 def open_sink(path: Path, key_column: str) -> JsonlSink:

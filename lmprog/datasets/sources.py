@@ -9,6 +9,7 @@ datasets are imported only when such an input is given. Nothing here knows about
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 import os
@@ -95,7 +96,10 @@ def _file_source(path: Path) -> RowSource:
         return RowSource(_jsonl_rows(path), num_rows=_count_lines(path), name=str(path))
     if suffix == ".csv":
         with path.open(newline="", encoding="utf-8-sig") as f:
-            header = next(csv.reader(f), [])
+            try:
+                header = next(csv.reader(f), [])
+            except UnicodeDecodeError as error:
+                raise decode_error(path, error) from None
         return RowSource(_csv_rows(path), columns=header, name=str(path))
     import pyarrow.parquet as pq
 
@@ -110,25 +114,44 @@ def _file_source(path: Path) -> RowSource:
 
 def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
     with path.open(encoding="utf-8-sig") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({error})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: a row must be a JSON object")
-            yield row
+        try:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({error})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{line_no}: a row must be a JSON object")
+                yield row
+        except UnicodeDecodeError as error:
+            raise decode_error(path, error) from None
 
 
 def _count_lines(path: Path) -> int:
-    """Non-blank lines of a JSONL file (one binary pass; the progress bar's total)."""
-    count = 0
+    """The rows of a JSONL file, for the progress bar's total: its lines as `_jsonl_rows`
+    reads them (the same decoding, line ends and strip: a line holding only U+00A0, or
+    only a byte order mark, is no row), without parsing them."""
+    with path.open(encoding="utf-8-sig", errors="replace") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def decode_error(path: Path, error: UnicodeDecodeError) -> ValueError:
+    """A text file's bytes that are not UTF-8, said with the file and line (a text reader's
+    own error only gives the byte's place in the chunk it was decoding)."""
     with path.open("rb") as f:
-        for line in f:
-            count += bool(line.strip())
-    return count
+        for line_no, line in enumerate(f, 1):
+            if line_no == 1 and line.startswith(codecs.BOM_UTF8):
+                line = line[len(codecs.BOM_UTF8) :]
+            try:
+                line.decode("utf-8")  # (0x0A is in no multi-byte character: lines decode alone)
+            except UnicodeDecodeError as bad:
+                return ValueError(
+                    f"{path}:{line_no}: not UTF-8 text: byte 0x{line[bad.start]:02x} at byte "
+                    f"{bad.start + 1} of the line ({bad.reason}); save the file as UTF-8"
+                )
+    return ValueError(f"{path}: not UTF-8 text ({error})")
 
 
 def _csv_rows(path: Path) -> Iterator[dict[str, Any]]:
@@ -136,14 +159,17 @@ def _csv_rows(path: Path) -> Iterator[dict[str, Any]]:
     a cell past the header's last column is an error of the file (it has no column name)."""
     with path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f, restval="")
-        for row in reader:
-            if None in row:  # (where DictReader puts the cells past the header)
-                num_columns = len(reader.fieldnames)
-                raise ValueError(
-                    f"{path}:{reader.line_num}: {num_columns + len(row[None])} cells, but the "
-                    f"header names {num_columns} columns"
-                )
-            yield row
+        try:
+            for row in reader:
+                if None in row:  # (where DictReader puts the cells past the header)
+                    num_columns = len(reader.fieldnames)
+                    raise ValueError(
+                        f"{path}:{reader.line_num}: {num_columns + len(row[None])} cells, but "
+                        f"the header names {num_columns} columns"
+                    )
+                yield row
+        except UnicodeDecodeError as error:
+            raise decode_error(path, error) from None
 
 
 def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:

@@ -136,7 +136,11 @@ def test_duplicate_ids_are_refused(engine, tmp_path):
     rows = make_rows(10) + [make_rows(10)[3]]
     with pytest.raises(ValueError, match="id_column 'id'.* appears twice"):
         qa.map(rows, output=tmp_path / "o.jsonl", id_column="id", backend=engine).run()
-    assert len(read_jsonl(tmp_path / "o.jsonl")) <= 10  # what finished before stays
+    assert not (tmp_path / "o.jsonl").exists()  # no row ran: no file is left
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(ValueError, match="id_column 'id'.* appears twice"):  # (window 3)
+        qa.map(rows, output=out, id_column="id", window=4, backend=engine).run()
+    assert 0 < len(read_jsonl(out)) <= 10  # what finished before stays
 
 
 def cli_run(args: list[str]) -> subprocess.Popen:
