@@ -57,6 +57,11 @@ class Backend(ABC):
         "json_schema", as JSON text): called when a gen is appended, before any request.
         A backend that cannot tell without compiling accepts it here."""
 
+    def is_compiled(self, kind: str, pattern: str) -> bool:
+        """Whether a submit of this constraint will not wait for it to compile (compiled
+        and cached). A backend that cannot tell says False."""
+        return False
+
     def abort(self, futures: list[Future]) -> None:  # noqa: B027 - optional to override
         """Cancel the requests behind `futures` (from `submit`); their futures then fail.
         A backend that cannot cancel lets them run to the end."""
@@ -172,6 +177,9 @@ class EngineBackend(Backend):
         from lmprog_runtime.constrained.checks import check_constraint
 
         check_constraint(kind, pattern)
+
+    def is_compiled(self, kind: str, pattern: str) -> bool:
+        return self.engine.grammar_is_compiled(kind, pattern)
 
     def chat_roles(self) -> ChatRoles:
         return self._chat.roles  # (one per engine, not per wrapper)

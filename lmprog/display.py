@@ -71,18 +71,20 @@ def state_html(
 
 def stream_html(stream: Stream, error: BaseException | None = None) -> str:
     """`state_html` of a program's state with its fork branches that have started (a
-    branch's own branches after it), as they stand now."""
+    branch's own branches right after it), as they stand now."""
+    branches: list[tuple[str, ExecState, int]] = []
+
+    def add(parent: Stream, prefix: str) -> None:
+        for fork_id, forked in parent.branches.items():
+            for i, branch in enumerate(forked):
+                if branch.is_started:
+                    label = f"{prefix}fork {fork_id}, branch {i}"
+                    branches.append((label, branch.st.copy(), branch.fork_spans))
+                    add(branch, f"{label} / ")
+
     with stream.lock:
         st = stream.st.copy()
-        branches, todo = [], [("", stream)]
-        while todo:
-            prefix, parent = todo.pop(0)
-            for fork_id, forked in parent.branches.items():
-                for i, branch in enumerate(forked):
-                    if branch.is_started:
-                        label = f"{prefix}fork {fork_id}, branch {i}"
-                        branches.append((label, branch.st.copy(), branch.fork_spans))
-                        todo.append((f"{label} / ", branch))
+        add(stream, "")
     return state_html(st, error, branches)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from lmprog.ir import Expr, Fork, Gen, Join, Select
 from lmprog.ops import SelectPlan, gathered_variables
-from lmprog.outbox import Outbox
+from lmprog.outbox import Outbox, needs_compile
 from lmprog.stream import Stream
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class Interpreter:
         st, ops = stream.st, stream.ops
         if isinstance(node, Gen):
             ids, params = ops.gen_request(st, node)
-            if self._set_busy(stream):
+            if self._set_busy(stream, compiling=needs_compile(ops.backend, params)):
                 outbox.gens.append((stream, node, ids, params))
             return False
         if isinstance(node, Select):
@@ -169,13 +169,14 @@ class Interpreter:
         return True
 
     @staticmethod
-    def _set_busy(stream: Stream) -> bool:
-        """Mark a request in flight, unless the program has just failed (its thread may
-        fail it at any time): then nothing is sent and the stream ends."""
+    def _set_busy(stream: Stream, compiling: bool = False) -> bool:
+        """Mark a request in flight (`compiling`: its pattern has to compile first), unless
+        the program has just failed (its thread may fail it at any time): then nothing is
+        sent and the stream ends."""
         with stream.lock:
             if stream.error is not None:
                 return False
-            stream.is_busy = True
+            stream.is_busy, stream.is_compiling = True, compiling
             return True
 
     def fail(self, stream: Stream, error: BaseException) -> None:

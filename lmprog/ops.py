@@ -95,11 +95,13 @@ class ExecState:
     on_emit: Callable[[str | None, str], None] | None = None  # streaming listener
 
     def copy(self) -> ExecState:
+        # (each container read in one C call: the live view copies while the interpreter
+        # thread writes)
         return ExecState(
             self.text,
             dict(self.variables),
-            {k: dict(v) for k, v in self.meta.items()},
-            [dict(m) for m in self.messages],
+            {k: dict(v) for k, v in list(self.meta.items())},
+            [dict(m) for m in list(self.messages)],
             list(self.spans),
             self.role,
             self.role_start,

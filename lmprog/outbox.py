@@ -1,10 +1,11 @@
 """One interpreter round's requests, submitted together at its end (`Outbox.flush`).
 
 Sibling fork branches' gens go as one request group; a request the backend refuses fails
-only its own stream. A gen under a `regex` / `json_schema` may wait at its submit for the
-pattern to compile (seconds, up to the engine's compile timeout): those are submitted from
-a thread of their own, so the interpreter thread, which every program in the process
-shares, never waits for a compile (one slow pattern held up every program).
+only its own stream. A gen under a `regex` / `json_schema` not yet compiled may wait at
+its submit for the pattern to compile (seconds, up to the engine's compile timeout):
+those are submitted from a thread of their own, so the interpreter thread, which every
+program in the process shares, never waits for a compile (one slow pattern held up every
+program).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class Outbox:
             groups.setdefault(key, []).append(item)
         for key, items in groups.items():
             group = len(key) > 1 and len(items) > 1
-            if any(_is_constrained(params) for _, _, _, params in items):
-                for stream, *_ in items:
+            if any(stream.is_compiling for stream, *_ in items):
+                for stream, *_ in items:  # (a group goes together)
                     with stream.lock:
                         stream.is_compiling = True
                 submit = functools.partial(self._submit_gens, interp, items, group)
@@ -94,7 +95,7 @@ class Outbox:
         for (stream, gen, _, _), future, is_streamed in zip(items, futures, streamed):
             with stream.lock:
                 stream.inflight, stream.is_compiling = [future], False
-                ended = stream.is_done  # (cancelled while its pattern compiled)
+                ended = stream.is_done or stream.error is not None  # (cancelled meanwhile)
             if ended:
                 backend.abort([future])
             done = functools.partial(interp.gen_done, stream, gen, is_streamed)
@@ -107,8 +108,13 @@ def _done_compiling(items: list) -> None:
             stream.is_compiling = False
 
 
-def _is_constrained(params: dict[str, Any]) -> bool:
-    return params.get("regex") is not None or params.get("json_schema") is not None
+def needs_compile(backend: Any, params: dict[str, Any]) -> bool:
+    """Whether a gen's submit may wait for its pattern to compile (one not yet compiled)."""
+    for kind in ("regex", "json_schema"):
+        pattern = params.get(kind)
+        if pattern is not None:
+            return not backend.is_compiled(kind, pattern)
+    return False
 
 
 class _Countdown:

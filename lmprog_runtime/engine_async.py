@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
@@ -72,7 +73,7 @@ class EngineAsync:
         inputs["on_chunk"] = hand_on
         submitted += await self._submitted(prompt, sampling_params, inputs)
         submitted[0].add_done_callback(lambda _: hand_on(0, None))
-        return self._async_stream(submitted[0], chunks)
+        return AsyncChunks(self, submitted[0], chunks)
 
     async def _submitted(
         self, prompt: Any, sampling_params: Any, inputs: dict[str, Any]
@@ -114,16 +115,39 @@ class EngineAsync:
                     self.abort(future.request_id)  # type: ignore[attr-defined]
             raise
 
-    async def _async_stream(
-        self, future: Future, chunks: asyncio.Queue[dict[str, Any] | None]
-    ) -> AsyncIterator[dict[str, Any]]:
+
+class AsyncChunks:
+    """The chunks of one streamed request, for `async for`. Leaving it before its end
+    (`aclose()`, a task cancelled while it waits, or the iterator dropped, read or not)
+    aborts the request."""
+
+    def __init__(self, engine: Any, future: Future, chunks: asyncio.Queue) -> None:
+        self._future = future
+        self._chunks = chunks
+        self._is_over = False
+        self._abort = weakref.finalize(self, engine.abort, future.request_id)
+
+    def __aiter__(self) -> AsyncChunks:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._is_over:
+            raise StopAsyncIteration
         try:
-            while (chunk := await chunks.get()) is not None:
-                yield chunk
-            future.result()  # (the request's error, if it failed)
-        finally:
-            if not future.done():  # (left early, or cancelled)
-                self.abort(future.request_id)  # type: ignore[attr-defined]
+            chunk = await self._chunks.get()
+        except BaseException:  # (cancelled while waiting)
+            self._abort()
+            raise
+        if chunk is None:
+            self._is_over = True
+            self._abort.detach()
+            self._future.result()  # (the request's error, if it failed)
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        self._is_over = True
+        self._abort()
 
 
 def _may_compile(sampling_params: Any) -> bool:

@@ -179,6 +179,11 @@ class RequestMaker:
                 )
         return self._grammars.get(kind, pattern)
 
+    def grammar_is_compiled(self, kind: str, pattern: str) -> bool:
+        """Whether (kind, pattern) is compiled and cached: a submit using it will not wait."""
+        grammars = self._grammars
+        return grammars is not None and grammars.is_compiled(kind, pattern)
+
     def _char_fsm(self, item: Any) -> Any:
         """Jump-forward applies to constrained requests without stops or logprobs (a forced
         token is never checked against `stop_token_ids`: it would not stop there)."""

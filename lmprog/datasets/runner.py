@@ -34,8 +34,8 @@ from lmprog.state import ProgramState
 if TYPE_CHECKING:
     from lmprog.function import Function
 
-FLUSH_ROWS = 256  # rows per durable write at most ...
-FLUSH_S = 1.0  # ... and at least this often while rows come out
+FLUSH_ROWS = 256  # a durable write once this many rows wait ...
+FLUSH_S = 1.0  # ... or this many seconds after the last write
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from lmprog_runtime.constrained.portable_regex import without_edge_anchors
 MAX_PATTERN_CHARS = 50_000
 MAX_STUCK = 4  # abandoned compiles (busy in native code) beside which fresh threads start
 QUEUED_POLL_S = 0.05  # how often a caller looks whether its queued compile has started
+QUEUED_TIMEOUTS = 4  # ... and for how many timeouts at most (threads stuck ahead of it)
 SHUT_DOWN = "the engine was shut down before this pattern compiled"
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,13 @@ class GrammarCache:
         """The compile's grammar, waiting until `timeout_s` after it started: one queued
         behind slow compiles is not charged for their time (it timed out, and its pattern
         was called too slow)."""
+        queued_until = time.monotonic() + QUEUED_TIMEOUTS * self.timeout_s
         while job is not None and job.started_at is None:
+            if time.monotonic() > queued_until:  # (the threads ahead of it never came back)
+                raise ValueError(
+                    f"no compile thread was free for {QUEUED_TIMEOUTS * self.timeout_s:g} s: "
+                    "the patterns ahead of this one are too slow to compile"
+                )
             try:
                 return future.result(timeout=QUEUED_POLL_S)
             except FutureTimeout:
@@ -168,6 +175,17 @@ class GrammarCache:
         for job in running:
             job.interrupt()
         self.backend.close()
+
+    def is_compiled(self, kind: str, pattern: str) -> bool:
+        """Whether `get(kind, pattern)` would return at once (compiled, cached)."""
+        with self._lock:
+            future = self._entries.get((kind, pattern))
+        return (
+            future is not None
+            and future.done()
+            and not future.cancelled()
+            and future.exception() is None
+        )
 
     def keys(self) -> list[tuple[str, str]]:
         """The cached (kind, pattern) keys, least recently used first."""
@@ -280,6 +298,8 @@ def uninterrupted() -> Iterator[None]:
         yield
         return
     with job.lock:
+        if job.is_interrupted:  # (asked for just before: it may not have landed yet)
+            raise _Abandoned
         job.shielded += 1
     try:
         yield

@@ -62,3 +62,56 @@ def test_cancel_ends_a_program_whose_pattern_still_compiles(engine, held):
     submitted()
     assert engine_leak(engine) is None
     assert engine.stats()["decode_tokens"] <= 1
+
+
+def test_a_cancel_before_the_round_ends_still_ends_the_program_at_once(engine, held, monkeypatch):
+    """The gen was marked compiling only when the interpreter's round sent its requests: a
+    cancel between its visit and that moment waited for the compile, and the request sent
+    after it was never aborted."""
+    import lmprog.outbox as outbox
+
+    in_flush, cancelled = threading.Event(), threading.Event()
+    flush = outbox.Outbox.flush
+
+    def paused_flush(self, interp):
+        if any(params.get("regex") for *_, params in self.gens):
+            in_flush.set()
+            cancelled.wait(WAIT_S)  # (the cancel lands here)
+        return flush(self, interp)
+
+    monkeypatch.setattr(outbox.Outbox, "flush", paused_flush)
+    slow = constrained.run(pattern="held[c-y ]+", stream=True, backend=engine)
+    assert in_flush.wait(WAIT_S)
+    slow.cancel()
+    cancelled.set()
+    with pytest.raises(lp.ProgramCancelled):
+        slow["code"]  # noqa: B018 - at once: the compile is still held
+    assert not held.ended.is_set()
+    engine.reset_stats()
+    held.set()
+    submitted()
+    assert engine_leak(engine) is None
+    assert engine.stats()["decode_tokens"] <= 1
+
+
+def test_a_pattern_already_compiled_is_submitted_by_the_interpreter_itself(engine, monkeypatch):
+    """A thread per constrained gen (a number gen carries a regex) only where the pattern
+    still has to compile."""
+    import lmprog.outbox as outbox
+
+    started = []
+    thread = threading.Thread
+
+    def counted(*args, **kwargs):
+        started.append(kwargs.get("name"))
+        return thread(*args, **kwargs)
+
+    @lp.function
+    def number(s):
+        s += "Age: " + lp.gen("age", dtype=int, max_tokens=4, temperature=0)
+
+    monkeypatch.setattr(outbox.threading, "Thread", counted)
+    first = number.run(backend=engine)["age"]
+    compiled = started.count("lmprog-submit")
+    assert number.run(backend=engine)["age"] == first
+    assert started.count("lmprog-submit") == compiled  # (none the second time)

@@ -185,6 +185,13 @@ def test_the_live_view_draws_the_branches_while_they_run(engine, monkeypatch):
     monkeypatch.setattr(display_module, "display", display)
     monkeypatch.setattr(lp_display, "in_notebook", lambda: True)
     monkeypatch.setattr(lp_display, "LIVE_INTERVAL_S", 0.0)
+    forward = engine.runner.forward
+
+    def slow_forward(batch):  # (the view draws between two tokens, however loaded the CPU)
+        time.sleep(0.05)
+        return forward(batch)
+
+    monkeypatch.setattr(engine.runner, "forward", slow_forward)
     state = slow_fill.run(threading.Event(), stream=True, backend=engine, live=True)
     state.sync()
     for thread in threading.enumerate():

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import re
@@ -89,6 +90,49 @@ def test_a_stream_checks_its_input_and_starts_at_the_await(engine):
     assert asyncio.run(main()) == engine.generate("x", greedy)["text"]
 
 
+def test_a_stream_dropped_before_its_first_read_is_aborted(engine):
+    async def main():
+        chunks = await engine.async_generate(
+            "x", {"max_new_tokens": 3000, "ignore_eos": True}, stream=True
+        )
+        del chunks  # (the caller changed its mind: never read)
+        await asyncio.to_thread(lambda: engine_leak(engine))
+
+    engine.reset_stats()
+    asyncio.run(main())
+    assert engine_leak(engine) is None
+    assert engine.stats()["decode_tokens"] < 100  # (3000 asked)
+
+
+def test_a_compile_queued_behind_stuck_ones_gives_up_after_a_few_timeouts(tokenizer):
+    """Behind compiles that never come back (native code in their threads), a queued one
+    is refused after `QUEUED_TIMEOUTS` of its timeout, saying why."""
+    from lmprog_runtime.constrained.grammar_cache import QUEUED_TIMEOUTS
+
+    release = threading.Event()
+    cache = GrammarCache(_Stall(tokenizer, tokenizer.eos_token_id, release), timeout_s=0.2)
+    try:
+        stalls = [
+            threading.Thread(target=lambda i=i: _refused(cache, f"stall{i}")) for i in range(4)
+        ]
+        for thread in stalls:
+            thread.start()
+        time.sleep(0.1)
+        with pytest.raises(ValueError, match="no compile thread was free"):
+            cache.get("regex", "[ab]")
+        assert not release.is_set() and QUEUED_TIMEOUTS > 1
+    finally:
+        release.set()
+        for thread in stalls:
+            thread.join(WAIT_S)
+        cache.close()
+
+
+def _refused(cache: GrammarCache, pattern: str) -> None:
+    with pytest.raises(ValueError):
+        cache.get("regex", pattern)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (its task)
 def test_a_stream_whose_event_loop_closed_is_aborted(engine, caplog):
     loop = asyncio.new_event_loop()
@@ -100,16 +144,18 @@ def test_a_stream_whose_event_loop_closed_is_aborted(engine, caplog):
         async for _ in chunks:
             started.set()
 
-    loop.create_task(read())
+    task = loop.create_task(read())
     while not started.is_set():
         loop.run_until_complete(asyncio.sleep(0.01))
     engine.reset_stats()
     loop.close()  # (its task not cancelled: the stream's reader is gone)
     assert engine_leak(engine) is None
-    assert engine.stats()["decode_tokens"] < 3000
+    assert engine.stats()["decode_tokens"] < 100  # (3000 asked)
     assert len([r for r in caplog.records if "on_chunk" in r.getMessage()]) <= 1
-    del loop
-    gc.collect()  # (the task's coroutine, never finished, goes here: its warning is ignored)
+    with contextlib.suppress(RuntimeError):  # (its loop is closed)
+        task.get_coro().close()  # (here, not in a later test: its warning is ignored here)
+    del task, loop
+    gc.collect()
 
 
 class _Stall(OutlinesGrammarBackend):
@@ -138,11 +184,8 @@ def test_a_compile_queued_behind_slow_ones_is_not_charged_for_their_time(tokeniz
     backend = _Stall(tokenizer, tokenizer.eos_token_id, release)
     cache = GrammarCache(backend, timeout_s=0.5)
     try:
-        stalls = [
-            threading.Thread(
-                target=lambda i=i: pytest.raises(ValueError, cache.get, "regex", f"stall{i}")
-            )
-            for i in range(4)  # (every thread of the pool busy)
+        stalls = [  # (every thread of the pool busy)
+            threading.Thread(target=lambda i=i: _refused(cache, f"stall{i}")) for i in range(4)
         ]
         for thread in stalls:
             thread.start()

@@ -119,8 +119,8 @@ def test_compiles_stuck_past_the_timeout_hold_a_bounded_number_of_threads(tiny_p
     cache = GrammarCache(_NativeStall(tokenizer, tokenizer.eos_token_id, release), timeout_s=0.2)
     try:
         assert cache.get("regex", "(yes|no)") is not None
-        for i in range(12):
-            with pytest.raises(ValueError, match="longer than"):
+        for i in range(12):  # (past MAX_STUCK stuck ones, a compile waits for a thread)
+            with pytest.raises(ValueError, match="longer than|no compile thread was free"):
                 cache.get("regex", f"stall{i}")
         ours = {t for t in threading.enumerate() if t.name.startswith("lmprog-grammar")} - before
         assert len(ours) <= MAX_STUCK + 4  # the stuck ones, and one pool's
