@@ -109,11 +109,12 @@ def _done_compiling(items: list) -> None:
 
 
 def needs_compile(backend: Any, params: dict[str, Any]) -> bool:
-    """Whether a gen's submit may wait for its pattern to compile (one not yet compiled)."""
+    """Whether a gen's submit may wait for its pattern to compile: one not compiled yet,
+    or healed (token healing compiles the pattern behind the backed-up text)."""
     for kind in ("regex", "json_schema"):
         pattern = params.get(kind)
         if pattern is not None:
-            return not backend.is_compiled(kind, pattern)
+            return bool(params.get("token_healing")) or not backend.is_compiled(kind, pattern)
     return False
 
 

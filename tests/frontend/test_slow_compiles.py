@@ -108,7 +108,7 @@ def test_a_pattern_already_compiled_is_submitted_by_the_interpreter_itself(engin
 
     @lp.function
     def number(s):
-        s += "Age: " + lp.gen("age", dtype=int, max_tokens=4, temperature=0)
+        s += "Age:" + lp.gen("age", dtype=int, max_tokens=4, temperature=0)
 
     monkeypatch.setattr(outbox.threading, "Thread", counted)
     first = number.run(backend=engine)["age"]
