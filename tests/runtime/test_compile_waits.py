@@ -110,14 +110,10 @@ def test_a_compile_queued_behind_stuck_ones_gives_up_after_a_few_timeouts(tokeni
     from lmprog_runtime.constrained.grammar_cache import QUEUED_TIMEOUTS
 
     release = threading.Event()
-    cache = GrammarCache(_Stall(tokenizer, tokenizer.eos_token_id, release), timeout_s=0.2)
+    backend = _Stall(tokenizer, tokenizer.eos_token_id, release)
+    cache = GrammarCache(backend, timeout_s=1.0)
     try:
-        stalls = [
-            threading.Thread(target=lambda i=i: _refused(cache, f"stall{i}")) for i in range(4)
-        ]
-        for thread in stalls:
-            thread.start()
-        time.sleep(0.1)
+        stalls = stall_every_thread(cache, backend)
         with pytest.raises(ValueError, match="no compile thread was free"):
             cache.get("regex", "[ab]")
         assert not release.is_set() and QUEUED_TIMEOUTS > 1
@@ -126,11 +122,6 @@ def test_a_compile_queued_behind_stuck_ones_gives_up_after_a_few_timeouts(tokeni
         for thread in stalls:
             thread.join(WAIT_S)
         cache.close()
-
-
-def _refused(cache: GrammarCache, pattern: str) -> None:
-    with pytest.raises(ValueError):
-        cache.get("regex", pattern)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (its task)
@@ -165,11 +156,28 @@ class _Stall(OutlinesGrammarBackend):
     def __init__(self, tokenizer, eos_token_id, release):
         super().__init__(tokenizer, eos_token_id)
         self.release = release
+        self.entered = threading.Semaphore(0)  # one per stall begun
 
     def compile_regex(self, regex):
         if regex.startswith("stall"):
+            self.entered.release()
             self.release.wait(WAIT_S)
         return super().compile_regex(regex)
+
+
+def stall_every_thread(cache: GrammarCache, backend: _Stall) -> list[threading.Thread]:
+    """Four stalled compiles: every thread of the cache's pool busy."""
+    stalls = [threading.Thread(target=lambda i=i: _refused(cache, f"stall{i}")) for i in range(4)]
+    for thread in stalls:
+        thread.start()
+    for _ in stalls:
+        assert backend.entered.acquire(timeout=WAIT_S)
+    return stalls
+
+
+def _refused(cache: GrammarCache, pattern: str) -> None:
+    with pytest.raises(ValueError):
+        cache.get("regex", pattern)
 
 
 @pytest.fixture(scope="module")
@@ -182,15 +190,10 @@ def tokenizer(tiny_path):
 def test_a_compile_queued_behind_slow_ones_is_not_charged_for_their_time(tokenizer):
     release = threading.Event()
     backend = _Stall(tokenizer, tokenizer.eos_token_id, release)
-    cache = GrammarCache(backend, timeout_s=0.5)
+    cache = GrammarCache(backend, timeout_s=2.0)
     try:
-        stalls = [  # (every thread of the pool busy)
-            threading.Thread(target=lambda i=i: _refused(cache, f"stall{i}")) for i in range(4)
-        ]
-        for thread in stalls:
-            thread.start()
-        time.sleep(0.1)
-        threading.Timer(1.5, release.set).start()  # (past their timeout: they are abandoned)
+        stalls = stall_every_thread(cache, backend)
+        threading.Timer(3.0, release.set).start()  # (past their timeout: they are abandoned)
         grammar = cache.get("regex", "[ab]")  # queued behind them until they end
         assert release.is_set() and grammar.new_matcher() is not None
         for thread in stalls:
