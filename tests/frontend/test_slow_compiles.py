@@ -115,3 +115,23 @@ def test_a_pattern_already_compiled_is_submitted_by_the_interpreter_itself(engin
     compiled = started.count("lmprog-submit")
     assert number.run(backend=engine)["age"] == first
     assert started.count("lmprog-submit") == compiled  # (none the second time)
+
+
+def test_a_healed_gen_goes_to_a_thread_even_where_its_own_pattern_is_compiled(
+    engine, held, monkeypatch
+):
+    """Token healing (text ending in a space) compiles the pattern behind the backed-up
+    text, another than the gen's own: the gen's own being compiled says nothing of it."""
+
+    @lp.function
+    def healed(s):
+        s += "Code: " + lp.gen("code", regex="held[k-m]{2}", max_tokens=8, temperature=0)
+
+    monkeypatch.setattr(engine._grammars, "is_compiled", lambda kind, pattern: True)
+    slow = healed.run(stream=True, backend=engine)
+    assert held.started.wait(WAIT_S)
+    states = plain.run_batch([{"i": i} for i in range(2)], backend=engine)
+    assert not held.ended.is_set()  # (they ran while the healed pattern compiled)
+    assert all(state.error() is None for state in states)
+    held.set()
+    assert slow.error() is None and re.fullmatch("held[k-m]{2}", slow["code"])
