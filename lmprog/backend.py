@@ -57,10 +57,10 @@ class Backend(ABC):
         "json_schema", as JSON text): called when a gen is appended, before any request.
         A backend that cannot tell without compiling accepts it here."""
 
-    def is_compiled(self, kind: str, pattern: str) -> bool:
-        """Whether a submit of this constraint will not wait for it to compile (compiled
-        and cached). A backend that cannot tell says False."""
-        return False
+    def may_compile(self, params: dict[str, Any]) -> bool:
+        """Whether a submit of a gen's `params` may wait for its `regex` / `json_schema` to
+        compile. A backend that cannot tell says so for every constrained gen."""
+        return params.get("regex") is not None or params.get("json_schema") is not None
 
     def abort(self, futures: list[Future]) -> None:  # noqa: B027 - optional to override
         """Cancel the requests behind `futures` (from `submit`); their futures then fail.
@@ -178,8 +178,8 @@ class EngineBackend(Backend):
 
         check_constraint(kind, pattern)
 
-    def is_compiled(self, kind: str, pattern: str) -> bool:
-        return self.engine.grammar_is_compiled(kind, pattern)
+    def may_compile(self, params: dict[str, Any]) -> bool:
+        return self.engine.may_compile(params)
 
     def chat_roles(self) -> ChatRoles:
         return self._chat.roles  # (one per engine, not per wrapper)

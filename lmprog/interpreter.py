@@ -28,7 +28,7 @@ from typing import Any
 
 from lmprog.ir import Expr, Fork, Gen, Join, Select
 from lmprog.ops import SelectPlan, gathered_variables
-from lmprog.outbox import Outbox, needs_compile
+from lmprog.outbox import Outbox
 from lmprog.stream import Stream
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class Interpreter:
         st, ops = stream.st, stream.ops
         if isinstance(node, Gen):
             ids, params = ops.gen_request(st, node)
-            if self._set_busy(stream, compiling=needs_compile(ops.backend, params)):
+            if self._set_busy(stream, compiling=ops.backend.may_compile(params)):
                 outbox.gens.append((stream, node, ids, params))
             return False
         if isinstance(node, Select):

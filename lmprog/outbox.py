@@ -108,16 +108,6 @@ def _done_compiling(items: list) -> None:
             stream.is_compiling = False
 
 
-def needs_compile(backend: Any, params: dict[str, Any]) -> bool:
-    """Whether a gen's submit may wait for its pattern to compile: one not compiled yet,
-    or healed (token healing compiles the pattern behind the backed-up text)."""
-    for kind in ("regex", "json_schema"):
-        pattern = params.get(kind)
-        if pattern is not None:
-            return bool(params.get("token_healing")) or not backend.is_compiled(kind, pattern)
-    return False
-
-
 class _Countdown:
     """Calls `then` once, when it has been called `count` times (from any threads)."""
 

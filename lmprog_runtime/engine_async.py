@@ -80,9 +80,10 @@ class EngineAsync:
     ) -> list[Future]:
         """`submit`'s futures; from a worker thread where a pattern may compile. A task
         cancelled meanwhile aborts the requests once they are submitted."""
-        submit = self.submit  # type: ignore[attr-defined]
+        submit, may_compile = self.submit, self.may_compile  # type: ignore[attr-defined]
         call = functools.partial(submit, prompt, sampling_params, **inputs)
-        if not _may_compile(self, sampling_params):
+        every = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+        if not any(isinstance(params, dict) and may_compile(params) for params in every):
             return call()
         submitted: Future = Future()
         submitted.set_running_or_notify_cancel()  # (a cancelled await must not cancel it)
@@ -148,23 +149,6 @@ class AsyncChunks:
     async def aclose(self) -> None:
         self._is_over = True
         self._abort()
-
-
-def _may_compile(engine: Any, sampling_params: Any) -> bool:
-    """Whether a submit of these params may compile a pattern (wait for seconds): one not
-    compiled and cached yet (a healed prompt's pattern is another, compiled at the submit)."""
-    every = sampling_params if isinstance(sampling_params, list) else [sampling_params]
-    for params in every:
-        if isinstance(params, dict):
-            for kind in ("regex", "json_schema"):
-                pattern = params.get(kind)
-                if pattern is not None and not (
-                    isinstance(pattern, str)
-                    and not params.get("token_healing")
-                    and engine.grammar_is_compiled(kind, pattern)
-                ):
-                    return True
-    return False
 
 
 def _is_nested(input_ids: list) -> bool:

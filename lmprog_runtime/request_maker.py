@@ -179,10 +179,21 @@ class RequestMaker:
                 )
         return self._grammars.get(kind, pattern)
 
-    def grammar_is_compiled(self, kind: str, pattern: str) -> bool:
-        """Whether (kind, pattern) is compiled and cached: a submit using it will not wait."""
-        grammars = self._grammars
-        return grammars is not None and grammars.is_compiled(kind, pattern)
+    def may_compile(self, sampling_params: dict[str, Any]) -> bool:
+        """Whether a submit of these sampling params may wait for a pattern to compile:
+        a `regex` / `json_schema` not compiled and cached yet, or one token healing turns
+        into another (the pattern behind the backed-up text)."""
+        for kind in ("regex", "json_schema"):
+            pattern = sampling_params.get(kind)
+            if pattern is not None:
+                grammars = self._grammars
+                return (
+                    bool(sampling_params.get("token_healing"))
+                    or not isinstance(pattern, str)
+                    or grammars is None
+                    or not grammars.is_compiled(kind, pattern)
+                )
+        return False
 
     def _char_fsm(self, item: Any) -> Any:
         """Jump-forward applies to constrained requests without stops or logprobs (a forced
