@@ -5,14 +5,23 @@ of the sources, the torch and Python versions and this CPU's instruction sets: a
 between machines (a network home, a container image built elsewhere) never hands one CPU a
 build that uses instructions it lacks (AMX, AVX512-BF16), nor torch a build against another
 torch. Nothing is compiled unless the `native` attention backend is asked for.
+
+torch's own lock on a build directory is a file its holder removes when done: a process
+killed while it held it (SIGKILL, the OOM killer, a lost container) left it, and every
+later process waited on it forever at its first engine. So every lmprog process takes a
+lock of the kernel's (`flock`, let go when its holder dies) around torch's, and whoever
+holds it removes a torch lock file it finds: no live lmprog process can own that one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import platform
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -30,6 +39,9 @@ _SOURCES = (
 )
 # Included by the sources: part of the hash, not compiled alone.
 _HEADERS = ("amx.h", "cpu_vec.h", "decode_rows.h", "extend_tiles.h", "native_ops.h")
+TORCH_LOCK = "lock"  # torch.utils.cpp_extension's lock file in the build directory
+OWN_LOCK = "lmprog.flock"
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _module: ModuleType | None = None
 
@@ -60,31 +72,53 @@ def build_key(sources: list[Path]) -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
+def build_directory() -> Path:
+    """Where this CPU, torch and these sources build: `$LMPROG_CACHE_DIR/native/<key>/`."""
+    sources = [csrc_dir() / name for name in _SOURCES + _HEADERS]
+    missing = [str(s) for s in sources if not s.is_file()]
+    if missing:
+        raise RuntimeError(f"native kernels need the csrc/ sources; missing: {missing}")
+    return cache_dir() / "native" / build_key(sources)
+
+
 def load_native() -> ModuleType:
     """Compile (once) and import the extension; raises RuntimeError if it cannot be built."""
     global _module
     with _lock:
         if _module is not None:
             return _module
-        sources = [csrc_dir() / name for name in _SOURCES]
-        hashed = sources + [csrc_dir() / name for name in _HEADERS]
-        missing = [str(s) for s in hashed if not s.is_file()]
-        if missing:
-            raise RuntimeError(f"native kernels need the csrc/ sources; missing: {missing}")
-        digest = build_key(hashed)
-        build_dir = cache_dir() / "native" / digest
+        build_dir = build_directory()
         build_dir.mkdir(parents=True, exist_ok=True)
         from torch.utils import cpp_extension
 
         try:
-            _module = cpp_extension.load(
-                name=f"lmprog_native_{digest}",
-                sources=[str(s) for s in sources],
-                build_directory=str(build_dir),
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            with build_lock(build_dir):
+                _module = cpp_extension.load(
+                    name=f"lmprog_native_{build_dir.name}",
+                    sources=[str(csrc_dir() / name) for name in _SOURCES],
+                    build_directory=str(build_dir),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
         except Exception as error:  # compiler missing, ninja missing, build error
             raise RuntimeError(f"could not build the native CPU kernels: {error}") from error
         return _module
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Held across torch's build and load in `build_dir` (waits while another process
+    builds there); removes the torch lock file a dead process left (see the module doc)."""
+    try:
+        import fcntl
+    except ImportError:  # (no flock: torch's lock alone)
+        yield
+        return
+    with open(build_dir / OWN_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # (let go when the file closes, or its holder dies)
+        stale = build_dir / TORCH_LOCK
+        if stale.exists():
+            logger.warning("removing %s, left by a process killed while it built or loaded", stale)
+            stale.unlink(missing_ok=True)
+        yield

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import pytest
 
+# A cell's own timeout (600 s, nbclient's) must fail the test before the suite's per-test
+# one does: that one interrupted pytest while it reported the failure and ended the run.
+pytestmark = pytest.mark.timeout(1800)
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 nbconvert = pytest.importorskip("nbconvert")
