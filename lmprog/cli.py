@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
             program, data = _generate_program(args)
         program, defaults = _apply_settings(program, args.set)
         # Said before the model loads: the output path, the input file and its columns.
+        if args.retry_errors and not args.resume:
+            raise ValueError(
+                "--retry-errors runs the failed rows of a resumed output: add --resume"
+            )
         check_output(args.output, args.resume)
         check_data(
             program,
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 output=args.output,
                 id_column=args.id_column,
                 resume=args.resume,
+                retry_errors=args.retry_errors,
                 ordered=not args.unordered,
                 include_text=args.text,
                 include_usage=args.usage,
@@ -270,6 +275,11 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--id-column", default=None, help="the column identifying each row")
         sub.add_argument(
             "--resume", action="store_true", help="skip the rows the output already holds"
+        )
+        sub.add_argument(
+            "--retry-errors",
+            action="store_true",
+            help="with --resume, run the rows whose output holds an error again",
         )
         sub.add_argument(
             "--unordered", action="store_true", help="write rows as they finish, not in input order"

@@ -187,6 +187,7 @@ class Function:
         output: str | os.PathLike[str] | None = None,
         id_column: str | None = None,
         resume: bool = False,
+        retry_errors: bool = False,
         ordered: bool = True,
         cache_aware: bool = True,
         include_text: bool = False,
@@ -217,7 +218,8 @@ class Function:
         before its first gen runs once more, with placeholder arguments). With `output`
         (`.jsonl`, or `.parquet` built at the end from `<output>.journal.jsonl`), rows are
         appended durably as they come out; after a crash, `resume=True` skips the rows
-        the file holds (by `id_column`, or row index).
+        the file holds (by `id_column`, or row index), and with `retry_errors=True` runs
+        those that failed again (their lines are taken out of the file).
         `progress=True` shows a bar with rows/s, output tokens/s, cache hit rate, errors.
 
         Example:
@@ -233,6 +235,7 @@ class Function:
             output=output,
             id_column=id_column,
             resume=resume,
+            retry_errors=retry_errors,
             ordered=ordered,
             cache_aware=cache_aware,
             include_text=include_text,

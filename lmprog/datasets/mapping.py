@@ -82,6 +82,7 @@ def map_program(
     output: str | os.PathLike[str] | None = None,
     id_column: str | None = None,
     resume: bool = False,
+    retry_errors: bool = False,
     ordered: bool = True,
     cache_aware: bool = True,
     include_text: bool = False,
@@ -104,6 +105,7 @@ def map_program(
         )
     for name, value in (
         ("resume", resume),
+        ("retry_errors", retry_errors),
         ("ordered", ordered),
         ("cache_aware", cache_aware),
         ("include_text", include_text),
@@ -119,6 +121,8 @@ def map_program(
         raise TypeError(f"id_column must be a column name (str), got {id_column!r}")
     if resume and output is None:
         raise ValueError("resume=True needs an output file to resume (output=...)")
+    if retry_errors and not resume:
+        raise ValueError("retry_errors=True runs failed rows of a resumed output: pass resume=True")
     if output is not None and id_column is None and index_column is None:
         raise ValueError("an output file needs id_column (or the row index) to resume by")
     path = check_output(output, resume) if output is not None else None
@@ -138,7 +142,8 @@ def map_program(
     resolved = _resolve(backend)
 
     def start() -> tuple[Iterator[dict[str, Any]], Progress]:
-        sink = open_sink(path, id_column or index_column or "") if path is not None else None
+        key = id_column or index_column or ""
+        sink = open_sink(path, key, retry_errors) if path is not None else None
         bar = Progress(enabled=progress, total=source.num_rows, desc=fn.__name__)
         return iter_results(fn, source, resolved, opts, sink, bar), bar
 

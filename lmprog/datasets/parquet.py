@@ -55,12 +55,12 @@ _TAGGED: dict[str, tuple[type, Any]] = {
 class ParquetSink(JsonlSink):
     """Rows go to the journal; `close(is_complete=True)` turns it into the Parquet file."""
 
-    def __init__(self, path: Path, key_column: str) -> None:
+    def __init__(self, path: Path, key_column: str, retry_errors: bool = False) -> None:
         self.output = path
         journal = journal_path(path)
         if path.exists() and not journal.exists():
             _parquet_to_journal(path, journal, key_column)
-        super().__init__(journal, key_column)
+        super().__init__(journal, key_column, retry_errors)
 
     def encode(self, row: dict[str, Any]) -> EncodedRow:
         return encode_row(row, default=_journal_default)

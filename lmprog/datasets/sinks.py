@@ -5,8 +5,10 @@ Durability: every chunk of result rows is one `write` of whole lines, then `flus
 `fsync`, so a kill (SIGKILL, power cut) leaves at most one partial last line, which the
 next run with `resume=True` cuts off before appending. The rows already there are read
 back by their key (the id column, or the row index), so the resumed run skips them and the
-file ends with each row exactly once, whatever order its lines are in. Nothing here runs
-programs.
+file ends with each row exactly once, whatever order its lines are in. With
+`retry_errors`, the lines of rows that failed are first taken out of the file (rewritten
+beside it, then renamed over it), so those rows run again and still appear once. Nothing
+here runs programs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 OUTPUT_SUFFIXES = (".jsonl", ".parquet")
+ERROR_COLUMN = "error"  # a result row's error: None, or what ended the row
 
 
 def row_key(value: Any) -> str:
@@ -152,12 +155,12 @@ class JsonlSink:
     before the map completed (a bad id or input row at the start), so the same command
     runs again without `resume`. A file that existed before is never removed."""
 
-    def __init__(self, path: Path, key_column: str) -> None:
+    def __init__(self, path: Path, key_column: str, retry_errors: bool = False) -> None:
         self.path = path
         self.key_column = key_column
         self.done: set[str] = set()
         if path.exists():
-            self.done = _read_keys(path, key_column, self.decode_line)
+            self.done = _read_keys(path, key_column, self.decode_line, retry_errors)
         self._is_new = not path.exists()
         self._has_lines = False  # a write of this sink has succeeded
         self._file = path.open("ab", buffering=0)  # (no buffer may hold a failed write)
@@ -200,19 +203,23 @@ class JsonlSink:
                 fsync_dir(self.path.parent)
 
 
-def open_sink(path: Path, key_column: str) -> JsonlSink:
+def open_sink(path: Path, key_column: str, retry_errors: bool = False) -> JsonlSink:
     if is_parquet(path):
         from lmprog.datasets.parquet import ParquetSink
 
-        return ParquetSink(path, key_column)
-    return JsonlSink(path, key_column)
+        return ParquetSink(path, key_column, retry_errors)
+    return JsonlSink(path, key_column, retry_errors)
 
 
-def _read_keys(path: Path, key_column: str, decode: Callable[[bytes], Any]) -> set[str]:
-    """The keys of the complete lines; a partial last line (a write cut by a kill) is cut
+def _read_keys(
+    path: Path, key_column: str, decode: Callable[[bytes], Any], retry_errors: bool
+) -> set[str]:
+    """The keys of the complete lines (with `retry_errors`, of those without an error,
+    the others taken out of the file); a partial last line (a write cut by a kill) is cut
     off the file here, before anything is appended."""
     keys: set[str] = set()
     good_len = 0
+    failed = 0
     with path.open("rb") as f:
         for line_no, line in enumerate(f, 1):
             if not line.endswith(b"\n"):
@@ -225,14 +232,33 @@ def _read_keys(path: Path, key_column: str, decode: Callable[[bytes], Any]) -> s
                 ) from None
             if not isinstance(row, dict) or key_column not in row:
                 raise ValueError(f"{path}:{line_no}: result row without {key_column!r}")
-            keys.add(row_key(row[key_column]))
             good_len += len(line)
+            if retry_errors and row.get(ERROR_COLUMN) is not None:
+                failed += 1
+            else:
+                keys.add(row_key(row[key_column]))
     if path.stat().st_size != good_len:
         with path.open("r+b") as f:
             f.truncate(good_len)
             f.flush()
             os.fsync(f.fileno())
+    if failed:
+        _drop_failed_lines(path, decode)
     return keys
+
+
+def _drop_failed_lines(path: Path, decode: Callable[[bytes], Any]) -> None:
+    """Rewrite `path` (whole lines only) without the rows that hold an error: written
+    beside it and renamed over it, so a kill meanwhile leaves the file as it was."""
+    tmp = path.with_name(path.name + ".retry.tmp")
+    with path.open("rb") as source, tmp.open("wb") as kept:
+        for line in source:
+            if decode(line).get(ERROR_COLUMN) is None:
+                kept.write(line)
+        kept.flush()
+        os.fsync(kept.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def fsync_dir(directory: Path) -> None:
