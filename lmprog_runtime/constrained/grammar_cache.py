@@ -29,11 +29,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 
 from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar
+from lmprog_runtime.constrained.daemon_pool import DaemonPool
 from lmprog_runtime.constrained.portable_regex import without_edge_anchors
 
 MAX_PATTERN_CHARS = 50_000
@@ -64,7 +65,7 @@ class GrammarCache:
         self._jobs: dict[Future, _Job] = {}  # the compiles submitted and not yet over
         self._waiting: dict[Future, int] = {}  # callers waiting for each of those
         self._pool = _new_pool()
-        self._old_pools: list[ThreadPoolExecutor] = []  # replaced after a timeout
+        self._old_pools: list[DaemonPool] = []  # replaced after a timeout
         self._stuck: set[_Job] = set()  # abandoned compiles that may still run
         self._closed = False
 
@@ -160,7 +161,7 @@ class GrammarCache:
                 self._old_pools.append(old)
         job.interrupt()
         if is_replaced:
-            old.shutdown(wait=False)  # its other threads exit once its queue is done
+            old.shutdown()  # its other threads exit once its queue is done
 
     def close(self) -> None:
         """Stop the compile threads (the engine shuts down): compiles not started are
@@ -171,7 +172,7 @@ class GrammarCache:
             pools, self._old_pools = [*self._old_pools, self._pool], []
             running = list(self._jobs.values())
         for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(cancel_futures=True)
         for job in running:
             job.interrupt()
         self.backend.close()
@@ -229,8 +230,8 @@ def _build_char_fsm(grammar: Grammar) -> None:
         grammar._char_fsm = False  # type: ignore[attr-defined]
 
 
-def _new_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="lmprog-grammar")
+def _new_pool() -> DaemonPool:
+    return DaemonPool(max_workers=4, name="lmprog-grammar")
 
 
 class _Abandoned(BaseException):

@@ -1,0 +1,72 @@
+"""A thread pool for compiles whose threads are daemons.
+
+The interpreter's exit joins a `ThreadPoolExecutor`'s threads before the at-exit handlers
+run, so a script that ended while one of its programs was compiling a pattern waited for
+that compile (up to `grammar_compile_timeout_s`, a minute by default) before the engine's
+at-exit shutdown could stop it. Daemon threads are not joined: the shutdown interrupts
+their compiles (`GrammarCache.close`). The same `submit` / `shutdown` as the executor's,
+threads started as needed up to `max_workers`, an idle one reused first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+_names = itertools.count()
+
+
+class DaemonPool:
+    def __init__(self, max_workers: int, name: str) -> None:
+        self.max_workers = max_workers
+        self.name = name
+        self._queue: queue.SimpleQueue[tuple[Future, Callable, tuple] | None] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)  # released by a thread that waits for work
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._is_shut_down = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._is_shut_down:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._queue.put((future, fn, args))
+            if not self._idle.acquire(timeout=0) and self._threads < self.max_workers:
+                self._threads += 1
+                name = f"{self.name}_{next(_names)}"
+                threading.Thread(target=self._work, name=name, daemon=True).start()
+        return future
+
+    def shutdown(self, cancel_futures: bool = False) -> None:
+        """The threads end once the work queued before ends (`cancel_futures`: is
+        cancelled); work running goes on. Never waits."""
+        with self._lock:
+            self._is_shut_down = True
+            if cancel_futures:
+                while True:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None:
+                        item[0].cancel()
+            for _ in range(self._threads):
+                self._queue.put(None)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args)
+                except BaseException as error:  # (a compile's interruption included)
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+            del item, future  # (holds no result while idle)
+            self._idle.release()
