@@ -116,7 +116,8 @@ class RuntimeConfig:
     # over a quarter of the free memory, or with this set).
     disable_amx_linears: bool = False
     # float32 on a CPU: linear weights are stored input-major (a transposed view, same
-    # values) where a probe at load finds its BLAS multiplies decode batches faster so,
+    # values) for each layer shape where a probe at load finds its BLAS multiplies decode
+    # batches faster so,
     # 1.5-6x per layer at 8-32 rows on MKL (`models/weight_layout.py`); a tied LM head gets
     # its own copy. Set this to keep torch's layout.
     disable_input_major_weights: bool = False

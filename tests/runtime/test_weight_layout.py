@@ -1,7 +1,8 @@
 """float32 CPU linear weights stored input-major (`models/weight_layout.py`): the same
 values in another layout, so the same tokens; the embedding keeps its rows; a tied head
-gets its own copy, or stays tied where memory is short. The probe is forced here (its
-answer depends on the machine's BLAS); its own figures are in the Benchmarks section."""
+gets its own copy, or stays tied where memory is short. The probe's answer is forced here
+(it depends on the machine's BLAS); it decides per layer shape and thread count, and leaves
+torch's global random state alone. Its figures are in the Benchmarks section."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 @pytest.fixture
 def probe_says(monkeypatch):
     def set_answer(answer: bool) -> None:
-        monkeypatch.setattr(weight_layout, "input_major_is_faster", lambda i, o: answer)
+        monkeypatch.setattr(weight_layout, "input_major_is_faster", lambda w, free: answer)
 
     return set_answer
 
@@ -74,3 +75,74 @@ def test_where_the_probe_finds_no_gain_nothing_changes(tiny_path, probe_says):
     probe_says(False)
     with Engine(tiny_path, max_total_tokens=1024) as engine:
         assert all(m.weight.is_contiguous() for m in linears(engine).values())
+
+
+def test_each_shape_is_decided_on_its_own(tiny_path, monkeypatch):
+    """The probe once timed only the largest layer, the one shape of SmolLM2 that gains
+    nothing on MKL, and so kept torch's layout for every layer, those 5x faster too."""
+    asked = []
+
+    def faster_when_square(weight, free_bytes):
+        asked.append(tuple(weight.shape))
+        return weight.shape[0] == weight.shape[1]
+
+    monkeypatch.setattr(weight_layout, "input_major_is_faster", faster_when_square)
+    with Engine(tiny_path, max_total_tokens=1024) as engine:
+        layers = linears(engine)
+        for name, layer in layers.items():
+            out, inp = layer.weight.shape
+            assert layer.weight.is_contiguous() == (out != inp), name
+    shapes = {tuple(m.weight.shape) for m in layers.values()}
+    assert sorted(asked) == sorted(shapes) and any(o == i for o, i in shapes)
+
+
+def test_the_probe_is_remembered_per_shape_and_thread_count(monkeypatch):
+    monkeypatch.setattr(weight_layout, "_decisions", {})
+    probed = []
+    monkeypatch.setattr(weight_layout, "_probe", lambda w: probed.append(w.shape) or True)
+    weight, threads = torch.zeros(24, 16), torch.get_num_threads()
+    try:
+        for count in (1, 1, 2, 2):
+            torch.set_num_threads(count)
+            assert weight_layout.input_major_is_faster(weight, free_bytes=1 << 30)
+        torch.set_num_threads(1)
+        assert weight_layout.input_major_is_faster(torch.zeros(8, 16), free_bytes=1 << 30)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(probed) == 3  # (1 and 2 threads for one shape, 1 for the other)
+    assert not weight_layout.input_major_is_faster(torch.zeros(64, 64), free_bytes=1000)
+    assert len(probed) == 3  # (no memory for the probe's copy: not probed, torch's layout)
+
+
+def test_the_probe_leaves_torchs_random_state_alone(monkeypatch):
+    monkeypatch.setattr(weight_layout, "_decisions", {})
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    weight_layout.input_major_is_faster(torch.ones(48, 32), free_bytes=1 << 30)
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize(
+    "alone, all_threads, expected",
+    [(0.2, 1.0, True), (0.2, 1.05, True), (0.2, 1.5, False), (0.95, 0.2, False)],
+)
+def test_the_probe_times_one_thread_first(monkeypatch, alone, all_threads, expected):
+    """On a loaded machine every multi-threaded product waited a scheduler tick, in either
+    layout: the probe said no at random. Input-major is taken where one thread finds it
+    clearly faster and all threads do not find it clearly slower."""
+    seen = []
+
+    def ratio(weight):
+        seen.append(torch.get_num_threads())
+        return alone if torch.get_num_threads() == 1 else all_threads
+
+    monkeypatch.setattr(weight_layout, "time_ratio", ratio)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert weight_layout._probe(torch.zeros(4, 4)) is expected
+        assert torch.get_num_threads() == 2  # (restored)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == ([1, 2] if alone < weight_layout.PROBE_MARGIN else [1])
