@@ -99,6 +99,39 @@ def test_a_shut_down_engine_leaves_no_grammar_compile_thread(tiny_path):
     assert not [t for t in later if t.name.startswith("lmprog-grammar") and t.is_alive()]
 
 
+def _compile_and_drop(tiny_path: str) -> tuple[weakref.ref, weakref.ref, threading.Thread]:
+    engine = Engine(tiny_path, max_total_tokens=1024)
+    out = engine.generate("hello", {"max_new_tokens": 4, "regex": "(yes|no)!"})
+    assert out["text"] in ("yes!", "no!")
+    return weakref.ref(engine), weakref.ref(engine._grammars), engine._thread
+
+
+def test_a_dropped_engine_that_compiled_leaves_no_compile_thread_or_process(tiny_path):
+    """The compile threads held their pool's grammar cache (and so its compile processes)
+    after their compile was over, and waited for work forever: each dropped engine left a
+    thread, a process and its grammars behind."""
+    psutil = pytest.importorskip("psutil")
+
+    def compile_children() -> set[int]:
+        return {
+            c.pid
+            for c in psutil.Process().children()
+            if "index_child" in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE
+        }
+
+    before, children = set(threading.enumerate()), compile_children()
+    for _ in range(3):
+        engine_ref, cache_ref, thread = _compile_and_drop(tiny_path)
+        assert _is_collected((engine_ref, cache_ref), thread)
+    deadline = time.monotonic() + JOIN_S
+    while True:
+        started = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+        if not started and compile_children() <= children or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not started and compile_children() <= children
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

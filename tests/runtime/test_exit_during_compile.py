@@ -5,10 +5,12 @@ engine's at-exit shutdown can stop them: the exit waited for the compile, up to
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -100,3 +102,23 @@ def test_an_exception_reaches_the_future():
     with pytest.raises(ZeroDivisionError):
         pool.submit(lambda: 1 / 0).result(timeout=10)
     pool.shutdown()
+
+
+def test_a_dropped_pool_ends_its_threads_and_holds_nothing_of_its_work():
+    class Work:  # (a compile's cache: its bound method is what a thread ran)
+        def run(self) -> int:
+            return 1
+
+    pool = DaemonPool(max_workers=2, name="test-dropped-pool")
+    work = Work()
+    assert [f.result(timeout=10) for f in [pool.submit(work.run) for _ in range(4)]] == [1] * 4
+    threads = [t for t in threading.enumerate() if t.name.startswith("test-dropped-pool")]
+    work_ref = weakref.ref(work)
+    del work
+    gc.collect()
+    assert threads and work_ref() is None  # (idle threads hold no work)
+    del pool
+    gc.collect()
+    for thread in threads:
+        thread.join(10)
+    assert not any(t.is_alive() for t in threads)
