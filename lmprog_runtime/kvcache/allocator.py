@@ -50,14 +50,16 @@ class TokenSlotAllocator:
         # marks its pages through a tensor on the same memory (one op a decode step).
         self._page_is_free = np.ones(self.num_pages + 1, dtype=np.bool_)
         self._page_is_free_t = torch.from_numpy(self._page_is_free)
-        # The free list is `_free_pages[_head:]` (taking pages moves the head: one view a
-        # take, not two).
-        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device="cpu")
+        # Pages never handed out: `_fresh[_head:]` (a take moves the head: one view).
+        self._fresh = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device="cpu")
         self._head = 0
-        # Freed pages wait here, in order, until an allocation needs them: a free costs
-        # O(freed), never a copy of the whole free list.
-        self._freed: list[np.ndarray] = []
-        self._num_freed = 0
+        # Freed pages, a stack: a take reuses the pages freed last before any fresh one, so
+        # the memory the pool touches follows the pages in use. The K/V buffers are mapped
+        # lazily, and handing every page out once before reusing any made a long-running
+        # engine's whole pool resident (3.9 GiB for SmolLM2's, serving 400 tokens at a
+        # time). A free costs O(freed), never a copy of the whole free list.
+        self._stack = np.empty(self.num_pages, dtype=np.int64)
+        self._top = 0
 
     @property
     def num_slots(self) -> int:
@@ -67,20 +69,23 @@ class TokenSlotAllocator:
     @property
     def num_free(self) -> int:
         """Free slots, counted in whole free pages."""
-        return (self._free_pages.numel() - self._head + self._num_freed) * self.page_size
+        return (self._fresh.numel() - self._head + self._top) * self.page_size
 
     def _take(self, num_pages: int) -> torch.Tensor | None:
-        """The first `num_pages` free pages, in the order they became free; None if short."""
-        head = self._head
-        if num_pages > self._free_pages.numel() - head and self._freed:
-            freed = torch.from_numpy(np.concatenate(self._freed))
-            self._free_pages = torch.cat([self._free_pages[head:], freed])
-            self._freed, self._num_freed, head = [], 0, 0
-        if num_pages > self._free_pages.numel() - head:
-            self._head = head
+        """`num_pages` free pages, those freed last first, then fresh ones; None if short."""
+        reused = min(num_pages, self._top)
+        head, fresh = self._head, num_pages - reused
+        if fresh > self._fresh.numel() - head:
             return None
-        pages = self._free_pages[head : head + num_pages]
-        self._head = head + num_pages
+        pages = self._fresh[head : head + fresh]
+        self._head = head + fresh
+        if reused:
+            top = self._top - reused
+            # Popped in turn (one take of n is n takes of one); a copy: later frees write
+            # over the stack.
+            last_freed = torch.from_numpy(self._stack[top : self._top][::-1].copy())
+            self._top = top
+            pages = torch.cat([last_freed, pages]) if fresh else last_freed
         self._page_is_free_t.index_fill_(0, pages, False)
         return pages
 
@@ -166,8 +171,8 @@ class TokenSlotAllocator:
                 raise RuntimeError("slot 0 is reserved and never allocated")
             raise RuntimeError("double free of KV slots")
         self._page_is_free[index] = True
-        self._freed.append(index)
-        self._num_freed += index.size
+        self._stack[self._top : self._top + index.size] = index[::-1]  # (pop in order)
+        self._top += index.size
 
     def _room_after(self, last_slot: int | None) -> int:
         if last_slot is None or self.page_size == 1:

@@ -137,3 +137,24 @@ def test_a_request_row_is_freed_once_and_only_in_range():
         pool.free(3)  # the padding row
     pool.free(row)
     assert pool.num_free == 3 and sorted(pool.alloc() for _ in range(3)) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_freed_pages_are_reused_before_fresh_ones(page_size):
+    """The K/V buffers are mapped lazily: handing every page out once before reusing any
+    made a long-running engine's whole pool resident, whatever its load (SmolLM2's default
+    pool: 3.9 GiB after 160 requests of 400 tokens, one at a time)."""
+    alloc = TokenSlotAllocator(1000 * page_size, page_size)
+    touched: set[int] = set()
+    held = []
+    for step in range(300):  # a working set of 5-15 pages, churning
+        slots = alloc.alloc(5 * page_size + step % 7)
+        touched |= {s // page_size for s in slots.tolist()}
+        held.append(slots)
+        if len(held) > 2:
+            alloc.free(held.pop(0))
+    most_held = 3 * -(-(5 * page_size + 6) // page_size)  # (pages held at once, at most)
+    assert len(touched) <= most_held  # (handed out in turn: 1000 pages)
+    for slots in held:
+        alloc.free(slots)
+    assert alloc.num_free == 1000 * page_size and alloc.alloc(1000 * page_size) is not None
