@@ -247,7 +247,14 @@ class Interpreter:
 
     def gen_done(self, stream: Stream, gen: Gen, streamed: bool, future: Future) -> None:
         def apply() -> None:
-            stream.ops.finish_gen(stream.st, gen, future.result(), emitted=streamed)
+            try:
+                out = future.result()
+            except TimeoutError as error:  # the program fails, with what the gen made so far
+                partial = getattr(error, "partial_output", None)
+                if partial is not None:
+                    stream.ops.finish_gen(stream.st, gen, partial, emitted=streamed)
+                raise
+            stream.ops.finish_gen(stream.st, gen, out, emitted=streamed)
 
         self._resume(stream, apply)
 

@@ -140,7 +140,10 @@ class ReqText:
         return (text, None) if matched is None else (text[:cut], matched)
 
     def finalize_text(self) -> None:
-        self.text = self._visible_text()[0] if self.error is None else ""
+        """The final text; none for a failed request, except one that timed out: its
+        error's `partial_output` holds what it generated before its deadline."""
+        keep = self.error is None or isinstance(self.error, TimeoutError)
+        self.text = self._visible_text()[0] if keep else ""
 
     def stream_delta(self) -> dict[str, Any] | None:
         """The not-yet-streamed part of the text; holds back what a stop string may still cut."""

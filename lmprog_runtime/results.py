@@ -154,7 +154,11 @@ class RequestStream:
 
 def request_error(req: Req) -> Exception:
     """What a caller gets for a failed request: the request named, its error as the cause;
-    a cancelled one (aborted, timed out) raises its own error, which names it."""
+    a cancelled one (aborted, timed out) raises its own error, which names it. A timed-out
+    one's error holds what it generated before its deadline (`partial_output`, an output
+    dict whose `finish_reason` is an abort)."""
+    if isinstance(req.error, TimeoutError):
+        req.error.partial_output = req.to_output()  # type: ignore[attr-defined]
     if isinstance(req.error, (RequestAborted, TimeoutError)):
         return req.error
     error = RuntimeError(f"request {req.rid} failed: {req.error}")

@@ -1,0 +1,56 @@
+"""A gen that runs past its `timeout_s` fails its program, and keeps what it generated:
+the request's TimeoutError holds its `partial_output`, and the program's variable (and
+text) hold that text, as a dataset row's column does. It was lost before: a timed-out
+row's gen column was empty."""
+
+from __future__ import annotations
+
+import pytest
+
+import lmprog as lp
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+PROMPT = "Tell a long story:"
+
+
+@lp.function
+def story(s):
+    s += PROMPT + lp.gen("story", max_tokens=3000, **GREEDY)
+
+
+def greedy_prefix(engine, num_tokens: int) -> dict:
+    """The uncapped greedy output's first `num_tokens` tokens (the reference)."""
+    params = {"max_new_tokens": num_tokens, **GREEDY}
+    return engine.generate(PROMPT, params)
+
+
+def test_the_timeout_error_holds_the_partial_output(engine):
+    future = engine.submit(PROMPT, {"max_new_tokens": 3000, "timeout_s": 0.3, **GREEDY})[0]
+    with pytest.raises(TimeoutError) as info:
+        future.result(timeout=60)
+    partial = info.value.partial_output
+    assert partial["meta_info"]["finish_reason"]["type"] == "abort"
+    ids = partial["output_ids"]
+    assert 0 < len(ids) < 3000
+    reference = greedy_prefix(engine, len(ids))
+    assert ids == reference["output_ids"] and partial["text"] == reference["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_timed_out_gen_keeps_its_text_in_the_program(engine, stream):
+    if stream:
+        state = story.run(timeout_s=0.3, stream=True, backend=engine)
+        state.sync()
+    else:
+        (state,) = story.run_batch([{}], timeout_s=0.3, backend=engine)
+    assert isinstance(state.error(), TimeoutError)
+    text = state["story"]
+    assert text and state.text() == PROMPT + text
+    partial = state.error().partial_output
+    assert text == partial["text"]
+    assert text == greedy_prefix(engine, len(partial["output_ids"]))["text"]
+
+
+def test_a_timed_out_row_keeps_its_gen_column(engine):
+    (row,) = story.map([{}], timeout_s=0.3, backend=engine)
+    assert row["error"].startswith("TimeoutError") and row["story"]
