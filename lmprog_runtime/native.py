@@ -109,16 +109,27 @@ def load_native() -> ModuleType:
 @contextlib.contextmanager
 def build_lock(build_dir: Path) -> Iterator[None]:
     """Held across torch's build and load in `build_dir` (waits while another process
-    builds there); removes the torch lock file a dead process left (see the module doc)."""
+    builds there); removes the torch lock file a dead process left (see the module doc).
+    Where there is no `flock` (not POSIX, a filesystem without locks), torch's alone."""
+    with contextlib.ExitStack() as stack:
+        if _flock(stack, build_dir / OWN_LOCK):
+            stale = build_dir / TORCH_LOCK
+            if stale.exists():
+                logger.warning("removing %s, left by a process killed while it held it", stale)
+                stale.unlink(missing_ok=True)
+        yield
+
+
+def _flock(stack: contextlib.ExitStack, path: Path) -> bool:
+    """Take an exclusive `flock` on `path` until `stack` closes (or this process dies)."""
     try:
         import fcntl
-    except ImportError:  # (no flock: torch's lock alone)
-        yield
-        return
-    with open(build_dir / OWN_LOCK, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # (let go when the file closes, or its holder dies)
-        stale = build_dir / TORCH_LOCK
-        if stale.exists():
-            logger.warning("removing %s, left by a process killed while it built or loaded", stale)
-            stale.unlink(missing_ok=True)
-        yield
+    except ImportError:
+        return False
+    handle = stack.enter_context(open(path, "a"))  # noqa: SIM115 - closed by the stack
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    except OSError as error:  # (ENOLCK: a filesystem without locks)
+        logger.info("no lock on %s (%s): torch's own lock only", path, error)
+        return False
+    return True
