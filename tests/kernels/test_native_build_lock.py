@@ -69,3 +69,22 @@ def test_a_process_killed_inside_the_build_holds_no_one_up(built):
         (built / TORCH_LOCK).unlink(missing_ok=True)
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-2000:]
     assert (built / OWN_LOCK).exists()  # (the file stays; only its lock went)
+
+
+def test_where_flock_is_refused_torchs_lock_alone_guards_the_build(tmp_path, monkeypatch):
+    """A filesystem without locks (ENOLCK) failed the build, and the engine fell back to
+    the torch backend."""
+    import errno
+    import fcntl
+
+    from lmprog_runtime.native import build_lock
+
+    def refused(handle, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    (tmp_path / TORCH_LOCK).touch()
+    entered = False
+    with build_lock(tmp_path):
+        entered = True
+    assert entered and (tmp_path / TORCH_LOCK).exists()  # (without the lock, not ours to remove)
