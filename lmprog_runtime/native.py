@@ -10,7 +10,8 @@ torch's own lock on a build directory is a file its holder removes when done: a 
 killed while it held it (SIGKILL, the OOM killer, a lost container) left it, and every
 later process waited on it forever at its first engine. So every lmprog process takes a
 lock of the kernel's (`flock`, let go when its holder dies) around torch's, and whoever
-holds it removes a torch lock file it finds: no live lmprog process can own that one.
+holds it removes a torch lock file it finds: no live lmprog process can own that one. A
+killed build's ninja and compilers may still run, orphaned: they are waited for first.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import platform
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -41,6 +44,7 @@ _SOURCES = (
 _HEADERS = ("amx.h", "cpu_vec.h", "decode_rows.h", "extend_tiles.h", "native_ops.h")
 TORCH_LOCK = "lock"  # torch.utils.cpp_extension's lock file in the build directory
 OWN_LOCK = "lmprog.flock"
+ORPHANS_WAIT_S = 300.0  # how long a killed build's compilers may still run
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -116,8 +120,32 @@ def build_lock(build_dir: Path) -> Iterator[None]:
             stale = build_dir / TORCH_LOCK
             if stale.exists():
                 logger.warning("removing %s, left by a process killed while it held it", stale)
+                _wait_for_orphans(build_dir)
                 stale.unlink(missing_ok=True)
         yield
+
+
+def _wait_for_orphans(build_dir: Path) -> None:
+    """A build whose process was killed: its ninja and compilers run on, orphaned, in the
+    build directory. Wait for them (at most `ORPHANS_WAIT_S`), so that the next build does
+    not run beside them; it then rebuilds whatever they did not finish (ninja rebuilds an
+    output its log does not record)."""
+    deadline = time.monotonic() + ORPHANS_WAIT_S
+    while _processes_in(build_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _processes_in(directory: Path) -> list[int]:
+    """Other processes whose working directory is `directory` (Linux's /proc; none
+    found elsewhere)."""
+    found = []
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if Path(os.readlink(entry / "cwd")) == directory:
+                    found.append(int(entry.name))
+    return found
 
 
 def _flock(stack: contextlib.ExitStack, path: Path) -> bool:

@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -249,16 +250,25 @@ def _read_keys(
 
 def _drop_failed_lines(path: Path, decode: Callable[[bytes], Any]) -> None:
     """Rewrite `path` (whole lines only) without the rows that hold an error: written
-    beside it and renamed over it, so a kill meanwhile leaves the file as it was."""
-    tmp = path.with_name(path.name + ".retry.tmp")
-    with path.open("rb") as source, tmp.open("wb") as kept:
-        for line in source:
-            if decode(line).get(ERROR_COLUMN) is None:
-                kept.write(line)
-        kept.flush()
-        os.fsync(kept.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    beside it and renamed over it, so a kill meanwhile leaves the file as it was. A
+    symlinked output's target is rewritten, with its permissions; a rewrite that fails (a
+    full disk) leaves no partial copy."""
+    target = path.resolve()
+    tmp = target.with_name(target.name + ".retry.tmp")
+    try:
+        with target.open("rb") as source, tmp.open("wb") as kept:
+            for line in source:
+                if decode(line).get(ERROR_COLUMN) is None:
+                    kept.write(line)
+            kept.flush()
+            os.fsync(kept.fileno())
+        shutil.copymode(target, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(target.parent)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -57,13 +57,18 @@ class DaemonPool:
         with self._lock:
             self._is_shut_down = True
             if cancel_futures:
+                ends = 0  # (a shutdown before put them there: each a thread's end)
                 while True:
                     try:
                         item = self._queue.get_nowait()
                     except queue.Empty:
                         break
-                    if item is not None:
+                    if item is None:
+                        ends += 1
+                    else:
                         item[0].cancel()
+                for _ in range(ends):
+                    self._queue.put(None)
             _release(self._queue, self._count)
 
 

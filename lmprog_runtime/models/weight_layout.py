@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import threading
 import time
 
 import torch
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 PROBE_ROWS = 8  # a decode batch
 PROBE_ROUNDS = 7
 PROBE_MARGIN = 0.9  # input-major must take at most this share of the other's time
+PROBE_MAX_OUT = 4096  # output rows a probe times at most (a vocabulary's head: a slice)
+_probing = threading.Lock()  # one probe at a time (each sets torch's thread count)
 _decisions: dict[tuple[int, int, int], bool] = {}  # (in, out, threads) -> input-major
 
 
@@ -48,7 +51,8 @@ def input_major_is_faster(weight: torch.Tensor, free_bytes: int) -> bool:
     out_features, in_features = weight.shape
     key = (in_features, out_features, torch.get_num_threads())
     if key not in _decisions:
-        if weight.numel() * weight.element_size() > free_bytes // 4:
+        probed = min(out_features, PROBE_MAX_OUT) * in_features * weight.element_size()
+        if probed > free_bytes // 4:
             return False
         _decisions[key] = _probe(weight)
     return _decisions[key]
@@ -59,16 +63,20 @@ def _probe(weight: torch.Tensor) -> bool:
     of torch's. One thread first: on a loaded machine each multi-threaded product waits a
     scheduler tick for its other threads (8 ms for either layout on 2 busy cores, against
     0.03-1 ms alone), which hid the difference, and the probe's answer was a coin toss.
-    (Other engines' products run on one thread too for those milliseconds.)"""
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = time_ratio(weight)
-    finally:
-        torch.set_num_threads(threads)
-    if alone >= PROBE_MARGIN:
-        return False
-    return threads == 1 or time_ratio(weight) <= 1 / PROBE_MARGIN
+    A tall weight is timed on its first `PROBE_MAX_OUT` rows (SmolLM2's head took 2.5 s
+    whole). Probes run one at a time: each sets torch's thread count, then restores it
+    (a thread whose first torch call falls inside a probe keeps one thread)."""
+    weight = weight.detach()[:PROBE_MAX_OUT]
+    with _probing:
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            alone = time_ratio(weight)
+        finally:
+            torch.set_num_threads(threads)
+        if alone >= PROBE_MARGIN:
+            return False
+        return threads == 1 or time_ratio(weight) <= 1 / PROBE_MARGIN
 
 
 def time_ratio(weight: torch.Tensor) -> float:

@@ -97,3 +97,44 @@ def test_the_cli_retries_the_failed_rows(tmp_path):
     assert sorted(r["id"] for r in written) == ["r0", "r1", "r2"]
     assert [r for r in written if r["id"] != "r1"] == [r for r in first if r["id"] != "r1"]
     assert "RuntimeError" in next(r["error"] for r in written if r["id"] == "r1")
+
+
+def test_the_rewrite_keeps_the_file_a_symlink_names_and_its_mode(engine, tmp_path):
+    """It replaced a symlink by a file of its own (the target kept the error lines and got
+    no retried row), and a 0600 file came back 0644."""
+    rows = [{"id": i, "question": f"Question {i}?"} for i in range(3)]
+    target = tmp_path / "real.jsonl"
+    link = tmp_path / "out.jsonl"
+    FAILING.add("Question 1?")
+    try:
+        flaky.map(rows, output=target, id_column="id", backend=engine, **GREEDY).run()
+    finally:
+        FAILING.clear()
+    target.chmod(0o600)
+    link.symlink_to(target)
+    retried = flaky.map(
+        rows, output=link, id_column="id", resume=True, retry_errors=True, backend=engine, **GREEDY
+    ).run()
+    assert retried.num_rows == 1 and link.is_symlink()
+    assert (target.stat().st_mode & 0o777) == 0o600
+    written = read_jsonl(target)
+    assert sorted(r["id"] for r in written) == [0, 1, 2] and all(
+        r["error"] is None for r in written
+    )
+
+
+def test_a_rewrite_that_fails_leaves_the_file_and_no_copy(tmp_path, monkeypatch):
+    from lmprog.datasets import sinks
+
+    out = write_jsonl(tmp_path / "out.jsonl", [{"id": 0, "error": "x"}, {"id": 1, "error": None}])
+    before = out.read_bytes()
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sinks.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        sinks.JsonlSink(out, "id", retry_errors=True)
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "out.jsonl"
+    ]

@@ -88,3 +88,23 @@ def test_where_flock_is_refused_torchs_lock_alone_guards_the_build(tmp_path, mon
     with build_lock(tmp_path):
         entered = True
     assert entered and (tmp_path / TORCH_LOCK).exists()  # (without the lock, not ours to remove)
+
+
+def test_a_killed_builds_orphaned_compilers_are_waited_for(tmp_path):
+    """The ninja and compilers of a build whose process was SIGKILLed run on, orphaned,
+    writing its objects: the next build waited for nothing and ran beside them."""
+    import time
+
+    from lmprog_runtime.native import build_lock
+
+    (tmp_path / TORCH_LOCK).touch()
+    compiler = subprocess.Popen(["sleep", "1.5"], cwd=tmp_path)  # (its cwd: the build's)
+    try:
+        start = time.monotonic()
+        with build_lock(tmp_path):
+            waited = time.monotonic() - start
+            left = sorted(p.name for p in tmp_path.iterdir())
+    finally:
+        compiler.kill()
+    assert compiler.poll() is not None and waited >= 1.0
+    assert left == [OWN_LOCK]  # (torch's lock gone)

@@ -122,3 +122,20 @@ def test_a_dropped_pool_ends_its_threads_and_holds_nothing_of_its_work():
     for thread in threads:
         thread.join(10)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_a_second_shutdown_cancelling_the_queue_leaves_the_threads_their_ends():
+    """A compile timed out (its pool shut down), then the engine shut down (the same pool,
+    its queue cancelled): the cancel took the threads' ends off the queue too, and the
+    thread of the timed-out compile waited for work forever."""
+    pool = DaemonPool(max_workers=1, name="test-twice-shut-pool")
+    release = threading.Event()
+    running = pool.submit(release.wait, 10)
+    queued = pool.submit(lambda: "never")
+    (thread,) = [t for t in threading.enumerate() if t.name.startswith("test-twice-shut-pool")]
+    pool.shutdown()
+    pool.shutdown(cancel_futures=True)
+    release.set()
+    assert running.result(timeout=10) is True and queued.cancelled()
+    thread.join(10)
+    assert not thread.is_alive()

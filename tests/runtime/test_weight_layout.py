@@ -146,3 +146,39 @@ def test_the_probe_times_one_thread_first(monkeypatch, alone, all_threads, expec
     finally:
         torch.set_num_threads(threads)
     assert seen == ([1, 2] if alone < weight_layout.PROBE_MARGIN else [1])
+
+
+def test_probes_at_once_leave_torchs_thread_count_as_it_was(monkeypatch):
+    """Each probe set one thread and restored what it had read: one that began inside the
+    other's read one and restored that, and threads started later ran on one thread."""
+    import threading
+    import time
+
+    shapes = []
+
+    def slow_ratio(weight):
+        shapes.append(tuple(weight.shape))
+        time.sleep(0.1)
+        return 0.5
+
+    monkeypatch.setattr(weight_layout, "time_ratio", slow_ratio)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        probes = [
+            threading.Thread(target=weight_layout._probe, args=(torch.zeros(n, 4),))
+            for n in (3, weight_layout.PROBE_MAX_OUT + 5)
+        ]
+        for probe in probes:
+            probe.start()
+        for probe in probes:
+            probe.join(10)
+        seen = []
+        later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        later.start()
+        later.join(10)
+        assert torch.get_num_threads() == 2 and seen == [2]
+    finally:
+        torch.set_num_threads(threads)
+    # (a tall weight is timed on its first PROBE_MAX_OUT rows)
+    assert sorted(shapes) == [(3, 4)] * 2 + [(weight_layout.PROBE_MAX_OUT, 4)] * 2
