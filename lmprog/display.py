@@ -41,6 +41,7 @@ REPR_CHARS = 120
 # The live view draws a streaming transcript at most once per this many seconds: each draw
 # sends the whole transcript, and one per token cost more than the generation itself.
 LIVE_INTERVAL_S = 0.1
+LIVE_FLUSH_S = 5.0  # how long `run`'s caller waits, at most, for the live view to draw
 
 
 def state_html(
@@ -199,17 +200,29 @@ def show_live(state: ProgramState) -> threading.Thread | None:
 
     stream = state._stream
     handle = display(HTML(stream_html(stream)), display_id=True)
+    with stream.lock:
+        stream.live_drawn = 0
 
     def follow() -> None:
         drawn, is_done = 0, False
-        while not is_done:
-            with stream.lock:  # new text (its own or a fork branch's), or the end
-                stream.cv.wait_for(lambda seen=drawn: stream.emitted > seen or stream.is_done)
-                drawn, is_done = stream.emitted, stream.is_done
-            handle.update(HTML(stream_html(stream, stream.error if is_done else None)))
-            if not is_done:  # let text gather, but wake at the end for the final draw
+        try:
+            while not is_done:
+                with stream.lock:  # new text (its own or a fork branch's), or the end
+                    stream.cv.wait_for(lambda seen=drawn: stream.emitted > seen or stream.is_done)
+                    drawn, is_done = stream.emitted, stream.is_done
+                    stream.live_flush = False
+                handle.update(HTML(stream_html(stream, stream.error if is_done else None)))
                 with stream.lock:
-                    stream.cv.wait_for(lambda: stream.is_done, LIVE_INTERVAL_S)
+                    stream.live_drawn = drawn
+                    stream.cv.notify_all()  # (a reader waiting for this draw)
+                    if not is_done:  # let text gather; wake at the end, or for a reader
+                        stream.cv.wait_for(
+                            lambda: stream.is_done or stream.live_flush, LIVE_INTERVAL_S
+                        )
+        finally:
+            with stream.lock:
+                stream.live_drawn = None
+                stream.cv.notify_all()
 
     thread = threading.Thread(target=follow, name="lmprog-live-view", daemon=True)
     thread.start()

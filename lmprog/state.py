@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from lmprog.backend import Backend
-from lmprog.display import short_repr, stream_html
+from lmprog.display import LIVE_FLUSH_S, short_repr, stream_html
 from lmprog.interpreter import INTERPRETER
 from lmprog.ir import (
     Expr,
@@ -158,6 +158,22 @@ class ProgramState(StateBlocks):
         stream = self._stream
         with self._cancel_on_interrupt(), stream.lock:
             stream.wait(stream.is_synced)
+        self._flush_live()
+
+    def _flush_live(self) -> None:
+        """(`run`'s caller, with a live view) Wait until the view shows what has been
+        emitted so far (at most `LIVE_FLUSH_S`): a notebook run headless (nbconvert,
+        nbclient) could end before the view's last draw, and kept an older one."""
+        root = self._stream.root
+        if threading.get_ident() != self._caller or root.live_drawn is None:
+            return
+        with root.lock:
+            target = root.emitted
+            root.live_flush = True
+            root.cv.notify_all()
+            root.cv.wait_for(
+                lambda: root.live_drawn is None or root.live_drawn >= target, LIVE_FLUSH_S
+            )
 
     def _wait_done(self) -> None:
         """Wait until this state and every branch below it have ended (after `close`)."""
@@ -211,6 +227,7 @@ class ProgramState(StateBlocks):
     def __getitem__(self, name: str) -> Any:
         """The value of variable `name`, once the node producing it has run."""
         self._wait_var(name)
+        self._flush_live()
         if name not in self._stream.st.variables:
             self._raise_error()
             self._check_produced(name)

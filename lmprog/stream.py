@@ -49,6 +49,8 @@ class Stream:
         self.fork_spans = 0  # how many of its state's spans it inherited at the fork
         self.root: Stream = parent.root if parent is not None else self
         self.emitted = 0  # (root) text pieces streamed by it and its branches: the live view
+        self.live_drawn: int | None = None  # (root) `emitted` the live view has drawn; None:
+        self.live_flush = False  # no view (or its last draw is done); a reader wants a draw
         self.st = ExecState()
         self.st.on_emit = self._on_emit
         self.events: list[tuple[str | None, str, dict[str, Any] | None]] = []

@@ -5,6 +5,7 @@ imported until a notebook view or a table is asked for.
 
 from __future__ import annotations
 
+import html
 import re
 import subprocess
 import sys
@@ -221,3 +222,37 @@ def test_live_view_updates_one_display_until_the_end(engine, monkeypatch):
         assert updated.wait_for(lambda: shown[-1] == final, timeout=60)
     assert len(shown) >= 2
     assert triage.run(message="Where?", backend=engine, stream=True).text()  # no live view
+
+
+@pytest.mark.parametrize("read", ["variable", "sync"])
+def test_the_callers_read_waits_for_the_live_views_draw(engine, monkeypatch, read):
+    """A notebook run headless (nbconvert) ended before the view's last draw, and kept an
+    older one (CI: the quickstart's page had no gen). The caller's read of a variable, or
+    its `sync`, now returns once the view shows what had been emitted."""
+    import time
+
+    display_module = pytest.importorskip("IPython.display")
+    monkeypatch.setattr("lmprog.display.in_notebook", lambda: True)  # (a kernel, faked)
+    shown = []
+
+    class SlowHandle:  # (a loaded kernel: each draw takes a while)
+        def update(self, obj):
+            time.sleep(0.3)
+            shown.append(obj.data)
+
+    def fake_display(obj, display_id=False):
+        shown.append(obj.data)
+        return SlowHandle()
+
+    @lp.function
+    def story(s):
+        s += "Once upon a time" + lp.gen("tale", max_tokens=8, temperature=0)
+
+    monkeypatch.setattr(display_module, "display", fake_display)
+    state = story.run(backend=engine, stream=True, live=True)
+    if read == "variable":
+        tale = state["tale"]
+    else:
+        state.sync()
+        tale = state._stream.st.variables["tale"]
+    assert tale and html.escape(tale) in shown[-1]
