@@ -131,21 +131,22 @@ def _wait_for_orphans(build_dir: Path) -> None:
     not run beside them; it then rebuilds whatever they did not finish (ninja rebuilds an
     output its log does not record)."""
     deadline = time.monotonic() + ORPHANS_WAIT_S
-    while _processes_in(build_dir) and time.monotonic() < deadline:
+    while _has_processes_in(build_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 
-def _processes_in(directory: Path) -> list[int]:
-    """Other processes whose working directory is `directory` (Linux's /proc; none
-    found elsewhere)."""
-    found = []
+def _has_processes_in(directory: Path) -> bool:
+    """Whether another process's working directory is `directory` (Linux's /proc; none
+    found elsewhere). /proc gives the resolved path: a relative or symlinked cache
+    directory is resolved to match it."""
+    directory = directory.resolve()
     proc = Path("/proc")
     for entry in proc.iterdir() if proc.is_dir() else ():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             with contextlib.suppress(OSError):
                 if Path(os.readlink(entry / "cwd")) == directory:
-                    found.append(int(entry.name))
-    return found
+                    return True
+    return False
 
 
 def _flock(stack: contextlib.ExitStack, path: Path) -> bool:

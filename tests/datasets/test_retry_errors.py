@@ -42,7 +42,10 @@ def test_failed_rows_run_again_and_appear_once(engine, tmp_path, suffix):
         pytest.importorskip("pyarrow")
     rows = [{"id": i, "question": f"Question {i}?"} for i in range(8)]
     out = tmp_path / f"out{suffix}"
-    run = lambda **kw: flaky.map(rows, output=out, id_column="id", backend=engine, **GREEDY, **kw)  # noqa: E731
+
+    def run(**options):
+        return flaky.map(rows, output=out, id_column="id", backend=engine, **GREEDY, **options)
+
     FAILING.update({"Question 2?", "Question 5?"})
     try:
         assert run().run().num_errors == 2
