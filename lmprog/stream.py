@@ -49,8 +49,10 @@ class Stream:
         self.fork_spans = 0  # how many of its state's spans it inherited at the fork
         self.root: Stream = parent.root if parent is not None else self
         self.emitted = 0  # (root) text pieces streamed by it and its branches: the live view
-        self.live_drawn: int | None = None  # (root) `emitted` the live view has drawn; None:
-        self.live_flush = False  # no view (or its last draw is done); a reader wants a draw
+        # (root) The live view: the `emitted` count it has drawn (None: no view, or its
+        # last draw is done); and whether a reader waits for it to draw now.
+        self.live_drawn: int | None = None
+        self.live_flush = False
         self.st = ExecState()
         self.st.on_emit = self._on_emit
         self.events: list[tuple[str | None, str, dict[str, Any] | None]] = []
