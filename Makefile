@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
