@@ -9,7 +9,8 @@ rewritten into a narrower schema every output of which validates.
   under two branches could come out. `anyOf` says the same where that is meant.
 - Property names that JSON must escape (a quote, a backslash, a control character),
   required properties with no schema under `properties`, and recursive `$ref`s (cut off
-  at an empty object) are refused.
+  at an empty object) are refused; so are empty lists of alternatives (`enum`, `anyOf`,
+  `oneOf`, `type`), which no value satisfies.
 - A string `pattern` is matched whole by the translation, where JSON Schema searches: its
   `^` / `$` ends are dropped and it is grouped (an alternation `a|b` would otherwise take
   the quotes into its branches), so every string allowed contains a match. What it lets a
@@ -67,6 +68,7 @@ def _prepare(node: Any) -> Any:
             "discriminator: use 'anyOf' where the branches cannot both match"
         )
     _check_properties(node)
+    _check_alternatives(node)
     form = node.get("format")
     if node.get("type") == "string" and form in _FORMATS:
         if "pattern" in node:
@@ -98,6 +100,14 @@ def _without_all_of(node: dict) -> dict:
             f"unsupported JSON schema: 'allOf' next to {sorted(set(rest) - _ANNOTATIONS)}"
         )
     return {**rest, **branches[0]}
+
+
+def _check_alternatives(node: dict) -> None:
+    """ValueError for a list of alternatives that is empty: no value satisfies it, and the
+    translation would let the value out (`{"a": }`) or be empty."""
+    for key in ("enum", "anyOf", "oneOf", "type"):
+        if node.get(key) == []:
+            raise ValueError(f"JSON schema: {key!r} is an empty list, which no value satisfies")
 
 
 def _check_properties(node: dict) -> None:

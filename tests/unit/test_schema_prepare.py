@@ -40,6 +40,11 @@ REFUSED = [  # (schema, message)
     ({"type": "string", "pattern": "\\S+"}, "pattern"),
     ({"type": "string", "pattern": "a\\\\b"}, "pattern"),
     ({"type": "string", "format": "date", "pattern": "[0-9]+"}, "format"),
+    # (once: an empty list of alternatives let the value out, `{"a": }`, or came out empty)
+    ({**OBJECT_A, "properties": {"a": {"enum": []}}}, "'enum' is an empty list"),
+    ({"anyOf": []}, "'anyOf' is an empty list"),
+    ({"oneOf": [], "discriminator": {"propertyName": "k"}}, "'oneOf' is an empty list"),
+    ({"type": []}, "'type' is an empty list"),
 ]
 
 
