@@ -115,6 +115,10 @@ def gen(
     )
     if max_tokens is not None and max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if min_tokens is not None and min_tokens < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
+    if None not in (min_tokens, max_tokens) and min_tokens > max_tokens:
+        raise ValueError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
     if temperature is not None and temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     sampling = {

@@ -79,30 +79,49 @@ def normalize_generate_inputs(
         sp = parsed.get(id(raw))
         if sp is None:
             sp = parsed[id(raw)] = SamplingParams.from_dict(raw)
+            _check_stop_token_ids(sp.stop_token_ids, engine.runner.model_config.vocab_size)
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
         if start < -1:
             raise ValueError(f"logprob_start_len must be >= -1, got {start}")
         if top < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {top}")
-        limit = engine.context_len - (1 if sp.max_new_tokens > 0 else 0)
-        if len(ids) > limit:
+        context = engine.context_len
+        if sp.max_new_tokens == 0 and len(ids) > context:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens is longer than the context length ({context})"
+            )
+        if sp.max_new_tokens > 0 and len(ids) >= context:
             raise ValueError(
                 f"prompt of {len(ids)} tokens is longer than the context length "
-                f"({engine.context_len} tokens, one kept free for generation)"
+                f"({context} tokens, one kept free for generation)"
             )
-        need = len(ids) + min(sp.max_new_tokens, engine.context_len - len(ids))
+        if len(ids) + sp.min_new_tokens > context:  # (max_new_tokens is cut to what is left)
+            raise ValueError(
+                f"min_new_tokens = {sp.min_new_tokens} after a prompt of {len(ids)} tokens "
+                f"goes past the context length ({context})"
+            )
+        need = len(ids) + min(sp.max_new_tokens, context - len(ids))
         page = engine.config.page_size
         slots = -(-need // page) * page + page  # whole pages, and one to start it on
         if slots > engine.runner.num_kv_slots:
             pages = f" in pages of {page} (and one page more)" if page > 1 else ""
+            what = "prompt_tokens + max_new_tokens" if sp.max_new_tokens > 0 else "prompt"
             raise ValueError(
-                f"prompt_tokens + max_new_tokens = {need} takes {slots} KV slots{pages}, "
-                f"more than the pool's {engine.runner.num_kv_slots}; raise max_total_tokens"
+                f"{what} = {need} tokens take {slots} KV slots{pages}, more than the "
+                f"pool's {engine.runner.num_kv_slots}; raise max_total_tokens"
             )
         grammar = engine.grammar(*sp.constraint) if sp.constraint is not None else None
         items.append(GenerateItem(list(ids), sp, want_lp, start, top, text, grammar))
     return items, is_single
+
+
+def _check_stop_token_ids(ids: list[int], vocab: int) -> None:
+    """ValueError for a stop token id outside the model's vocabulary (it could never be
+    generated, so the request would silently never stop on it)."""
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
 
 
 def _all_ints(ids: list[Any]) -> bool:

@@ -687,6 +687,20 @@ def test_timeout_s_is_a_program_default_and_a_gen_argument(engine):
         lp.gen("x", timeout_s="1")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": -1}, "max_tokens must be >= 0"),
+        ({"min_tokens": -1}, "min_tokens must be >= 0"),
+        # (once: refused only once sent, in the runtime's names, min_new_tokens)
+        ({"min_tokens": 5, "max_tokens": 2}, r"min_tokens \(5\) must be <= max_tokens \(2\)"),
+    ],
+)
+def test_token_counts_are_refused_at_the_gen_in_its_own_names(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        lp.gen("x", **kwargs)
+
+
 def test_a_generator_batch_holds_only_a_window_of_states(engine):
     """Every program was queued at once, and each finished future kept its state until
     the batch ended: a generator over 8,000 rows held 8,000 states (70 MB) however the

@@ -41,6 +41,9 @@ NAN, INF = float("nan"), float("inf")
             "min_new_tokens",
         ),
         ({"prompt": "hi", "sampling_params": {"stop": [""]}}, "stop"),
+        # (once: accepted, and never matched)
+        ({"prompt": "hi", "sampling_params": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+        ({"prompt": "hi", "sampling_params": {"stop_token_ids": [1, 10**9]}}, "stop_token_ids"),
         ({"prompt": ["a", "b"], "sampling_params": [OK]}, "sampling_params has 1 entries"),
         ({"input_ids": [1, 2, 10**6]}, "outside"),
         ({"input_ids": [[1, 2], [3, -1]]}, "outside"),
@@ -105,6 +108,21 @@ def test_a_bad_request_in_a_list_fails_before_any_is_sent(engine, bad):
     assert engine.stats()["forward_passes"] == 0
 
 
+def test_the_context_cuts_max_new_tokens_and_refuses_min_new_tokens_past_it(engine):
+    """max_new_tokens is cut to what the context leaves after the prompt; a min_new_tokens
+    that cannot fit is refused (once: silently not met)."""
+    ids = [5] * (engine.context_len - 4)
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 10, "temperature": 0})
+    assert len(out["output_ids"]) <= 4
+    if len(out["output_ids"]) == 4:
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    params = {"max_new_tokens": 10, "min_new_tokens": 4, "ignore_eos": True}
+    assert len(engine.generate(input_ids=ids, sampling_params=params)["output_ids"]) == 4
+    with pytest.raises(ValueError, match="min_new_tokens = 5 after a prompt of"):
+        engine.generate(input_ids=ids, sampling_params={**params, "min_new_tokens": 5})
+    assert len(engine.generate("still serving", OK)["output_ids"]) == 3
+
+
 def test_missing_model_path():
     """A path that is nothing loadable is a ValueError that names it."""
     with pytest.raises(ValueError, match="/nonexistent/model.*(does not exist|not a local path)"):
@@ -139,7 +157,7 @@ def test_request_larger_than_the_pool_is_refused(tiny_path):
     # In pages, the slots the request takes are said (it said 13 "exceeds" a pool of 16).
     with Engine(tiny_path, max_total_tokens=16, page_size=4) as paged:
         prompt = list(range(10, 22))  # 12 tokens
-        with pytest.raises(ValueError, match="= 13 takes 20 KV slots in pages of 4"):
+        with pytest.raises(ValueError, match="= 13 tokens take 20 KV slots in pages of 4"):
             paged.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})
 
 
