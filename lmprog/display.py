@@ -211,7 +211,7 @@ def show_live(state: ProgramState) -> threading.Thread | None:
                     stream.cv.wait_for(lambda seen=drawn: stream.emitted > seen or stream.is_done)
                     drawn, is_done = stream.emitted, stream.is_done
                     stream.live_flush = False
-                handle.update(HTML(stream_html(stream, stream.error if is_done else None)))
+                handle.update(HTML(stream_html(stream, stream.failure() if is_done else None)))
                 with stream.lock:
                     stream.live_drawn = drawn
                     stream.cv.notify_all()  # (a reader waiting for this draw)

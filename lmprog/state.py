@@ -197,11 +197,11 @@ class ProgramState(StateBlocks):
     def error(self) -> BaseException | None:
         """The exception that ended the program (its own, or a refused request), or None."""
         self.sync()
-        return self._stream.error
+        return self._stream.failure()
 
     def _raise_error(self) -> None:
-        if self._stream.error is not None:
-            raise self._stream.error
+        if (error := self._stream.failure()) is not None:
+            raise error
 
     def text(self) -> str:
         self.sync()
@@ -332,7 +332,7 @@ class ProgramState(StateBlocks):
         waited for the end, and so did `asyncio.run` returning such a state)."""
         stream = self._stream
         with stream.lock:
-            text, variables, error = stream.st.text, dict(stream.st.variables), stream.error
+            text, variables, error = stream.st.text, dict(stream.st.variables), stream.failure()
             kind = "ProgramState" if stream.is_done else "ProgramState[running]"
         return short_repr(kind, text, variables, error)
 
@@ -343,7 +343,7 @@ class ProgramState(StateBlocks):
         """Jupyter: the transcript by role, generated and selected spans highlighted, and
         each fork branch's own text below it."""
         self.sync()
-        return stream_html(self._stream, self._stream.error)
+        return stream_html(self._stream, self._stream.failure())
 
 
 class ProgramStateGroup(BranchGroup):

@@ -113,6 +113,19 @@ class Stream:
                 todo.extend(branches)
         return out
 
+    def failure(self) -> BaseException | None:
+        """What ended this state's program in failure: its own error, else the first of
+        its branches' (depth first, in fork order). A branch's refused request fails the
+        program even where no join reads the branch, as an unread gen's does on the main
+        line (it once vanished, `error()` None)."""
+        if self.error is not None:
+            return self.error
+        for branches in self.branches.values():
+            for branch in branches:
+                if (error := branch.failure()) is not None:
+                    return error
+        return None
+
     def wait(self, ready: Callable[[], bool], release: bool = True) -> None:
         """Wait (lock held) until `ready()` or this stream has ended. With `release`, forks
         being filled above it are released, since the reader needs them to run; a reader

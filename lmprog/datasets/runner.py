@@ -253,7 +253,7 @@ class _RowRunner:
         self.fn._execute(state, args, kwargs)
         state._wait_done()
         del self._running[job.order]
-        error = state._stream.error
+        error = state._stream.failure()
         usage = dict(backend.usage)
         is_cancelled = bool(self._cancelled) and error is self._cancelled[0]
         row = self._result(job, state, error, usage)

@@ -424,6 +424,27 @@ def test_a_fork_after_the_program_failed_ends_and_a_finished_state_cannot_fork(e
     assert not [t.name for t in threading.enumerate() if t.ident not in before]
 
 
+def test_a_refused_request_in_a_branch_no_join_reads_fails_the_program(engine):
+    """As an unread gen's refusal does on the main line; it once vanished (`error()`
+    None, `run` returned), in `run`, `run_batch` and a dataset row alike."""
+
+    @lp.function
+    def branch_refused(s):
+        s += "Hello."
+        forks = s.fork(2)
+        forks[0] += "x " * (engine.context_len + 10)
+        forks += lp.gen("b", max_tokens=2)
+        return forks[1]["b"]
+
+    with pytest.raises(ValueError, match="longer than the context"):
+        branch_refused.run(backend=engine)
+    states = branch_refused.run_batch([{}, {}], backend=engine)
+    assert all(isinstance(state.error(), ValueError) for state in states)
+    assert "ValueError" in repr(states[0])
+    (row,) = list(branch_refused.map([{}], backend=engine))
+    assert "longer than the context" in row["error"]
+
+
 def test_programs_on_two_engines_at_once_each_use_their_own(engine, tiny_path):
     from lmprog_runtime import Engine
 
