@@ -108,11 +108,7 @@ class ReqText:
         """Where the first stop string (found from `start`, ending past the text before
         min_new_tokens) or stop regex match (if `regex`; beginning past that text) begins in
         `text`, and what it matched; (len(text), None) if none."""
-        cut, matched = len(text), None
-        for stop in self.params.stop:
-            index = text.find(stop, max(start, self._min_text - len(stop) + 1))
-            if index != -1 and index < cut:
-                cut, matched = index, stop
+        cut, matched = self.params.stop_strings.first(text, start, self._min_text)
         for pattern in self.params.stop_regex if regex else ():
             found = re.compile(pattern).search(text, self._min_text)
             if found is not None and found.start() < cut:
@@ -151,7 +147,7 @@ class ReqText:
             text, _ = self._visible_text()  # the final text: one full decode
         else:
             text = self.decoded_text()  # no stop has matched yet
-            hold = max((len(s) - 1 for s in self.params.stop), default=0)
+            hold = self._longest_stop - 1 if self.params.stop else 0
             if self._stop_regex is not None:  # a match may still begin at its earliest start
                 self._stop_regex.feed(text)
                 hold = max(hold, len(text) - self._stop_regex.stable_len())

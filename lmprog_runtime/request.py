@@ -177,7 +177,7 @@ class Req(ReqText):
         self._min_text = 0  # characters of it before the min_new_tokens-th token's
         self._stop_regex = StopRegexScanner(params.stop_regex) if params.stop_regex else None
         self._has_stops = bool(params.stop or params.stop_regex)  # (read at every token)
-        self._longest_stop = max(map(len, params.stop), default=1)
+        self._longest_stop = params.stop_strings.longest
         # Jump-forward: characters of the decoded text the char FSM has read, and its state
         # (healed: after the backed-up text its pattern starts with, which is not in the text).
         self.fsm_position: tuple[int, Any] = (0, None)

@@ -7,10 +7,13 @@ never reaches the engine loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from lmprog_runtime.stop_strings import StopStrings
 
 DEFAULT_MAX_NEW_TOKENS = 128
 # Every float-valued parameter; each must be a finite number.
@@ -172,6 +175,12 @@ class SamplingParams:
                 json.loads(self.json_schema)
             except json.JSONDecodeError as error:
                 raise ValueError(f"json_schema is not valid JSON: {error}") from error
+
+    @functools.cached_property
+    def stop_strings(self) -> StopStrings:
+        """`stop` ready to be searched (built once for the requests that share these
+        parameters)."""
+        return StopStrings(self.stop)
 
     @property
     def is_greedy(self) -> bool:

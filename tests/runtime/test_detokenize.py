@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from lmprog_runtime import SamplingParams, default_model_path
 from lmprog_runtime.request import Req
 from lmprog_runtime.request_maker import backend_decode
+from lmprog_runtime.stop_strings import FIND_EACH_MAX
 from lmprog_runtime.token_healing import Heal
 
 
@@ -218,6 +219,11 @@ def test_streamed_text_adds_up_to_the_final_text_and_stops_as_unstreamed(tokeniz
     assert streamed.finished_reason == quiet.finished_reason
     assert streamed.text == quiet.text == "".join(deltas)
     assert len(quiet.output_ids) >= min(min_new, len(ids))
+    # Past FIND_EACH_MAX stop strings they are searched by length: the same stop.
+    decoys = [f"z{i}" for i in range(FIND_EACH_MAX)]  # (never there)
+    many = _req(tokenizer, alone, **{**params, "stop": stops + decoys})
+    _run(many, ids, streamed=data.draw(st.booleans()))
+    assert (many.finished_reason, many.text) == (quiet.finished_reason, quiet.text)
     # The text before the min_new_tokens-th token's is kept, but for where the stop string
     # that ended it may begin, ending in that token's text (and a character it does not
     # complete).
