@@ -78,6 +78,8 @@ class Layout(Enum):
 
 
 DEFAULT_LAYOUT = Layout.SPACED
+# Objects and lists in one another that outlines-core's JSON reader takes (serde_json's limit).
+MAX_JSON_DEPTH = 127
 
 
 def schema_to_regex(schema: str, layout: Layout = DEFAULT_LAYOUT) -> str:
@@ -89,9 +91,13 @@ def schema_to_regex(schema: str, layout: Layout = DEFAULT_LAYOUT) -> str:
         parsed = json.loads(schema)
     except json.JSONDecodeError as error:
         raise ValueError(f"json_schema is not valid JSON: {error}") from error
+    except RecursionError:  # (Python's parser, past about a thousand levels)
+        raise ValueError(_too_deep("over a thousand")) from None
+    _check_depth(parsed)
     numbers: dict[str, str] = {}
     parsed = _replace_numbers(prepared(parsed), numbers, schema)
     _refuse(_unsupported_keywords(parsed))
+    _check_depth(parsed)  # (a number's bounds may have wrapped it in an anyOf)
     space = _unused("LMPROGSPACE", schema)
     try:
         regex = build_regex_from_schema(json.dumps(parsed), space)
@@ -102,6 +108,26 @@ def schema_to_regex(schema: str, layout: Layout = DEFAULT_LAYOUT) -> str:
         if marker in regex.replace("\\", ""):  # rendered otherwise: never leave it as text
             raise ValueError(f"unsupported JSON schema: cannot place a number pattern in {regex}")
     return _lay_out(regex, space, layout)
+
+
+def _check_depth(value: Any) -> None:
+    """ValueError for JSON nested deeper than outlines-core reads (serde_json's limit: it
+    said "Expected a valid JSON string.")."""
+    todo = [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(_too_deep(f"more than {MAX_JSON_DEPTH}"))
+            children = node.values() if isinstance(node, dict) else node
+            todo += [(child, depth + 1) for child in children]
+
+
+def _too_deep(depth: str) -> str:
+    return (
+        f"unsupported JSON schema: its objects and lists nest {depth} deep; outlines-core "
+        f"reads at most {MAX_JSON_DEPTH} (a level of properties takes two)"
+    )
 
 
 def _refuse(keywords: set[str]) -> None:

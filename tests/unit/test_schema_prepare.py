@@ -110,3 +110,21 @@ def test_the_format_patterns_give_valid_values_json_holds_raw(form, data):
         datetime.date.fromisoformat(text)  # (a day every month has)
     if form == "uri":
         assert urlparse(text).scheme in ("http", "https", "ftp")
+
+
+def _nested(levels: int) -> str:
+    text = '{"type": "integer"}'
+    for _ in range(levels):
+        text = f'{{"type": "object", "properties": {{"k": {text}}}, "required": ["k"]}}'
+    return text
+
+
+def test_nesting_past_what_outlines_core_reads_is_refused_by_its_depth():
+    """outlines-core reads JSON 127 objects and lists deep (a level of properties takes
+    two); past that it said "Expected a valid JSON string.", and past Python's parser's
+    limit the RecursionError escaped as itself."""
+    assert schema_to_regex(_nested(63))  # 127 deep
+    with pytest.raises(ValueError, match="nest more than 127 deep"):
+        schema_to_regex(_nested(64))
+    with pytest.raises(ValueError, match="nest over a thousand deep"):
+        schema_to_regex(_nested(2000))
