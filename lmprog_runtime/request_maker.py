@@ -123,7 +123,12 @@ class RequestMaker:
         that keeps them)."""
         if not params.stop or not params.skip_special_tokens:
             return None
-        found = {self._special_ids[s]: s for s in params.stop if s in self._special_ids}
+        special = self._special_ids
+        if len(params.stop) > len(special):  # (each request: the shorter side is read)
+            stops = params.stop_strings.members
+            found = {token_id: s for s, token_id in special.items() if s in stops}
+        else:
+            found = {special[s]: s for s in params.stop if s in special}
         return found or None
 
     @functools.cached_property

@@ -10,6 +10,8 @@ text searched and the lengths, not the number of strings.
 
 from __future__ import annotations
 
+import functools
+
 FIND_EACH_MAX = 16
 
 
@@ -30,6 +32,10 @@ class StopStrings:
             for order, stop in enumerate(stops):
                 by_length.setdefault(len(stop), {}).setdefault(stop, order)
             self._by_length = sorted(by_length.items())
+
+    @functools.cached_property
+    def members(self) -> frozenset[str]:
+        return frozenset(self.stops)
 
     def first(self, text: str, start: int, min_end: int) -> tuple[int, str | None]:
         """Where the first stop string found from `start` and ending past `min_end` begins

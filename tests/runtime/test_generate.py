@@ -379,7 +379,12 @@ def test_a_stop_string_that_is_a_special_tokens_text_ends_on_that_token(engine):
         {"max_new_tokens": 256, "temperature": 100.0, "seed": seed, "ignore_eos": True}
         for seed in range(60)
     ]
-    stopped = [{**p, "stop": ["zzzz", "<|im_start|>"]} for p in free]
+    # (every other request: more stop strings than the tokenizer has special tokens, read
+    # from the special tokens' side)
+    decoys = [f"zz{i}" for i in range(200)]
+    stopped = [
+        {**p, "stop": ["zzzz", "<|im_start|>", *decoys[: p["seed"] % 2 * 200]]} for p in free
+    ]
     hits = 0
     for params, whole, cut in zip(
         stopped, engine.generate(["Hi"] * 60, free), engine.generate(["Hi"] * 60, stopped)
