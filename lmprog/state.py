@@ -73,11 +73,13 @@ class ProgramState(StateBlocks):
 
     @contextmanager
     def _cancel_on_interrupt(self) -> Iterator[None]:
-        """Ctrl-C while the caller waits on a streaming run: its body sees the program
-        cancelled (its requests stop, its next read raises), as without a thread."""
+        """Ctrl-C (or any exception: a signal handler's timeout) while the caller waits on
+        a streaming run: its body sees the program cancelled (its requests stop, its next
+        read raises), as `run()` without a thread does (only Ctrl-C did: a request ran on
+        and held its slots)."""
         try:
             yield
-        except KeyboardInterrupt as error:
+        except BaseException as error:
             if self._body is not None:
                 self._cancel(error)
             raise

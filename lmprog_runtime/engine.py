@@ -180,12 +180,15 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
         # `with self._lock:` (C's `__enter__`: a Ctrl-C in `Condition.__enter__` kept it held).
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
-        self._stopping = False
+        self._stopping = False  # shutdown() asked the loop to stop
+        self._is_shut_down = False  # and found it stopped: the rest is done, or being done
+        self._exited = DoneFlag()  # set by the loop thread as it exits
+        self._pid = os.getpid()  # (a child forked from this process has no loop thread)
         # The thread gets a weak reference and the condition variable, never `self` (a bound
         # method would keep the engine alive as long as the thread runs, i.e. forever).
         self._thread = threading.Thread(
             target=serve,
-            args=(weakref.ref(self), self._cv, BusyFreeze(self.config.gc_freeze)),
+            args=(weakref.ref(self), self._cv, BusyFreeze(self.config.gc_freeze), self._exited),
             name="lmprog-engine",
             daemon=True,
         )
@@ -310,12 +313,23 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
     def shutdown(self) -> None:
         if threading.current_thread() is self._thread:  # (a callback: it cannot join itself)
             raise RuntimeError("shutdown() cannot run on the engine's own loop thread (a callback)")
+        if os.getpid() != self._pid:  # a forked child (its exit): the engine is not its own
+            return
         with self._lock:
-            if self._stopping:
+            if self._is_shut_down:
                 return
             self._stopping = True
             self._cv.notify_all()
-        self._thread.join()
+        # A Ctrl-C while this waits for the loop's step leaves the rest to the next call
+        # (the at-exit one): it once returned at once, and the loop ran on into the
+        # interpreter's exit (SIGABRT), its requests' slots never freed.
+        if self._thread.ident is not None:  # (never started: its start failed)
+            self._exited.wait()
+        self._thread.join()  # (it has left the loop: only its last lines are left)
+        with self._lock:
+            if self._is_shut_down:  # (another thread's call did the rest)
+                return
+            self._is_shut_down = True
         error = RuntimeError("the engine was shut down before this request finished")
         self._abandon_in_flight(error)
         if self._worker is not None:
@@ -337,6 +351,7 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
     def _command(self, name: str, *args: Any) -> Any:
         """Run `name` on the loop thread, between steps, and return its result (or raise
         its exception here)."""
+        self._check_process()
         done, result = DoneFlag(), []  # (not an Event: see `DoneFlag`)
         with self._lock:
             if self._stopping:
@@ -348,16 +363,24 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
             raise result[0]
         return result[0]
 
+    def _check_process(self) -> None:
+        """RuntimeError in a child forked from the engine's process: it has no loop thread,
+        and the engine's locks may have been copied held by the parent's threads (a call
+        that took one hung)."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                "this engine belongs to the process it was made in: a child forked from it "
+                "has no loop thread (make engines in the child, started with "
+                "multiprocessing's 'spawn' method)"
+            )
+
     def _submit(self, reqs: list[Req]) -> None:
+        self._check_process()
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine has been shut down")
             if not self._thread.is_alive():  # (its futures would never resolve)
-                raise RuntimeError(
-                    "the engine loop is not running in this process (a child forked from "
-                    "the engine's process has no loop thread: make engines in the child, "
-                    "started with multiprocessing's 'spawn' method)"
-                )
+                raise RuntimeError("the engine loop is not running")
             limit = self.config.max_queued_requests
             queued = self._num_unfinished - len(self.scheduler.running)
             # (a group's internal prefill of its shared prefix is not the caller's request)
@@ -394,4 +417,9 @@ _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 @atexit.register
 def _shut_down_at_exit() -> None:
     for engine in list(_LIVE):
-        engine.shutdown()
+        while True:
+            try:  # (the loop stops at the end of its step: a Ctrl-C here waits on for it)
+                engine.shutdown()
+                break
+            except KeyboardInterrupt:
+                continue

@@ -18,14 +18,19 @@ from lmprog_runtime.transfer import use_device
 if TYPE_CHECKING:
     from lmprog_runtime.engine import Engine
     from lmprog_runtime.gc_freeze import BusyFreeze
+    from lmprog_runtime.results import DoneFlag
 
 logger = logging.getLogger("lmprog_runtime.engine")
 
 
-def serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, freeze: BusyFreeze) -> None:
+def serve(
+    engine_ref: weakref.ref[Engine], cv: threading.Condition, freeze: BusyFreeze, exited: DoneFlag
+) -> None:
     """The loop thread: run steps while the engine has work, until it is shut down or gone;
     the collector's freeze (`gc_freeze.py`) is told when it takes up work and when it has
-    none left.
+    none left, and `exited` once it is out of the loop (the engine's shutdown waits for
+    that, not for `join`: on Python 3.11 a Ctrl-C in `join` could leave the thread looking
+    stopped while it ran on, and a later `join` returned at once).
 
     A strong reference is held while there is work and dropped before waiting, so while
     the engine is idle only callers keep it alive. The idle check and the wait share one
@@ -36,6 +41,7 @@ def serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, freeze: Busy
         _serve(engine_ref, cv, freeze)
     finally:
         freeze.idle()
+        exited.set()
 
 
 def _serve(engine_ref: weakref.ref[Engine], cv: threading.Condition, freeze: BusyFreeze) -> None:

@@ -40,6 +40,7 @@ class RequestMaker:
         stream: bool,
     ) -> tuple[list[Req], bool]:
         """Validate and tokenize the inputs into requests (ValueError / TypeError here)."""
+        self._check_process()
         if self._stopping:
             raise RuntimeError("the engine has been shut down")
         items, is_single = normalize_generate_inputs(
@@ -221,6 +222,7 @@ class RequestMaker:
 
     # ---- tokenizer access (shared by caller threads and the loop) -----------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._check_process()
         with self._tokenizer_lock:
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 

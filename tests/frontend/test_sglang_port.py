@@ -280,9 +280,18 @@ def test_stream_body_helper_threads_read_without_waiting_for_the_body(engine):
     assert text == "Hello" + x and state.text() == text + "!"
 
 
-def test_ctrl_c_while_streaming_cancels_the_body(engine):
+@pytest.mark.parametrize("interrupt", ["SIGINT", "SIGALRM"])
+def test_ctrl_c_while_streaming_cancels_the_body(engine, interrupt):
+    """SIGALRM: a signal handler's exception (a script's own timeout) cancels the program
+    as Ctrl-C does; only Ctrl-C did (the body's requests ran on, holding their slots)."""
     import signal
 
+    def times_out(signum, frame):
+        raise TimeoutError("the script's own deadline")
+
+    error = {"SIGINT": KeyboardInterrupt, "SIGALRM": TimeoutError}[interrupt]
+    number = getattr(signal, interrupt)
+    previous = signal.signal(signal.SIGALRM, times_out)
     release = threading.Event()
 
     @sgl.function
@@ -295,18 +304,19 @@ def test_ctrl_c_while_streaming_cancels_the_body(engine):
     state = waits.run(stream=True, backend=engine)
     # (a real SIGINT to the main thread, as Ctrl-C sends: it interrupts a blocked wait)
     main = threading.main_thread().ident
-    timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+    timer = threading.Timer(0.3, signal.pthread_kill, (main, number))
     timer.start()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(error):
             for _ in state.text_iter():
                 pass
     finally:
         timer.cancel()
         release.set()
+        signal.signal(signal.SIGALRM, previous)
     state._body.join(timeout=60)
     assert not state._body.is_alive()
-    assert isinstance(state.error(), KeyboardInterrupt)
+    assert isinstance(state.error(), error)
     assert "y" not in state._stream.st.variables
 
 

@@ -229,9 +229,18 @@ def test_an_interruption_never_lands_inside_starting_a_compile_process(tokenizer
     assert not ours, [(c.pid, c.status()) for c in ours]
 
 
-def test_a_forked_child_is_told_the_engine_does_not_run_there(engine):
+@pytest.mark.parametrize("locks_held", [False, True])
+def test_a_forked_child_is_told_the_engine_does_not_run_there(engine, locks_held):
+    """With the engine's locks held at the fork by another of the parent's threads (as the
+    loop or a caller may hold them), the child's copies stay held: a call that took one
+    hung (its encode, a flush of its cache), and so did its exit (the at-exit shutdown)."""
     read, write = os.pipe()
+    locks = (engine._lock, engine._tokenizer_lock)
+    for lock in locks if locks_held else ():
+        lock.acquire()
     pid = os.fork()
+    for lock in locks if locks_held and pid != 0 else ():
+        lock.release()
     if pid == 0:  # (the child: report what each call did, then leave at once)
         try:
             outcomes = []
@@ -240,6 +249,9 @@ def test_a_forked_child_is_told_the_engine_does_not_run_there(engine):
                 lambda: asyncio.run(
                     asyncio.wait_for(engine.async_generate("x", {"max_new_tokens": 2}), 5)
                 ),
+                lambda: engine.encode("x"),
+                engine.flush_cache,
+                lambda: engine.shutdown() or 1 / 0,  # (returns: ZeroDivisionError)
             ):
                 try:
                     call()
@@ -248,6 +260,8 @@ def test_a_forked_child_is_told_the_engine_does_not_run_there(engine):
                     outcomes.append("spawn" in str(error) and "RuntimeError")
                 except TimeoutError:
                     outcomes.append("waited")
+                except ZeroDivisionError:
+                    outcomes.append("shutdown returned")
             os.write(write, repr(outcomes).encode())
         finally:
             os._exit(0)
@@ -258,4 +272,4 @@ def test_a_forked_child_is_told_the_engine_does_not_run_there(engine):
             os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
     with os.fdopen(read) as pipe:
-        assert pipe.read() == repr(["RuntimeError", "RuntimeError"])
+        assert pipe.read() == repr(["RuntimeError"] * 4 + ["shutdown returned"])

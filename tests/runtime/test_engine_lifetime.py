@@ -230,3 +230,45 @@ def test_a_script_that_exits_while_its_engine_works_exits_cleanly(tiny_path, tmp
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "leaving"
+
+
+def test_a_ctrl_c_during_shutdown_leaves_the_rest_to_the_next_call(tiny_path, _engine_registry):
+    """A Ctrl-C while `shutdown()` waited for the loop's step made every later call (the
+    at-exit one too) return at once: the loop ran on into the interpreter's exit (SIGABRT,
+    "terminate called without an active exception") and its requests' slots stayed held.
+    Now the next call waits for the loop and finishes the shutdown."""
+    import signal
+
+    engine = Engine(tiny_path, max_total_tokens=1024)
+    in_step, leave_step = threading.Event(), threading.Event()
+    run_once = engine._run_once
+
+    def slow_step():  # (a long forward: the loop is inside a step when the Ctrl-C lands)
+        in_step.set()
+        leave_step.wait(JOIN_S)
+        run_once()
+
+    engine._run_once = slow_step
+    future = engine.submit("hello", {"max_new_tokens": 50, "ignore_eos": True})[0]
+    assert in_step.wait(JOIN_S)
+    _engine_registry.reported.add(engine)  # not clean at its shutdown, by design
+
+    def ctrl_c(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, ctrl_c)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            engine.shutdown()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert engine._thread.is_alive()  # still in its step
+    leave_step.set()
+    engine.shutdown()  # (returned at once: the loop ran on)
+    assert not engine._thread.is_alive()
+    with pytest.raises(RuntimeError, match="shut down before this request finished"):
+        future.result(JOIN_S)
+    state = engine.memory_state()
+    assert state["req_slots_free"] == state["req_slots_total"], state
