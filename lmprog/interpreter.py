@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -45,9 +46,10 @@ class Interpreter:
         self._thread: threading.Thread | None = None
 
     # ---- any thread -----------------------------------------------------------------------
-    def add_live(self) -> None:
+    def add_live(self, stream: Stream) -> None:
         with self.lock:
             self._num_live += 1
+            _STREAMS.add(stream)
 
     def wake(self, stream: Stream) -> None:
         """Look at `stream` again soon."""
@@ -291,11 +293,27 @@ class Interpreter:
 INTERPRETER = Interpreter()
 
 
+# Every stream not yet collected, for a forked child to end the parent's (`_reset_in_child`).
+_STREAMS: weakref.WeakSet[Stream] = weakref.WeakSet()
+
+
 def _reset_in_child() -> None:
     """A forked child has no interpreter thread (only the forking thread goes with it), and
     the parent's programs are not its own: start afresh (it once waited forever on the
-    parent's thread, which it thought was running)."""
+    parent's thread, which it thought was running). The parent's streams get the new lock
+    (the old one may have been held at the fork, and its copy stays held), and those still
+    running end failed: a read of one in the child raises instead of waiting forever."""
     INTERPRETER.__init__()
+    error = RuntimeError(
+        "this program was running in the process this one was forked from: it runs on "
+        "there, not here"
+    )
+    for stream in list(_STREAMS):
+        stream.lock, stream.cv = INTERPRETER.lock, threading.Condition(INTERPRETER.lock)
+        if not stream.is_done:
+            stream.error = stream.error or error
+            stream.is_done = True
+            stream.inflight = []
 
 
 if hasattr(os, "register_at_fork"):

@@ -69,7 +69,7 @@ class Stream:
         # its return left the lock held, hanging every program after it.
         self.lock = interpreter.lock
         self.cv = threading.Condition(interpreter.lock)
-        interpreter.add_live()
+        interpreter.add_live(self)
 
     # ---- program side (any thread) --------------------------------------------------------
     def append(self, nodes: list[tuple[Expr, str | None]]) -> int:

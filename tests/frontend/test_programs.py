@@ -445,6 +445,45 @@ def test_a_refused_request_in_a_branch_no_join_reads_fails_the_program(engine):
     assert "longer than the context" in row["error"]
 
 
+def test_a_forked_child_reading_a_program_running_in_the_parent_is_told(engine):
+    """It waited forever: the parent's interpreter thread, which would end the program,
+    is not in the child, and the streams' lock may have been copied held."""
+    import os
+    import signal
+    import threading
+    import time
+
+    release = threading.Event()
+
+    @lp.function
+    def waits(s):
+        s += "Hello" + lp.gen("x", max_tokens=2, temperature=0)
+        release.wait(timeout=60)
+        s += lp.gen("y", max_tokens=2, temperature=0)
+
+    state = waits.run(stream=True, backend=engine)
+    state["x"]  # noqa: B018 - (the body now waits)
+    read, write = os.pipe()
+    with state._stream.lock:  # (held by a thread of the parent's at the fork)
+        pid = os.fork()
+    if pid == 0:
+        try:
+            error = state.error()
+            os.write(write, f"{type(error).__name__}: {error}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 30
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    release.set()
+    with os.fdopen(read) as pipe:
+        assert "RuntimeError: this program was running in the process" in pipe.read()
+    assert state.error() is None and state["y"] is not None  # (the parent's runs on)
+
+
 def test_programs_on_two_engines_at_once_each_use_their_own(engine, tiny_path):
     from lmprog_runtime import Engine
 
