@@ -91,6 +91,7 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
         model_dir = local_model_dir(self.config.model_path)
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
+        _check_thread_pool_after_fork(self.config.device)
         from lmprog_runtime.models import ModelConfig
 
         ModelConfig.from_path(model_dir)  # fail fast on a bad directory or architecture
@@ -412,6 +413,39 @@ def Runtime(model_path: str | os.PathLike[str] | None = None, **server_args: Any
 # running torch while Python finalizes aborted the process ("terminate called without an
 # active exception", SIGABRT), as after breaking out of a stream and leaving the script.
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+# Set in a child forked from a process whose engines had run torch's OpenMP thread pool.
+_forked_with_pool = False
+
+
+def _note_fork_in_child() -> None:
+    global _forked_with_pool
+    _forked_with_pool = bool(_LIVE) and torch.get_num_threads() > 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_note_fork_in_child)
+
+
+def _check_thread_pool_after_fork(device: str) -> None:
+    """RuntimeError for an engine made on a CPU with several threads in a child forked from
+    a process whose engines ran GNU OpenMP's thread pool (torch's CPU build): the pool
+    does not survive the fork, and the first parallel op of the child's engine (a weight
+    copy at load) waited forever."""
+    if not _forked_with_pool or torch.get_num_threads() == 1 or torch.device(device).type != "cpu":
+        return
+    try:
+        with open("/proc/self/maps") as maps:
+            if "libgomp" not in maps.read():
+                return  # (another OpenMP runtime: fork is its problem to handle)
+    except OSError:
+        return
+    raise RuntimeError(
+        "torch's OpenMP thread pool does not survive a fork: an engine made in a child "
+        "forked from a process whose engines ran it hangs at its first parallel op. Start "
+        "worker processes with multiprocessing's 'spawn' method, or pass num_threads=1"
+    )
 
 
 @atexit.register

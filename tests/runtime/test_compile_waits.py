@@ -22,10 +22,13 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
 from conftest import engine_leak
 
+from lmprog_runtime import Engine
 from lmprog_runtime.constrained import GrammarCache, index_process
 from lmprog_runtime.constrained.outlines_backend import OutlinesGrammarBackend
 
@@ -273,3 +276,36 @@ def test_a_forked_child_is_told_the_engine_does_not_run_there(engine, locks_held
         time.sleep(0.01)
     with os.fdopen(read) as pipe:
         assert pipe.read() == repr(["RuntimeError"] * 4 + ["shutdown returned"])
+
+
+@pytest.mark.skipif(torch.get_num_threads() == 1, reason="one thread: no OpenMP pool to lose")
+def test_an_engine_made_in_a_forked_child_of_a_process_running_engines(engine, tiny_path):
+    """GNU OpenMP's pool (torch's CPU build) does not survive a fork: such an engine waited
+    forever in its first parallel op, a weight copy at load. It is refused, naming spawn,
+    unless it runs on one thread, which works."""
+    engine.generate("x", {"max_new_tokens": 1})  # (the parent's pool has run)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            outcomes = []
+            for threads in (None, 1):
+                try:
+                    with Engine(tiny_path, max_total_tokens=256, num_threads=threads) as child:
+                        outcomes.append(
+                            len(child.generate("x", {"max_new_tokens": 2})["text"]) >= 0
+                        )
+                except RuntimeError as error:
+                    outcomes.append("spawn" in str(error) and "RuntimeError")
+            os.write(write, repr(outcomes).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + WAIT_S
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    with os.fdopen(read) as pipe:
+        uses_gnu_openmp = "libgomp" in Path("/proc/self/maps").read_text()
+        assert pipe.read() == repr(["RuntimeError" if uses_gnu_openmp else True, True])
