@@ -273,33 +273,36 @@ class Function:
         # dropped once handed out: with all of them queued at once, each future kept its
         # state until the batch ended (a generator over 8,000 rows held 8,000 states).
         todo, pending = iter(range(len(calls))), set()
-        with ThreadPoolExecutor(
-            max_workers=num_threads, thread_name_prefix="lmprog-program"
-        ) as pool:
-            try:
-                while True:
-                    for i in itertools.islice(todo, 2 * num_threads - len(pending)):
-                        pending.add(pool.submit(one, i))
-                    if not pending:
-                        break
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        if bar is not None:
-                            advance_bar(bar)
-                        yield future.result()
-                    del done
-            except BaseException as error:  # Ctrl-C, or the generator closed: they stop
-                if isinstance(error, GeneratorExit):  # (nobody will read them)
-                    error = RuntimeError("run_batch was stopped before this program finished")
-                cancelled.append(error)
-                for state in list(running.values()):
-                    state._cancel(error)
-                raise
-            finally:
-                for future in pending:  # programs queued but not started never start
-                    future.cancel()
-                if bar is not None:
-                    bar.close()
+        pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="lmprog-program")
+        is_stopped = False
+        try:
+            while True:
+                for i in itertools.islice(todo, 2 * num_threads - len(pending)):
+                    pending.add(pool.submit(one, i))
+                if not pending:
+                    break
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    if bar is not None:
+                        advance_bar(bar)
+                    yield future.result()
+                del done
+        except BaseException as error:  # Ctrl-C, or the generator closed: they stop
+            is_stopped = True
+            if isinstance(error, GeneratorExit):  # (nobody will read them)
+                error = RuntimeError("run_batch was stopped before this program finished")
+            cancelled.append(error)
+            for state in list(running.values()):
+                state._cancel(error)
+            raise
+        finally:
+            for future in pending:  # programs queued but not started never start
+                future.cancel()
+            # Stopped, the cancelled programs end on their threads: a body busy with
+            # work of its own (a tool call) held the Ctrl-C back until it returned.
+            pool.shutdown(wait=not is_stopped)
+            if bar is not None:
+                bar.close()
 
     def _execute(self, state: ProgramState, args: tuple, kwargs: dict[str, Any]) -> None:
         """Run the body once; its exception fails the program (kept in `error()`), and

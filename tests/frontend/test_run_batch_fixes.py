@@ -55,3 +55,37 @@ def test_the_progress_bar_prints_its_final_line_once(engine, capsys, generator_s
     assert [d for d in displays if "100%" in d] == [displays[-1]], displays
     assert "3/3" in displays[-1] and displays[-1].endswith("\n")
     assert sorted(texts) == sorted(item["question"] for item in items)
+
+
+def test_ctrl_c_reaches_the_caller_while_bodies_are_busy_with_work_of_their_own(engine):
+    """The batch's pool was left by `with`, which waited for every thread: a body in a
+    tool call (here, waiting on an event) held the Ctrl-C back until it returned."""
+    import signal
+    import threading
+
+    busy, release, returned = threading.Barrier(3, timeout=60), threading.Event(), []
+
+    @lp.function
+    def tool_call(s, i):
+        s += f"Row {i}:" + lp.gen("x", max_tokens=2, temperature=0)
+        s["x"]  # noqa: B018
+        busy.wait()
+        release.wait(timeout=30)
+        returned.append(i)
+        s += lp.gen("y", max_tokens=2)
+
+    main = threading.main_thread().ident
+    timer = threading.Thread(target=lambda: (busy.wait(), signal.pthread_kill(main, signal.SIGINT)))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tool_call.run_batch([{"i": 0}, {"i": 1}], num_threads=2, backend=engine)
+        assert not returned  # (raised while the bodies still wait)
+    finally:
+        release.set()
+        timer.join()
+    # The cancelled programs end on their own threads once their bodies read again.
+    deadline = time.monotonic() + 60
+    while any(t.name.startswith("lmprog-program") for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
