@@ -342,6 +342,13 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
             self._finish(req, error)
         self._inbox.clear()
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "an Engine cannot be pickled (it holds the model, its KV pool and its loop "
+            "thread): make one in each worker process, e.g. in the initializer of a "
+            "multiprocessing pool started with 'spawn'"
+        )
+
     def __enter__(self) -> Engine:
         return self
 

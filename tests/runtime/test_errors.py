@@ -242,3 +242,11 @@ def test_a_lone_surrogate_is_a_value_error_naming_where(engine, call, name):
     one was taken and could never match."""
     with pytest.raises(ValueError, match=f"{name} holds a lone surrogate"):
         call(engine)
+
+
+def test_an_engine_cannot_be_pickled_and_says_what_to_do(engine):
+    """(once: "cannot pickle '_thread.RLock' object", naming none of it)"""
+    import pickle
+
+    with pytest.raises(TypeError, match="make one in each worker process"):
+        pickle.dumps(engine)
