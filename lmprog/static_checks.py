@@ -34,6 +34,10 @@ def check_static(node: Expr, backend: Backend | None = None) -> None:
             schema = json.loads(node.json_schema)
         except json.JSONDecodeError as error:
             raise ValueError(f"gen {node.name!r} has an invalid JSON schema: {error}") from error
+        except RecursionError:  # (Python's parser, past about a thousand levels)
+            raise ValueError(
+                f"gen {node.name!r} has a JSON schema nested over a thousand deep"
+            ) from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"gen {node.name!r}: a JSON schema must be an object or a bool")
     if backend is None:

@@ -117,12 +117,18 @@ class Stream:
         """What ended this state's program in failure: its own error, else the first of
         its branches' (depth first, in fork order). A branch's refused request fails the
         program even where no join reads the branch, as an unread gen's does on the main
-        line (it once vanished, `error()` None)."""
+        line (it once vanished, `error()` None); a branch cancelled on purpose
+        (`ProgramCancelled`, from its `cancel()`) does not."""
+        from lmprog.state import ProgramCancelled
+
         if self.error is not None:
             return self.error
-        for branches in self.branches.values():
+        with self.lock:  # (a body may fork meanwhile)
+            forks = [list(branches) for branches in self.branches.values()]
+        for branches in forks:
             for branch in branches:
-                if (error := branch.failure()) is not None:
+                error = branch.failure()
+                if error is not None and not isinstance(error, ProgramCancelled):
                     return error
         return None
 

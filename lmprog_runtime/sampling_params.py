@@ -175,6 +175,10 @@ class SamplingParams:
                 json.loads(self.json_schema)
             except json.JSONDecodeError as error:
                 raise ValueError(f"json_schema is not valid JSON: {error}") from error
+            except RecursionError:  # (Python's parser, past about a thousand levels)
+                raise ValueError(
+                    "json_schema nests objects and lists over a thousand deep"
+                ) from None
 
     @functools.cached_property
     def stop_strings(self) -> StopStrings:

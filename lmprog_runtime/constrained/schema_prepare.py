@@ -28,6 +28,11 @@ from typing import Any
 
 _NOT_SCHEMAS = ("enum", "const", "default", "examples")  # values, never descended into
 _NAMED_SCHEMAS = ("properties", "$defs", "definitions")  # name -> schema maps
+# Keywords whose value is a schema, or a list of schemas.
+_SCHEMA_VALUED = frozenset(
+    {"items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not"}
+    | {"contains", "propertyNames", "if", "then", "else", "additionalItems"}
+)
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment"})
 # What a string's pattern may hold raw: no quote, no backslash, no control character.
 _UNSAFE = '"\\\\\\x00-\\x1f'
@@ -56,9 +61,11 @@ def prepared(schema: Any) -> Any:
     return _prepare(schema)
 
 
-def _prepare(node: Any) -> Any:
+def _prepare(node: Any, is_schema: bool = True) -> Any:
+    """`node` prepared; `is_schema`: it stands where a schema does (not inside an
+    extension keyword's value, nor a map of property names to lists)."""
     if isinstance(node, list):
-        return [_prepare(item) for item in node]
+        return [_prepare(item, is_schema) for item in node]
     if not isinstance(node, dict):
         return node
     node = _without_all_of(node)
@@ -68,7 +75,8 @@ def _prepare(node: Any) -> Any:
             "discriminator: use 'anyOf' where the branches cannot both match"
         )
     _check_properties(node)
-    _check_alternatives(node)
+    if is_schema:
+        _check_alternatives(node)
     form = node.get("format")
     if node.get("type") == "string" and form in _FORMATS:
         if "pattern" in node:
@@ -82,7 +90,8 @@ def _prepare(node: Any) -> Any:
         elif key == "pattern" and isinstance(value, str):
             out[key] = json_safe_pattern(value)
         else:
-            out[key] = value if key in _NOT_SCHEMAS else _prepare(value)
+            inner = is_schema and key in _SCHEMA_VALUED
+            out[key] = value if key in _NOT_SCHEMAS else _prepare(value, inner)
     return out
 
 
@@ -107,7 +116,10 @@ def _check_alternatives(node: dict) -> None:
     translation would let the value out (`{"a": }`) or be empty."""
     for key in ("enum", "anyOf", "oneOf", "type"):
         if node.get(key) == []:
-            raise ValueError(f"JSON schema: {key!r} is an empty list, which no value satisfies")
+            raise ValueError(
+                f"JSON schema: {key!r} is an empty list, which no value satisfies (a property "
+                "with it can never be there: leave the property out)"
+            )
 
 
 def _check_properties(node: dict) -> None:

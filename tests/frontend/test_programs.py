@@ -444,6 +444,17 @@ def test_a_refused_request_in_a_branch_no_join_reads_fails_the_program(engine):
     (row,) = list(branch_refused.map([{}], backend=engine))
     assert "longer than the context" in row["error"]
 
+    @lp.function
+    def branch_cancelled(s):  # (on purpose: the program goes on)
+        s += "Hello."
+        forks = s.fork(2)
+        forks += lp.gen("b", max_tokens=2)
+        forks[1].cancel()
+        return forks[0]["b"]
+
+    state = branch_cancelled.run(backend=engine)
+    assert state.error() is None and state.ret_value is not None
+
 
 def test_a_forked_child_reading_a_program_running_in_the_parent_is_told(engine):
     """It waited forever: the parent's interpreter thread, which would end the program,

@@ -78,6 +78,10 @@ def test_what_would_not_validate_is_refused(schema, message):
             "properties": {"a": {"$ref": "#/$defs/T"}, "b": {"$ref": "#/$defs/T"}},
             "$defs": {"T": {"type": "boolean"}},
         },
+        # empty lists that are not a schema's alternatives: an extension keyword's value,
+        # a draft-7 `dependencies` map (property name -> the names it requires)
+        {**OBJECT_A, "x-meta": {"enum": []}},
+        {**OBJECT_A, "dependencies": {"type": []}},
     ],
 )
 def test_what_can_be_enforced_still_translates(schema):
@@ -128,3 +132,16 @@ def test_nesting_past_what_outlines_core_reads_is_refused_by_its_depth():
         schema_to_regex(_nested(64))
     with pytest.raises(ValueError, match="nest over a thousand deep"):
         schema_to_regex(_nested(2000))
+    # (and where a request's parameters and a program's gen read it first)
+    from lmprog_runtime.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="over a thousand deep"):
+        SamplingParams.from_dict({"json_schema": _nested(2000)})
+    import lmprog as lp
+
+    @lp.function
+    def deep(s):
+        s += "x" + lp.gen("a", json_schema=_nested(2000))
+
+    with pytest.raises(ValueError, match="over a thousand deep"):
+        deep.trace()
