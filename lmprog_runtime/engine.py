@@ -195,6 +195,8 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
         )
         weakref.finalize(self, wake, self._cv)
         _LIVE.add(self)
+        global _made_engines
+        _made_engines = True
         self._thread.start()
 
     # ---- public API ---------------------------------------------------------------------
@@ -303,6 +305,8 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
         in the prefix cache. An id that has already finished (or never existed) is ignored."""
         if isinstance(request_id, bool) or not isinstance(request_id, int):
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
+        if os.getpid() != self._pid:  # a forked child: its requests run in the parent
+            return
         with self._lock:
             self._aborts.append((request_id, RequestAborted(f"request {request_id} was aborted")))
             self._cv.notify_all()
@@ -422,13 +426,15 @@ def Runtime(model_path: str | os.PathLike[str] | None = None, **server_args: Any
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
-# Set in a child forked from a process whose engines had run torch's OpenMP thread pool.
+# Whether an engine was made in this process (its pool has run, and stays, once it is
+# collected too); set in a child forked from such a process whose torch used threads.
+_made_engines = False
 _forked_with_pool = False
 
 
 def _note_fork_in_child() -> None:
     global _forked_with_pool
-    _forked_with_pool = bool(_LIVE) and torch.get_num_threads() > 1
+    _forked_with_pool = _made_engines and torch.get_num_threads() > 1
 
 
 if hasattr(os, "register_at_fork"):
@@ -455,12 +461,20 @@ def _check_thread_pool_after_fork(device: str) -> None:
     )
 
 
+# Ctrl-Cs the exit's shutdown waits through for a loop's step to end (the next one leaves
+# the loop running into the interpreter's exit, as before).
+EXIT_INTERRUPTS = 3
+
+
 @atexit.register
 def _shut_down_at_exit() -> None:
+    interrupts = 0
     for engine in list(_LIVE):
         while True:
-            try:  # (the loop stops at the end of its step: a Ctrl-C here waits on for it)
+            try:  # (the loop stops at the end of its step)
                 engine.shutdown()
                 break
             except KeyboardInterrupt:
-                continue
+                interrupts += 1
+                if interrupts > EXIT_INTERRUPTS:
+                    raise

@@ -231,6 +231,7 @@ class RequestMaker:
             text = self._byte_table.decode(ids, skip_special_tokens)
             if text is not None:
                 return text
+        self._check_process()
         with self._tokenizer_lock:
             if self._backend_decode is not None and type(ids) is list and _flat(ids):
                 return self._backend_decode(ids, skip_special_tokens=skip_special_tokens)

@@ -475,8 +475,20 @@ def test_a_forked_child_reading_a_program_running_in_the_parent_is_told(engine):
     state = waits.run(stream=True, backend=engine)
     state["x"]  # noqa: B018 - (the body now waits)
     read, write = os.pipe()
-    with state._stream.lock:  # (held by a thread of the parent's at the fork)
-        pid = os.fork()
+    holding, release_lock = threading.Event(), threading.Event()
+
+    def hold() -> None:  # (another thread's: the forking thread could take the RLock again)
+        with state._stream.lock:
+            holding.set()
+            release_lock.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(30)
+    pid = os.fork()
+    if pid != 0:
+        release_lock.set()
+        holder.join()
     if pid == 0:
         try:
             error = state.error()

@@ -280,18 +280,19 @@ def test_stream_body_helper_threads_read_without_waiting_for_the_body(engine):
     assert text == "Hello" + x and state.text() == text + "!"
 
 
-@pytest.mark.parametrize("interrupt", ["SIGINT", "SIGALRM"])
+@pytest.mark.parametrize("interrupt", ["SIGINT", "SIGUSR1"])
 def test_ctrl_c_while_streaming_cancels_the_body(engine, interrupt):
-    """SIGALRM: a signal handler's exception (a script's own timeout) cancels the program
-    as Ctrl-C does; only Ctrl-C did (the body's requests ran on, holding their slots)."""
+    """SIGUSR1: a signal handler's exception (a script's own deadline) cancels the program
+    as Ctrl-C does; only Ctrl-C did (the body's requests ran on, holding their slots).
+    (Not SIGALRM: pytest-timeout's.)"""
     import signal
 
     def times_out(signum, frame):
         raise TimeoutError("the script's own deadline")
 
-    error = {"SIGINT": KeyboardInterrupt, "SIGALRM": TimeoutError}[interrupt]
+    error = {"SIGINT": KeyboardInterrupt, "SIGUSR1": TimeoutError}[interrupt]
     number = getattr(signal, interrupt)
-    previous = signal.signal(signal.SIGALRM, times_out)
+    previous = signal.signal(signal.SIGUSR1, times_out)
     release = threading.Event()
 
     @sgl.function
@@ -313,7 +314,7 @@ def test_ctrl_c_while_streaming_cancels_the_body(engine, interrupt):
     finally:
         timer.cancel()
         release.set()
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGUSR1, previous)
     state._body.join(timeout=60)
     assert not state._body.is_alive()
     assert isinstance(state.error(), error)

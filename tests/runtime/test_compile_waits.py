@@ -238,12 +238,21 @@ def test_a_forked_child_is_told_the_engine_does_not_run_there(engine, locks_held
     loop or a caller may hold them), the child's copies stay held: a call that took one
     hung (its encode, a flush of its cache), and so did its exit (the at-exit shutdown)."""
     read, write = os.pipe()
-    locks = (engine._lock, engine._tokenizer_lock)
-    for lock in locks if locks_held else ():
-        lock.acquire()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # (another thread's: the forking thread could take an RLock again)
+        with engine._lock, engine._tokenizer_lock:
+            holding.set()
+            release.wait(WAIT_S)
+
+    holder = threading.Thread(target=hold)
+    if locks_held:
+        holder.start()
+        assert holding.wait(WAIT_S)
     pid = os.fork()
-    for lock in locks if locks_held and pid != 0 else ():
-        lock.release()
+    if pid != 0 and locks_held:
+        release.set()
+        holder.join()
     if pid == 0:  # (the child: report what each call did, then leave at once)
         try:
             outcomes = []
@@ -254,6 +263,7 @@ def test_a_forked_child_is_told_the_engine_does_not_run_there(engine, locks_held
                 ),
                 lambda: engine.encode("x"),
                 engine.flush_cache,
+                lambda: engine.abort(12345) or 1 / 0,  # (a request of the parent's: ignored)
                 lambda: engine.shutdown() or 1 / 0,  # (returns: ZeroDivisionError)
             ):
                 try:
@@ -264,7 +274,7 @@ def test_a_forked_child_is_told_the_engine_does_not_run_there(engine, locks_held
                 except TimeoutError:
                     outcomes.append("waited")
                 except ZeroDivisionError:
-                    outcomes.append("shutdown returned")
+                    outcomes.append("returned")
             os.write(write, repr(outcomes).encode())
         finally:
             os._exit(0)
@@ -275,7 +285,7 @@ def test_a_forked_child_is_told_the_engine_does_not_run_there(engine, locks_held
             os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
     with os.fdopen(read) as pipe:
-        assert pipe.read() == repr(["RuntimeError"] * 4 + ["shutdown returned"])
+        assert pipe.read() == repr(["RuntimeError"] * 4 + ["returned"] * 2)
 
 
 @pytest.mark.skipif(torch.get_num_threads() == 1, reason="one thread: no OpenMP pool to lose")

@@ -253,17 +253,15 @@ def test_a_ctrl_c_during_shutdown_leaves_the_rest_to_the_next_call(tiny_path, _e
     assert in_step.wait(JOIN_S)
     _engine_registry.reported.add(engine)  # not clean at its shutdown, by design
 
-    def ctrl_c(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, ctrl_c)
+    # (a real SIGINT to the main thread, as Ctrl-C sends: it interrupts the wait)
+    main = threading.main_thread().ident
+    timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.2)
         with pytest.raises(KeyboardInterrupt):
             engine.shutdown()
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        timer.cancel()
     assert engine._thread.is_alive()  # still in its step
     leave_step.set()
     engine.shutdown()  # (returned at once: the loop ran on)

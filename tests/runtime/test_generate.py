@@ -381,7 +381,7 @@ def test_a_stop_string_that_is_a_special_tokens_text_ends_on_that_token(engine):
     ]
     # (every other request: more stop strings than the tokenizer has special tokens, read
     # from the special tokens' side)
-    decoys = [f"zz{i}" for i in range(200)]
+    decoys = [f"\x01\x02zz{i}\x03" for i in range(200)]  # (never in an output)
     stopped = [
         {**p, "stop": ["zzzz", "<|im_start|>", *decoys[: p["seed"] % 2 * 200]]} for p in free
     ]
