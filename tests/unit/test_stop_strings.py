@@ -35,16 +35,30 @@ def test_the_first_stop_is_the_naive_scans(stops, text, start, min_end, many):
     start = min(start, len(text))
     if many:  # (strings the text never holds, past the threshold: searched by length)
         stops = stops + ["e" * n for n in range(1, FIND_EACH_MAX + 1)]
-    assert (StopStrings(stops)._by_length is not None) == many
-    assert StopStrings(stops).first(text, start, min_end) == naive_first(
-        stops, text, start, min_end
-    )
+    found = StopStrings(stops)
+    expected = naive_first(stops, text, start, min_end)
+    assert found.first(text, start, min_end) == expected  # (whichever way it chose)
+    assert found.find_each(text, start, min_end) == expected
+    if many:
+        assert found.first_by_length(text, start, min_end) == expected
 
 
-def test_many_stop_strings_are_searched_by_length():
-    """(the property above draws both sides of the threshold; this pins which is which)"""
+def test_the_way_chosen_is_the_cheaper_for_the_window_searched(monkeypatch):
+    """Many stop strings of few lengths over a token's few new places: by length; a few of
+    many lengths, or the whole output at the final scan: `str.find` (by length over 8,000
+    characters took 100x longer with 20 strings)."""
+    calls = []
+    for way in ("find_each", "first_by_length"):
+        original = getattr(StopStrings, way)
+        monkeypatch.setattr(
+            StopStrings, way, lambda self, *a, w=way, f=original: calls.append(w) or f(self, *a)
+        )
     few, many = StopStrings(["x"] * FIND_EACH_MAX), StopStrings(["x"] * (FIND_EACH_MAX + 1))
     assert few._by_length is None and many._by_length == [(1, {"x": 0})]
     stops = [f"zq{i}xw" for i in range(50_000)] + ["end"]
-    assert StopStrings(stops).first("the zq49999xw end", 0, 0) == (4, "zq49999xw")
-    assert StopStrings(stops).first("the zq49999xw end", 5, 0) == (14, "end")
+    text = "the zq49999xw end"
+    assert StopStrings(stops).first(text, 5, 0) == (14, "end")
+    twenty = StopStrings(["<" + "s" * i + ">" for i in range(20)])  # (20 lengths)
+    assert twenty.first("y" * 8000, 0, 0) == (8000, None)
+    assert twenty.first("y" * 8000, 7990, 0) == (8000, None)
+    assert calls == ["first_by_length", "find_each", "find_each"]
