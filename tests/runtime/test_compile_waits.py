@@ -22,6 +22,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -237,7 +238,6 @@ def test_a_forked_child_is_told_the_engine_does_not_run_there(engine, locks_held
     """With the engine's locks held at the fork by another of the parent's threads (as the
     loop or a caller may hold them), the child's copies stay held: a call that took one
     hung (its encode, a flush of its cache), and so did its exit (the at-exit shutdown)."""
-    read, write = os.pipe()
     holding, release = threading.Event(), threading.Event()
 
     def hold() -> None:  # (another thread's: the forking thread could take an RLock again)
@@ -249,43 +249,36 @@ def test_a_forked_child_is_told_the_engine_does_not_run_there(engine, locks_held
     if locks_held:
         holder.start()
         assert holding.wait(WAIT_S)
-    pid = os.fork()
-    if pid != 0 and locks_held:
-        release.set()
-        holder.join()
-    if pid == 0:  # (the child: report what each call did, then leave at once)
-        try:
-            outcomes = []
-            for call in (
-                lambda: engine.submit("x", {"max_new_tokens": 2}),
-                lambda: asyncio.run(
-                    asyncio.wait_for(engine.async_generate("x", {"max_new_tokens": 2}), 5)
-                ),
-                lambda: engine.encode("x"),
-                engine.flush_cache,
-                lambda: engine.abort(12345) or 1 / 0,  # (a request of the parent's: ignored)
-                lambda: engine.shutdown() or 1 / 0,  # (returns: ZeroDivisionError)
-            ):
-                try:
-                    call()
-                    outcomes.append("returned")
-                except RuntimeError as error:
-                    outcomes.append("spawn" in str(error) and "RuntimeError")
-                except TimeoutError:
-                    outcomes.append("waited")
-                except ZeroDivisionError:
-                    outcomes.append("returned")
-            os.write(write, repr(outcomes).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    deadline = time.monotonic() + WAIT_S
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
-    with os.fdopen(read) as pipe:
-        assert pipe.read() == repr(["RuntimeError"] * 4 + ["returned"] * 2)
+
+    def report() -> list:
+        outcomes = []
+        for call in (
+            lambda: engine.submit("x", {"max_new_tokens": 2}),
+            lambda: asyncio.run(
+                asyncio.wait_for(engine.async_generate("x", {"max_new_tokens": 2}), 5)
+            ),
+            lambda: engine.encode("x"),
+            engine.flush_cache,
+            lambda: engine.abort(12345) or 1 / 0,  # (a request of the parent's: ignored)
+            lambda: engine.shutdown() or 1 / 0,  # (returns: ZeroDivisionError)
+        ):
+            try:
+                call()
+                outcomes.append("returned")
+            except RuntimeError as error:
+                outcomes.append("spawn" in str(error) and "RuntimeError")
+            except TimeoutError:
+                outcomes.append("waited")
+            except ZeroDivisionError:
+                outcomes.append("returned")
+        return outcomes
+
+    def released() -> None:
+        if locks_held:
+            release.set()
+            holder.join()
+
+    assert _in_forked_child(report, released) == repr(["RuntimeError"] * 4 + ["returned"] * 2)
 
 
 @pytest.mark.skipif(torch.get_num_threads() == 1, reason="one thread: no OpenMP pool to lose")
@@ -294,28 +287,41 @@ def test_an_engine_made_in_a_forked_child_of_a_process_running_engines(engine, t
     forever in its first parallel op, a weight copy at load. It is refused, naming spawn,
     unless it runs on one thread, which works."""
     engine.generate("x", {"max_new_tokens": 1})  # (the parent's pool has run)
+
+    def report() -> list:
+        outcomes = []
+        for threads in (None, 1):
+            try:
+                with Engine(tiny_path, max_total_tokens=256, num_threads=threads) as child:
+                    outcomes.append(len(child.generate("x", {"max_new_tokens": 2})["text"]) >= 0)
+            except RuntimeError as error:
+                outcomes.append("spawn" in str(error) and "RuntimeError")
+        return outcomes
+
+    uses_gnu_openmp = "libgomp" in Path("/proc/self/maps").read_text()
+    expected = ["RuntimeError" if uses_gnu_openmp else True, True]
+    assert _in_forked_child(report) == repr(expected)
+
+
+def _in_forked_child(
+    report: Callable[[], list], after_fork: Callable[[], None] | None = None
+) -> str:
+    """`repr(report())` as a forked child found it (killed past WAIT_S: a hang reads
+    empty); `after_fork` runs in the parent once the child is forked."""
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:
+    if pid == 0:  # (the child: report, then leave at once)
         try:
-            outcomes = []
-            for threads in (None, 1):
-                try:
-                    with Engine(tiny_path, max_total_tokens=256, num_threads=threads) as child:
-                        outcomes.append(
-                            len(child.generate("x", {"max_new_tokens": 2})["text"]) >= 0
-                        )
-                except RuntimeError as error:
-                    outcomes.append("spawn" in str(error) and "RuntimeError")
-            os.write(write, repr(outcomes).encode())
+            os.write(write, repr(report()).encode())
         finally:
             os._exit(0)
     os.close(write)
+    if after_fork is not None:
+        after_fork()
     deadline = time.monotonic() + WAIT_S
     while os.waitpid(pid, os.WNOHANG) == (0, 0):
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
     with os.fdopen(read) as pipe:
-        uses_gnu_openmp = "libgomp" in Path("/proc/self/maps").read_text()
-        assert pipe.read() == repr(["RuntimeError" if uses_gnu_openmp else True, True])
+        return pipe.read()
