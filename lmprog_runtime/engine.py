@@ -8,7 +8,6 @@ owns the scheduler, the model runner and every KV slot.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import itertools
 import logging
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lmprog_runtime import process_guard
 from lmprog_runtime.admission_wait import GRAPHED_ADMISSION_WAIT_STEPS
 from lmprog_runtime.byte_decode import ByteLevelTable, byte_pieces
 from lmprog_runtime.config import RuntimeConfig
@@ -91,7 +91,7 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
         model_dir = local_model_dir(self.config.model_path)
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
-        _check_thread_pool_after_fork(self.config.device)
+        process_guard.check_thread_pool_after_fork(self.config.device)
         from lmprog_runtime.models import ModelConfig
 
         ModelConfig.from_path(model_dir)  # fail fast on a bad directory or architecture
@@ -194,9 +194,7 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
             daemon=True,
         )
         weakref.finalize(self, wake, self._cv)
-        _LIVE.add(self)
-        global _made_engines
-        _made_engines = True
+        process_guard.register(self)
         self._thread.start()
 
     # ---- public API ---------------------------------------------------------------------
@@ -418,63 +416,3 @@ def Runtime(model_path: str | os.PathLike[str] | None = None, **server_args: Any
         >>> runtime.shutdown()  # doctest: +SKIP
     """
     return Engine(model_path, **server_args)
-
-
-# Every engine not yet collected, shut down when the interpreter exits: a loop thread left
-# running torch while Python finalizes aborted the process ("terminate called without an
-# active exception", SIGABRT), as after breaking out of a stream and leaving the script.
-_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
-
-
-# Whether an engine was made in this process (its pool has run, and stays, once it is
-# collected too); set in a child forked from such a process whose torch used threads.
-_made_engines = False
-_forked_with_pool = False
-
-
-def _note_fork_in_child() -> None:
-    global _forked_with_pool
-    _forked_with_pool = _made_engines and torch.get_num_threads() > 1
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_note_fork_in_child)
-
-
-def _check_thread_pool_after_fork(device: str) -> None:
-    """RuntimeError for an engine made on a CPU with several threads in a child forked from
-    a process whose engines ran GNU OpenMP's thread pool (torch's CPU build): the pool
-    does not survive the fork, and the first parallel op of the child's engine (a weight
-    copy at load) waited forever."""
-    if not _forked_with_pool or torch.get_num_threads() == 1 or torch.device(device).type != "cpu":
-        return
-    try:
-        with open("/proc/self/maps") as maps:
-            if "libgomp" not in maps.read():
-                return  # (another OpenMP runtime: fork is its problem to handle)
-    except OSError:
-        return
-    raise RuntimeError(
-        "torch's OpenMP thread pool does not survive a fork: an engine made in a child "
-        "forked from a process whose engines ran it hangs at its first parallel op. Start "
-        "worker processes with multiprocessing's 'spawn' method, or pass num_threads=1"
-    )
-
-
-# Ctrl-Cs the exit's shutdown waits through for a loop's step to end (the next one leaves
-# the loop running into the interpreter's exit, as before).
-EXIT_INTERRUPTS = 3
-
-
-@atexit.register
-def _shut_down_at_exit() -> None:
-    interrupts = 0
-    for engine in list(_LIVE):
-        while True:
-            try:  # (the loop stops at the end of its step)
-                engine.shutdown()
-                break
-            except KeyboardInterrupt:
-                interrupts += 1
-                if interrupts > EXIT_INTERRUPTS:
-                    raise

@@ -113,7 +113,7 @@ def test_the_live_view_updates_one_display_in_place(executed):
 # cycle is never collected: the freeze is undone first.
 COUNT_ENGINES = """\
 import gc
-from lmprog_runtime.engine import _LIVE
+from lmprog_runtime.process_guard import _LIVE
 gc.unfreeze()
 gc.collect()
 print(len(_LIVE))"""
