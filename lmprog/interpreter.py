@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from lmprog.ir import Expr, Fork, Gen, Join, Select
-from lmprog.ops import SelectPlan, gathered_variables
+from lmprog.ops import SelectPlan, gathered_meta, gathered_variables
 from lmprog.outbox import Outbox
 from lmprog.stream import Stream
 
@@ -162,7 +162,9 @@ class Interpreter:
                     return False
             before, text_len = branches[0].fork_base
             if node.mode == "gather_variable":
-                st.variables.update(gathered_variables(before, [b.st for b in branches]))
+                gathered = gathered_variables(before, [b.st for b in branches])
+                st.meta.update(gathered_meta(gathered, [b.st for b in branches]))
+                st.variables.update(gathered)
             else:
                 for branch in branches:
                     st.emit(branch.st.text[text_len:])

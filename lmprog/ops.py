@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -86,7 +86,8 @@ class Span:
 class ExecState:
     text: str = ""
     variables: dict[str, Any] = field(default_factory=dict)
-    meta: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # A gen's or select's meta info; a gathered variable's, the list of its branches'.
+    meta: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
     role: str | None = None  # the open role
@@ -100,7 +101,7 @@ class ExecState:
         return ExecState(
             self.text,
             dict(self.variables),
-            {k: dict(v) for k, v in list(self.meta.items())},
+            {k: dict(v) if isinstance(v, dict) else list(v) for k, v in list(self.meta.items())},
             [dict(m) for m in list(self.messages)],
             list(self.spans),
             self.role,
@@ -318,6 +319,16 @@ def gathered_variables(before: set[str], branches: list[ExecState]) -> dict[str,
     for branch in branches:
         names += [n for n in branch.variables if n not in before and n not in names]
     return {name: [b.variables.get(name) for b in branches] for name in names}
+
+
+def gathered_meta(names: Iterable[str], branches: list[ExecState]) -> dict[str, list[Any]]:
+    """The meta info of the gathered variables that a branch generated, as the list of
+    each branch's (None where a branch did not), in branch order."""
+    return {
+        name: [b.meta.get(name) for b in branches]
+        for name in names
+        if any(name in b.meta for b in branches)
+    }
 
 
 def _method(sel: Select) -> ChoicesSamplingMethod:

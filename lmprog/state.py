@@ -256,9 +256,11 @@ class ProgramState(StateBlocks):
         self._wait_var(name)
         return name in self._stream.st.variables
 
-    def get_meta_info(self, name: str) -> dict[str, Any] | None:
+    def get_meta_info(self, name: str) -> Any:
         """The meta info of generation `name` once it has run; None if the program made
-        no generation of that name (as in SGLang; a failed program raises its error)."""
+        no generation of that name (as in SGLang; a failed program raises its error). For
+        a variable a join gathered from fork branches, the list of the branches' meta info
+        in branch order (SGLang gives None there)."""
         self._wait_var(name)
         meta = self._stream.st.meta
         if name not in meta:
@@ -272,16 +274,19 @@ class ProgramState(StateBlocks):
         if not self._stream.is_streaming:
             yield self.text() if var_name is None else self[var_name]
             return
-        start, is_done = 0, False
+        start, is_done, streamed = 0, False, False
         while not is_done:
             with self._cancel_on_interrupt():
                 deltas, start, is_done = self._stream.next_deltas(
                     start, var_name, release=not self._outside_body()
                 )
             for delta, _ in deltas:
+                streamed = True
                 yield delta
         self._raise_error()
         self._check_produced(var_name)
+        if var_name is not None and not streamed:  # (set, or gathered by a join: whole)
+            yield from self._unstreamed(var_name)
 
     async def text_async_iter(
         self, var_name: str | None = None, return_meta_data: bool = False
@@ -305,17 +310,29 @@ class ProgramState(StateBlocks):
                     meta = self._stream.st.meta.get(var_name)
                     yield (value, meta) if return_meta_data else value
                 return
-            start, is_done = 0, False
+            start, is_done, streamed = 0, False, False
             while not is_done:
                 deltas, start, is_done = await loop.run_in_executor(
                     waiter, self._stream.next_deltas, start, var_name
                 )
                 for delta, meta in deltas:
+                    streamed = True
                     yield (delta, meta) if return_meta_data else delta
             self._raise_error()
             self._check_produced(var_name)
+            if var_name is not None and not streamed:  # (set, or gathered by a join: whole)
+                meta = self._stream.st.meta.get(var_name)
+                for value in self._unstreamed(var_name):
+                    yield (value, meta) if return_meta_data else value
         finally:
             waiter.shutdown(wait=False)  # (a wait in progress ends with the program)
+
+    def _unstreamed(self, var_name: str) -> Iterator[Any]:
+        """A variable no gen streamed (set, or a list a join gathered from fork branches):
+        its value, once, as a state that does not stream gives it (it gave nothing)."""
+        value = self._stream.st.variables[var_name]
+        if value is not None and value != "":
+            yield value
 
     def _check_produced(self, var_name: str | None) -> None:
         """A streamed variable the program never produced (a misspelt name) is a KeyError

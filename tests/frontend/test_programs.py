@@ -44,6 +44,36 @@ def test_one_gen_equals_engine_generate_on_the_rendered_prompt(engine):
     assert state.text() == full
 
 
+def test_a_gathered_variables_meta_info_is_its_branches_in_order(engine):
+    """(None before, as in SGLang: the join copied the values only; and a streamed state's
+    `text_iter` of it gave nothing)"""
+
+    @lp.function
+    def two(s):
+        s += "Topics:"
+        forks = s.fork(3)
+        for i, f in enumerate(forks):
+            f += f" {i}." + lp.gen("r", max_tokens=i + 1, temperature=0, ignore_eos=True)
+        forks[2]["extra"] = "set, not generated"
+        forks.join()
+        return [f.get_meta_info("r") for f in forks]
+
+    state = two.run(backend=engine)
+    metas = state.get_meta_info("r")
+    assert metas == state.ret_value and [m["completion_tokens"] for m in metas] == [1, 2, 3]
+    assert state["extra"] == [None, None, "set, not generated"]
+    assert state.get_meta_info("extra") is None  # (no branch generated it)
+    # Streamed, such a variable comes whole, once, as without streaming (it gave nothing).
+    import asyncio
+
+    async def read_async(state):
+        return [chunk async for chunk in state.text_async_iter("r", return_meta_data=True)]
+
+    streamed = two.run(backend=engine, stream=True)
+    assert list(streamed.text_iter("r")) == [state["r"]] == list(state.text_iter("r"))
+    assert asyncio.run(read_async(streamed)) == [(state["r"], streamed.get_meta_info("r"))]
+
+
 def test_program_defaults_are_inherited_and_bind(engine):
     @lp.function
     def two(s, topic):
