@@ -2,7 +2,9 @@
 `tiny` model (where the model's work is small, so the loop's own is seen) with N stop
 strings, none of which is ever there, the by-length search (`stop_strings.py`, used past
 `FIND_EACH_MAX` strings) against `str.find` for each string (the search before it), in
-one run, each the best of `--repeats` rounds.
+one run, each the best of `--repeats` rounds. Then the search alone, both ways, for 20
+stop strings of 20 lengths (which keep `str.find`): over a token's few new places, and
+the final scan of a whole 8,000-character output.
 
     .venv/bin/python benchmarks/bench_stop_strings.py [--counts 0,16,1000,50000]
 """
@@ -54,6 +56,17 @@ def main(argv: list[str] | None = None) -> None:
             )
     finally:
         engine.shutdown()
+    twenty = stop_strings.StopStrings(["<" + "s" * i + ">" for i in range(20)])
+    output = "y" * 8000
+    for what, start in (("a token's new places", len(output) - 24), ("the final scan", 0)):
+        find_each = best_seconds(lambda s=start: twenty.find_each(output, s, 0), 20, args.repeats)
+        by_length = best_seconds(
+            lambda s=start: twenty.first_by_length(output, s, 0), 20, args.repeats
+        )
+        print(
+            f"20 stop strings, {what}: str.find each {1e3 * find_each:.3f} ms, by length "
+            f"{1e3 * by_length:.3f} ms ({by_length / find_each:.1f}x the time)"
+        )
 
 
 if __name__ == "__main__":

@@ -162,8 +162,9 @@ class Interpreter:
                     return False
             before, text_len = branches[0].fork_base
             if node.mode == "gather_variable":
-                gathered = gathered_variables(before, [b.st for b in branches])
-                st.meta.update(gathered_meta(gathered, [b.st for b in branches]))
+                states = [b.st for b in branches]
+                gathered = gathered_variables(before, states)
+                st.meta.update(gathered_meta(gathered, states))
                 st.variables.update(gathered)
             else:
                 for branch in branches:
