@@ -305,12 +305,14 @@ class Function:
                 bar.close()
 
     def _execute(self, state: ProgramState, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Run the body once; its exception fails the program (kept in `error()`), and
-        its requests still in flight are aborted: nothing will read them (an exception or
-        Ctrl-C in the body alike)."""
+        """Run the body once; its exception fails the program (kept in `error()`) once
+        what the body appended before its next request has run, and its requests still in
+        flight are aborted: nothing will read them (Ctrl-C in the body fails it at once)."""
         stream = state._stream
         try:
             state.ret_value = self.func(state, *args, **{**self.bound, **kwargs})
+        except Exception as error:  # noqa: BLE001 - kept in the state, never lost
+            stream.interpreter.end_body(stream, error)
         except BaseException as error:  # noqa: BLE001 - kept in the state, never lost
             stream.interpreter.cancel(stream, error)
         finally:

@@ -108,6 +108,13 @@ class Interpreter:
                 if stream.is_done or stream.is_busy or not stream.is_started:
                     return
                 limit = len(stream.nodes) if stream.hold is None else stream.hold
+                raised = stream.raised
+                if raised is not None and (
+                    stream.pos >= limit or isinstance(stream.nodes[stream.pos], _REQUESTS)
+                ):
+                    stream.raised = None
+                    self.cancel(stream, raised)
+                    return
                 if stream.error is not None or stream.pos >= limit:
                     if stream.error is not None or (
                         stream.is_closed and stream.pos == len(stream.nodes)
@@ -179,7 +186,7 @@ class Interpreter:
         the program has just failed (its thread may fail it at any time): then nothing is
         sent and the stream ends."""
         with stream.lock:
-            if stream.error is not None:
+            if stream.error is not None or stream.raised is not None:
                 return False
             stream.is_busy, stream.is_compiling = True, compiling
             return True
@@ -207,6 +214,21 @@ class Interpreter:
         runs): their slots are freed within one engine step."""
         self.fail(stream, error)
         self.post(functools.partial(self._abort_in_flight, stream, again=True))
+
+    def end_body(self, stream: Stream, error: Exception) -> None:
+        """(the body's thread) The body of `stream`'s program raised `error`. The nodes it
+        appended before the next one that needs a request (text, variables set) still run,
+        so that a variable set before the raise stays in the state (a dataset row's
+        columns); then the program fails with `error`. A request in flight (nothing will
+        read it) is aborted, and nothing after it runs."""
+        with stream.lock:
+            if stream.is_done or stream.error is not None:
+                return
+            if not stream.is_busy:
+                stream.raised = error
+                self.wake(stream)
+                return
+        self.cancel(stream, error)
 
     def _abort_in_flight(self, stream: Stream, again: bool) -> None:
         for each in stream.lineage():
@@ -292,6 +314,9 @@ class Interpreter:
 
         self._resume(stream, apply)
 
+
+# The nodes that wait for a request or for branches; the others apply at once.
+_REQUESTS = (Gen, Select, Fork, Join)
 
 INTERPRETER = Interpreter()
 

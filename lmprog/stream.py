@@ -57,6 +57,9 @@ class Stream:
         self.st.on_emit = self._on_emit
         self.events: list[tuple[str | None, str, dict[str, Any] | None]] = []
         self.error: BaseException | None = None
+        # (root) The body's exception, failing the program once the nodes before its next
+        # request have run (`Interpreter.end_body`).
+        self.raised: Exception | None = None
         self.is_started = parent is None  # a branch starts when its parent reaches the fork
         self.is_busy = False  # a request in flight, or a join waiting for its branches
         self.is_closed = False  # no more nodes will be appended

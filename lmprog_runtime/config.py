@@ -70,8 +70,8 @@ class RuntimeConfig:
     # activations rounded to int8 per token, int32 products: SGLang's w8a8_int8, the LM head
     # included). The LM head is Q8_0 with the weight-only methods.
     quantization: str | None = None
-    # "auto": Triton kernels on CUDA; the native C++ kernels for float32 on CPU (torch if
-    # they cannot be built); the torch reference elsewhere.
+    # "auto": Triton kernels on CUDA; the native C++ kernels for float32 or bfloat16 on CPU
+    # (torch if they cannot be built); the torch reference elsewhere.
     attention_backend: str = "auto"
     # KV pool size in tokens; None = derived from `mem_fraction` of free memory.
     max_total_tokens: int | None = None
@@ -98,8 +98,9 @@ class RuntimeConfig:
     disable_cuda_graph: bool = False
     # A regex / JSON schema that takes longer than this to compile is refused.
     grammar_compile_timeout_s: float = 60.0
-    # Compiled grammars kept for reuse, least recently used dropped first (each 20-35 MiB
-    # over a 49k-token vocabulary); 0 keeps none beyond the requests using them.
+    # Compiled grammars kept for reuse, least recently used dropped first (over a 49k-token
+    # vocabulary about 0.1 MiB a small regex, 14 MiB a small JSON schema); 0 keeps none
+    # beyond the requests using them.
     grammar_cache_size: int = 64
     # Scales the share of future output tokens reserved at admission: 0 admits as much as
     # fits now (more retractions under pressure), larger values are more cautious.

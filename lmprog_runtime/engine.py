@@ -303,7 +303,7 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
         in the prefix cache. An id that has already finished (or never existed) is ignored."""
         if isinstance(request_id, bool) or not isinstance(request_id, int):
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
-        if os.getpid() != self._pid:  # a forked child: its requests run in the parent
+        if self._in_forked_child():  # its requests run in the parent
             return
         with self._lock:
             self._aborts.append((request_id, RequestAborted(f"request {request_id} was aborted")))
@@ -316,7 +316,7 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
     def shutdown(self) -> None:
         if threading.current_thread() is self._thread:  # (a callback: it cannot join itself)
             raise RuntimeError("shutdown() cannot run on the engine's own loop thread (a callback)")
-        if os.getpid() != self._pid:  # a forked child (its exit): the engine is not its own
+        if self._in_forked_child():  # (its exit): the engine is not its own
             return
         with self._lock:
             if self._is_shut_down:
@@ -373,11 +373,14 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
             raise result[0]
         return result[0]
 
+    def _in_forked_child(self) -> bool:
+        return os.getpid() != self._pid
+
     def _check_process(self) -> None:
         """RuntimeError in a child forked from the engine's process: it has no loop thread,
         and the engine's locks may have been copied held by the parent's threads (a call
         that took one hung)."""
-        if os.getpid() != self._pid:
+        if self._in_forked_child():
             raise RuntimeError(
                 "this engine belongs to the process it was made in: a child forked from it "
                 "has no loop thread (make engines in the child, started with "

@@ -123,6 +123,35 @@ def test_bad_rows_fail_alone(engine, rows, expected):
     check_rows([g for g, _ in good], [r for _, r in good], expected)
 
 
+@lp.function
+def checks_its_answer(s, question):
+    s += lp.user(question)
+    s += lp.assistant(lp.gen("answer", max_tokens=3))
+    answer = s["answer"]
+    s["stage"] = "checked"
+    if question.startswith("raise"):
+        raise ValueError(f"the answer {answer!r} did not parse")
+    s["stage"] = "done"
+
+
+def test_a_row_that_raises_keeps_the_variables_set_before_the_raise(engine):
+    """A program that raises: its row holds what the body set before the raise (a
+    variable set right before the raise was lost)."""
+    data = [{"question": q} for q in ("raise now", "fine", "raise again")]
+    out = list(checks_its_answer.map(data, backend=engine, **GREEDY))
+    for row in out:
+        state = checks_its_answer.run(
+            question=row["question"], backend=engine, stream=True, **GREEDY
+        )
+        state.sync()
+        assert row["answer"] == state["answer"]
+        if row["question"] == "fine":
+            assert (row["stage"], row["error"]) == ("done", None)
+        else:
+            assert row["stage"] == "checked" == state["stage"]
+            assert row["error"] == f"ValueError: the answer {state['answer']!r} did not parse"
+
+
 def test_unordered_yields_every_row_once(engine, rows, expected):
     out = list(qa.map(rows[:200], ordered=False, backend=engine, **GREEDY))
     assert sorted(r["row_index"] for r in out) == list(range(200))

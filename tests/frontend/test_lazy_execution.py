@@ -480,6 +480,46 @@ def test_run_batch_keeps_each_body_exception_in_its_state(engine):
             assert state.error() is RAISED[key], (where, state.error())
 
 
+@lp.function
+def sets_then_raises(s, key, where):
+    s += "Intro:"
+    s["mine"] = key
+    s += " more"
+    if where == "after_read":
+        s += lp.gen("a", max_tokens=3, temperature=0)
+        s["copy"] = s["a"]
+        s += "!"
+    elif where == "in_flight":
+        s += lp.gen("a", max_tokens=64, temperature=0, ignore_eos=True)
+        s["after"] = 1
+    error = Boom(f"{where} {key}")
+    RAISED[key] = error
+    raise error
+
+
+def test_what_a_body_set_before_it_raised_stays_in_its_state(engine):
+    """The nodes a body appended before its raise that need no request still run (the
+    variables and text were lost: a dataset row had none of them); a request in flight is
+    aborted, the program failing with the body's exception, not the abort's."""
+    wheres = ["before", "after_read", "in_flight"] * 2
+    keys = [new_key() for _ in wheres]
+    states = sets_then_raises.run_batch(
+        [{"key": k, "where": w} for k, w in zip(keys, wheres)], backend=engine
+    )
+    a = ReferenceInterpreter(engine).gen("Intro: more", 3, None)
+    for state, key, where in zip(states, keys, wheres):
+        assert state.error() is RAISED[key], (where, state.error())
+        names = {name for name in ("mine", "a", "copy", "after") if name in state}
+        assert "mine" in names and state["mine"] == key, (where, names)
+        if where == "before":
+            assert (names, state.text()) == ({"mine"}, "Intro: more")
+        elif where == "after_read":
+            assert names == {"mine", "a", "copy"} and state["a"] == state["copy"] == a
+            assert state.text() == "Intro: more" + a + "!"
+        else:  # (the gen of 64 tokens is aborted; nothing after it runs)
+            assert "after" not in names
+
+
 def test_return_of_a_generated_value_is_a_str(engine):
     @lp.function
     def shout(s):
