@@ -94,8 +94,6 @@ def gen(
         raise ValueError(
             f"gen takes at most one of choices, regex, json_schema and dtype, got {given}"
         )
-    if choices is not None:
-        return select(name, choices, temperature or 0.0, choices_method or token_length_normalized)
     _check_numbers(
         ints={
             "max_tokens": max_tokens,
@@ -152,6 +150,8 @@ def gen(
     for key in (*flags, "return_text_in_logprobs"):
         if sampling[key] is not None and not isinstance(sampling[key], bool):
             raise TypeError(f"{key} must be a bool or None, got {type(sampling[key]).__name__}")
+    if choices is not None:  # (the other arguments, checked above, do not apply: SGLang's)
+        return select(name, choices, temperature or 0.0, choices_method or token_length_normalized)
     if regex is not None and not isinstance(regex, str):
         raise TypeError(f"regex must be a str, got {type(regex).__name__}")
     if hasattr(json_schema, "model_json_schema"):  # a pydantic model class
@@ -159,7 +159,10 @@ def gen(
     if isinstance(json_schema, (dict, bool)):
         import json
 
-        json_schema = json.dumps(json_schema)
+        try:
+            json_schema = json.dumps(json_schema)
+        except (TypeError, ValueError) as error:  # (a class, a set, nan as a value...)
+            raise TypeError(f"json_schema is not JSON: {error}") from None
     if json_schema is not None and not isinstance(json_schema, str):
         raise TypeError(
             "json_schema must be a dict, a str of JSON, a bool or a pydantic model class, "

@@ -184,7 +184,11 @@ def _lines(path: Path, column: str) -> Iterator[dict[str, str]]:
 def _apply_settings(program: Function, pairs: list[str]) -> tuple[Function, dict[str, Any]]:
     """`--set`: sampling options become defaults for every gen, the rest (and any the
     program has a parameter for) fix arguments."""
-    defaults, arguments = _split_kwargs(_parse_pairs(pairs, "--set"), program.keyword_names)
+    settings = _parse_pairs(pairs, "--set")
+    try:
+        defaults, arguments = _split_kwargs(settings, program.keyword_names)
+    except (TypeError, ValueError) as error:  # (a default gen refuses)
+        raise ValueError(f"--set: {error}") from None
     _check_sampling(defaults)
     return (program.bind(**arguments) if arguments else program), defaults
 

@@ -117,6 +117,8 @@ class Function:
         updated in place as tokens arrive (`live=False` turns that off; `live=True` asks
         for it). An exception (the program's own, or a request the runtime refused) is
         raised unchanged; `error()` holds it too."""
+        check_flag("stream", stream)
+        check_flag("live", live, none_ok=True)
         defaults, arguments = _split_kwargs(kwargs, self.keyword_names)
         state = ProgramState.start(_resolve(backend), defaults, stream=stream)
         if stream:
@@ -162,6 +164,12 @@ class Function:
                 f"run_batch got keyword arguments {sorted(extra)} that are no sampling "
                 "options: give the program's arguments in each item, or fix them with "
                 ".bind(...)"
+            )
+        check_flag("progress_bar", progress_bar)
+        check_flag("generator_style", generator_style)
+        if isinstance(batch, (str, bytes, dict)) or not hasattr(batch, "__iter__"):
+            raise TypeError(
+                f"run_batch takes a list of dicts or tuples, got {type(batch).__name__}"
             )
         items = list(batch)
         for item in items:
@@ -331,6 +339,13 @@ def advance_bar(bar: Any) -> None:
         bar.close()
 
 
+def check_flag(name: str, value: Any, none_ok: bool = False) -> None:
+    """TypeError naming `name` for a value that is no bool ("no" was taken as True)."""
+    if not isinstance(value, bool) and not (none_ok and value is None):
+        allowed = "a bool or None" if none_ok else "a bool"
+        raise TypeError(f"{name} must be {allowed}, got {type(value).__name__}")
+
+
 def check_num_threads(num_threads: Any) -> int:
     """`num_threads` of `run_batch` and `map` as a count: TypeError for a value that is no
     int or `"auto"` (1.5, `"8"`, True), ValueError for an int below 1."""
@@ -355,14 +370,23 @@ def _split_kwargs(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(gen defaults, the program's arguments): a keyword naming one of `program_args` is
     the program's, whatever it is called."""
+    from lmprog.api import gen
+
     defaults, arguments = {}, {}
     for key, value in kwargs.items():
         if key in program_args:
             arguments[key] = value
         elif key in _RUN_DEFAULTS:
-            defaults[_RUN_DEFAULTS[key]] = value
+            name = _RUN_DEFAULTS[key]
+            try:  # checked as gen checks its own (`return_logprob="no"` once turned it on)
+                gen("default", **{name: value})
+            except (TypeError, ValueError) as error:  # (named as given: max_new_tokens)
+                raise type(error)(str(error).replace(name, key, 1)) from None
+            defaults[name] = value
         elif key not in _RUN_IGNORED:
             arguments[key] = value
+    if defaults:
+        gen("default", **defaults)  # (min_tokens <= max_tokens)
     return defaults, arguments
 
 

@@ -32,6 +32,9 @@ from lmprog.state_blocks import BranchGroup, StateBlocks, check_join_mode
 from lmprog.static_checks import check_static
 from lmprog.stream import Stream
 
+# Branches one fork may make (each is a program state and a request).
+MAX_FORK_SIZE = 4096
+
 
 class ProgramCancelled(RuntimeError):
     """A program stopped by `ProgramState.cancel()`."""
@@ -129,6 +132,8 @@ class ProgramState(StateBlocks):
         """
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"fork size must be a positive int, got {size!r}")
+        if size > MAX_FORK_SIZE:  # (each branch a state and a request; 10**30 never returned)
+            raise ValueError(f"fork size must be at most {MAX_FORK_SIZE}, got {size}")
         parent = self._stream
         with parent.lock:
             if parent.is_closed:
@@ -372,12 +377,16 @@ class ProgramStateGroup(BranchGroup):
         super().__init__(branches)
         self._parent = parent
         self._fork_id = fork_id
+        self._is_joined = False
 
     def join(self, mode: str = "gather_variable") -> None:
         """End the branches: `gather_variable` sets parent[var] = [branch values] for the
         variables the branches made; `concate_and_append` appends each branch's new text.
         Returns at once; reading the parent waits for the branches."""
         check_join_mode(mode)
+        if self._is_joined:  # (a second join appended the branches' text once more)
+            raise RuntimeError("these branches have been joined already")
+        self._is_joined = True
         branches = [b._stream for b in self._branches]
         for branch in branches:
             branch.close()

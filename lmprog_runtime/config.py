@@ -184,12 +184,18 @@ class RuntimeConfig:
         for name in ("schedule_conservativeness", "grammar_compile_timeout_s"):
             if not math.isfinite(getattr(self, name)):  # nan passes every comparison below
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.schedule_conservativeness < 0:
+        # (Bounded above: 1e308 overflowed to inf in admission, and a timeout of 1e12 s
+        # failed every constrained request with an OverflowError.)
+        if not 0 <= self.schedule_conservativeness <= 100:
             raise ValueError(
-                f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}"
+                "schedule_conservativeness must be in [0, 100], got "
+                f"{self.schedule_conservativeness}"
             )
-        if self.grammar_compile_timeout_s <= 0:
-            raise ValueError("grammar_compile_timeout_s must be > 0")
+        if not 0 < self.grammar_compile_timeout_s <= 86400:
+            raise ValueError(
+                "grammar_compile_timeout_s must be > 0 and at most 86400 (a day), got "
+                f"{self.grammar_compile_timeout_s}"
+            )
         if self.grammar_cache_size < 0:
             raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
         if self.dtype not in DTYPES:
@@ -218,8 +224,8 @@ class RuntimeConfig:
             raise ValueError(
                 f"max_queued_requests must be >= 1 or None, got {self.max_queued_requests}"
             )
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.num_threads is not None and not 1 <= self.num_threads <= 4096:
+            raise ValueError(f"num_threads must be in [1, 4096], got {self.num_threads}")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise TypeError(
                 f"overlap_schedule must be True, False or None, got {self.overlap_schedule!r}"

@@ -28,6 +28,7 @@ from lmprog_runtime.byte_decode import ByteLevelTable, byte_pieces
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.constrained.outlines_backend import is_byte_level
 from lmprog_runtime.engine_async import EngineAsync
+from lmprog_runtime.engine_inputs import check_flags
 from lmprog_runtime.engine_loop import EngineLoop
 from lmprog_runtime.engine_view import EngineView
 from lmprog_runtime.forward_worker import ForwardWorker
@@ -228,6 +229,7 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
         Example:
             >>> engine.generate(["a", "b"], {"max_new_tokens": 4})  # doctest: +SKIP
         """
+        check_flags(stream=stream, group=group)
         # (a dataset's rows make many objects, here and in the results: `gc_freeze.py`)
         with working(self.config.gc_freeze):
             reqs, is_single = self._make_reqs(
@@ -272,6 +274,7 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
             >>> futures = engine.submit(["a", "b"], {"max_new_tokens": 4})  # doctest: +SKIP
             >>> [f.result()["text"] for f in futures]  # doctest: +SKIP
         """
+        check_flags(group=group)
         # (not frozen here unless the loop is busy: `working` would end before the loop takes
         # these up, and its end may owe a full pass, in the middle of the work)
         reqs, _ = self._make_reqs(

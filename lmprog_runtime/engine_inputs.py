@@ -152,3 +152,10 @@ def _per_request(name: str, value: Any, num: int, kind: type, default: Any = Non
     if values is not value:
         return [default if value is None else value] * num
     return [default if v is None else v for v in values]
+
+
+def check_flags(**flags: Any) -> None:
+    """TypeError naming the flag that is no bool ("no" was taken as True)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

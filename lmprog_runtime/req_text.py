@@ -10,7 +10,6 @@ submitted, for a jump forward at its start (`RequestMaker._jump_forward`).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 
@@ -109,10 +108,10 @@ class ReqText:
         min_new_tokens) or stop regex match (if `regex`; beginning past that text) begins in
         `text`, and what it matched; (len(text), None) if none."""
         cut, matched = self.params.stop_strings.first(text, start, self._min_text)
-        for pattern in self.params.stop_regex if regex else ():
-            found = re.compile(pattern).search(text, self._min_text)
-            if found is not None and found.start() < cut:
-                cut, matched = found.start(), found.group()
+        scanner = self._stop_regex if regex else None
+        found = scanner.first_match(text, self._min_text) if scanner is not None else None
+        if found is not None and found[0] < cut:
+            cut, matched = found
         return cut, matched
 
     def _visible_text(self) -> tuple[str, str | None]:

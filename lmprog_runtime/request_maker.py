@@ -19,7 +19,7 @@ from lmprog_runtime.byte_decode import ends_inside_a_character
 from lmprog_runtime.constrained.jump_forward import jump_forward
 from lmprog_runtime.engine_inputs import normalize_generate_inputs
 from lmprog_runtime.request import Req
-from lmprog_runtime.sampling_params import SamplingParams
+from lmprog_runtime.sampling_params import SamplingParams, check_text
 from lmprog_runtime.scheduled_batch import RequestGroup
 from lmprog_runtime.token_healing import CONTEXT_TOKENS, Heal, HealMatcher, healed_pattern
 
@@ -222,6 +222,9 @@ class RequestMaker:
 
     # ---- tokenizer access (shared by caller threads and the loop) -----------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):  # (the tokenizer's errors named its own arguments)
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        check_text(text, "text")
         self._check_process()
         with self._tokenizer_lock:
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
@@ -231,6 +234,7 @@ class RequestMaker:
             text = self._byte_table.decode(ids, skip_special_tokens)
             if text is not None:
                 return text
+        _check_ids(ids, self.runner.model_config.vocab_size)  # (past the table: rare)
         self._check_process()
         with self._tokenizer_lock:
             if self._backend_decode is not None and type(ids) is list and _flat(ids):
@@ -254,6 +258,15 @@ def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
         and not tokenizer.clean_up_tokenization_spaces
     )
     return tokenizer._tokenizer.decode if stock else None
+
+
+def _check_ids(ids: Any, vocab: int) -> None:
+    """ValueError for an id outside the vocabulary, in one sequence of ids (-1 was an
+    OverflowError, 10**6 decoded as '')."""
+    if isinstance(ids, (list, tuple)) and _flat(ids):
+        bad = [i for i in ids if isinstance(i, int) and not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
 
 
 def _flat(ids: list[Any]) -> bool:

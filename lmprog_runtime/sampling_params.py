@@ -86,8 +86,11 @@ class SamplingParams:
                 values[name] = [values[name]]
             elif isinstance(values.get(name), tuple):  # (SGLang's own default is `()`)
                 values[name] = list(values[name])
-        if isinstance(values.get("stop_token_ids"), int):
-            values["stop_token_ids"] = [values["stop_token_ids"]]
+        ids = values.get("stop_token_ids")
+        if isinstance(ids, int):
+            values["stop_token_ids"] = [ids]
+        elif isinstance(ids, (tuple, set, frozenset)):
+            values["stop_token_ids"] = list(ids)
         out = cls(**values)
         out.validate()
         return out
@@ -139,14 +142,17 @@ class SamplingParams:
         ):
             raise TypeError("stop_regex must be a string or a list of strings")
         for pattern in self.stop_regex:
+            check_text(pattern, "a stop_regex")  # (it never matched)
             try:
                 compiled = re.compile(pattern)
             except re.error as error:
                 raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {error}") from error
             if compiled.search(""):
                 raise ValueError(f"stop_regex {pattern!r} matches the empty string")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
-            raise TypeError("stop_token_ids must be a list of ints")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
+        ):  # (an iterator was used up by this check: nothing was left to stop on)
+            raise TypeError("stop_token_ids must be an int or a list of ints")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):

@@ -1,49 +1,37 @@
 """Stop regexes searched incrementally: O(new characters) per token, not O(output).
 
 A stop regex may match anywhere in the output, so searching the whole text with `re` after
-every token costs O(n) per token and O(n^2) per request. Instead each pattern's character
-DFA (interegular) runs as a search: the scanner keeps, for every DFA state that some
-suffix of the text has reached, the earliest position such a suffix starts at. Each new
-character advances those states and starts one more at the initial state; a match exists
-once a final state is reached. The earliest live start is also the first character a
-match could still begin at, so a stream holds back only the text from there.
+every token costs O(n) per token and O(n^2) per request. Instead each pattern's DFA runs
+as a search: the scanner keeps, for every DFA state that some suffix of the text has
+reached, the earliest position such a suffix starts at. Each new character advances those
+states and starts one more at the initial state; a match exists once a final state is
+reached. The earliest live start is also the first character a match could still begin at,
+so a stream holds back only the text from there.
 
-The DFA is used only where it means what Python's `re` means: patterns with anchors,
-lookarounds, backreferences or inline flags are searched with `re` over the whole text as
-before, and a pattern with `\\d`, `\\w` or `\\s` (Unicode classes in `re`, ASCII in the DFA)
-switches to `re` at its first non-ASCII character. The scanner only answers whether a
-match exists; where it begins and what it matched come from `re` (once per request).
+The DFA is built lazily from the pattern's NFA (`regex_nfa.py`): linear in the pattern, so
+no pattern can stall the thread that submits it (an up-front DFA took 82 s for
+`(a|b)*a(a|b){14}`). Patterns whose meaning depends on more than the characters read
+(anchors, lookarounds, backreferences, inline flags) are searched over the whole text by
+the `regex` module (Python's syntax, with a time limit: `re` has none, and `(x+x+)+y$`
+held the engine loop for minutes); a search past `SEARCH_TIMEOUT_S` fails its request with
+a ValueError naming the pattern. Where the first match begins, and what it matched, come
+from the DFA and a match at that start (once per request).
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from typing import Any, NamedTuple
+from typing import Any
+
+from lmprog_runtime.regex_nfa import FINAL, NFA, LazyDFA, Unsupported
 
 try:
-    import re._constants as sre_constants
-    import re._parser as sre_parse
-except ImportError:  # Python 3.10
-    import sre_constants  # type: ignore[no-redef]
-    import sre_parse  # type: ignore[no-redef]
+    import regex as _regex_engine  # (a dependency of transformers)
+except ImportError:  # pragma: no cover
+    _regex_engine = None
 
-# Constructs whose meaning depends on more than the characters read so far.
-_CONTEXT_OPS = {
-    sre_constants.AT,
-    sre_constants.ASSERT,
-    sre_constants.ASSERT_NOT,
-    sre_constants.GROUPREF,
-    sre_constants.GROUPREF_EXISTS,
-}
-
-
-class SearchDFA(NamedTuple):
-    transitions: dict[Any, dict[Any, Any]]  # state -> symbol -> state, live states only
-    alphabet: Any  # char -> symbol
-    initial: Any
-    finals: frozenset
-    ascii_only: bool  # its character classes agree with `re` on ASCII text only
+SEARCH_TIMEOUT_S = 0.05  # a search of one pattern over the output, where the DFA cannot
 
 
 class StopRegexScanner:
@@ -51,7 +39,7 @@ class StopRegexScanner:
 
     def __init__(self, patterns: list[str]) -> None:
         self._patterns = patterns
-        self._dfas: list[SearchDFA | None] = [search_dfa(p) for p in patterns]
+        self._dfas: list[LazyDFA | None] = [search_dfa(p) for p in patterns]
         self.restart(0)
 
     def restart(self, origin: int) -> None:
@@ -69,10 +57,8 @@ class StopRegexScanner:
         new, start = text[self._read :], self._read
         self._read = len(text)
         for i, dfa in enumerate(self._dfas):
-            if dfa is not None and dfa.ascii_only and not new.isascii():
-                self._dfas[i] = dfa = None  # `re` from now on
             if dfa is None:
-                found = re.compile(self._patterns[i]).search(text, self.origin) is not None
+                found = _search(self._patterns[i], text, self.origin) is not None
             else:
                 found = _advance(dfa, self._active[i], new, start)
             if found:
@@ -86,82 +72,89 @@ class StopRegexScanner:
             return self.origin
         return min((min(a.values(), default=self._read) for a in self._active), default=0)
 
+    def first_match(self, text: str, origin: int) -> tuple[int, str] | None:
+        """Where the first match in `text` from `origin` begins, and what it matched (the
+        match `re.search` finds, of the pattern listed first on a tie); None if none."""
+        best: tuple[int, str] | None = None
+        for pattern, dfa in zip(self._patterns, self._dfas):
+            if dfa is None:
+                found = _search(pattern, text, origin)
+                if found is not None and (best is None or found.start() < best[0]):
+                    best = (found.start(), found.group())
+                continue
+            span = _leftmost(dfa, text, origin)
+            if span is not None and (best is None or span[0] < best[0]):
+                try:  # (its extent as `re` has it: greedy or lazy)
+                    found = _search(pattern, text, span[0], at_start=True)
+                except ValueError:  # (out of time: the shortest match)
+                    found = None
+                best = (span[0], text[span[0] : span[1]] if found is None else found.group())
+        return best
 
-def _advance(dfa: SearchDFA, active: dict[Any, int], new: str, start: int) -> bool:
+
+def _advance(dfa: LazyDFA, active: dict[Any, int], new: str, start: int) -> bool:
     """Advance the partial matches in `active` (in place) over `new`, which begins at
     position `start`; True as soon as one completes."""
-    transitions, alphabet, finals = dfa.transitions, dfa.alphabet, dfa.finals
+    move, initial = dfa.move, dfa.initial
     for offset, ch in enumerate(new):
-        symbol = alphabet[ch]
+        here = start + offset
         nxt: dict[Any, int] = {}
-        for state, begin in [*active.items(), (dfa.initial, start + offset)]:
-            target = transitions[state].get(symbol)
-            if target is not None and begin < nxt.get(target, start + offset + 1):
+        for state, begin in [*active.items(), (initial, here)]:
+            target = move(state, ch)
+            if target and begin < nxt.get(target, here + 1):
                 nxt[target] = begin
         active.clear()
         active.update(nxt)
-        if not finals.isdisjoint(nxt):
+        if any(FINAL in state for state in nxt):
             return True
     return False
 
 
+def _leftmost(dfa: LazyDFA, text: str, origin: int) -> tuple[int, int] | None:
+    """(start, end) of the match of `text[origin:]` that starts first (its shortest end)."""
+    best: tuple[int, int] | None = None
+    active: dict[Any, int] = {}
+    for here in range(origin, len(text)):
+        ch = text[here]
+        starts = [*active.items()] if best is not None else [*active.items(), (dfa.initial, here)]
+        active = {}
+        for state, begin in starts:
+            target = dfa.move(state, ch)
+            if target and begin < active.get(target, here + 1):
+                active[target] = begin
+        for state, begin in active.items():
+            if FINAL in state and (best is None or begin < best[0]):
+                best = (begin, here + 1)
+        if best is not None:  # only an earlier start can win now
+            active = {state: begin for state, begin in active.items() if begin < best[0]}
+            if not active:
+                break
+    return best
+
+
+def _search(pattern: str, text: str, pos: int, at_start: bool = False) -> Any:
+    """`pattern`'s first match in `text` from `pos` (or one beginning at `pos`), by the
+    `regex` module with a time limit: a ValueError naming the pattern past it."""
+    if _regex_engine is None:
+        compiled = re.compile(pattern)
+        return compiled.match(text, pos) if at_start else compiled.search(text, pos)
+    compiled = _regex_engine.compile(pattern)
+    try:
+        if at_start:
+            return compiled.match(text, pos, timeout=SEARCH_TIMEOUT_S)
+        return compiled.search(text, pos, timeout=SEARCH_TIMEOUT_S)
+    except TimeoutError:
+        raise ValueError(
+            f"stop_regex {pattern!r} took over {SEARCH_TIMEOUT_S} s to search the output "
+            f"({len(text)} characters): it backtracks without end; write it without "
+            "nested repeats, or without anchors and lookarounds"
+        ) from None
+
+
 @functools.lru_cache(maxsize=256)
-def search_dfa(pattern: str) -> SearchDFA | None:
-    """The pattern's DFA, pruned to states that can still reach a match; None where `re`
-    must search it."""
+def search_dfa(pattern: str) -> LazyDFA | None:
+    """The pattern's lazily built DFA; None where the `regex` module must search it."""
     try:
-        parsed = sre_parse.parse(pattern)
-    except re.error:
+        return LazyDFA(NFA(pattern))
+    except (Unsupported, re.error, RecursionError):
         return None
-    if parsed.state.flags & ~re.UNICODE:  # inline flags: (?i), (?s), (?m), (?x), ...
-        return None
-    ascii_only = False
-    for op, av in _walk(parsed):
-        if op in _CONTEXT_OPS or (op is sre_constants.SUBPATTERN and (av[1] or av[2])):
-            return None  # context, or a group with its own flags: (?i:...)
-        if op is sre_constants.CATEGORY or (
-            op is sre_constants.IN and any(o is sre_constants.CATEGORY for o, _ in av)
-        ):
-            ascii_only = True
-    try:
-        import interegular
-
-        fsm = interegular.parse_pattern(pattern).to_fsm()
-    except Exception:  # noqa: BLE001 - a construct interegular lacks: `re` searches it
-        return None
-    live = _states_reaching(fsm.finals, fsm.map)
-    transitions = {
-        state: {sym: t for sym, t in fsm.map.get(state, {}).items() if t in live} for state in live
-    }
-    if fsm.initial not in live:
-        return None
-    return SearchDFA(transitions, fsm.alphabet, fsm.initial, frozenset(fsm.finals), ascii_only)
-
-
-def _states_reaching(finals: Any, transitions: dict[Any, dict[Any, Any]]) -> set:
-    reverse: dict[Any, set] = {}
-    for state, edges in transitions.items():
-        for target in edges.values():
-            reverse.setdefault(target, set()).add(state)
-    live, todo = set(finals), list(finals)
-    while todo:
-        for source in reverse.get(todo.pop(), ()):
-            if source not in live:
-                live.add(source)
-                todo.append(source)
-    return live
-
-
-def _walk(node: Any):
-    """Every (op, argument) of a parsed pattern, nested groups and repeats included."""
-    for op, av in node:
-        yield op, av
-        yield from _walk_children(av)
-
-
-def _walk_children(av: Any):
-    if isinstance(av, sre_parse.SubPattern):
-        yield from _walk(av)
-    elif isinstance(av, (list, tuple)):
-        for item in av:
-            yield from _walk_children(item)

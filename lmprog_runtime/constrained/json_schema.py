@@ -93,6 +93,10 @@ def schema_to_regex(schema: str, layout: Layout = DEFAULT_LAYOUT) -> str:
         raise ValueError(f"json_schema is not valid JSON: {error}") from error
     except RecursionError:  # (Python's parser, past about a thousand levels)
         raise ValueError(_too_deep("over a thousand")) from None
+    if parsed is True:  # (every document: outlines-core refused the bare `true`)
+        parsed = {}
+    elif parsed is False:
+        raise ValueError("json_schema false accepts no document")
     _check_depth(parsed)
     numbers: dict[str, str] = {}
     parsed = _replace_numbers(prepared(parsed), numbers, schema)

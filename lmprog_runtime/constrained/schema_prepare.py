@@ -34,6 +34,7 @@ _SCHEMA_VALUED = frozenset(
     | {"contains", "propertyNames", "if", "then", "else", "additionalItems"}
 )
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment"})
+_EVERY_TYPE = ["boolean", "null", "number", "string", "array", "object"]
 # What a string's pattern may hold raw: no quote, no backslash, no control character.
 _UNSAFE = '"\\\\\\x00-\\x1f'
 _FORMATS = {
@@ -68,6 +69,10 @@ def _prepare(node: Any, is_schema: bool = True) -> Any:
         return [_prepare(item, is_schema) for item in node]
     if not isinstance(node, dict):
         return node
+    if is_schema and set(node) <= _ANNOTATIONS:  # any value
+        # (outlines-core writes `{}` as bare alternatives: as a property, `{"a": {}}`
+        # matched `[1]` and refused `{"a": true}`; its list of every type is grouped)
+        return {**node, "type": _EVERY_TYPE}
     node = _without_all_of(node)
     if "oneOf" in node and "discriminator" not in node:
         raise ValueError(
@@ -86,13 +91,22 @@ def _prepare(node: Any, is_schema: bool = True) -> Any:
     out = {}
     for key, value in node.items():
         if key in _NAMED_SCHEMAS and isinstance(value, dict):
-            out[key] = {name: _prepare(sub) for name, sub in value.items()}
+            # (`true`, any value, as `{}`: outlines-core refused a bare `true` there)
+            out[key] = {name: _prepare({} if sub is True else sub) for name, sub in value.items()}
         elif key == "pattern" and isinstance(value, str):
             out[key] = json_safe_pattern(value)
+        elif key in ("items", "prefixItems") and is_schema:
+            out[key] = _prepare(_true_as_empty(value), True)
         else:
             inner = is_schema and key in _SCHEMA_VALUED
             out[key] = value if key in _NOT_SCHEMAS else _prepare(value, inner)
     return out
+
+
+def _true_as_empty(value: Any) -> Any:
+    if isinstance(value, list):
+        return [{} if item is True else item for item in value]
+    return {} if value is True else value
 
 
 def _without_all_of(node: dict) -> dict:

@@ -31,7 +31,10 @@ def bad_calls(tmp_path, jsonl):
         ((jsonl,), {"num_threads": -1}, ValueError, "num_threads must be"),
         ((jsonl,), {"id_column": 3}, TypeError, "id_column must be a column name"),
         ((jsonl,), {"question": "q"}, TypeError, r"unknown keyword arguments \['question'\]"),
-        ((jsonl,), {"temperature": -1.0}, None, None),  # checked by the engine, per request
+        # Sampling defaults checked as gen checks them (they were every row's error).
+        ((jsonl,), {"temperature": -1.0}, ValueError, "temperature"),
+        ((jsonl,), {"return_logprob": "no"}, TypeError, "return_logprob"),
+        ((jsonl,), {"stop_token_ids": [10**9]}, None, None),  # the engine's, per request
         ((df,), {"id_column": "key"}, ValueError, "id_column 'key' is not a column"),
         ((df[["id", "system"]],), {}, ValueError, "no column 'question' for the argument"),
         ((df.assign(error=1),), {}, ValueError, r"column\(s\) \['error'\], which the output"),
@@ -50,10 +53,10 @@ def test_bad_arguments_fail_before_any_row_runs(engine, tmp_path, jsonl):
     assert engine.stats()["finished_requests"] == 0
 
 
-def test_a_bad_sampling_value_fails_each_row_not_the_map(engine, jsonl):
-    rows = list(qa.map(jsonl, backend=engine, temperature=-1.0))
+def test_a_sampling_value_the_engine_refuses_fails_each_row_not_the_map(engine, jsonl):
+    rows = list(qa.map(jsonl, backend=engine, stop_token_ids=[10**9]))
     assert len(rows) == 5
-    assert all(r["error"].startswith("ValueError") and "temperature" in r["error"] for r in rows)
+    assert all(r["error"].startswith("ValueError") and "stop_token_ids" in r["error"] for r in rows)
 
 
 def test_an_input_column_clashing_mid_stream_is_refused(engine):

@@ -43,6 +43,10 @@ GENERATE = [  # (kwargs of engine.generate, error type, text the message must co
     ({"prompt": "hi", "sampling_params": {"stop_regex": "["}}, ValueError, "stop_regex"),
     ({"prompt": "hi", "sampling_params": {"bogus": 1}}, ValueError, "bogus"),
     ({"prompt": "hi", "top_logprobs_num": -1}, ValueError, "top_logprobs_num"),
+    ({"prompt": "hi", "stream": "yes"}, TypeError, "stream must be a bool"),  # (was True)
+    ({"prompt": ["a", "b"], "group": "x"}, TypeError, "group must be a bool"),
+    ({"prompt": "hi", "sampling_params": {"stop_token_ids": iter([1])}}, TypeError, "stop_token"),
+    ({"prompt": "hi", "sampling_params": {"stop_regex": "a\ud800"}}, ValueError, "surrogate"),
     ({"prompt": "hi", "sampling_params": {"ignore_eos": "no"}}, TypeError, "ignore_eos"),
     (
         {"prompt": "hi", "sampling_params": {"skip_special_tokens": "no"}},
@@ -74,6 +78,8 @@ GEN = [  # (kwargs of lp.gen, error type, message)
     ({"ignore_eos": "no"}, TypeError, "ignore_eos"),  # ("no" once meant True)
     ({"return_logprob": 1}, TypeError, "return_logprob"),
     ({"top_logprobs_num": "5"}, TypeError, "top_logprobs_num"),
+    # With choices the other arguments do not apply, but a bad one was dropped unchecked.
+    ({"choices": ["a", "b"], "max_tokens": "bad"}, TypeError, "max_tokens"),
 ]
 
 SELECT = [  # (kwargs of lp.select, error type, message)
@@ -130,6 +136,28 @@ def test_select_takes_any_iterable_of_choices_and_temperature_none():
         (lambda e: _one_gen.run_batch(["x"], backend=e), TypeError, "run_batch"),
         (lambda e: _one_gen.run_batch([{"topic": "x"}], bogus=1, backend=e), TypeError, "bogus"),
         (lambda e: _one_gen.run(topic="x", backend="not an engine"), TypeError, "backend"),
+        (lambda e: _one_gen.run(topic="x", stream="yes", backend=e), TypeError, "stream must"),
+        (lambda e: _one_gen.run(topic="x", live="x", backend=e), TypeError, "live must be"),
+        (
+            lambda e: _one_gen.run_batch([{"topic": "x"}], progress_bar="no", backend=e),
+            TypeError,
+            "progress_bar must be a bool",
+        ),
+        (lambda e: _one_gen.run_batch(None, backend=e), TypeError, "run_batch takes a list"),
+        # Request options were converted, not checked ("no" turned logprobs on, 2.7 was 2).
+        (lambda e: _one_gen.run(topic="x", return_logprob="no", backend=e), TypeError, "return_"),
+        (lambda e: _one_gen.run(topic="x", top_logprobs_num=2.7, backend=e), TypeError, "top_"),
+        (
+            lambda e: _one_gen.run_batch([{"topic": "x"}], max_new_tokens=-1, backend=e),
+            ValueError,
+            "max_new_tokens must be >= 0",
+        ),
+        # An iterator was used up by the check: nothing was left to stop on.
+        (
+            lambda e: _one_gen.run(topic="x", stop_token_ids=iter([1, 2]), backend=e),
+            TypeError,
+            "stop_token_ids",
+        ),
     ],
 )
 def test_run_and_run_batch(engine, call, error, message):
@@ -159,9 +187,44 @@ def test_run_and_run_batch(engine, call, error, message):
         ({"num_threads": 1.5}, TypeError, "num_threads"),
         ({"mem_fraction": "0.3"}, TypeError, "mem_fraction"),
         ({"disable_radix_cache": "no"}, TypeError, "disable_radix_cache"),
+        # Accepted, then every request (or torch) failed on them.
+        ({"grammar_compile_timeout_s": 1e12}, ValueError, "grammar_compile_timeout_s"),
+        ({"schedule_conservativeness": 1e308}, ValueError, "schedule_conservativeness"),
+        ({"num_threads": 10**30}, ValueError, "num_threads"),
     ],
 )
 def test_engine_arguments(tiny_path, kwargs, error, message):
     kwargs = {"model_path": tiny_path, **kwargs}
     with pytest.raises(error, match=message):
         Engine(**kwargs)
+
+
+def test_a_fork_too_large_is_refused_and_a_second_join_too(engine):
+    @lp.function
+    def forks(s, size, joins):
+        s += "Hello"
+        branches = s.fork(size)
+        branches += "[A]"
+        for _ in range(joins):
+            branches.join("concate_and_append")
+
+    with pytest.raises(ValueError, match="fork size must be at most 4096"):
+        forks.run(size=10**30, joins=1, backend=engine)  # (it never returned)
+    with pytest.raises(RuntimeError, match="joined already"):  # (the text came twice)
+        forks.run(size=2, joins=2, backend=engine)
+    assert forks.run(size=2, joins=1, backend=engine).text() == "Hello[A][A]"
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [  # (the tokenizer's own errors named its arguments, -1 overflowed, 10**6 gave "")
+        (lambda e: e.encode(None), TypeError, "text must be a str"),
+        (lambda e: e.encode("a\ud800"), ValueError, "text holds a lone surrogate"),
+        (lambda e: e.decode([5, -1]), ValueError, r"\[-1\] are outside the vocabulary"),
+        (lambda e: e.decode([10**6]), ValueError, "outside the vocabulary"),
+    ],
+)
+def test_encode_and_decode(engine, call, error, message):
+    with pytest.raises(error, match=message):
+        call(engine)
+    assert engine.decode(engine.encode("still fine", add_special_tokens=False)) == "still fine"

@@ -158,3 +158,17 @@ def test_stop_regex_is_checked_at_submit(engine):
         engine.generate("hi", {"stop_regex": "a*"})
     with pytest.raises(TypeError, match="stop_regex"):
         engine.generate("hi", {"stop_regex": [3]})
+
+
+def test_a_stop_regex_search_out_of_time_fails_its_request_alone(engine, monkeypatch):
+    """An anchored pattern is searched by a backtracking engine, within a time limit: one
+    past it fails its own request, naming the pattern (`(x+x+)+y$` once held the loop, and
+    every request, for minutes). The limit is made tiny here to stand for such a pattern."""
+    import lmprog_runtime.stop_regex as stop_regex
+
+    monkeypatch.setattr(stop_regex, "SEARCH_TIMEOUT_S", 1e-7)
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    futures = engine.submit(PROMPTS[:2], [{**params, "stop_regex": r"(?<=q)(x+x+)+y"}, params])
+    with pytest.raises(RuntimeError, match=r"stop_regex .* took over 1e-07 s"):
+        futures[0].result(timeout=60)
+    assert len(futures[1].result(timeout=60)["output_ids"]) == 12

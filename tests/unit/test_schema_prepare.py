@@ -145,3 +145,39 @@ def test_nesting_past_what_outlines_core_reads_is_refused_by_its_depth():
 
     with pytest.raises(ValueError, match="over a thousand deep"):
         deep.trace()
+
+
+ANY_VALUE_DOCS = [  # (in outlines-core's layout) -> whether {"a": <any value>} holds
+    ('{"a": true}', True),
+    ('{"a": null}', True),
+    ('{"a": 1.5}', True),
+    ('{"a": "x"}', True),
+    ('{"a": [1, {"b": "c"}]}', True),
+    ('{"a": {"q": false}}', True),
+    ("[929973200022]", False),
+    ("null", False),
+    ('"x"', False),
+]
+
+
+@pytest.mark.parametrize(
+    "any_value",
+    [{}, True, {"description": "anything"}, {"title": "A", "$comment": "no type"}],
+)
+def test_a_property_of_any_value_takes_every_value_and_nothing_else(any_value):
+    """outlines-core writes a schema of any value as bare alternatives: as a property the
+    regex read `{"a": true` OR `null` OR ..., matching `[929973200022]` and refusing
+    `{"a": true}` (the tiny model wrote an array for an object schema); a bare `true` there
+    was refused. Checked against jsonschema."""
+    schema = {"type": "object", "properties": {"a": any_value}, "required": ["a"]}
+    regex = schema_to_regex(json.dumps(schema))
+    for doc, valid in ANY_VALUE_DOCS:
+        assert bool(re.fullmatch(regex, doc)) == valid, doc
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(doc)) == valid, doc
+
+
+def test_true_and_false_as_the_whole_schema():
+    regex = schema_to_regex("true")  # (outlines-core refused it)
+    assert all(re.fullmatch(regex, doc) for doc in ("1", '"x"', "[null]", '{"k": {}}'))
+    with pytest.raises(ValueError, match="json_schema false accepts no document"):
+        schema_to_regex("false")

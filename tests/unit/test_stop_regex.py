@@ -7,8 +7,10 @@ begin in (its `stable_len`), for patterns it runs as a DFA and patterns it leave
 
 from __future__ import annotations
 
+import random
 import re
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +25,7 @@ PATTERNS = [
     r"(ab)+c",
     r"[^ab]b",
     r"a.b",
-    r"\d\d",  # ASCII in the DFA: switches to `re` on non-ASCII text
+    r"\d\d",  # `re`'s Unicode class: ٣ is a digit
     r"\w+!",
     r"\bab",  # `re` only (context)
     r"(?i)ab",  # `re` only (flags)
@@ -59,9 +61,73 @@ def test_scanner_agrees_with_re_search(patterns, text, cuts):
 
 def test_which_patterns_run_as_a_dfa():
     assert search_dfa(r"END|STOP") is not None
-    assert search_dfa(r"\d+").ascii_only
+    assert search_dfa(r"\d+") is not None  # (`re`'s Unicode class, tested per character)
     for pattern in (r"\bx", r"x$", r"(?i)x", r"(?i:x)y", r"(a)\1", r"x(?=y)", r"(?<=a)b"):
         assert search_dfa(pattern) is None, pattern
+    for pattern in (r"x*+y", r"(?>xy|x)y", r"(?:a{100}){100}"):  # (possessive, atomic, huge)
+        assert search_dfa(pattern) is None, pattern
+
+
+@given(
+    patterns=st.lists(st.sampled_from(PATTERNS), min_size=1, max_size=3, unique=True),
+    # (few letters: matches that merge, and ties between patterns, are common)
+    text=st.one_of(st.text(alphabet="abc", max_size=30), st.text(alphabet=ALPHABET, max_size=60)),
+    origin=st.integers(0, 60),
+)
+@settings(max_examples=400, deadline=None)
+def test_first_match_is_the_match_re_search_finds_first(patterns, text, origin):
+    """Where the stop cuts and what it reports: the leftmost `re.search` match from
+    `origin` over the patterns, the one listed first on a tie (it was `re.search` itself,
+    which backtracks without end on some patterns)."""
+    origin = min(origin, len(text))
+    expected = None
+    for pattern in patterns:
+        found = re.compile(pattern).search(text, origin)
+        if found is not None and (expected is None or found.start() < expected[0]):
+            expected = (found.start(), found.group())
+    assert StopRegexScanner(patterns).first_match(text, origin) == expected, patterns
+
+
+@pytest.mark.parametrize(
+    ("patterns", "text", "expected"),
+    [
+        (["ab|ba", "(ab)+c"], "xabc", (1, "ab")),  # a tie: the pattern listed first
+        (["(ab)+c", "ab|ba"], "xabc", (1, "abc")),
+        (["(ab)+c"], "abababc", (0, "abababc")),  # runs from 0, 2 and 4 merge: the first
+        (["b", "a.*c"], "abc", (0, "abc")),
+        (["a+?"], "aaa", (0, "a")),  # lazy: `re`'s extent
+        (["a{2,3}"], "aaaa", (0, "aaa")),
+        (["b$", "c"], "abc", (2, "c")),  # (`regex` searches `b$`: no match)
+    ],
+)
+def test_first_match_examples(patterns, text, expected):
+    assert StopRegexScanner(patterns).first_match(text, 0) == expected
+
+
+def test_a_pattern_whose_dfa_is_exponential_is_built_lazily():
+    """(a|b)*a(a|b){n}: the DFA up front has 2^n states (n = 14 took 82 s on the thread
+    that submits, which every program shares); the NFA has a few per character of the
+    pattern, and the scan agrees with `re.search`."""
+    pattern = r"(a|b)*a(a|b){40}"
+    dfa = search_dfa(pattern)
+    assert dfa is not None and len(dfa.nfa.tests) < 300
+    rng = random.Random(0)
+    for _ in range(20):
+        text = "".join(rng.choice("ab") for _ in range(60)) + "c" + "b" * 50
+        scanner = StopRegexScanner([pattern])
+        seen = [scanner.feed(text[: i + 1]) for i in range(len(text))]
+        expected = [re.search(pattern, text[: i + 1]) is not None for i in range(len(text))]
+        first = expected.index(True) if True in expected else len(text)
+        assert seen[: first + 1] == expected[: first + 1]
+
+
+def test_a_search_that_backtracks_without_end_fails_with_the_pattern_named():
+    """Anchored patterns are searched by a backtracking engine: one that explodes (2^60
+    paths here) is stopped by its time limit, instead of holding the engine loop."""
+    scanner = StopRegexScanner([r"^(a|aa)+$"])
+    with pytest.raises(ValueError, match=r"stop_regex '\^\(a\|aa\)\+\$' took over"):
+        scanner.feed("a" * 60 + "b")
+    assert StopRegexScanner([r"^(a|aa)+$"]).feed("aaab") is False  # (a short one is searched)
 
 
 def test_scanning_is_proportional_to_the_new_text():
