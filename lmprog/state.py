@@ -246,6 +246,8 @@ class ProgramState(StateBlocks):
     def __setitem__(self, name: str, value: Any) -> None:
         """Set a variable at this point of the program (later reads see it); on a finished
         state, set it at once."""
+        if not isinstance(name, str):  # (as gen's name: 5 was accepted)
+            raise TypeError(f"a variable name must be a str, got {type(name).__name__}")
         stream = self._stream
         with stream.lock:
             if not stream.is_closed:

@@ -56,6 +56,8 @@ class StateBlocks:
 
     def var_scope(self, name: str) -> Any:
         """Capture the text written inside the block as variable `name`."""
+        if not isinstance(name, str):  # (as gen's name: a list failed as it was hashed)
+            raise TypeError(f"var_scope's name must be a str, got {type(name).__name__}")
         return self._block(VarScopeBegin(name), VarScopeEnd(name))
 
 

@@ -121,6 +121,8 @@ def _writable_key(key: Any, problems: set[str], active: set[int], default: Any) 
 
 def check_output(output: str | os.PathLike[str], resume: bool) -> Path:
     """The output path, validated before anything runs (ValueError naming `output`)."""
+    if not isinstance(output, (str, os.PathLike)):
+        raise TypeError(f"output must be a path, got {type(output).__name__}")
     path = Path(output)
     if path.suffix.lower() not in OUTPUT_SUFFIXES:
         raise ValueError(f"output {str(path)!r} must end in one of {OUTPUT_SUFFIXES}")

@@ -77,6 +77,10 @@ def resolve_model_path(name_or_path: str | os.PathLike[str] | None = None) -> st
     """
     if name_or_path is None:
         return default_model_path("tiny")
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(
+            f"model_path must be a model name or a path, got {type(name_or_path).__name__}"
+        )
     value = os.fspath(name_or_path)
     path = Path(value).expanduser()
     if path.exists():

@@ -24,6 +24,7 @@ def bad_calls(tmp_path, jsonl):
         ((tmp_path / "in.txt",), {}, ValueError, "data path .* must end in"),
         ((tmp_path / "missing.jsonl",), {}, FileNotFoundError, "does not exist"),
         ((jsonl,), {"output": tmp_path / "o.csv"}, ValueError, "output .* must end in"),
+        ((jsonl,), {"output": 5}, TypeError, "output must be a path, got int"),
         ((jsonl,), {"output": existing}, ValueError, "already exists: pass resume=True"),
         ((jsonl,), {"resume": True}, ValueError, "resume=True needs an output"),
         ((jsonl,), {"resume": 1}, TypeError, "resume must be a bool"),

@@ -188,6 +188,7 @@ def test_run_and_run_batch(engine, call, error, message):
         ({"mem_fraction": "0.3"}, TypeError, "mem_fraction"),
         ({"disable_radix_cache": "no"}, TypeError, "disable_radix_cache"),
         # Accepted, then every request (or torch) failed on them.
+        ({"model_path": 5}, TypeError, "model_path must be a model name or a path"),
         ({"grammar_compile_timeout_s": 1e12}, ValueError, "grammar_compile_timeout_s"),
         ({"schedule_conservativeness": 1e308}, ValueError, "schedule_conservativeness"),
         ({"num_threads": 10**30}, ValueError, "num_threads"),
@@ -228,3 +229,18 @@ def test_encode_and_decode(engine, call, error, message):
     with pytest.raises(error, match=message):
         call(engine)
     assert engine.decode(engine.encode("still fine", add_special_tokens=False)) == "still fine"
+
+
+def test_variable_names_must_be_strings(engine):
+    @lp.function
+    def named(s, how):
+        if how == "set":
+            s[5] = 1
+        else:
+            with s.var_scope(["x"]):
+                s += "hi"
+
+    with pytest.raises(TypeError, match="a variable name must be a str, got int"):
+        named.run(how="set", backend=engine)
+    with pytest.raises(TypeError, match="var_scope's name must be a str, got list"):
+        named.run(how="scope", backend=engine)
