@@ -149,8 +149,14 @@ class Stream:
             self.cv.wait()
 
     def is_synced(self) -> bool:
-        """Everything appended so far has run (lock held)."""
-        return self.is_started and not self.is_busy and self.pos == len(self.nodes)
+        """Everything appended so far has run (lock held); not while the body's exception
+        waits to fail the program (`raised`: a reader saw no error)."""
+        return (
+            self.is_started
+            and not self.is_busy
+            and self.pos == len(self.nodes)
+            and self.raised is None
+        )
 
     def has_run(self, name: str) -> bool:
         """The latest node setting `name` that was appended has run (lock held)."""

@@ -22,6 +22,7 @@ OPTIONAL, whose every optional space is a model choice that stops jump-forward, 
 from __future__ import annotations
 
 import json
+import math
 from enum import Enum, auto
 from typing import Any
 
@@ -32,6 +33,7 @@ from lmprog_runtime.constrained.number_regex import (
     number_range_regex,
 )
 from lmprog_runtime.constrained.schema_prepare import prepared
+from lmprog_runtime.constrained.schema_size import MAX_REGEX_CHARS, estimated_size
 
 BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 DIGIT_KEYWORDS = (
@@ -56,6 +58,7 @@ UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
         "if",
         "then",
         "else",
+        "dependencies",
         "dependentRequired",
         "dependentSchemas",
         "patternProperties",
@@ -98,8 +101,11 @@ def schema_to_regex(schema: str, layout: Layout = DEFAULT_LAYOUT) -> str:
     elif parsed is False:
         raise ValueError("json_schema false accepts no document")
     _check_depth(parsed)
+    _check_finite(parsed)
     numbers: dict[str, str] = {}
-    parsed = _replace_numbers(prepared(parsed), numbers, schema)
+    ready = prepared(parsed)
+    _check_size(ready)
+    parsed = _replace_numbers(ready, numbers, schema)
     _refuse(_unsupported_keywords(parsed))
     _check_depth(parsed)  # (a number's bounds may have wrapped it in an anyOf)
     space = _unused("LMPROGSPACE", schema)
@@ -127,6 +133,30 @@ def _check_depth(value: Any) -> None:
             todo += [(child, depth + 1) for child in children]
 
 
+def _check_finite(value: Any) -> None:
+    """ValueError for a number that is not finite (`Infinity`, `1e400`: an OverflowError
+    in the bounds' translation)."""
+    todo = [value]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            raise ValueError(f"json_schema holds a number that is not finite: {node}")
+        if isinstance(node, (dict, list)):
+            todo += node.values() if isinstance(node, dict) else node
+
+
+def _check_size(schema: Any) -> None:
+    """ValueError for a schema whose regex would pass MAX_REGEX_CHARS: each level of
+    arrays doubles its items' pattern, and a `$ref` is written out where it stands (22
+    levels of arrays in 568 characters took every GiB of memory there was)."""
+    size = estimated_size(schema)
+    if size > MAX_REGEX_CHARS:
+        raise ValueError(
+            f"unsupported JSON schema: its regex would be about {size:,} characters (at most "
+            f"{MAX_REGEX_CHARS:,}): nest fewer arrays, or reference fewer large definitions"
+        )
+
+
 def _too_deep(depth: str) -> str:
     return (
         f"unsupported JSON schema: its objects and lists nest {depth} deep; outlines-core "
@@ -150,6 +180,8 @@ def _lay_out(regex: str, space: str, layout: Layout) -> str:
         # `,M` between items; a separator gets one space after it, nothing else does.
         regex = regex.replace(f"{space}:{space}", ": ").replace(f"{space},{space}", ", ")
         regex = regex.replace(f",{space}", ", ")
+        # (an optional member's comma ends its group: `("a": 1,)?"b"` gave `1,"b"`)
+        regex = regex.replace(f"{space},)?", ", )?")
     return regex.replace(space, "")
 
 

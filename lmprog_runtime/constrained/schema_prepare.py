@@ -15,8 +15,17 @@ rewritten into a narrower schema every output of which validates.
   `^` / `$` ends are dropped and it is grouped (an alternation `a|b` would otherwise take
   the quotes into its branches), so every string allowed contains a match. What it lets a
   string hold raw is narrowed to what JSON holds raw: `.` and negated classes leave out
-  the quote, the backslash and control characters, `\\s` is a space; what cannot be
-  narrowed so (`\\S`, `\\W`, `\\D`, a quote or a backslash) is refused.
+  the quote, the backslash and control characters, as does a class's range (`[ -~]`,
+  printable ASCII, held both), `\\s` is a space; what cannot be narrowed so (`\\S`,
+  `\\W`, `\\D`, a quote or a backslash, escapes of control characters, octal and named
+  ones: `\\n`, `\\042`, `\\N{...}`, `[\\b]`) is refused.
+- A constraint the translation drops for the keyword beside it is refused: anything but
+  annotations (and `type` for an `enum` / `const`) next to `enum`, `const`, `$ref`,
+  `anyOf` or `oneOf`, a `minLength` / `maxLength` next to a `pattern` or `format`, and
+  `prefixItems` with item counts it does not hold (it writes exactly the prefix items).
+  An `enum` is narrowed to the values of its `type`.
+- A schema of any value (`{}`, `true`, annotations only) becomes the list of every type
+  (outlines-core wrote `{}` as bare alternatives, which spilled out of a property).
 - The formats `date`, `time`, `email` and `uri` become patterns of ASCII that JSON holds
   raw (outlines-core's admit Unicode digits, `time`'s lets a backslash in, `email`'s
   quoted local part and `uri`'s `[^\\s]` let quotes in).
@@ -82,6 +91,7 @@ def _prepare(node: Any, is_schema: bool = True) -> Any:
     _check_properties(node)
     if is_schema:
         _check_alternatives(node)
+        node = _check_siblings(node)
     form = node.get("format")
     if node.get("type") == "string" and form in _FORMATS:
         if "pattern" in node:
@@ -123,6 +133,64 @@ def _without_all_of(node: dict) -> dict:
             f"unsupported JSON schema: 'allOf' next to {sorted(set(rest) - _ANNOTATIONS)}"
         )
     return {**rest, **branches[0]}
+
+
+# Keywords next to which outlines-core's translation ignores every other constraint (it
+# writes the listed values, the referenced schema, the alternatives), and those that may
+# stand beside them all the same.
+_ALONE = {
+    "enum": _ANNOTATIONS | {"type", "enum"},
+    "const": _ANNOTATIONS | {"type", "const"},
+    "$ref": _ANNOTATIONS | {"$ref", "$defs", "definitions"},
+    "anyOf": _ANNOTATIONS | {"anyOf", "$defs", "definitions"},
+    "oneOf": _ANNOTATIONS | {"oneOf", "discriminator", "$defs", "definitions"},
+}
+_JSON_TYPES: dict[str, Any] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+
+
+def _check_siblings(node: dict) -> dict:
+    """ValueError for a constraint the translation would drop for the keyword beside it
+    (`{"type": "string", "minLength": 3, "enum": ["a"]}` gave "a"); an `enum` narrowed to
+    the values of its `type` (`{"type": "string", "enum": ["a", 1]}` gave 1)."""
+    for key, allowed in _ALONE.items():
+        if key in node and set(node) - allowed:
+            raise ValueError(
+                f"unsupported JSON schema: {sorted(set(node) - allowed)} next to {key!r}, "
+                f"which outlines-core would enforce alone (put the constraint inside it)"
+            )
+    if node.get("type") == "string" and ("pattern" in node or "format" in node):
+        lengths = sorted({"minLength", "maxLength"} & set(node))
+        if lengths:  # (outlines-core drops the pattern for the lengths)
+            raise ValueError(
+                f"unsupported JSON schema: {lengths} next to a 'pattern' or 'format' "
+                "(write the length into the pattern: `^[A-Z]{3}$`)"
+            )
+    prefix = node.get("prefixItems")
+    if isinstance(prefix, list):  # (written as exactly its items)
+        low, high = node.get("minItems", 0), node.get("maxItems", len(prefix))
+        if not (isinstance(low, int) and isinstance(high, int) and low <= len(prefix) <= high):
+            raise ValueError(
+                f"unsupported JSON schema: 'prefixItems' of {len(prefix)} with 'minItems' "
+                f"{low} / 'maxItems' {high} (the translation writes exactly the prefix items)"
+            )
+    kind = node.get("type")
+    check = _JSON_TYPES.get(kind) if isinstance(kind, str) else None
+    if check is not None and "const" in node and not check(node["const"]):
+        raise ValueError(f"JSON schema: 'const' {node['const']!r} is no {node['type']}")
+    if check is not None and isinstance(node.get("enum"), list):
+        kept = [value for value in node["enum"] if check(value)]
+        if not kept:
+            raise ValueError(f"JSON schema: no 'enum' value is a {node['type']}")
+        node = {**node, "enum": kept}
+    return node
 
 
 def _check_alternatives(node: dict) -> None:
@@ -202,40 +270,91 @@ def json_safe_pattern(pattern: str) -> str:
     body = pattern[1:] if pattern.startswith("^") else pattern
     if body.endswith("$") and not body.endswith("\\$"):
         body = body[:-1]
-    out, i, in_class = [], 0, False
+    out, i = [], 0
     while i < len(body):
         ch = body[i]
         if ch == "\\" and i + 1 < len(body):
-            out.append(_escape(body[i + 1]))
+            out.append(_escape(body[i + 1], pattern))
             i += 2
             continue
         if ord(ch) < 0x20 or ch == '"':
             raise ValueError(f"unsupported JSON schema: pattern {pattern!r} holds {ch!r}")
-        if not in_class and ch == "[":
-            in_class = True
-            out.append(ch)
-            if body.startswith("^", i + 1):  # a negated class: leave JSON's escapes out
-                out.append("^" + _UNSAFE)
-                i += 1
-            if body.startswith("]", i + 1):  # (a literal ']' first)
-                out.append("\\]")
-                i += 1
-        elif not in_class and ch == ".":
-            out.append(f"[^{_UNSAFE}]")
-        else:
-            in_class = in_class and ch != "]"
-            out.append(ch)
+        if ch == "[":
+            text, i = _narrowed_class(body, i, pattern)
+            out.append(text)
+            continue
+        out.append(f"[^{_UNSAFE}]" if ch == "." else ch)
         i += 1
     return "(" + "".join(out) + ")"
 
 
-def _escape(ch: str) -> str:
+def _narrowed_class(body: str, i: int, pattern: str) -> tuple[str, int]:
+    """The class at `body[i]` ("[") narrowed to what JSON holds raw, and where it ends: a
+    range leaves out the quote, the backslash and control characters (`[ -~]`, printable
+    ASCII, let both in), a negated class leaves them out too."""
+    j = i + 1
+    negated = body.startswith("^", j)
+    j += negated
+    items: list[tuple[bool, str]] = []  # (a character, else an escape's text)
+    while j < len(body) and (body[j] != "]" or not items):
+        if body[j] == "\\" and j + 1 < len(body):
+            escaped = body[j + 1]
+            if escaped.isalnum():
+                items.append((False, _escape(escaped, pattern, in_class=True)))
+            else:
+                items.append((True, escaped))
+            j += 2
+        else:
+            items.append((True, body[j]))
+            j += 1
+    out, k = [], 0
+    while k < len(items):
+        is_char, text = items[k]
+        if is_char and k + 2 < len(items) and items[k + 1] == (True, "-") and items[k + 2][0]:
+            low, high = text, items[k + 2][1]
+            out.append(
+                _class_char(low) + "-" + _class_char(high) if negated else _safe_range(low, high)
+            )
+            k += 3
+            continue
+        if is_char and not negated and (ord(text) < 0x20 or text in '"\\'):
+            raise ValueError(f"unsupported JSON schema: pattern {pattern!r} holds {text!r}")
+        out.append(_class_char(text) if is_char else text)
+        k += 1
+    if not "".join(out):
+        raise ValueError(
+            f"unsupported JSON schema: pattern {pattern!r} has a class JSON holds no character of"
+        )
+    return "[" + ("^" + _UNSAFE if negated else "") + "".join(out) + "]", j + 1
+
+
+def _safe_range(low: str, high: str) -> str:
+    """The range `low`-`high` without the characters JSON escapes."""
+    pieces, start = [], ord(low)
+    for unsafe_low, unsafe_high in ((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)):
+        if start < unsafe_low:
+            pieces.append((start, min(ord(high), unsafe_low - 1)))
+        start = max(start, unsafe_high + 1)
+    if start <= ord(high):
+        pieces.append((start, ord(high)))
+    return "".join(
+        _class_char(chr(a)) + ("" if a == b else "-" + _class_char(chr(b)))
+        for a, b in pieces
+        if a <= b
+    )
+
+
+def _class_char(ch: str) -> str:
+    return "\\" + ch if ch in "\\]^-[" else ch
+
+
+def _escape(ch: str, pattern: str, in_class: bool = False) -> str:
     """The escape `\\ch` as the narrowed pattern writes it (inside a class or out)."""
-    if ch in 'SWDxuU"\\':
+    if ch in 'SWDxuU"\\ntrfva0123456789N' or (in_class and ch == "b"):
         what = {"x": "a \\x escape", "u": "a \\u escape", "U": "a \\U escape"}.get(ch)
         raise ValueError(
-            f"unsupported JSON schema: {what or repr(chr(92) + ch)} in a pattern could let a "
-            "quote, a backslash or a control character into the string"
+            f"unsupported JSON schema: {what or repr(chr(92) + ch)} in pattern {pattern!r} "
+            "could let a quote, a backslash or a control character into the string"
         )
     if ch == "s":
         return " "

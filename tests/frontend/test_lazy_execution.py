@@ -518,6 +518,11 @@ def test_what_a_body_set_before_it_raised_stays_in_its_state(engine):
             assert state.text() == "Intro: more" + a + "!"
         else:  # (the gen of 64 tokens is aborted; nothing after it runs)
             assert "after" not in names
+    for _ in range(20):  # (a body raising once all it appended had run: a sync saw no error)
+        key = new_key()
+        state = raising.run(key=key, where="after_read", backend=engine, stream=True)
+        state.sync()
+        assert state.error() is RAISED[key]
 
 
 def test_return_of_a_generated_value_is_a_str(engine):

@@ -99,6 +99,18 @@ def test_schema_regex_layouts_match_json_dumps(layout):
     assert not re.fullmatch(regex, pretty.replace(" :", "  :"))  # at most one space
 
 
+@pytest.mark.parametrize("layout", [Layout.COMPACT, Layout.SPACED])
+def test_optional_members_are_laid_out_as_json_dumps(layout):
+    """An optional member's comma ends its group: SPACED wrote `{"b": true,"c": true}`."""
+    booleans = {name: {"type": "boolean"} for name in "abc"}
+    schema = {"type": "object", "properties": booleans, "required": ["c"]}
+    regex = schema_to_regex(json.dumps(schema), layout)
+    separators = (",", ":") if layout is Layout.COMPACT else (", ", ": ")
+    for names in ("c", "ac", "bc", "abc"):
+        doc = json.dumps(dict.fromkeys(names, True), separators=separators)
+        assert re.fullmatch(regex, doc), doc
+
+
 @pytest.mark.parametrize("max_length", [None, 0, 1, 3])
 @given(
     st.lists(
