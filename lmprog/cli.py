@@ -26,8 +26,9 @@ from lmprog.api import assistant, gen, user
 from lmprog.datasets.mapping import check_data
 from lmprog.datasets.sinks import check_output
 from lmprog.datasets.sources import open_source
-from lmprog.function import Function, _split_kwargs
+from lmprog.function import Function
 from lmprog.ops import SAMPLING_KEYS
+from lmprog.run_options import split_kwargs
 
 _EPILOG = """\
 The output is JSONL or Parquet: the input columns, one column per program variable,
@@ -186,7 +187,7 @@ def _apply_settings(program: Function, pairs: list[str]) -> tuple[Function, dict
     program has a parameter for) fix arguments."""
     settings = _parse_pairs(pairs, "--set")
     try:
-        defaults, arguments = _split_kwargs(settings, program.keyword_names)
+        defaults, arguments = split_kwargs(settings, program.keyword_names)
     except (TypeError, ValueError) as error:  # (a default gen refuses)
         raise ValueError(f"--set: {error}") from None
     _check_sampling(defaults)

@@ -15,31 +15,19 @@ import inspect
 import itertools
 import os
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from lmprog.backend import as_backend, get_default_backend
 from lmprog.display import in_notebook, show_live
-from lmprog.ops import REQUEST_KEYS, SAMPLING_KEYS
+from lmprog.run_options import check_flag, check_num_threads, split_kwargs
 from lmprog.state import ProgramState
 from lmprog.traced import TracedProgram
 from lmprog.tracer import TracerState, trace
 
 if TYPE_CHECKING:
     from lmprog.datasets import MapRun
-
-# run(...) keywords that set program-level defaults for every gen (gen arguments left None).
-_RUN_DEFAULTS = {
-    **{k: k for k in SAMPLING_KEYS},
-    **{k: k for k in REQUEST_KEYS},
-    "max_new_tokens": "max_tokens",
-    "min_new_tokens": "min_tokens",
-}
-# SGLang's run options that do not apply in-process.
-_RUN_IGNORED = ("use_thread",)
-# run_batch(num_threads="auto"): enough programs in flight to fill the runtime's batches.
-AUTO_THREADS = 128
 
 
 class Function:
@@ -119,7 +107,7 @@ class Function:
         raised unchanged; `error()` holds it too."""
         check_flag("stream", stream)
         check_flag("live", live, none_ok=True)
-        defaults, arguments = _split_kwargs(kwargs, self.keyword_names)
+        defaults, arguments = split_kwargs(kwargs, self.keyword_names)
         state = ProgramState.start(_resolve(backend), defaults, stream=stream)
         if stream:
             if live or (live is None and in_notebook()):
@@ -158,7 +146,7 @@ class Function:
         Returns the states in input order, or with `generator_style=True` an iterator that
         yields each state as its program finishes. A program that fails keeps its
         exception in `error()`; the others go on."""
-        defaults, extra = _split_kwargs(defaults, self.keyword_names)
+        defaults, extra = split_kwargs(defaults, self.keyword_names)
         if extra:
             raise TypeError(
                 f"run_batch got keyword arguments {sorted(extra)} that are no sampling "
@@ -339,55 +327,8 @@ def advance_bar(bar: Any) -> None:
         bar.close()
 
 
-def check_flag(name: str, value: Any, none_ok: bool = False) -> None:
-    """TypeError naming `name` for a value that is no bool ("no" was taken as True)."""
-    if not isinstance(value, bool) and not (none_ok and value is None):
-        allowed = "a bool or None" if none_ok else "a bool"
-        raise TypeError(f"{name} must be {allowed}, got {type(value).__name__}")
-
-
-def check_num_threads(num_threads: Any) -> int:
-    """`num_threads` of `run_batch` and `map` as a count: TypeError for a value that is no
-    int or `"auto"` (1.5, `"8"`, True), ValueError for an int below 1."""
-    if num_threads == "auto":
-        return AUTO_THREADS
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int):
-        raise TypeError(
-            f"num_threads must be a positive int or 'auto', got {type(num_threads).__name__} "
-            f"{num_threads!r}"
-        )
-    if num_threads < 1:
-        raise ValueError(f"num_threads must be a positive int or 'auto', got {num_threads!r}")
-    return num_threads
-
-
 def _resolve(backend: Any):
     return as_backend(backend) if backend is not None else get_default_backend()
-
-
-def _split_kwargs(
-    kwargs: dict[str, Any], program_args: Collection[str] = ()
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(gen defaults, the program's arguments): a keyword naming one of `program_args` is
-    the program's, whatever it is called."""
-    from lmprog.api import gen
-
-    defaults, arguments = {}, {}
-    for key, value in kwargs.items():
-        if key in program_args:
-            arguments[key] = value
-        elif key in _RUN_DEFAULTS:
-            name = _RUN_DEFAULTS[key]
-            try:  # checked as gen checks its own (`return_logprob="no"` once turned it on)
-                gen("default", **{name: value})
-            except (TypeError, ValueError) as error:  # (named as given: max_new_tokens)
-                raise type(error)(str(error).replace(name, key, 1)) from None
-            defaults[name] = value
-        elif key not in _RUN_IGNORED:
-            arguments[key] = value
-    if defaults:
-        gen("default", **defaults)  # (min_tokens <= max_tokens)
-    return defaults, arguments
 
 
 def function(

@@ -95,9 +95,10 @@ def map_program(
     **defaults: Any,
 ) -> MapRun:
     """See `Function.map`."""
-    from lmprog.function import _resolve, _split_kwargs, check_num_threads
+    from lmprog.function import _resolve
+    from lmprog.run_options import check_num_threads, split_kwargs
 
-    run_defaults, extra = _split_kwargs(defaults, fn.keyword_names)
+    run_defaults, extra = split_kwargs(defaults, fn.keyword_names)
     if extra:
         raise TypeError(
             f"map got unknown keyword arguments {sorted(extra)}; fix program arguments "
