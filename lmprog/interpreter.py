@@ -164,6 +164,8 @@ class Interpreter:
                 failed = [b.error for b in branches if b.error is not None]
                 if failed:
                     raise failed[0]
+                if stream.raised is not None:  # (its body raised: `advance` fails it now)
+                    return False
                 if not all(b.is_done for b in branches):
                     stream.is_busy = True  # the last branch to end wakes this stream
                     return False

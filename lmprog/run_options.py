@@ -56,6 +56,8 @@ def split_kwargs(
             arguments[key] = value
         elif key in _RUN_DEFAULTS:
             name = _RUN_DEFAULTS[key]
+            if type(value).__module__ == "numpy" and hasattr(value, "item"):
+                value = value.item()  # (a numpy scalar, as `np.int64(3)`, was accepted)
             try:  # checked as gen checks its own (`return_logprob="no"` once turned it on)
                 gen("default", **{name: value})
             except (TypeError, ValueError) as error:  # (named as given: max_new_tokens)

@@ -381,7 +381,12 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
 
     def _announce(self, req: Req) -> None:
         if req.is_streamed:
-            chunk = req.stream_delta() if req.error is None else None
+            try:  # (it failed the whole step: every request in it)
+                chunk = req.stream_delta() if req.error is None else None
+            except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
+                logger.exception("the last chunk of request %d failed", req.rid)
+                req.abort(error)
+                chunk = None
             if chunk is not None:
                 req.emit_chunk(chunk)
             if req.stream_queue is not None:

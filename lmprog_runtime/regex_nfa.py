@@ -4,7 +4,7 @@ through a lazily built DFA: time linear in the text, whatever the pattern.
 `interegular` built the whole DFA up front, which is exponential in the pattern for some
 (`(a|b)*a(a|b){14}` took 82 s on the submitting thread, which every program shares).
 Here a DFA state (a set of NFA states) and its transition on a character are made the first
-time the text needs them, and at most `MAX_DFA_STATES` are kept (the cache starts afresh
+time the text needs them, and at most `MAX_DFA_MOVES` are kept (the cache starts afresh
 past that), so a step costs at most one walk of the NFA.
 
 Character classes are tested one character at a time with `re`'s own meaning (`\\d`, `\\w`
@@ -27,7 +27,7 @@ except ImportError:  # Python 3.10
     import sre_parse  # type: ignore[no-redef]
 
 MAX_NFA_STATES = 5_000  # more (nested bounded repeats): the caller searches with a regex engine
-MAX_DFA_STATES = 10_000  # kept at once; past it the cache starts afresh
+MAX_DFA_MOVES = 250_000  # (state, character) moves kept; past it the cache starts afresh
 FINAL = 0  # the NFA's accepting state
 
 _CATEGORIES = {
@@ -144,7 +144,7 @@ class LazyDFA:
         key = (state, char)
         found = self._moves.get(key)
         if found is None:
-            if len(self._moves) >= MAX_DFA_STATES:
+            if len(self._moves) >= MAX_DFA_MOVES:
                 self._moves.clear()
             tests, nexts = self.nfa.tests, self.nfa.nexts
             found = self._closure([nexts[s] for s in state if s != FINAL and tests[s](char)])

@@ -109,7 +109,9 @@ class ReqText:
         `text`, and what it matched; (len(text), None) if none."""
         cut, matched = self.params.stop_strings.first(text, start, self._min_text)
         scanner = self._stop_regex if regex else None
-        found = scanner.first_match(text, self._min_text) if scanner is not None else None
+        found = None
+        if scanner is not None and scanner.may_match(text):  # (no scan of text it has read)
+            found = scanner.first_match(text, self._min_text)
         if found is not None and found[0] < cut:
             cut, matched = found
         return cut, matched

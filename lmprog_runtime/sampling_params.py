@@ -89,7 +89,7 @@ class SamplingParams:
         ids = values.get("stop_token_ids")
         if isinstance(ids, int):
             values["stop_token_ids"] = [ids]
-        elif isinstance(ids, (tuple, set, frozenset)):
+        elif isinstance(ids, (tuple, range, set, frozenset)):  # (not an iterator: used up)
             values["stop_token_ids"] = list(ids)
         out = cls(**values)
         out.validate()

@@ -48,6 +48,8 @@ class StopRegexScanner:
         self._read = self.origin = origin  # (characters read; no match begins before origin)
         self._active: list[dict[Any, int]] = [{} for _ in self._patterns]  # state -> start
         self.matched = False
+        # A searched pattern's match in the text read: (text length, start, matched text)
+        self._searched: dict[int, tuple[int, int, str]] = {}
 
     def feed(self, text: str) -> bool:
         """Read what `text` adds to the text of the previous call; True once a pattern has
@@ -58,13 +60,21 @@ class StopRegexScanner:
         self._read = len(text)
         for i, dfa in enumerate(self._dfas):
             if dfa is None:
-                found = _search(self._patterns[i], text, self.origin) is not None
+                match = _search(self._patterns[i], text, self.origin)
+                if match is not None:
+                    self._searched[i] = (len(text), match.start(), match.group())
+                found = match is not None
             else:
                 found = _advance(dfa, self._active[i], new, start)
             if found:
                 self.matched = True
                 return True
         return False
+
+    def may_match(self, text: str) -> bool:
+        """Whether `text` (the text read so far, a prefix of it, or more) may hold a match:
+        not where it holds no more than was read and nothing matched."""
+        return self.matched or len(text) > self._read
 
     def stable_len(self) -> int:
         """How many leading characters of the text read so far no match can begin in."""
@@ -76,11 +86,16 @@ class StopRegexScanner:
         """Where the first match in `text` from `origin` begins, and what it matched (the
         match `re.search` finds, of the pattern listed first on a tie); None if none."""
         best: tuple[int, str] | None = None
-        for pattern, dfa in zip(self._patterns, self._dfas):
+        for i, (pattern, dfa) in enumerate(zip(self._patterns, self._dfas)):
             if dfa is None:
-                found = _search(pattern, text, origin)
-                if found is not None and (best is None or found.start() < best[0]):
-                    best = (found.start(), found.group())
+                searched = self._searched.get(i)
+                if searched is not None and searched[0] == len(text) and origin == self.origin:
+                    span = searched[1:]  # (searched once more, it could run out of time)
+                else:
+                    found = _search(pattern, text, origin)
+                    span = None if found is None else (found.start(), found.group())
+                if span is not None and (best is None or span[0] < best[0]):
+                    best = span
                 continue
             span = _leftmost(dfa, text, origin)
             if span is not None and (best is None or span[0] < best[0]):
@@ -135,10 +150,9 @@ def _leftmost(dfa: LazyDFA, text: str, origin: int) -> tuple[int, int] | None:
 def _search(pattern: str, text: str, pos: int, at_start: bool = False) -> Any:
     """`pattern`'s first match in `text` from `pos` (or one beginning at `pos`), by the
     `regex` module with a time limit: a ValueError naming the pattern past it."""
-    if _regex_engine is None:
-        compiled = re.compile(pattern)
+    compiled = _compiled(pattern)
+    if compiled.__class__.__module__ == "re":
         return compiled.match(text, pos) if at_start else compiled.search(text, pos)
-    compiled = _regex_engine.compile(pattern)
     try:
         if at_start:
             return compiled.match(text, pos, timeout=SEARCH_TIMEOUT_S)
@@ -149,6 +163,17 @@ def _search(pattern: str, text: str, pos: int, at_start: bool = False) -> Any:
             f"({len(text)} characters): it backtracks without end; write it without "
             "nested repeats, or without anchors and lookarounds"
         ) from None
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(pattern: str) -> Any:
+    """`pattern` compiled by the `regex` module, or by `re` where they read it otherwise:
+    a class inside a class (`[[:alpha:]]`, a POSIX class to `regex`, literals to `re`)."""
+    from lmprog_runtime.constrained.outlines_backend import rust_only_class_syntax
+
+    if _regex_engine is None or rust_only_class_syntax(pattern) is not None:
+        return re.compile(pattern)
+    return _regex_engine.compile(pattern)
 
 
 @functools.lru_cache(maxsize=256)

@@ -244,3 +244,15 @@ def test_variable_names_must_be_strings(engine):
         named.run(how="set", backend=engine)
     with pytest.raises(TypeError, match="var_scope's name must be a str, got list"):
         named.run(how="scope", backend=engine)
+
+
+def test_values_that_stay_accepted(engine):
+    """The checks of run's defaults and of stop_token_ids keep what worked: a numpy
+    integer as a default, a range of ids."""
+    import numpy as np
+
+    out = _one_gen.run(topic="x", temperature=np.float64(0), backend=engine)
+    assert out["out"] == _one_gen.run(topic="x", temperature=0, backend=engine)["out"]
+    assert _one_gen.run(topic="x", min_new_tokens=np.int64(1), backend=engine).error() is None
+    reply = engine.generate("hi", {"max_new_tokens": 4, "stop_token_ids": range(1, 3)})
+    assert len(reply["output_ids"]) <= 4

@@ -525,6 +525,43 @@ def test_what_a_body_set_before_it_raised_stays_in_its_state(engine):
         assert state.error() is RAISED[key]
 
 
+def test_a_raise_while_the_join_is_visited_fails_the_program_there(engine, monkeypatch):
+    """A raise landing while the interpreter looked at a join (here it waits there for the
+    raise) waited for the branches to finish, their requests never aborted; now the
+    program fails at the join and the branches' requests are aborted."""
+    from lmprog.interpreter import Interpreter
+    from lmprog.ir import Join
+
+    visit, at_join = Interpreter._visit, threading.Event()
+
+    def held(self, stream, node, outbox):
+        if isinstance(node, Join) and not at_join.is_set():
+            at_join.set()
+            deadline = time.monotonic() + 30
+            while stream.raised is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return visit(self, stream, node, outbox)
+
+    monkeypatch.setattr(Interpreter, "_visit", held)
+
+    @lp.function
+    def forks_then_raises(s, key):
+        s += "Hello"
+        forks = s.fork(2)
+        forks += lp.gen("b", max_tokens=2000, ignore_eos=True)
+        forks.join()
+        error = Boom(f"after the join {key}")
+        RAISED[key] = error
+        at_join.wait(30)
+        raise error
+
+    key = new_key()
+    engine.reset_stats()
+    state = forks_then_raises.run_batch([{"key": key}], backend=engine)[0]
+    assert state.error() is RAISED[key]
+    assert engine.stats()["finished_requests"] == 0  # (the branches' 2,000 tokens: aborted)
+
+
 def test_return_of_a_generated_value_is_a_str(engine):
     @lp.function
     def shout(s):

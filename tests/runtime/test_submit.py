@@ -172,3 +172,23 @@ def test_a_stop_regex_search_out_of_time_fails_its_request_alone(engine, monkeyp
     with pytest.raises(RuntimeError, match=r"stop_regex .* took over 1e-07 s"):
         futures[0].result(timeout=60)
     assert len(futures[1].result(timeout=60)["output_ids"]) == 12
+
+
+def test_a_streamed_request_whose_last_chunk_fails_fails_alone(engine, monkeypatch):
+    """The last chunk is made as the request is announced: its failure failed the whole
+    step, every request finishing with it; now only its own."""
+    from lmprog_runtime.request import Req
+
+    chunk, doomed = Req.stream_delta, len(engine.encode("hi"))
+
+    def failing_last(self):
+        if self.is_finished and self.prompt_len == doomed:
+            raise ValueError("the last chunk failed")
+        return chunk(self)
+
+    monkeypatch.setattr(Req, "stream_delta", failing_last)
+    params = {"max_new_tokens": 3, "ignore_eos": True}
+    futures = engine.submit(["hi", "hello there, friend"], params, on_chunk=lambda i, c: None)
+    with pytest.raises(RuntimeError, match="the last chunk failed"):
+        futures[0].result(timeout=60)
+    assert len(futures[1].result(timeout=60)["output_ids"]) == 3

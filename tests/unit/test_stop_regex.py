@@ -98,8 +98,12 @@ def test_first_match_is_the_match_re_search_finds_first(patterns, text, origin):
         (["a+?"], "aaa", (0, "a")),  # lazy: `re`'s extent
         (["a{2,3}"], "aaaa", (0, "aaa")),
         (["b$", "c"], "abc", (2, "c")),  # (`regex` searches `b$`: no match)
+        # `re` reads a class inside a class as literals; `regex` read a POSIX class
+        (["[[:alpha:]]+$"], "aa", None),
+        (["[[:alpha:]]+$"], "x:]]", (1, ":]]")),
     ],
 )
+@pytest.mark.filterwarnings("ignore:Possible nested set")  # (`re`'s, for `[[:alpha:]]`)
 def test_first_match_examples(patterns, text, expected):
     assert StopRegexScanner(patterns).first_match(text, 0) == expected
 
