@@ -76,8 +76,8 @@ def test_other_decoders_keep_the_tokenizers_decode():
 
 def test_engine_decode_takes_the_table_and_the_tokenizer_past_it(tiny_path):
     """The engine decodes by table (a byte-level tokenizer); the tokenizer decodes what the
-    table does not hold: an id past the vocabulary (to nothing), a negative one or a float
-    (the tokenizer's errors)."""
+    table does not hold (a float: the tokenizer's error). An id outside the vocabulary is a
+    ValueError (it decoded to nothing, and a negative one was an OverflowError)."""
     from lmprog_runtime import Engine
 
     with Engine(tiny_path) as engine:
@@ -88,9 +88,10 @@ def test_engine_decode_takes_the_table_and_the_tokenizer_past_it(tiny_path):
         assert engine.decode(ids) == engine.tokenizer.decode(ids)
         assert asked == []  # (the table's)
         size = engine.tokenizer._tokenizer.get_vocab_size(with_added_tokens=True)
-        assert engine.decode(ids + [size + 5]) == engine.tokenizer.decode(ids)
-        assert asked == [ids + [size + 5]]
-        with pytest.raises(OverflowError):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.decode(ids + [size + 5])
+        with pytest.raises(ValueError, match="outside the vocabulary"):
             engine.decode([ids[0], -1])
+        assert asked == []
         with pytest.raises(TypeError):
             engine.decode([float(ids[0])])
