@@ -92,7 +92,7 @@ class NFA:
         if op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT):
             low, high, body = av
             start = nxt
-            if high is sre_constants.MAXREPEAT:
+            if high == sre_constants.MAXREPEAT:
                 loop = self._add(None, [])
                 self.nexts[loop] = [self._sequence(body, loop), nxt]
                 start = loop
@@ -109,8 +109,10 @@ def _class_test(items: list[tuple[Any, Any]]) -> Callable[[str], bool]:
     """A `[...]` class's test, its answers kept per character."""
     negate = bool(items) and items[0][0] is sre_constants.NEGATE
     parts = items[1:] if negate else items
-    for op, _ in parts:
-        if op not in (sre_constants.LITERAL, sre_constants.RANGE, sre_constants.CATEGORY):
+    for op, av in parts:
+        if op not in (sre_constants.LITERAL, sre_constants.RANGE, sre_constants.CATEGORY) or (
+            op is sre_constants.CATEGORY and av not in _CATEGORIES
+        ):
             raise Unsupported(str(op))
     known: dict[str, bool] = {}
 
