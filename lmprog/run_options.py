@@ -50,7 +50,7 @@ def split_kwargs(
     the program's, whatever it is called."""
     from lmprog.api import gen
 
-    defaults, arguments = {}, {}
+    defaults, arguments, given = {}, {}, {}
     for key, value in kwargs.items():
         if key in program_args:
             arguments[key] = value
@@ -62,9 +62,14 @@ def split_kwargs(
                 gen("default", **{name: value})
             except (TypeError, ValueError) as error:  # (named as given: max_new_tokens)
                 raise type(error)(str(error).replace(name, key, 1)) from None
-            defaults[name] = value
+            defaults[name], given[name] = value, key
         elif key not in _RUN_IGNORED:
             arguments[key] = value
-    if defaults:
+    try:
         gen("default", **defaults)  # (min_tokens <= max_tokens)
+    except ValueError as error:
+        message = str(error)
+        for name in ("min_tokens", "max_tokens"):
+            message = message.replace(f"{name} (", f"{given.get(name, name)} (")
+        raise ValueError(message) from None
     return defaults, arguments

@@ -152,6 +152,11 @@ def test_select_takes_any_iterable_of_choices_and_temperature_none():
             ValueError,
             "max_new_tokens must be >= 0",
         ),
+        (  # (named as given, not as gen's arguments)
+            lambda e: _one_gen.run(topic="x", min_new_tokens=5, max_new_tokens=2, backend=e),
+            ValueError,
+            r"min_new_tokens \(5\) must be <= max_new_tokens \(2\)",
+        ),
         # An iterator was used up by the check: nothing was left to stop on.
         (
             lambda e: _one_gen.run(topic="x", stop_token_ids=iter([1, 2]), backend=e),
