@@ -42,7 +42,11 @@ _SCHEMA_VALUED = frozenset(
     {"items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not"}
     | {"contains", "propertyNames", "if", "then", "else", "additionalItems"}
 )
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment"})
+# Keywords that constrain nothing (annotations, and the schema's own identifiers).
+_ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly"}
+    | {"writeOnly", "$schema", "$id", "$anchor"}
+)
 _EVERY_TYPE = ["boolean", "null", "number", "string", "array", "object"]
 # What a string's pattern may hold raw: no quote, no backslash, no control character.
 _UNSAFE = '"\\\\\\x00-\\x1f'

@@ -96,6 +96,11 @@ def test_what_would_not_validate_is_refused(schema, message):
             "properties": {"a": {"$ref": "#/$defs/T"}, "b": {"$ref": "#/$defs/T"}},
             "$defs": {"T": {"type": "boolean"}},
         },
+        # identifiers and annotations beside the keywords enforced alone (`$schema` at the
+        # top, pydantic's `deprecated`)
+        {"$schema": "https://json-schema.org/draft/2020-12/schema", "anyOf": [OBJECT_A]},
+        {"$ref": "#/$defs/A", "$defs": {"A": OBJECT_A}, "deprecated": True},
+        {"$id": "urn:colour", "type": "string", "enum": ["red"], "readOnly": True},
         # an empty list that is not a schema's alternatives: an extension keyword's value
         {**OBJECT_A, "x-meta": {"enum": []}},
     ],
