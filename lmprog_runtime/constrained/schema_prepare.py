@@ -165,9 +165,10 @@ def _check_siblings(node: dict) -> dict:
     (`{"type": "string", "minLength": 3, "enum": ["a"]}` gave "a"); an `enum` narrowed to
     the values of its `type` (`{"type": "string", "enum": ["a", 1]}` gave 1)."""
     for key, allowed in _ALONE.items():
-        if key in node and set(node) - allowed:
+        extra = {k for k in set(node) - allowed if not k.startswith("x-")}  # (extensions)
+        if key in node and extra:
             raise ValueError(
-                f"unsupported JSON schema: {sorted(set(node) - allowed)} next to {key!r}, "
+                f"unsupported JSON schema: {sorted(extra)} next to {key!r}, "
                 f"which outlines-core would enforce alone (put the constraint inside it)"
             )
     if node.get("type") == "string" and ("pattern" in node or "format" in node):

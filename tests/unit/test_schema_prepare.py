@@ -101,6 +101,7 @@ def test_what_would_not_validate_is_refused(schema, message):
         {"$schema": "https://json-schema.org/draft/2020-12/schema", "anyOf": [OBJECT_A]},
         {"$ref": "#/$defs/A", "$defs": {"A": OBJECT_A}, "deprecated": True},
         {"$id": "urn:colour", "type": "string", "enum": ["red"], "readOnly": True},
+        {"enum": ["red", "blue"], "x-order": [2, 1]},  # (an extension keyword)
         # an empty list that is not a schema's alternatives: an extension keyword's value
         {**OBJECT_A, "x-meta": {"enum": []}},
     ],
