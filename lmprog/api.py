@@ -32,6 +32,7 @@ from lmprog.ir import (  # noqa: F401 - REGEX_* are public here too
     as_expr,
     check_text,
 )
+from lmprog.run_options import check_flag
 
 DTYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
@@ -148,8 +149,7 @@ def gen(
         raise ValueError(f"dtype must be int, float, bool or str (or their names), got {dtype!r}")
     flags = ("ignore_eos", "end_outside_pattern", "token_healing", "return_logprob")
     for key in (*flags, "return_text_in_logprobs"):
-        if sampling[key] is not None and not isinstance(sampling[key], bool):
-            raise TypeError(f"{key} must be a bool or None, got {type(sampling[key]).__name__}")
+        check_flag(key, sampling[key], none_ok=True)
     if choices is not None:  # (the other arguments, checked above, do not apply: SGLang's)
         return select(name, choices, temperature or 0.0, choices_method or token_length_normalized)
     if regex is not None and not isinstance(regex, str):

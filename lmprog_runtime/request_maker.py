@@ -263,10 +263,10 @@ def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
 def _check_ids(ids: Any, vocab: int) -> None:
     """ValueError for an id outside the vocabulary, in one sequence of ids (-1 was an
     OverflowError, 10**6 decoded as '')."""
-    if isinstance(ids, (list, tuple)) and _flat(ids):
-        bad = [i for i in ids if isinstance(i, int) and not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
+    flat = isinstance(ids, (list, tuple)) and ids and _flat(ids)
+    if flat and (min(ids) < 0 or max(ids) >= vocab):  # (in C: it runs at a token's decode)
+        bad = [i for i in ids if not 0 <= i < vocab]
+        raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
 
 
 def _flat(ids: list[Any]) -> bool:

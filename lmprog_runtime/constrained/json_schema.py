@@ -100,14 +100,13 @@ def schema_to_regex(schema: str, layout: Layout = DEFAULT_LAYOUT) -> str:
         parsed = {}
     elif parsed is False:
         raise ValueError("json_schema false accepts no document")
-    _check_depth(parsed)
-    _check_finite(parsed)
+    _check_values(parsed)
     numbers: dict[str, str] = {}
     ready = prepared(parsed)
     _check_size(ready)
     parsed = _replace_numbers(ready, numbers, schema)
     _refuse(_unsupported_keywords(parsed))
-    _check_depth(parsed)  # (a number's bounds may have wrapped it in an anyOf)
+    _check_values(parsed)  # (a number's bounds may have wrapped it in an anyOf)
     space = _unused("LMPROGSPACE", schema)
     try:
         regex = build_regex_from_schema(json.dumps(parsed), space)
@@ -120,29 +119,20 @@ def schema_to_regex(schema: str, layout: Layout = DEFAULT_LAYOUT) -> str:
     return _lay_out(regex, space, layout)
 
 
-def _check_depth(value: Any) -> None:
+def _check_values(value: Any) -> None:
     """ValueError for JSON nested deeper than outlines-core reads (serde_json's limit: it
-    said "Expected a valid JSON string.")."""
+    said "Expected a valid JSON string."), and for a number that is not finite
+    (`Infinity`, `1e400`: an OverflowError in the bounds' translation)."""
     todo = [(value, 1)]
     while todo:
         node, depth = todo.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            raise ValueError(f"json_schema holds a number that is not finite: {node}")
         if isinstance(node, (dict, list)):
             if depth > MAX_JSON_DEPTH:
                 raise ValueError(_too_deep(f"more than {MAX_JSON_DEPTH}"))
             children = node.values() if isinstance(node, dict) else node
             todo += [(child, depth + 1) for child in children]
-
-
-def _check_finite(value: Any) -> None:
-    """ValueError for a number that is not finite (`Infinity`, `1e400`: an OverflowError
-    in the bounds' translation)."""
-    todo = [value]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, float) and not math.isfinite(node):
-            raise ValueError(f"json_schema holds a number that is not finite: {node}")
-        if isinstance(node, (dict, list)):
-            todo += node.values() if isinstance(node, dict) else node
 
 
 def _check_size(schema: Any) -> None:

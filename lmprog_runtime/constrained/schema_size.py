@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from lmprog_runtime.constrained.schema_prepare import _ANNOTATIONS
+
 MAX_REGEX_CHARS = 2_000_000  # (a regex this long takes minutes to compile, if it fits)
 
 _LEAF = {"string": 50, "integer": 800, "number": 100, "boolean": 12, "null": 4}
 _ANY_VALUE = 13_000  # a value of any type (`{}`), nested as the translation nests it
 _SEPARATOR = 20  # punctuation and whitespace around a member or an item
-_NOT_SCHEMAS = ("enum", "const", "default", "examples")
-_ANNOTATIONS = ("title", "description", "$comment")
 
 
 def estimated_size(schema: Any) -> int:
@@ -60,7 +60,7 @@ def estimated_size(schema: Any) -> int:
             return total
         kind = node.get("type")
         kinds = kind if isinstance(kind, list) else [kind]
-        if set(node) <= {"type", *_ANNOTATIONS, "default", "examples"} and (
+        if set(node) <= _ANNOTATIONS | {"type"} and (
             kind is None or "array" in kinds or "object" in kinds
         ):
             return _ANY_VALUE
