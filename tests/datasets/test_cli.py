@@ -129,6 +129,21 @@ def test_a_prompt_column_the_table_lacks_exits_2(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("column", ["prompt", "user prompt"])
+def test_a_prompt_column_no_jsonl_row_has_exits_1(tmp_path, column):
+    """A JSONL file's columns are known row by row: each row fails (and is written with its
+    error), and the status says so. It was 0, as if the rows had run."""
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": "Hi"}, {"text": "Yo"}])
+    out = tmp_path / "o.jsonl"
+    args = ["generate", "--input", str(source), "--output", str(out), "--quiet"]
+    proc = lmprog(*args, "--prompt-column", column, "--set", "max_new_tokens=2", check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "2 rows (2 with errors" in proc.stderr and "--retry-errors" in proc.stderr
+    written = read_jsonl(out)
+    assert [row["text"] for row in written] == ["Hi", "Yo"]
+    assert all(repr(column) in row["error"] for row in written)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

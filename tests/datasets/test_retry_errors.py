@@ -91,10 +91,11 @@ def test_the_cli_retries_the_failed_rows(tmp_path):
 
     proc = cli("--retry-errors")  # (without --resume: said before the model loads)
     assert proc.returncode == 2 and "add --resume" in proc.stderr and not out.exists()
-    assert cli().returncode == 0
+    proc = cli()  # (a row failed: status 1, with the hint to retry)
+    assert proc.returncode == 1 and "--resume --retry-errors" in proc.stderr, proc.stderr
     first = read_jsonl(out)
     proc = cli("--resume", "--retry-errors")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stderr[-2000:]
     assert "1 rows (1 with errors, 2 already done)" in proc.stderr
     written = read_jsonl(out)
     assert sorted(r["id"] for r in written) == ["r0", "r1", "r2"]
