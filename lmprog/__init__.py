@@ -69,6 +69,8 @@ __all__ = [
     "ProgramCancelled",
     "ProgramState",
     "ProgramStateGroup",
+    "QueueFull",
+    "RequestAborted",
     "Runtime",
     "assistant",
     "assistant_begin",
@@ -97,7 +99,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Engine", "Runtime", "default_model_path"):
+    if name in ("Engine", "QueueFull", "RequestAborted", "Runtime", "default_model_path"):
         import lmprog_runtime
 
         return getattr(lmprog_runtime, name)

@@ -13,10 +13,13 @@ from lmprog_runtime.models import (
     notebook_model,
     resolve_model_path,
 )
+from lmprog_runtime.results import QueueFull, RequestAborted
 from lmprog_runtime.sampling_params import SamplingParams
 
 __all__ = [
     "Engine",
+    "QueueFull",
+    "RequestAborted",
     "Runtime",
     "RuntimeConfig",
     "SamplingParams",

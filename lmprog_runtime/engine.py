@@ -28,6 +28,7 @@ from lmprog_runtime.byte_decode import ByteLevelTable, byte_pieces
 from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.constrained.outlines_backend import is_byte_level
 from lmprog_runtime.engine_async import EngineAsync
+from lmprog_runtime.engine_calls import EngineCalls
 from lmprog_runtime.engine_inputs import check_flags
 from lmprog_runtime.engine_loop import EngineLoop
 from lmprog_runtime.engine_view import EngineView
@@ -44,18 +45,16 @@ from lmprog_runtime.request import Req
 from lmprog_runtime.request_maker import RequestMaker, backend_decode
 from lmprog_runtime.results import (
     DoneFlag,
-    QueueFull,
     RequestAborted,
     RequestStream,
     resolve_future,
     wait_all,
-    wait_for,
     wake_once,
 )
 from lmprog_runtime.run_choice import RunChoice
 from lmprog_runtime.run_plan import RunSlots
 from lmprog_runtime.scheduler import Scheduler
-from lmprog_runtime.server_args import from_sglang
+from lmprog_runtime.server_args import as_given, from_sglang
 from lmprog_runtime.stats import EngineStats
 from lmprog_runtime.steady_check import SteadyCheck
 from lmprog_runtime.token_healing import TokenHealer
@@ -64,7 +63,7 @@ from lmprog_runtime.transfer import device_scope, require_device
 logger = logging.getLogger(__name__)
 
 
-class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
+class Engine(RequestMaker, EngineCalls, EngineAsync, EngineLoop, EngineView):
     """Runs a Llama-family checkpoint in this process with continuous batching.
 
     `model_path` is a named model (`"smollm2-135m-instruct"`, `"tiny"`, ...), a Hugging Face
@@ -81,13 +80,20 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
     def __init__(
         self, model_path: str | os.PathLike[str] | None = None, **config_fields: Any
     ) -> None:
+        given = list(config_fields)
         config_fields = from_sglang(model_path, config_fields)  # (SGLang's server args)
         unknown = sorted(set(config_fields) - RuntimeConfig.field_names())
         if unknown:
             raise TypeError(f"unknown Engine argument(s) {unknown}")
         # A name, a Hub id, a directory or a .gguf file; config.model_path records where
         # the model lives, model_dir the checkpoint directory read (a GGUF's conversion).
-        self.config = RuntimeConfig(model_path=resolve_model_path(model_path), **config_fields)
+        try:
+            self.config = RuntimeConfig(model_path=resolve_model_path(model_path), **config_fields)
+        except (TypeError, ValueError) as error:
+            said = as_given(str(error), given)
+            if said == str(error):
+                raise
+            raise type(error)(said) from None
         require_device(torch.device(self.config.device))
         model_dir = local_model_dir(self.config.model_path)
         if self.config.num_threads is not None:
@@ -359,57 +365,6 @@ class Engine(RequestMaker, EngineAsync, EngineLoop, EngineView):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-    # ---- caller side --------------------------------------------------------------------
-    def _command(self, name: str, *args: Any) -> Any:
-        """Run `name` on the loop thread, between steps, and return its result (or raise
-        its exception here)."""
-        self._check_process()
-        done, result = DoneFlag(), []  # (not an Event: see `DoneFlag`)
-        with self._lock:
-            if self._stopping:
-                raise RuntimeError("the engine has been shut down")
-            self._commands.append((name, args, done, result))
-            self._cv.notify_all()
-        wait_for(self, done)
-        if isinstance(result[0], Exception):
-            raise result[0]
-        return result[0]
-
-    def _in_forked_child(self) -> bool:
-        return os.getpid() != self._pid
-
-    def _check_process(self) -> None:
-        """RuntimeError in a child forked from the engine's process: it has no loop thread,
-        and the engine's locks may have been copied held by the parent's threads (a call
-        that took one hung)."""
-        if self._in_forked_child():
-            raise RuntimeError(
-                "this engine belongs to the process it was made in: a child forked from it "
-                "has no loop thread (make engines in the child, started with "
-                "multiprocessing's 'spawn' method)"
-            )
-
-    def _submit(self, reqs: list[Req]) -> None:
-        self._check_process()
-        with self._lock:
-            if self._stopping:
-                raise RuntimeError("the engine has been shut down")
-            if not self._thread.is_alive():  # (its futures would never resolve)
-                raise RuntimeError("the engine loop is not running")
-            limit = self.config.max_queued_requests
-            queued = self._num_unfinished - len(self.scheduler.running)
-            # (a group's internal prefill of its shared prefix is not the caller's request)
-            group = reqs[-1].group if reqs else None
-            asked = len(reqs) - (group is not None and group.prefix_req is not None)
-            if limit is not None and queued + asked > limit:
-                raise QueueFull(
-                    f"the engine's queue is full: {queued} requests wait and "
-                    f"max_queued_requests={limit}; submit fewer at a time or raise the limit"
-                )
-            self._num_unfinished += len(reqs)
-            self._inbox.extend(reqs)
-            self._cv.notify_all()
 
 
 def Runtime(model_path: str | os.PathLike[str] | None = None, **server_args: Any) -> Engine:  # noqa: N802

@@ -22,6 +22,8 @@ other name is an unknown argument (`TypeError`).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Any
 
 RENAMED = {
@@ -87,3 +89,12 @@ def _put(out: dict[str, Any], given: dict[str, str], target: str, value: Any, na
     if target in out:
         raise TypeError(f"{given[target]} and {name} set the same thing: give one of them")
     out[target], given[target] = value, name
+
+
+def as_given(message: str, names: Iterable[str]) -> str:
+    """A settings error's `message` naming each renamed setting as it was given (one given
+    as `mem_fraction_static` read `mem_fraction must be in (0, 1)`)."""
+    for sglang_name, name in RENAMED.items():
+        if sglang_name in names:
+            message = re.sub(rf"\b{name}\b", sglang_name, message)
+    return message

@@ -23,6 +23,7 @@ import pytest
 import lmprog as sgl
 import lmprog.backend
 from lmprog.choices import ChoicesDecision, ChoicesSamplingMethod
+from lmprog_runtime import results
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -57,6 +58,16 @@ def test_sglangs_runtime_line_ports_as_it_is(tiny_path):
         sgl.Runtime(model_path=tiny_path, tp_size=2)
     with pytest.raises(TypeError, match="unknown Engine argument"):
         sgl.Engine(model_path=tiny_path, not_an_argument=1)
+    # A renamed setting's error names it as given (it said `mem_fraction`, which the
+    # program never wrote); lmprog's own name keeps its own.
+    with pytest.raises(ValueError, match=r"^mem_fraction_static must be in \(0, 1\), got 1.5"):
+        sgl.Runtime(model_path=tiny_path, mem_fraction_static=1.5)
+    with pytest.raises(TypeError, match=r"^context_length must be an int"):
+        sgl.Runtime(model_path=tiny_path, context_length="long")
+    with pytest.raises(ValueError, match=r"^mem_fraction must be in"):
+        sgl.Runtime(model_path=tiny_path, mem_fraction=1.5)
+    assert sgl.RequestAborted is results.RequestAborted and sgl.QueueFull is results.QueueFull
+    assert {"RequestAborted", "QueueFull"} <= set(sgl.__all__)
 
 
 # ---- run() keywords --------------------------------------------------------------------
