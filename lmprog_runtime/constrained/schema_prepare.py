@@ -26,9 +26,10 @@ rewritten into a narrower schema every output of which validates.
   An `enum` is narrowed to the values of its `type`.
 - A schema of any value (`{}`, `true`, annotations only) becomes the list of every type
   (outlines-core wrote `{}` as bare alternatives, which spilled out of a property).
-- The formats `date`, `time`, `email` and `uri` become patterns of ASCII that JSON holds
-  raw (outlines-core's admit Unicode digits, `time`'s lets a backslash in, `email`'s
-  quoted local part and `uri`'s `[^\\s]` let quotes in).
+- The formats `date`, `time`, `date-time`, `email` and `uri` become patterns of ASCII that
+  JSON holds raw (outlines-core's admit Unicode digits, `time`'s lets a backslash in,
+  `email`'s quoted local part and `uri`'s `[^\\s]` let quotes in); `date-time` is RFC 3339's,
+  its offset required (outlines-core's allowed February 31st and none but `Z`).
 """
 
 from __future__ import annotations
@@ -50,16 +51,19 @@ _ANNOTATIONS = frozenset(
 _EVERY_TYPE = ["boolean", "null", "number", "string", "array", "object"]
 # What a string's pattern may hold raw: no quote, no backslash, no control character.
 _UNSAFE = '"\\\\\\x00-\\x1f'
+_DATE = (  # (years 1-9999; every month's days, February's up to the 28th)
+    r"(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})-"
+    r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])"
+    r"|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
+)
+_TIME_OF_DAY = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?"
+_OFFSET = r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _FORMATS = {
-    "date": (  # (years 1-9999; every month's days, February's up to the 28th)
-        r"(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})-"
-        r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])"
-        r"|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
-    ),
-    "time": (
-        r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?"
-        r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])?"
-    ),
+    "date": _DATE,
+    "time": _TIME_OF_DAY + _OFFSET + "?",
+    # RFC 3339's date-time: its offset is required (outlines-core's has none but `Z`, made
+    # it optional, and let years 0 and below and February 31st through)
+    "date-time": _DATE + "T" + _TIME_OF_DAY + _OFFSET,
     "email": r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63})*\.[A-Za-z]{2,24}",
     "uri": (
         r"(https?|ftp)://[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?"
