@@ -1,11 +1,16 @@
 """Build a forward-pass module from a Hugging Face checkpoint directory.
 
-Weights come from `*.safetensors` only (never pickle, never remote code). Separate q/k/v
-and gate/up tensors are copied into their rows of the fused projections of `llama.py`.
+Weights come from `*.safetensors` only (never pickle, never remote code): the files that
+`model.safetensors.index.json` names where there is one, as transformers reads them (a
+stray file beside them once overwrote weights), else every one. Separate q/k/v and gate/up
+tensors are copied into their rows of the fused projections of `llama.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import re
 from pathlib import Path
 
@@ -22,6 +27,8 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+INDEX_FILE = "model.safetensors.index.json"
+logger = logging.getLogger(__name__)
 
 
 def load_model(
@@ -33,9 +40,11 @@ def load_model(
     if not path.is_dir():
         raise ValueError(f"model_path {model_path!r} does not exist or is not a directory")
     config = ModelConfig.from_path(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model_path {model_path!r} has no .safetensors weights")
+    files = weight_files(path)
+    if config.tie_word_embeddings and _has_key(files, "lm_head.weight"):
+        # transformers unties them then (and warns): the checkpoint's head is the head
+        logger.warning("%s: tie_word_embeddings, but it has an lm_head.weight: used", path)
+        config = dataclasses.replace(config, tie_word_embeddings=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, rope_length=1)  # (its tables are made below)
     # Made where it runs, in the dtype it runs in: each checkpoint tensor is converted once
@@ -82,6 +91,33 @@ def load_model(
         config, min(context_len or config.context_len, config.context_len)
     )
     return model.to(device=device, dtype=dtype).eval()
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names, else every one."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = [path / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index} is not a safetensors index (a weight_map)") from None
+        for file in files:
+            if not file.is_file():
+                raise ValueError(f"{index} names {file.name!r}, which is not in {path}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model_path {str(path)!r} has no .safetensors weights")
+    return files
+
+
+def _has_key(files: list[Path], key: str) -> bool:
+    for file in files:
+        with _open_safetensors(file) as f:
+            if key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                return True
+    return False
 
 
 def _open_safetensors(file: Path):  # noqa: ANN202 - safetensors' reader

@@ -14,14 +14,18 @@ from typing import Any
 
 import torch
 
-# architecture -> (qkv bias forced on, q/k RMSNorm per head)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
-    "LlamaForCausalLM": (False, False),
-    "MistralForCausalLM": (False, False),
-    "Qwen2ForCausalLM": (True, False),
-    "Qwen3ForCausalLM": (False, True),
+# architecture -> (q/k/v biases, the output projection's bias, the MLP's biases, q/k
+# RMSNorm per head), as transformers builds each: a bias is True, False, or the config key
+# that says (Mistral's and Qwen2's classes read neither `attention_bias` nor `mlp_bias`).
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | str, bool | str, bool | str, bool]] = {
+    "LlamaForCausalLM": ("attention_bias", "attention_bias", "mlp_bias", False),
+    "MistralForCausalLM": (False, False, False, False),
+    "Qwen2ForCausalLM": (True, False, False, False),
+    "Qwen3ForCausalLM": ("attention_bias", "attention_bias", False, True),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The keys each scaled RoPE type needs (transformers refuses the config without them).
+_ROPE_KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
 @dataclass(frozen=True)
@@ -79,10 +83,13 @@ class ModelConfig:
                 "does not read: use its float16/bfloat16 release (and quantization=... to "
                 "quantize it here) or a GGUF file"
             )
-        qkv_bias_forced, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        qkv_bias, o_bias, mlp_bias, qk_norm = (
+            bool(raw.get(bias, False)) if isinstance(bias, str) else bias
+            for bias in SUPPORTED_ARCHITECTURES[arch]
+        )
         act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; supported: ['silu']")
+        if act not in ("silu", "swish"):  # (transformers' names of one function)
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: ['silu', 'swish']")
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         head_dim = raw.get("head_dim") or hidden // num_heads
@@ -96,15 +103,17 @@ class ModelConfig:
                 f"unsupported rope_scaling type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}"
             )
         rope["rope_type"] = rope_type
+        if rope_type == "llama3":  # (transformers': a top-level value first, as Phi-3 has it)
+            if "original_max_position_embeddings" in raw:
+                rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+            rope.setdefault("original_max_position_embeddings", raw["max_position_embeddings"])
+        for key in _ROPE_KEYS.get(rope_type, ()):
+            if not isinstance(rope.get(key), (int, float)):
+                raise ValueError(f"rope_scaling type {rope_type!r} needs a number {key!r}")
 
         sliding_window = raw.get("sliding_window")
         if arch == "Qwen2ForCausalLM" or arch == "Qwen3ForCausalLM":
-            if not raw.get("use_sliding_window", False):
-                sliding_window = None
-            else:
-                raise ValueError(
-                    "Qwen sliding-window attention (use_sliding_window) is not supported"
-                )
+            sliding_window = _qwen_sliding_window(raw)
         if arch == "LlamaForCausalLM":
             sliding_window = None
 
@@ -114,7 +123,6 @@ class ModelConfig:
             for token in value if isinstance(value, list) else [value]:
                 if isinstance(token, int) and token not in eos:
                     eos.append(token)
-        attention_bias = bool(raw.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -127,9 +135,9 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             context_len=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias_forced or attention_bias,
-            o_bias=attention_bias and arch != "Qwen2ForCausalLM",
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
             qk_norm=qk_norm,
             rope_theta=rope_theta,
             rope_scaling=rope,
@@ -165,6 +173,23 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _qwen_sliding_window(raw: dict[str, Any]) -> None:
+    """None: Qwen2's and Qwen3's layers attend to their whole context. With
+    `use_sliding_window`, the layers from `max_window_layers` on (or those `layer_types`
+    names) attend to a window, which is refused; a config where no layer does is not."""
+    if not raw.get("use_sliding_window", False) or raw.get("sliding_window") is None:
+        return None
+    types = raw.get("layer_types")
+    if types is None:
+        num_layers = raw["num_hidden_layers"]
+        windowed = num_layers > raw.get("max_window_layers", 28)
+    else:
+        windowed = "sliding_attention" in types
+    if windowed:
+        raise ValueError("Qwen sliding-window attention (use_sliding_window) is not supported")
+    return None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

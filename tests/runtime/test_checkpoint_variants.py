@@ -1,0 +1,158 @@
+"""Checkpoints as released models write them, read as transformers reads them.
+
+Each case saves a tiny random transformers model (the tiny built-in model's tokenizer
+beside it), changes what a release may change (its config's keys, its files), and holds
+lmprog's greedy tokens to those of transformers' `from_pretrained` of the same directory:
+the reference reads the files itself, so a file or key lmprog reads differently shows. A
+config transformers reads but lmprog cannot run is refused with a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from helpers import LLAMA3_ROPE, TINY_ARCH_CONFIG, hf_greedy_ids, random_hf_model  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import lmprog as lp  # noqa: E402
+from lmprog_runtime.models import default_model_path  # noqa: E402
+from lmprog_runtime.models.loader import INDEX_FILE  # noqa: E402
+
+PROMPTS = [[5, 17, 99, 3, 250, 42, 7], list(range(3, 250, 6))]  # (7 and 42 tokens)
+NEW_TOKENS = 12
+
+
+def _save(model, path: Path, **save_options) -> Path:
+    model.save_pretrained(path, safe_serialization=True, **save_options)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path("tiny"))
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        del config[key]
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _assert_same_greedy_tokens(path: Path) -> None:
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    expected = hf_greedy_ids(reference, PROMPTS, NEW_TOKENS)
+    with lp.Engine(str(path), dtype="float32", max_total_tokens=1024) as engine:
+        params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        assert [out["output_ids"] for out in outs] == expected
+        assert engine.memory_state()["kv_slots_locked"] == 0
+
+
+def _model(model_type: str, **overrides):
+    return random_hf_model(model_type, **{**TINY_ARCH_CONFIG, **overrides})
+
+
+@pytest.mark.parametrize(
+    "model_type, config",
+    [
+        # (transformers' Mistral and Qwen2 classes read neither key: it failed as
+        # "missing weights")
+        ("mistral", {"attention_bias": True, "mlp_bias": True}),
+        ("qwen2", {"attention_bias": True, "mlp_bias": True}),
+        ("llama", {"hidden_act": "swish"}),  # (SiLU's other name: it was refused)
+        # (use_sliding_window where max_window_layers covers every layer: no layer slides)
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 4, "layer_types": None}),
+    ],
+)
+def test_config_keys_the_architecture_ignores_are_ignored(tmp_path, model_type, config):
+    path = _save(_model(model_type), tmp_path)
+    _edit_config(path, **config)
+    _assert_same_greedy_tokens(path)
+
+
+def test_a_sliding_qwen_layer_is_refused(tmp_path):
+    path = _save(_model("qwen2"), tmp_path)
+    windowed = {"use_sliding_window": True, "sliding_window": 4}
+    _edit_config(path, **windowed, max_window_layers=1, layer_types=None)
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        lp.Engine(str(path))
+    _edit_config(path, layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        lp.Engine(str(path))
+
+
+@pytest.mark.parametrize(
+    "rope, top_level",
+    [
+        # (transformers takes max_position_embeddings: it was a bare KeyError)
+        ({k: v for k, v in LLAMA3_ROPE.items() if k != "original_max_position_embeddings"}, {}),
+        # (a top-level value wins over the dict's, as in Phi-3's configs: it was ignored)
+        (LLAMA3_ROPE, {"original_max_position_embeddings": 16}),
+    ],
+)
+def test_llama3_ropes_original_context_is_read_as_transformers_reads_it(tmp_path, rope, top_level):
+    path = _save(_model("llama", rope_parameters=LLAMA3_ROPE), tmp_path)
+    _edit_config(path, rope_parameters=rope, **top_level)
+    _assert_same_greedy_tokens(path)
+
+
+def test_a_scaled_rope_without_its_factor_is_a_value_error(tmp_path):
+    path = _save(_model("llama"), tmp_path)
+    _edit_config(path, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="'linear' needs a number 'factor'"):
+        lp.Engine(str(path))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_head_beside_tied_embeddings_is_the_head(tmp_path, sharded):
+    """A config saying tie_word_embeddings over a checkpoint that has its own
+    lm_head.weight: transformers unties them. lmprog copied both into one tensor, the last
+    file's winning (the head as embeddings, or the other way round), without a word."""
+    model = _model("llama")
+    options = {"max_shard_size": "40KB"} if sharded else {}
+    path = _save(model, tmp_path, **options)
+    _edit_config(path, tie_word_embeddings=True)
+    files = sorted(path.glob("*.safetensors"))
+    assert len(files) > 1 if sharded else len(files) == 1
+    assert any("lm_head.weight" in load_file(f) for f in files)
+    _assert_same_greedy_tokens(path)
+
+
+def test_the_index_names_the_weight_files(tmp_path):
+    """A stray safetensors file beside a sharded checkpoint (an old shard, a copy) was read
+    too, its tensors overwriting the index's."""
+    path = _save(_model("llama"), tmp_path, max_shard_size="40KB")
+    assert (path / INDEX_FILE).is_file()
+    shard = sorted(path.glob("*.safetensors"))[0]
+    weights = load_file(shard)
+    save_file({k: v * 3 for k, v in weights.items()}, path / "zz-stray.safetensors")
+    _assert_same_greedy_tokens(path)
+    index = json.loads((path / INDEX_FILE).read_text())
+    index["weight_map"]["model.norm.weight"] = "missing.safetensors"
+    (path / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="names 'missing.safetensors'"):
+        lp.Engine(str(path))
+    (path / INDEX_FILE).write_text("[]")
+    with pytest.raises(ValueError, match="is not a safetensors index"):
+        lp.Engine(str(path))
+
+
+def test_a_prompt_past_the_models_vocabulary_is_a_value_error(tmp_path):
+    """A tokenizer with more tokens than the model (2048 against 256 here): a text prompt
+    whose token is past the model's table failed inside the engine's step ("index out of
+    range"); now the call says which token, and the engine goes on."""
+    path = _save(_model("llama"), tmp_path)
+    with lp.Engine(str(path), dtype="float32") as engine:
+        text = engine.tokenizer.decode([1500, 40])
+        with pytest.raises(ValueError, match=r"has token 1500 .*outside the model's vocab"):
+            engine.generate(text, {"max_new_tokens": 2})
+        out = engine.generate(engine.tokenizer.decode([40, 41]), {"max_new_tokens": 2, "temperature": 0})
+        assert len(out["output_ids"]) == 2
