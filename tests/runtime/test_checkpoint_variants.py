@@ -154,5 +154,7 @@ def test_a_prompt_past_the_models_vocabulary_is_a_value_error(tmp_path):
         text = engine.tokenizer.decode([1500, 40])
         with pytest.raises(ValueError, match=r"has token 1500 .*outside the model's vocab"):
             engine.generate(text, {"max_new_tokens": 2})
-        out = engine.generate(engine.tokenizer.decode([40, 41]), {"max_new_tokens": 2, "temperature": 0})
+        out = engine.generate(
+            engine.tokenizer.decode([40, 41]), {"max_new_tokens": 2, "temperature": 0}
+        )
         assert len(out["output_ids"]) == 2
