@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -51,7 +52,9 @@ _module: ModuleType | None = None
 
 
 def csrc_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "csrc"
+    """The C++ sources: package data, so an installed wheel builds them too (they were
+    beside the package, in no wheel: installed copies ran the torch backend)."""
+    return Path(__file__).resolve().parent / "csrc"
 
 
 def cpu_flags() -> bytes:
@@ -96,7 +99,7 @@ def load_native() -> ModuleType:
         from torch.utils import cpp_extension
 
         try:
-            with build_lock(build_dir):
+            with build_lock(build_dir), _ninja_on_path():
                 _module = cpp_extension.load(
                     name=f"lmprog_native_{build_dir.name}",
                     sources=[str(csrc_dir() / name) for name in _SOURCES],
@@ -108,6 +111,23 @@ def load_native() -> ModuleType:
         except Exception as error:  # compiler missing, ninja missing, build error
             raise RuntimeError(f"could not build the native CPU kernels: {error}") from error
         return _module
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch runs `ninja` from PATH; the `ninja` package puts it beside this interpreter,
+    which is on PATH only where its environment is activated (`.venv/bin/python ...`
+    found none). That directory is added for the build, where PATH has no ninja."""
+    path = os.environ.get("PATH", "")
+    scripts = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is not None or not os.path.isfile(os.path.join(scripts, "ninja")):
+        yield
+        return
+    os.environ["PATH"] = scripts + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 @contextlib.contextmanager

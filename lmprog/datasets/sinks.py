@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from lmprog.datasets.sources import require_pyarrow
+
 OUTPUT_SUFFIXES = (".jsonl", ".parquet")
 ERROR_COLUMN = "error"  # a result row's error: None, or what ended the row
 
@@ -128,6 +130,8 @@ def check_output(output: str | os.PathLike[str], resume: bool) -> Path:
         raise ValueError(f"output {str(path)!r} must end in one of {OUTPUT_SUFFIXES}")
     if path.is_dir():
         raise ValueError(f"output {str(path)!r} is a directory")
+    if is_parquet(path):
+        require_pyarrow(f"output {str(path)!r}")
     parent = path.parent
     if not parent.is_dir():  # (said now, not once the model has loaded and rows ran)
         what = "is not a directory" if parent.exists() else "does not exist"

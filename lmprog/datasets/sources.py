@@ -17,6 +17,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+_PYARROW_HINT = "pip install pyarrow, or lmprog's `data` extra: pip install '.[data]'"
+
 FILE_SUFFIXES = (".jsonl", ".csv", ".parquet")
 CHUNK_ROWS = 1024  # rows converted at a time from a DataFrame, a dataset or a Parquet file
 
@@ -101,6 +103,7 @@ def _file_source(path: Path) -> RowSource:
             except UnicodeDecodeError as error:
                 raise decode_error(path, error) from None
         return RowSource(_csv_rows(path), columns=header, name=str(path))
+    require_pyarrow(f"input {str(path)!r}")
     import pyarrow.parquet as pq
 
     meta = pq.ParquetFile(path)
@@ -205,3 +208,12 @@ def _hf_source(ds: Any) -> RowSource:
 
     num_rows = len(ds) if hasattr(ds, "__len__") else None
     return RowSource(rows(), columns=list(ds.column_names or []) or None, num_rows=num_rows)
+
+
+def require_pyarrow(what: str) -> None:
+    """ImportError where pyarrow is missing, said before anything runs (a Parquet output
+    once failed only after every row had run)."""
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise ImportError(f"{what} is Parquet, which needs pyarrow: {_PYARROW_HINT}") from None

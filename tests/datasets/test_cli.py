@@ -4,6 +4,7 @@ against `engine.generate`, `--help`, and bad invocations."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -223,6 +224,29 @@ def test_bad_input_is_said_before_the_model_loads(tmp_path, case, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("side", ["output", "input"])
+def test_parquet_without_pyarrow_is_said_before_the_model_loads(tmp_path, side):
+    """Without pyarrow (lmprog's `data` extra), a Parquet output failed after every row had
+    run (exit 2, the rows left in its journal), with a bare "No module named 'pyarrow'"."""
+    stub = tmp_path / "stub" / "pyarrow"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('no pyarrow here')\n")
+    prompts = tmp_path / "in.txt"
+    prompts.write_text("Hi\n", encoding="utf-8")
+    source, out = (prompts, tmp_path / "o.parquet")
+    if side == "input":
+        source, out = (tmp_path / "in.parquet", tmp_path / "o.jsonl")
+        source.write_bytes(b"PAR1")
+    command = [sys.executable, "-m", "lmprog", "generate", "--input", str(source)]
+    command += ["--output", str(out), "--quiet", "--model", str(tmp_path / "no_such_model")]
+    env = {**os.environ, "PYTHONPATH": str(stub.parent)}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{side} {str(source if side == 'input' else out)!r} is Parquet" in proc.stderr
+    assert "pip install pyarrow" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists() and not Path(f"{out}.journal.jsonl").exists()
 
 
 def test_a_module_in_the_current_directory_loads_as_with_python_m(tmp_path, monkeypatch):

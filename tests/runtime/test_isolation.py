@@ -15,8 +15,7 @@ import pytest
 from conftest import engine_leak
 
 import lmprog as lp
-from lmprog_runtime import Engine
-from lmprog_runtime import QueueFull, RequestAborted
+from lmprog_runtime import Engine, QueueFull, RequestAborted
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 LONG = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}
