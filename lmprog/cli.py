@@ -35,8 +35,8 @@ The output is JSONL or Parquet: the input columns, one column per program variab
 ret_value and error (set for a row that failed; the other rows go on). Rows are written as
 they finish; after a crash or Ctrl-C, run the same command with --resume to skip the rows
 already written (matched by --id-column, or by row position when rows have no id).
-Exit status: 0 when every row ran, 1 when some rows failed (add --retry-errors to a
---resume to run them again), 2 for bad input, 130 on Ctrl-C.
+Exit status: 0 when every row this run ran succeeded, 1 when some failed (add
+--retry-errors to a --resume to run them again), 2 for bad input, 130 on Ctrl-C.
 """
 
 

@@ -45,6 +45,7 @@ from lmprog_runtime.request import Req
 from lmprog_runtime.request_maker import RequestMaker, backend_decode
 from lmprog_runtime.results import (
     DoneFlag,
+    QueueFull,  # noqa: F401 - importable from here, as it was
     RequestAborted,
     RequestStream,
     resolve_future,
@@ -54,7 +55,7 @@ from lmprog_runtime.results import (
 from lmprog_runtime.run_choice import RunChoice
 from lmprog_runtime.run_plan import RunSlots
 from lmprog_runtime.scheduler import Scheduler
-from lmprog_runtime.server_args import as_given, from_sglang
+from lmprog_runtime.server_args import from_sglang, named_as_given
 from lmprog_runtime.stats import EngineStats
 from lmprog_runtime.steady_check import SteadyCheck
 from lmprog_runtime.token_healing import TokenHealer
@@ -87,13 +88,8 @@ class Engine(RequestMaker, EngineCalls, EngineAsync, EngineLoop, EngineView):
             raise TypeError(f"unknown Engine argument(s) {unknown}")
         # A name, a Hub id, a directory or a .gguf file; config.model_path records where
         # the model lives, model_dir the checkpoint directory read (a GGUF's conversion).
-        try:
+        with named_as_given(given):
             self.config = RuntimeConfig(model_path=resolve_model_path(model_path), **config_fields)
-        except (TypeError, ValueError) as error:
-            said = as_given(str(error), given)
-            if said == str(error):
-                raise
-            raise type(error)(said) from None
         require_device(torch.device(self.config.device))
         model_dir = local_model_dir(self.config.model_path)
         if self.config.num_threads is not None:
@@ -117,8 +113,8 @@ class Engine(RequestMaker, EngineCalls, EngineAsync, EngineLoop, EngineView):
             ByteLevelTable.of(self.tokenizer._tokenizer) if self._backend_decode else None
         )
         self._byte_pieces = byte_pieces(self.tokenizer)  # (decoded as runs: held back)
-        with device_scope(torch.device(self.config.device)):  # (its graphs are captured)
-            self.runner = ModelRunner(self.config, model_dir, self.tokenizer)
+        with device_scope(torch.device(self.config.device)), named_as_given(given):
+            self.runner = ModelRunner(self.config, model_dir, self.tokenizer)  # (graphs too)
         self.context_len = self.runner.context_len
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
         self._stats = EngineStats()

@@ -67,7 +67,10 @@ def normalize_generate_inputs(
             if not isinstance(ids, list) or not _all_ints(ids):
                 raise TypeError("input_ids must be a list of ints or a list of lists of ints")
             if ids and (min(ids) < 0 or max(ids) >= vocab):
-                raise ValueError(f"input_ids contain a token id outside [0, {vocab})")
+                bad = [i for i in ids if not 0 <= i < vocab][:8]
+                raise ValueError(
+                    f"input_ids contain token ids {bad} outside the model's vocabulary [0, {vocab})"
+                )
     if not ids_list:
         raise ValueError("prompt list is empty")
     num = len(ids_list)

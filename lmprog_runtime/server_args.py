@@ -22,8 +22,9 @@ other name is an unknown argument (`TypeError`).
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 RENAMED = {
@@ -89,6 +90,19 @@ def _put(out: dict[str, Any], given: dict[str, str], target: str, value: Any, na
     if target in out:
         raise TypeError(f"{given[target]} and {name} set the same thing: give one of them")
     out[target], given[target] = value, name
+
+
+@contextlib.contextmanager
+def named_as_given(names: Iterable[str]) -> Iterator[None]:
+    """A TypeError or ValueError raised inside, said with the settings' names as given
+    (`as_given`)."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        said = as_given(str(error), names)
+        if said == str(error):
+            raise
+        raise type(error)(said) from None
 
 
 def as_given(message: str, names: Iterable[str]) -> str:

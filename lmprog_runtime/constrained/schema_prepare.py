@@ -28,8 +28,9 @@ rewritten into a narrower schema every output of which validates.
   (outlines-core wrote `{}` as bare alternatives, which spilled out of a property).
 - The formats `date`, `time`, `date-time`, `email` and `uri` become patterns of ASCII that
   JSON holds raw (outlines-core's admit Unicode digits, `time`'s lets a backslash in,
-  `email`'s quoted local part and `uri`'s `[^\\s]` let quotes in); `date-time` is RFC 3339's,
-  its offset required (outlines-core's allowed February 31st and none but `Z`).
+  `email`'s quoted local part and `uri`'s `[^\\s]` let quotes in); `date-time` is a
+  subset of RFC 3339's, its offset required (outlines-core's allowed February 31st and
+  none but `Z`).
 """
 
 from __future__ import annotations

@@ -41,9 +41,9 @@ def load_model(
         raise ValueError(f"model_path {model_path!r} does not exist or is not a directory")
     config = ModelConfig.from_path(path)
     files = weight_files(path)
-    if config.tie_word_embeddings and _has_key(files, "lm_head.weight"):
+    if config.tie_word_embeddings and _head_differs(files):
         # transformers unties them then (and warns): the checkpoint's head is the head
-        logger.warning("%s: tie_word_embeddings, but it has an lm_head.weight: used", path)
+        logger.warning("%s: tie_word_embeddings, but its lm_head.weight differs: used", path)
         config = dataclasses.replace(config, tie_word_embeddings=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, rope_length=1)  # (its tables are made below)
@@ -68,8 +68,10 @@ def load_model(
                 target = _target_name(key)
                 if target is None:
                     continue
-                tensor = f.get_tensor(key)
                 name, part = target
+                if name.endswith(".bias") and name not in params:
+                    continue  # (a bias the architecture's class does not build, nor reads)
+                tensor = f.get_tensor(key)
                 if part is None:
                     _copy(params, name, tensor)
                     loaded.add(name)
@@ -112,12 +114,19 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _has_key(files: list[Path], key: str) -> bool:
+def _head_differs(files: list[Path]) -> bool:
+    """Whether the checkpoint holds an `lm_head.weight` other than its embeddings (one
+    equal to them stays tied, as transformers keeps it)."""
+    found: dict[str, torch.Tensor] = {}
     for file in files:
         with _open_safetensors(file) as f:
-            if key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                return True
-    return False
+            for key in ("lm_head.weight", "model.embed_tokens.weight"):
+                if key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    found[key] = f.get_tensor(key)
+    if "lm_head.weight" not in found:
+        return False
+    embeddings = found.get("model.embed_tokens.weight")
+    return embeddings is None or not torch.equal(found["lm_head.weight"], embeddings)
 
 
 def _open_safetensors(file: Path):  # noqa: ANN202 - safetensors' reader

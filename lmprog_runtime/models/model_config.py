@@ -106,7 +106,9 @@ class ModelConfig:
         if rope_type == "llama3":  # (transformers': a top-level value first, as Phi-3 has it)
             if "original_max_position_embeddings" in raw:
                 rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
-            rope.setdefault("original_max_position_embeddings", raw["max_position_embeddings"])
+            if "original_max_position_embeddings" not in rope:
+                context = raw.get("max_position_embeddings", 2048)
+                rope["original_max_position_embeddings"] = context
         for key in _ROPE_KEYS.get(rope_type, ()):
             if not isinstance(rope.get(key), (int, float)):
                 raise ValueError(f"rope_scaling type {rope_type!r} needs a number {key!r}")

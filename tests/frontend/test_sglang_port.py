@@ -66,6 +66,8 @@ def test_sglangs_runtime_line_ports_as_it_is(tiny_path):
         sgl.Runtime(model_path=tiny_path, context_length="long")
     with pytest.raises(ValueError, match=r"^mem_fraction must be in"):
         sgl.Runtime(model_path=tiny_path, mem_fraction=1.5)
+    with pytest.raises(ValueError, match=r"^context_length 100000 exceeds the model's"):
+        sgl.Runtime(model_path=tiny_path, context_length=100_000)  # (the model runner's)
     assert sgl.RequestAborted is results.RequestAborted and sgl.QueueFull is results.QueueFull
     assert {"RequestAborted", "QueueFull"} <= set(sgl.__all__)
 

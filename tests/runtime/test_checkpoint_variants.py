@@ -21,7 +21,7 @@ from helpers import LLAMA3_ROPE, TINY_ARCH_CONFIG, hf_greedy_ids, random_hf_mode
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import lmprog as lp  # noqa: E402
-from lmprog_runtime.models import default_model_path  # noqa: E402
+from lmprog_runtime.models import ModelConfig, default_model_path, load_model  # noqa: E402
 from lmprog_runtime.models.loader import INDEX_FILE  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], list(range(3, 250, 6))]  # (7 and 42 tokens)
@@ -68,13 +68,31 @@ def _model(model_type: str, **overrides):
         ("qwen2", {"attention_bias": True, "mlp_bias": True}),
         ("llama", {"hidden_act": "swish"}),  # (SiLU's other name: it was refused)
         # (use_sliding_window where max_window_layers covers every layer: no layer slides)
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}),
+        (
+            "qwen2",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 4,
+                "max_window_layers": 2,
+                "layer_types": None,
+            },
+        ),
         ("qwen3", {"use_sliding_window": True, "sliding_window": 4, "layer_types": None}),
     ],
 )
 def test_config_keys_the_architecture_ignores_are_ignored(tmp_path, model_type, config):
     path = _save(_model(model_type), tmp_path)
     _edit_config(path, **config)
+    _assert_same_greedy_tokens(path)
+
+
+def test_bias_tensors_the_architecture_ignores_are_ignored(tmp_path):
+    """transformers' Mistral builds no biases and skips such tensors in a checkpoint."""
+    path = _save(_model("mistral"), tmp_path)
+    weights = load_file(path / "model.safetensors")
+    for name in [k for k in weights if k.endswith(("q_proj.weight", "down_proj.weight"))]:
+        weights[name.replace(".weight", ".bias")] = torch.ones(weights[name].shape[0])
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     _assert_same_greedy_tokens(path)
 
 
@@ -104,6 +122,21 @@ def test_llama3_ropes_original_context_is_read_as_transformers_reads_it(tmp_path
     _assert_same_greedy_tokens(path)
 
 
+def test_llama3_rope_without_max_position_embeddings_takes_its_own_original_context():
+    """The top-level key defaults to 2048 (its absence was a KeyError once the rope's own
+    original context was looked up beside it)."""
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        **{k: v for k, v in TINY_ARCH_CONFIG.items() if k != "max_position_embeddings"},
+        "rope_scaling": LLAMA3_ROPE,
+    }
+    config = ModelConfig.from_dict(raw)
+    assert config.context_len == 2048
+    assert config.rope_scaling["original_max_position_embeddings"] == 32
+    del raw["rope_scaling"]["original_max_position_embeddings"]
+    assert ModelConfig.from_dict(raw).rope_scaling["original_max_position_embeddings"] == 2048
+
+
 def test_a_scaled_rope_without_its_factor_is_a_value_error(tmp_path):
     path = _save(_model("llama"), tmp_path)
     _edit_config(path, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0})
@@ -123,6 +156,19 @@ def test_a_head_beside_tied_embeddings_is_the_head(tmp_path, sharded):
     files = sorted(path.glob("*.safetensors"))
     assert len(files) > 1 if sharded else len(files) == 1
     assert any("lm_head.weight" in load_file(f) for f in files)
+    _assert_same_greedy_tokens(path)
+
+
+def test_a_head_equal_to_the_embeddings_stays_tied(tmp_path):
+    """(no second vocabulary-sized tensor, no warning: transformers keeps them tied too)"""
+    model = _model("llama")
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    path = _save(model, tmp_path)
+    _edit_config(path, tie_word_embeddings=True)
+    assert "lm_head.weight" in load_file(path / "model.safetensors")
+    loaded = load_model(str(path), torch.float32, "cpu")
+    assert loaded.lm_head.weight is loaded.embed_tokens.weight
     _assert_same_greedy_tokens(path)
 
 
@@ -154,6 +200,8 @@ def test_a_prompt_past_the_models_vocabulary_is_a_value_error(tmp_path):
         text = engine.tokenizer.decode([1500, 40])
         with pytest.raises(ValueError, match=r"has token 1500 .*outside the model's vocab"):
             engine.generate(text, {"max_new_tokens": 2})
+        with pytest.raises(ValueError, match=r"token ids \[1500\] outside the model's vocab"):
+            engine.generate(input_ids=[40, 1500], sampling_params={"max_new_tokens": 2})
         out = engine.generate(
             engine.tokenizer.decode([40, 41]), {"max_new_tokens": 2, "temperature": 0}
         )
