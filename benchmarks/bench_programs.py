@@ -301,7 +301,19 @@ def prepare_old(old_runtime: str) -> str:
         return str(OLD_WORKTREE)
     shutil.rmtree(OLD_FRONT, ignore_errors=True)
     shutil.copytree(OLD_WORKTREE / "lmprog", OLD_FRONT / "lmprog")
+    adapt_old_front(OLD_FRONT / "lmprog" / "interpreter.py")
     return f"{OLD_FRONT}{os.pathsep}{ROOT}"
+
+
+def adapt_old_front(interpreter: Path) -> None:
+    """The one change a94fbee's frontend needs on this runtime: its select read logprob
+    entries as (logprob, token) pairs, which became SGLang's (logprob, token, text)
+    triples in 930802d (every select then failed, and the failures compared equal)."""
+    text = interpreter.read_text(encoding="utf-8")
+    pair = "[lp for lp, _ in o["
+    if text.count(pair) != 2:
+        raise RuntimeError(f"{interpreter}: a94fbee's select is not as expected")
+    interpreter.write_text(text.replace(pair, "[lp for lp, *_ in o["), encoding="utf-8")
 
 
 def runtime_changed() -> bool:
@@ -358,12 +370,18 @@ def first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 
 def compare(outputs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> dict[str, Any]:
-    differ = [i for i, (a, b) in enumerate(zip(outputs, reference, strict=True)) if a != b]
+    """Programs equal to the reference's; a failed program is never equal (two failures
+    once compared equal, and a run where every select failed read as matching)."""
+    pairs = list(zip(outputs, reference, strict=True))
+    differ = [i for i, (a, b) in enumerate(pairs) if a != b or "error" in a]
     return {
         "num": len(reference),
         "num_equal": len(reference) - len(differ),
         "differ": differ,
-        "first_difference": {i: first_difference(outputs[i], reference[i]) for i in differ[:8]},
+        "first_difference": {
+            i: outputs[i]["error"] if "error" in outputs[i] else first_difference(*pairs[i])
+            for i in differ[:8]
+        },
     }
 
 

@@ -149,7 +149,8 @@ def main() -> None:
                     "KV pool per actor": f"{pool:,} tokens ({label})",
                     "routing": phase.name.split(" (")[0],
                     "cache hit rate (best / worst round)": f"{best:.1%} / {min(rates[phase.name]):.1%}",
-                    "vs random (best)": f"{best / base:.2f}x",
+                    # (random routing may reuse nothing at small sizes: no ratio then)
+                    "vs random (best)": f"{best / base:.2f}x" if base else "-",
                     "prompt tokens computed (best)": f"{min(computed(v) for v in phase.values):,}",
                     "time (s, best / median)": f"{phase.best:.1f} / {phase.median:.1f}",
                     "outputs": f"{equal}/{len(rows)} rows equal across routings",

@@ -213,6 +213,10 @@ def _verdict(met: bool) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     paths = (argv if argv is not None else sys.argv[1:]) or ["benchmarks/results/gpu_check.json"]
+    if paths[0] in ("-h", "--help"):
+        print("usage: gpu_check_goals.py [FILE.json ...]  (default: the last gpu_check run)")
+        print("Issue 18's goals read off gpu_check.py's JSON: met or not, with the figures.")
+        return
     for path in paths:
         print(f"{path}:")
         for line in goal_lines(json.loads(Path(path).read_text())):

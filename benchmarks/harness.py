@@ -351,7 +351,9 @@ def run_side(cmd: list[str], root: Path, env: dict[str, str]) -> dict[str, Any]:
     last) and return that object, checked to have run `root`'s runtime (its "runtime")."""
     import subprocess
 
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:  # (the child's own error, not only its exit status)
+        raise RuntimeError(f"{' '.join(cmd)} exited {out.returncode}:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if not Path(result["runtime"]).resolve().is_relative_to(root):
         raise RuntimeError(f"ran {result['runtime']}, not {root}'s runtime")
