@@ -32,7 +32,7 @@ from lmprog_runtime.constrained.number_regex import (
     integer_bounds,
     number_range_regex,
 )
-from lmprog_runtime.constrained.schema_prepare import prepared
+from lmprog_runtime.constrained.schema_prepare import MAX_REF_DEPTH, prepared
 from lmprog_runtime.constrained.schema_size import MAX_REGEX_CHARS, estimated_size
 
 BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -109,7 +109,10 @@ def schema_to_regex(schema: str, layout: Layout = DEFAULT_LAYOUT) -> str:
     _check_values(parsed)  # (a number's bounds may have wrapped it in an anyOf)
     space = _unused("LMPROGSPACE", schema)
     try:
-        regex = build_regex_from_schema(json.dumps(parsed), space)
+        # (past MAX_REF_DEPTH is refused: outlines-core's own limit dropped properties)
+        regex = build_regex_from_schema(
+            json.dumps(parsed), space, max_recursion_depth=MAX_REF_DEPTH + 2
+        )
     except Exception as error:
         raise ValueError(f"unsupported JSON schema: {error}") from error
     for marker, pattern in numbers.items():
@@ -170,8 +173,9 @@ def _lay_out(regex: str, space: str, layout: Layout) -> str:
         # `,M` between items; a separator gets one space after it, nothing else does.
         regex = regex.replace(f"{space}:{space}", ": ").replace(f"{space},{space}", ", ")
         regex = regex.replace(f",{space}", ", ")
-        # (an optional member's comma ends its group: `("a": 1,)?"b"` gave `1,"b"`)
-        regex = regex.replace(f"{space},)?", ", )?")
+        # (an optional member's comma ends its group: `("a": 1,)?"b"` gave `1,"b"`; one
+        # after a required member opens the group of an optional one: `M,(M"b"`)
+        regex = regex.replace(f"{space},)?", ", )?").replace(f"{space},({space}", ", (")
     return regex.replace(space, "")
 
 

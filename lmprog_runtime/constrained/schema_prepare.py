@@ -49,6 +49,9 @@ _ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly"}
     | {"writeOnly", "$schema", "$id", "$anchor"}
 )
+# $refs nested one inside another (models inside models): outlines-core is told to follow
+# this many (its default of 3 left out, silently, every property past a fifth level).
+MAX_REF_DEPTH = 64
 _EVERY_TYPE = ["boolean", "null", "number", "string", "array", "object"]
 # What a string's pattern may hold raw: no quote, no backslash, no control character.
 _UNSAFE = '"\\\\\\x00-\\x1f'
@@ -229,7 +232,9 @@ def _check_properties(node: dict) -> None:
 
 
 def _check_no_recursion(schema: Any) -> None:
-    """ValueError for a `$ref` that leads back to a schema it is inside (`#`, `$defs`)."""
+    """ValueError for a `$ref` that leads back to a schema it is inside (`#`, `$defs`), and
+    for chains of more than `MAX_REF_DEPTH` `$ref`s one inside another. Each name is
+    walked once (a schema whose definitions each refer to the next twice took 2^n walks)."""
     named = {}
     if isinstance(schema, dict):
         for key in ("$defs", "definitions"):
@@ -237,14 +242,22 @@ def _check_no_recursion(schema: Any) -> None:
                 named.update({f"#/{key}/{n}": s for n, s in schema[key].items()})
     refs = {"#": _refs(schema, top=True), **{name: _refs(s) for name, s in named.items()}}
     visiting: list[str] = []
+    depths: dict[str, int] = {}  # name -> the longest chain of $refs below it
 
-    def visit(name: str) -> None:
+    def visit(name: str) -> int:
+        if name in depths:
+            return depths[name]
         if name in visiting:
             raise ValueError(f"unsupported JSON schema: recursive $ref {name!r}")
+        if len(visiting) > MAX_REF_DEPTH:  # (said here: a long chain would exhaust the stack)
+            raise ValueError(
+                f"unsupported JSON schema: more than {MAX_REF_DEPTH} $refs nested one in another"
+            )
         visiting.append(name)
-        for ref in refs.get(name, ()):
-            visit(ref)
+        depth = max((1 + visit(ref) for ref in refs.get(name, ())), default=0)
         visiting.pop()
+        depths[name] = depth
+        return depth
 
     visit("#")
 

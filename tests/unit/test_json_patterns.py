@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import combinations
 
 import jsonschema
 import pytest
@@ -100,15 +101,21 @@ def test_schema_regex_layouts_match_json_dumps(layout):
 
 
 @pytest.mark.parametrize("layout", [Layout.COMPACT, Layout.SPACED])
-def test_optional_members_are_laid_out_as_json_dumps(layout):
-    """An optional member's comma ends its group: SPACED wrote `{"b": true,"c": true}`."""
-    booleans = {name: {"type": "boolean"} for name in "abc"}
-    schema = {"type": "object", "properties": booleans, "required": ["c"]}
+@pytest.mark.parametrize("required", [r for n in range(5) for r in combinations("abcd", n)])
+def test_optional_members_are_laid_out_as_json_dumps(layout, required):
+    """Every object of four members, each required or not, with any of its optional ones:
+    an optional member's comma ends its group (SPACED wrote `{"b": true,"c": true}`), and
+    a required member's comma before an optional one opens the group (`{"a": true,"d"`)."""
+    booleans = {name: {"type": "boolean"} for name in "abcd"}
+    schema = {"type": "object", "properties": booleans, "required": list(required)}
     regex = schema_to_regex(json.dumps(schema), layout)
     separators = (",", ":") if layout is Layout.COMPACT else (", ", ": ")
-    for names in ("c", "ac", "bc", "abc"):
-        doc = json.dumps(dict.fromkeys(names, True), separators=separators)
-        assert re.fullmatch(regex, doc), doc
+    optional = [name for name in "abcd" if name not in required]
+    for n in range(len(optional) + 1):
+        for present in combinations(optional, n):
+            names = [name for name in "abcd" if name in required or name in present]
+            doc = json.dumps(dict.fromkeys(names, True), separators=separators)
+            assert re.fullmatch(regex, doc), doc
 
 
 @pytest.mark.parametrize("max_length", [None, 0, 1, 3])
@@ -230,3 +237,47 @@ def test_keywords_a_number_pattern_cannot_enforce_are_refused(schema, keyword):
     accepted: `multipleOf: 3` on 0..10 compiled to `(10|[0-9])`, and 1 was written."""
     with pytest.raises(ValueError, match=f"unsupported.*{keyword}"):
         schema_to_regex(json.dumps(schema))
+
+
+def _chain(levels: int) -> dict:
+    """An object of objects `levels` deep, each level a `$defs` entry (models in models)."""
+    schema: dict = {"$defs": {}, "type": "object", "properties": {"l1": {"$ref": "#/$defs/L1"}}}
+    schema["required"] = ["l1"]
+    for i in range(1, levels + 1):
+        inner = {"$ref": f"#/$defs/L{i + 1}"} if i < levels else {"type": "boolean"}
+        schema["$defs"][f"L{i}"] = {
+            "type": "object",
+            "properties": {f"l{i + 1}": inner, "n": {"type": "integer"}},
+            "required": [f"l{i + 1}", "n"],
+        }
+    return schema
+
+
+@pytest.mark.parametrize("levels", [4, 5, 6, 20, 64])
+def test_models_nested_deep_keep_every_property(levels):
+    """outlines-core's default max_recursion_depth (3) left out, silently, every property
+    past the fifth $ref: required fields went missing, and where the dropped one was last
+    the regex forced a trailing comma (`{"code": "fr", }`)."""
+    value: object = True
+    for i in range(levels + 1, 1, -1):
+        value = {f"l{i}": value, "n": i}
+    doc = {"l1": value}
+    schema = _chain(levels)
+    jsonschema.validate(doc, schema)
+    regex = schema_to_regex(json.dumps(schema), Layout.SPACED)
+    assert re.fullmatch(regex, json.dumps(doc))
+
+
+def test_refs_past_the_depth_limit_and_wide_dags_are_refused_at_once():
+    with pytest.raises(ValueError, match="more than 64 \\$refs nested"):
+        schema_to_regex(json.dumps(_chain(65)))
+    # Each level's two definitions refer to both of the next level's: the recursion check
+    # walked all 2^40 paths.
+    dag: dict = {"$defs": {"A40": {"type": "boolean"}, "B40": {"type": "null"}}}
+    dag["$ref"] = "#/$defs/A1"
+    for i in range(1, 40):
+        refs = {"x": {"$ref": f"#/$defs/A{i + 1}"}, "y": {"$ref": f"#/$defs/B{i + 1}"}}
+        for name in "AB":
+            dag["$defs"][f"{name}{i}"] = {"type": "object", "properties": refs}
+    with pytest.raises(ValueError, match="its regex would be about"):
+        schema_to_regex(json.dumps(dag))
