@@ -23,6 +23,7 @@ import datetime
 import decimal
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,11 +46,17 @@ MAX_EXACT_INT = 2**53  # ints up to this are exact as float64
 # The journal's one-key objects for values JSON has no type for: tag -> (type, decode).
 _TAGGED: dict[str, tuple[type, Any]] = {
     "$lmprog.bytes": (bytes, base64.b64decode),
-    "$lmprog.datetime": (datetime.datetime, datetime.datetime.fromisoformat),
+    "$lmprog.datetime": (datetime.datetime, lambda text: _from_iso(datetime.datetime, text)),
     "$lmprog.date": (datetime.date, datetime.date.fromisoformat),
-    "$lmprog.time": (datetime.time, datetime.time.fromisoformat),
+    "$lmprog.time": (datetime.time, lambda text: _from_iso(datetime.time, text)),
     "$lmprog.decimal": (decimal.Decimal, decimal.Decimal),
 }
+
+
+def _from_iso(kind: Any, text: str) -> Any:
+    """`kind.fromisoformat(text)`, fractions of a second cut to microseconds: a pandas
+    Timestamp writes nanoseconds, which Python 3.10 refused (3.11 on cut them too)."""
+    return kind.fromisoformat(re.sub(r"(\.[0-9]{6})[0-9]+", r"\1", text))
 
 
 class ParquetSink(JsonlSink):

@@ -26,15 +26,17 @@ import re
 import sys
 import warnings
 
-try:  # (Python 3.11 on; 3.10 has them as sre_parse, sre_constants and no extra cases)
+try:  # (Python 3.11 on; 3.10 has them as sre_parse, sre_constants and sre_compile's)
     from re import _casefix, _constants, _parser
 
     _EXTRA_CASES: dict[int, tuple[int, ...]] = _casefix._EXTRA_CASES
 except ImportError:  # pragma: no cover - Python 3.10
+    import sre_compile
     import sre_constants as _constants
     import sre_parse as _parser
 
-    _EXTRA_CASES = {}
+    # (the same map: 3.10's `(?i)s` took U+017F too, which an empty one left out)
+    _EXTRA_CASES = sre_compile._ignorecase_fixes
 
 _SURROGATES = (0xD800, 0xDFFF)  # (no UTF-8 text holds one; Rust's classes cannot name one)
 _KEPT_FLAGS = re.IGNORECASE | re.ASCII | re.DOTALL  # (what a character class depends on)

@@ -138,6 +138,18 @@ def test_parquet_keeps_binary_temporal_and_decimal_types(engine, tmp_path):
         assert got.column(name).to_pylist() == table.column(name).to_pylist(), name
 
 
+def test_the_journal_reads_nanosecond_times_back():
+    """A pandas Timestamp writes nanoseconds; Python 3.10's fromisoformat refused them (the
+    Parquet file was never written), 3.11 on cut them to microseconds: now every version."""
+    from lmprog.datasets.parquet import _TAGGED
+
+    read_datetime, read_time = _TAGGED["$lmprog.datetime"][1], _TAGGED["$lmprog.time"][1]
+    assert read_datetime("2024-01-01T12:00:00.000001999") == datetime.datetime(
+        2024, 1, 1, 12, 0, 0, 1
+    )
+    assert read_time("12:00:00.123456789") == datetime.time(12, 0, 0, 123456)
+
+
 def test_a_csv_row_with_more_cells_than_the_header_is_an_input_error(engine, tmp_path):
     @lp.function
     def ask(s, q, **columns):

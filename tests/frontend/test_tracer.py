@@ -165,7 +165,8 @@ def test_static_errors_before_any_request(engine):
         ({"regex": r"(a|b)\1"}, "back-reference", True),
         ({"regex": r"(?<=x)y"}, "lookaround", True),
         ({"regex": r"\bword\b"}, r"\\b", True),
-        ({"regex": "a*+"}, "possessive", True),
+        # (3.10's re has no possessive repeat: it refuses it itself)
+        ({"regex": "a*+"}, "possessive" if sys.version_info >= (3, 11) else "multiple", True),
         ({"regex": "x(a|^b)"}, "only at the start", False),
         ({"regex": "[[:digit:]]"}, "Rust", False),
         ({"json_schema": '{"type": "strin"}'}, "strin", False),
