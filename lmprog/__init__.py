@@ -15,7 +15,7 @@ The frontend never touches tensors; `lmprog.Engine` (the runtime) is imported la
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmprog.api import (
     REGEX_BOOL,
@@ -96,6 +96,16 @@ __all__ = [
     "user_begin",
     "user_end",
 ]
+
+
+if TYPE_CHECKING:  # (imported lazily below: these names for type checkers)
+    from lmprog_runtime import (
+        Engine,
+        QueueFull,
+        RequestAborted,
+        Runtime,
+        default_model_path,
+    )
 
 
 def __getattr__(name: str) -> Any:

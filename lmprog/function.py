@@ -17,7 +17,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from lmprog.backend import as_backend, get_default_backend
 from lmprog.display import in_notebook, show_live
@@ -129,9 +129,31 @@ class Function:
         state._raise_error()
         return state
 
+    @overload
     def run_batch(
         self,
-        batch: Sequence[dict[str, Any] | tuple | list],
+        batch: Sequence[dict[str, Any] | tuple[Any, ...] | list[Any]],
+        *,
+        num_threads: int | str = ...,
+        progress_bar: bool = ...,
+        generator_style: Literal[False] = ...,
+        backend: Any = ...,
+        **defaults: Any,
+    ) -> list[ProgramState]: ...
+    @overload
+    def run_batch(
+        self,
+        batch: Sequence[dict[str, Any] | tuple[Any, ...] | list[Any]],
+        *,
+        num_threads: int | str = ...,
+        progress_bar: bool = ...,
+        generator_style: Literal[True],
+        backend: Any = ...,
+        **defaults: Any,
+    ) -> Iterator[ProgramState]: ...
+    def run_batch(
+        self,
+        batch: Sequence[dict[str, Any] | tuple[Any, ...] | list[Any]],
         *,
         num_threads: int | str = "auto",
         progress_bar: bool = False,
@@ -331,9 +353,15 @@ def _resolve(backend: Any):
     return as_backend(backend) if backend is not None else get_default_backend()
 
 
+@overload
+def function(func: Callable[..., Any], *, num_api_spec_tokens: int | None = None) -> Function: ...
+@overload
+def function(
+    func: None = None, *, num_api_spec_tokens: int | None = None
+) -> Callable[[Callable[..., Any]], Function]: ...
 def function(
     func: Callable[..., Any] | None = None, *, num_api_spec_tokens: int | None = None
-) -> Any:
+) -> Function | Callable[[Callable[..., Any]], Function]:
     """Decorator: `@lp.function` or `@lp.function(...)`; the function's first parameter is
     `s`. `num_api_spec_tokens` (SGLang's speculative execution for API models) is accepted
     and has nothing to do in-process: every gen already runs on the local runtime.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from lmprog.api import role_expr
 from lmprog.ir import Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd
@@ -61,6 +61,9 @@ class StateBlocks:
         return self._block(VarScopeBegin(name), VarScopeEnd(name))
 
 
+_Group = TypeVar("_Group", bound="BranchGroup")  # (`forks += ...` keeps the group's class)
+
+
 class BranchGroup:
     """The branches of a fork: `group += expr | callable(i) | list`, `group[i]`, iteration."""
 
@@ -82,8 +85,8 @@ class BranchGroup:
             raise TypeError("forks[i] can only be appended to: `forks[i] += ...`")
 
     def __iadd__(
-        self, other: Expr | str | Callable[[int], Expr | str] | list | tuple
-    ) -> BranchGroup:
+        self: _Group, other: Expr | str | Callable[[int], Expr | str] | list[Any] | tuple[Any, ...]
+    ) -> _Group:
         if isinstance(other, (list, tuple)):  # (one item per branch, as SGLang's)
             if len(other) != len(self._branches):
                 raise ValueError(f"{len(other)} items for {len(self._branches)} branches")

@@ -8,15 +8,13 @@ owns the scheduler, the model runner and every KV slot.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
 import random
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +27,11 @@ from lmprog_runtime.config import RuntimeConfig
 from lmprog_runtime.constrained.outlines_backend import is_byte_level
 from lmprog_runtime.engine_async import EngineAsync
 from lmprog_runtime.engine_calls import EngineCalls
-from lmprog_runtime.engine_inputs import check_flags
+from lmprog_runtime.engine_generate import EngineGenerate
 from lmprog_runtime.engine_loop import EngineLoop
 from lmprog_runtime.engine_view import EngineView
 from lmprog_runtime.forward_worker import ForwardWorker
-from lmprog_runtime.gc_freeze import BusyFreeze, working
+from lmprog_runtime.gc_freeze import BusyFreeze
 from lmprog_runtime.kvcache.radix_cache import RadixCache
 from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.loop_thread import serve, wake
@@ -47,10 +45,6 @@ from lmprog_runtime.results import (
     DoneFlag,
     QueueFull,  # noqa: F401 - importable from here, as it was
     RequestAborted,
-    RequestStream,
-    resolve_future,
-    wait_all,
-    wake_once,
 )
 from lmprog_runtime.run_choice import RunChoice
 from lmprog_runtime.run_plan import RunSlots
@@ -64,7 +58,7 @@ from lmprog_runtime.transfer import device_scope, require_device
 logger = logging.getLogger(__name__)
 
 
-class Engine(RequestMaker, EngineCalls, EngineAsync, EngineLoop, EngineView):
+class Engine(RequestMaker, EngineGenerate, EngineCalls, EngineAsync, EngineLoop, EngineView):
     """Runs a Llama-family checkpoint in this process with continuous batching.
 
     `model_path` is a named model (`"smollm2-135m-instruct"`, `"tiny"`, ...), a Hugging Face
@@ -200,108 +194,7 @@ class Engine(RequestMaker, EngineCalls, EngineAsync, EngineLoop, EngineView):
         process_guard.register(self)
         self._thread.start()
 
-    # ---- public API ---------------------------------------------------------------------
-    def generate(
-        self,
-        prompt: str | list[str] | None = None,
-        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-        *,
-        input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool | list[bool] | None = False,
-        logprob_start_len: int | list[int] | None = -1,
-        top_logprobs_num: int | list[int] | None = 0,
-        return_text_in_logprobs: bool | list[bool] | None = False,
-        stream: bool = False,
-        group: bool = False,
-    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
-        """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts).
-
-        Each result is `{"text", "output_ids", "meta_info"}`; `meta_info` has
-        `prompt_tokens`, `completion_tokens`, `cached_tokens`, `finish_reason` and, with
-        `return_logprob`, `output_token_logprobs` (and `input_token_logprobs` for prompt
-        positions from `logprob_start_len` on; `*_top_logprobs` with `top_logprobs_num`) as
-        SGLang's `(logprob, token_id, text)` triples, the text None unless
-        `return_text_in_logprobs`.
-        `max_new_tokens=0` only prefills. With `stream=True` (one prompt), returns an
-        iterator of chunks whose `text` fields concatenate to the final text. With
-        `group=True` the prompts form one request group (the branches of a fork): their
-        common prefix is computed once, then they are admitted together and decode in the
-        same batches.
-
-        Example:
-            >>> engine.generate(["a", "b"], {"max_new_tokens": 4})  # doctest: +SKIP
-        """
-        check_flags(stream=stream, group=group)
-        # (a dataset's rows make many objects, here and in the results: `gc_freeze.py`)
-        with working(self.config.gc_freeze):
-            reqs, is_single = self._make_reqs(
-                prompt,
-                sampling_params,
-                input_ids,
-                return_logprob,
-                logprob_start_len,
-                top_logprobs_num,
-                return_text_in_logprobs,
-                stream=stream,
-            )
-            if stream and not is_single:
-                raise ValueError("stream=True takes a single prompt")
-            woken = None if stream else wake_once(reqs)
-            self._submit(self._make_group(reqs) if group and len(reqs) > 1 else reqs)
-            if stream:
-                return RequestStream(self, reqs[0])
-            outputs = wait_all(self, reqs, woken)
-        return outputs[0] if is_single else outputs
-
-    def submit(
-        self,
-        prompt: str | list[str] | None = None,
-        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-        *,
-        input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool | list[bool] | None = False,
-        logprob_start_len: int | list[int] | None = -1,
-        top_logprobs_num: int | list[int] | None = 0,
-        return_text_in_logprobs: bool | list[bool] | None = False,
-        group: bool = False,
-        on_chunk: Callable[[int, dict[str, Any]], None] | None = None,
-    ) -> list[Future]:
-        """`generate` without waiting: one `concurrent.futures.Future` per prompt, resolved
-        with the result dict (or the request's error) when it finishes. `on_chunk(i, chunk)`
-        receives prompt i's streamed deltas. Callbacks (`on_chunk` and the futures' done
-        callbacks) run on the engine's loop thread: they must hand the result on, not block.
-        Input errors raise here, before anything is submitted.
-
-        Example:
-            >>> futures = engine.submit(["a", "b"], {"max_new_tokens": 4})  # doctest: +SKIP
-            >>> [f.result()["text"] for f in futures]  # doctest: +SKIP
-        """
-        check_flags(group=group)
-        # (not frozen here unless the loop is busy: `working` would end before the loop takes
-        # these up, and its end may owe a full pass, in the middle of the work)
-        reqs, _ = self._make_reqs(
-            prompt,
-            sampling_params,
-            input_ids,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
-            return_text_in_logprobs,
-            stream=False,
-        )
-        futures: list[Future] = []
-        for i, req in enumerate(reqs):
-            future: Future = Future()
-            future.set_running_or_notify_cancel()
-            future.request_id = req.rid  # type: ignore[attr-defined] - for `abort`
-            future.engine = self  # type: ignore[attr-defined] - alive till `resolve_future`
-            req.on_done = functools.partial(resolve_future, future)
-            if on_chunk is not None:
-                req.on_chunk = functools.partial(on_chunk, i)
-            futures.append(future)
-        self._submit(self._make_group(reqs) if group and len(reqs) > 1 else reqs)
-        return futures
-
+    # ---- public API (generate and submit: engine_generate.py) -----------------------
     def abort(self, request_id: int) -> None:
         """Cancel a request (`meta_info["id"]`, or a future's `request_id`) before its next
         step: it fails with `RequestAborted`, its slots are freed and what it computed stays
