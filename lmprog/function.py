@@ -151,6 +151,17 @@ class Function:
         backend: Any = ...,
         **defaults: Any,
     ) -> Iterator[ProgramState]: ...
+    @overload
+    def run_batch(  # (a flag known only at run time)
+        self,
+        batch: Sequence[dict[str, Any] | tuple[Any, ...] | list[Any]],
+        *,
+        num_threads: int | str = ...,
+        progress_bar: bool = ...,
+        generator_style: bool = ...,
+        backend: Any = ...,
+        **defaults: Any,
+    ) -> list[ProgramState] | Iterator[ProgramState]: ...
     def run_batch(
         self,
         batch: Sequence[dict[str, Any] | tuple[Any, ...] | list[Any]],

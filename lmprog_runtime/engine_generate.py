@@ -76,6 +76,20 @@ class EngineGenerate:
         stream: Literal[True],
         group: bool = ...,
     ) -> Iterator[dict[str, Any]]: ...
+    @overload
+    def generate(  # (arguments whose kind is known only at run time)
+        self,
+        prompt: str | list[str] | None = ...,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = ...,
+        *,
+        input_ids: list[int] | list[list[int]] | None = ...,
+        return_logprob: bool | list[bool] | None = ...,
+        logprob_start_len: int | list[int] | None = ...,
+        top_logprobs_num: int | list[int] | None = ...,
+        return_text_in_logprobs: bool | list[bool] | None = ...,
+        stream: bool = ...,
+        group: bool = ...,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]: ...
     def generate(
         self,
         prompt: str | list[str] | None = None,

@@ -61,6 +61,13 @@ def use(engine: lp.Engine) -> None:
     chunks = engine.generate("Hi", {"max_new_tokens": 4}, stream=True)
     assert_type(chunks, Iterator[dict[str, Any]])
     print(one["text"], many[0]["text"], ids["text"], [c["text"] for c in chunks])
+    # Flags known only at run time: the union, as before (not "no overload matches").
+    flag = bool(len(states))
+    either = triage.run_batch([{"question": "a"}], generator_style=flag, backend=engine)
+    assert_type(either, list[lp.ProgramState] | Iterator[lp.ProgramState])
+    prompts: str | list[str] = "x"
+    any_kind = engine.generate(prompts, None, stream=flag)
+    assert_type(any_kind, dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]])
 """
 
 
