@@ -259,7 +259,10 @@ def _check_no_recursion(schema: Any) -> None:
         depths[name] = depth
         return depth
 
-    visit("#")
+    if visit("#") > MAX_REF_DEPTH:  # (a chain through a name walked before: its depth)
+        raise ValueError(
+            f"unsupported JSON schema: more than {MAX_REF_DEPTH} $refs nested one in another"
+        )
 
 
 def _refs(node: Any, top: bool = False) -> set[str]:

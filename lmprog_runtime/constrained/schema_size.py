@@ -1,6 +1,6 @@
 """About how long outlines-core's regex of a JSON schema will be, estimated before it is
 built: the translation writes an array's item pattern twice (the first item, then the
-others) and every `$ref` out in full where it stands, so a small schema can ask for a
+others), a map's value pattern twice too, and every `$ref` out in full where it stands, so a small schema can ask for a
 regex of gigabytes (22 levels of arrays in 568 characters: the process was killed for
 memory). The estimate follows the same structure; its constants are the lengths of the
 translation's own patterns for each kind of value, measured once.
@@ -48,9 +48,11 @@ def estimated_size(schema: Any) -> int:
                 total += size_of_ref(value)
             elif key == "properties" and isinstance(value, dict):
                 total += sum(len(name) + _SEPARATOR + size(sub) for name, sub in value.items())
-            elif key == "items":
-                total += 2 * size(value)
-            elif key in ("prefixItems", "anyOf", "oneOf", "additionalProperties"):
+            elif key == "items":  # (written out twice, with the punctuation around it)
+                total += 2 * (size(value) + _SEPARATOR)
+            elif key == "additionalProperties":  # (twice too, each with its key's pattern)
+                total += 2 * (size(value) + _LEAF["string"] + 2 * _SEPARATOR)
+            elif key in ("prefixItems", "anyOf", "oneOf"):
                 total += size(value)
             elif key == "pattern" and isinstance(value, str):
                 total += len(value) + _SEPARATOR

@@ -33,6 +33,9 @@ RUNTIME = Path(__file__).resolve().parents[2] / "lmprog_runtime"
 # run once, before, on the device they are given).
 SERVING_MODULES = [
     "engine.py",
+    "engine_generate.py",
+    "engine_calls.py",
+    "req_stops.py",
     "request_maker.py",
     "results.py",
     "loop_thread.py",

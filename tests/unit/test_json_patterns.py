@@ -281,3 +281,32 @@ def test_refs_past_the_depth_limit_and_wide_dags_are_refused_at_once():
             dag["$defs"][f"{name}{i}"] = {"type": "object", "properties": refs}
     with pytest.raises(ValueError, match="its regex would be about"):
         schema_to_regex(json.dumps(dag))
+
+
+def test_maps_of_maps_are_estimated_as_written_twice():
+    """A `dict[str, Model]` chain: outlines-core writes a map's value pattern twice, each
+    with its key's, which the estimate counted once (20 levels ran out of memory once the
+    $ref depth limit no longer stopped at 3). 8 levels (about 30,000 characters) translate."""
+    schema: dict = {"$defs": {"M15": {"type": "boolean"}}, "$ref": "#/$defs/M1"}
+    for i in range(1, 15):
+        schema["$defs"][f"M{i}"] = {
+            "type": "object",
+            "additionalProperties": {"$ref": f"#/$defs/M{i + 1}"},
+        }
+    with pytest.raises(ValueError, match="its regex would be about"):
+        schema_to_regex(json.dumps(schema))
+    schema["$defs"]["M9"] = {"type": "boolean"}
+    assert 20_000 < len(schema_to_regex(json.dumps(schema))) < 100_000
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_long_chain_through_a_name_walked_before_is_refused(seed):
+    """The depth check stored each name's depth and skipped it on a longer path (the set
+    of refs walks in hash order): a 100-long chain got through, its properties dropped."""
+    import random
+
+    schema = _chain(100)
+    names = [f"L{i}" for i in random.Random(seed).sample(range(1, 101), 3)]
+    schema["properties"].update({n.lower(): {"$ref": f"#/$defs/{n}"} for n in names})
+    with pytest.raises(ValueError, match="more than 64 \\$refs nested"):
+        schema_to_regex(json.dumps(schema))
