@@ -66,6 +66,19 @@ def random_hf_model(model_type: str, **config):
     return model
 
 
+def edit_config(path, **changes) -> None:
+    """Change a checkpoint's config.json: each key set, or removed where given None."""
+    import json
+    from pathlib import Path
+
+    file = Path(path) / "config.json"
+    config = json.loads(file.read_text())
+    config.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        del config[key]
+    file.write_text(json.dumps(config))
+
+
 def hf_greedy_ids(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy `generate` on token ids, one prompt at a time (no padding)."""
     outs = []

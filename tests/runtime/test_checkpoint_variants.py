@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import LLAMA3_ROPE, TINY_ARCH_CONFIG, hf_greedy_ids, random_hf_model  # noqa: E402
+from helpers import LLAMA3_ROPE, TINY_ARCH_CONFIG, edit_config, hf_greedy_ids, random_hf_model  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import lmprog as lp  # noqa: E402
@@ -33,14 +33,6 @@ def _save(model, path: Path, **save_options) -> Path:
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path("tiny"))
     tokenizer.save_pretrained(path)
     return path
-
-
-def _edit_config(path: Path, **changes) -> None:
-    config = json.loads((path / "config.json").read_text())
-    config.update(changes)
-    for key in [k for k, v in changes.items() if v is None]:
-        del config[key]
-    (path / "config.json").write_text(json.dumps(config))
 
 
 def _assert_same_greedy_tokens(path: Path) -> None:
@@ -82,7 +74,7 @@ def _model(model_type: str, **overrides):
 )
 def test_config_keys_the_architecture_ignores_are_ignored(tmp_path, model_type, config):
     path = _save(_model(model_type), tmp_path)
-    _edit_config(path, **config)
+    edit_config(path, **config)
     _assert_same_greedy_tokens(path)
 
 
@@ -99,10 +91,10 @@ def test_bias_tensors_the_architecture_ignores_are_ignored(tmp_path):
 def test_a_sliding_qwen_layer_is_refused(tmp_path):
     path = _save(_model("qwen2"), tmp_path)
     windowed = {"use_sliding_window": True, "sliding_window": 4}
-    _edit_config(path, **windowed, max_window_layers=1, layer_types=None)
+    edit_config(path, **windowed, max_window_layers=1, layer_types=None)
     with pytest.raises(ValueError, match="use_sliding_window"):
         lp.Engine(str(path))
-    _edit_config(path, layer_types=["full_attention", "sliding_attention"])
+    edit_config(path, layer_types=["full_attention", "sliding_attention"])
     with pytest.raises(ValueError, match="use_sliding_window"):
         lp.Engine(str(path))
 
@@ -118,7 +110,7 @@ def test_a_sliding_qwen_layer_is_refused(tmp_path):
 )
 def test_llama3_ropes_original_context_is_read_as_transformers_reads_it(tmp_path, rope, top_level):
     path = _save(_model("llama", rope_parameters=LLAMA3_ROPE), tmp_path)
-    _edit_config(path, rope_parameters=rope, **top_level)
+    edit_config(path, rope_parameters=rope, **top_level)
     _assert_same_greedy_tokens(path)
 
 
@@ -139,7 +131,7 @@ def test_llama3_rope_without_max_position_embeddings_takes_its_own_original_cont
 
 def test_a_scaled_rope_without_its_factor_is_a_value_error(tmp_path):
     path = _save(_model("llama"), tmp_path)
-    _edit_config(path, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0})
+    edit_config(path, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0})
     with pytest.raises(ValueError, match="'linear' needs a number 'factor'"):
         lp.Engine(str(path))
 
@@ -152,7 +144,7 @@ def test_a_head_beside_tied_embeddings_is_the_head(tmp_path, sharded):
     model = _model("llama")
     options = {"max_shard_size": "40KB"} if sharded else {}
     path = _save(model, tmp_path, **options)
-    _edit_config(path, tie_word_embeddings=True)
+    edit_config(path, tie_word_embeddings=True)
     files = sorted(path.glob("*.safetensors"))
     assert len(files) > 1 if sharded else len(files) == 1
     assert any("lm_head.weight" in load_file(f) for f in files)
@@ -165,7 +157,7 @@ def test_a_head_equal_to_the_embeddings_stays_tied(tmp_path):
     with torch.no_grad():
         model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     path = _save(model, tmp_path)
-    _edit_config(path, tie_word_embeddings=True)
+    edit_config(path, tie_word_embeddings=True)
     assert "lm_head.weight" in load_file(path / "model.safetensors")
     loaded = load_model(str(path), torch.float32, "cpu")
     assert loaded.lm_head.weight is loaded.embed_tokens.weight

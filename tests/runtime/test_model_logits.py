@@ -25,7 +25,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import LLAMA3_ROPE, TINY_ARCH_CONFIG, random_hf_model  # noqa: E402
+from helpers import LLAMA3_ROPE, TINY_ARCH_CONFIG, edit_config, random_hf_model  # noqa: E402
 
 from lmprog_runtime.config import RuntimeConfig  # noqa: E402
 from lmprog_runtime.forward_batch import ForwardMode  # noqa: E402
@@ -278,24 +278,16 @@ def _copy_checkpoint(checkpoint, tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _edit_config(path: Path, **changes) -> None:
-    config = json.loads((path / "config.json").read_text())
-    config.update(changes)
-    for key in [k for k, v in changes.items() if v is None]:
-        del config[key]
-    (path / "config.json").write_text(json.dumps(config))
-
-
 def test_a_quantized_checkpoint_is_refused_not_read_as_floats(tmp_path, checkpoint):
     """An FP8 release (`quantization_config`, fp8 weights with their scales beside them)
     loaded without a word: raw fp8 values cast to float, every token wrong."""
     from safetensors.torch import load_file, save_file
 
     path = _copy_checkpoint(checkpoint, tmp_path)
-    _edit_config(path, quantization_config={"quant_method": "fp8"})
+    edit_config(path, quantization_config={"quant_method": "fp8"})
     with pytest.raises(ValueError, match="'fp8' quantization_config"):
         load_model(str(path), torch.float32, "cpu")
-    _edit_config(path, quantization_config=None)  # the weights alone say it too
+    edit_config(path, quantization_config=None)  # the weights alone say it too
     weights = load_file(path / "model.safetensors")
     name = next(k for k in weights if k.endswith("down_proj.weight"))
     weights[name] = weights[name].to(torch.float8_e4m3fn)
@@ -306,7 +298,7 @@ def test_a_quantized_checkpoint_is_refused_not_read_as_floats(tmp_path, checkpoi
 
 def test_broken_files_are_value_errors_naming_them(tmp_path, checkpoint):
     path = _copy_checkpoint(checkpoint, tmp_path)
-    _edit_config(path, intermediate_size=None)
+    edit_config(path, intermediate_size=None)
     with pytest.raises(ValueError, match="config.json has no 'intermediate_size'"):
         load_model(str(path), torch.float32, "cpu")
     (path / "config.json").write_text("{not json")
