@@ -117,14 +117,17 @@ def weight_files(path: Path) -> list[Path]:
 def _head_differs(files: list[Path]) -> bool:
     """Whether the checkpoint holds an `lm_head.weight` other than its embeddings (one
     equal to them stays tied, as transformers keeps it)."""
-    found: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}  # (read from the headers: a tied model has no head)
     for file in files:
         with _open_safetensors(file) as f:
-            for key in ("lm_head.weight", "model.embed_tokens.weight"):
-                if key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    found[key] = f.get_tensor(key)
-    if "lm_head.weight" not in found:
+            where.update({key: file for key in f.keys()})  # noqa: SIM118 - not a dict
+    if "lm_head.weight" not in where:
         return False
+    found = {}
+    for key in ("lm_head.weight", "model.embed_tokens.weight"):
+        if key in where:
+            with _open_safetensors(where[key]) as f:
+                found[key] = f.get_tensor(key)
     embeddings = found.get("model.embed_tokens.weight")
     return embeddings is None or not torch.equal(found["lm_head.weight"], embeddings)
 
