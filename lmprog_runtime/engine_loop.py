@@ -3,11 +3,10 @@ forward, samples, and finishes requests the moment they stop (with overlap sched
 checks of one step run while the next step's forward does: see `overlap.py`; with decode
 runs, several decode steps run from one scheduling: see `decode_run.py`).
 
-`EngineLoop` holds the loop-side methods of `Engine` (the public API and the caller side
-live in `engine.py`, `engine_generate.py` and `engine_calls.py`, validation in
-`request_maker.py` and `engine_inputs.py`; the draw of a step's tokens in `step_draw.py`;
-the thread that runs the loop in `loop_thread.py`). Only the loop thread runs them: it
-alone owns the scheduler, the model runner and every KV slot.
+`EngineLoop` holds the loop-side methods of `Engine` (the caller side: `engine*.py`;
+validation: `request_maker.py`, `engine_inputs.py`; a step's draw: `step_draw.py`; the
+loop's thread: `loop_thread.py`). Only the loop thread runs them: it alone owns the
+scheduler, the model runner and every KV slot.
 An exception in one step fails only the requests of that step; the loop keeps serving.
 """
 
