@@ -50,8 +50,8 @@ def normalize_generate_inputs(
         ids_list = [engine.encode(p) for p in prompts]
         vocab = engine.runner.model_config.vocab_size
         for p, ids in zip(prompts, ids_list):
-            if ids and max(ids) >= vocab:  # (a tokenizer with more tokens than the model)
-                token = max(ids)
+            token = max(ids, default=-1)
+            if token >= vocab:  # (a tokenizer with more tokens than the model)
                 raise ValueError(
                     f"prompt {p[:40]!r} has token {token} "
                     f"({engine.tokenizer.convert_ids_to_tokens(token)!r}), outside the "

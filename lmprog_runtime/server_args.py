@@ -100,8 +100,8 @@ def named_as_given(names: Iterable[str]) -> Iterator[None]:
         yield
     except (TypeError, ValueError) as error:
         said = as_given(str(error), names)
-        if said == str(error):
-            raise
+        if said == str(error) or type(error) not in (TypeError, ValueError):
+            raise  # (a subclass may take other arguments than a message)
         raise type(error)(said) from None
 
 

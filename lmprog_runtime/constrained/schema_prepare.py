@@ -243,6 +243,7 @@ def _check_no_recursion(schema: Any) -> None:
     refs = {"#": _refs(schema, top=True), **{name: _refs(s) for name, s in named.items()}}
     visiting: list[str] = []
     depths: dict[str, int] = {}  # name -> the longest chain of $refs below it
+    too_deep = f"unsupported JSON schema: more than {MAX_REF_DEPTH} $refs nested one in another"
 
     def visit(name: str) -> int:
         if name in depths:
@@ -250,9 +251,7 @@ def _check_no_recursion(schema: Any) -> None:
         if name in visiting:
             raise ValueError(f"unsupported JSON schema: recursive $ref {name!r}")
         if len(visiting) > MAX_REF_DEPTH:  # (said here: a long chain would exhaust the stack)
-            raise ValueError(
-                f"unsupported JSON schema: more than {MAX_REF_DEPTH} $refs nested one in another"
-            )
+            raise ValueError(too_deep)
         visiting.append(name)
         depth = max((1 + visit(ref) for ref in refs.get(name, ())), default=0)
         visiting.pop()
@@ -260,9 +259,7 @@ def _check_no_recursion(schema: Any) -> None:
         return depth
 
     if visit("#") > MAX_REF_DEPTH:  # (a chain through a name walked before: its depth)
-        raise ValueError(
-            f"unsupported JSON schema: more than {MAX_REF_DEPTH} $refs nested one in another"
-        )
+        raise ValueError(too_deep)
 
 
 def _refs(node: Any, top: bool = False) -> set[str]:

@@ -113,11 +113,10 @@ class ModelConfig:
             if not isinstance(rope.get(key), (int, float)):
                 raise ValueError(f"rope_scaling type {rope_type!r} needs a number {key!r}")
 
-        sliding_window = raw.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" or arch == "Qwen3ForCausalLM":
-            sliding_window = _qwen_sliding_window(raw)
-        if arch == "LlamaForCausalLM":
-            sliding_window = None
+        # (Mistral's window covers every layer; Llama has none, Qwen none this can run)
+        sliding_window = raw.get("sliding_window") if arch == "MistralForCausalLM" else None
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            _refuse_windowed_qwen_layers(raw)
 
         eos: list[int] = []
         for source in (generation or {}, raw):
@@ -177,21 +176,19 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _qwen_sliding_window(raw: dict[str, Any]) -> None:
-    """None: Qwen2's and Qwen3's layers attend to their whole context. With
-    `use_sliding_window`, the layers from `max_window_layers` on (or those `layer_types`
-    names) attend to a window, which is refused; a config where no layer does is not."""
+def _refuse_windowed_qwen_layers(raw: dict[str, Any]) -> None:
+    """ValueError where a Qwen2 / Qwen3 layer attends to a window: with `use_sliding_window`,
+    the layers from `max_window_layers` on (or those `layer_types` names); a config where no
+    layer does loads."""
     if not raw.get("use_sliding_window", False) or raw.get("sliding_window") is None:
-        return None
+        return
     types = raw.get("layer_types")
     if types is None:
-        num_layers = raw["num_hidden_layers"]
-        windowed = num_layers > raw.get("max_window_layers", 28)
+        windowed = raw["num_hidden_layers"] > raw.get("max_window_layers", 28)
     else:
         windowed = "sliding_attention" in types
     if windowed:
         raise ValueError("Qwen sliding-window attention (use_sliding_window) is not supported")
-    return None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
