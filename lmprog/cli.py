@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if summary.num_errors:  # (every row is written; a script still sees that some failed)
         print(
-            "lmprog: see the rows' error column; run the same command with --resume "
-            "--retry-errors to retry them",
+            "lmprog: some rows failed (their error column says why); once that is "
+            "mended, the same command with --resume --retry-errors runs them again",
             file=sys.stderr,
         )
         return 1
