@@ -99,6 +99,13 @@ def without_edge_anchors(regex: str) -> str:
     return regex
 
 
+def width(regex: str) -> tuple[int, int | None]:
+    """The fewest and the most characters a whole match of `regex` holds (None: no most);
+    re.error where Python's `re` refuses it."""
+    low, high = _parse(regex).getwidth()
+    return low, None if high >= _constants.MAXREPEAT else high
+
+
 def _parse(regex: str):
     """Python's parse of `regex` (re.error where it refuses it)."""
     with warnings.catch_warnings():  # (re's FutureWarning on `[[`: the compile refuses it)

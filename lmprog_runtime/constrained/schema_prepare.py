@@ -11,31 +11,26 @@ rewritten into a narrower schema every output of which validates.
   required properties with no schema under `properties`, and recursive `$ref`s (cut off
   at an empty object) are refused; so are empty lists of alternatives (`enum`, `anyOf`,
   `oneOf`, `type`), which no value satisfies.
-- A string `pattern` is matched whole by the translation, where JSON Schema searches: its
-  `^` / `$` ends are dropped and it is grouped (an alternation `a|b` would otherwise take
-  the quotes into its branches), so every string allowed contains a match. What it lets a
-  string hold raw is narrowed to what JSON holds raw: `.` and negated classes leave out
-  the quote, the backslash and control characters, as does a class's range (`[ -~]`,
-  printable ASCII, held both), `\\s` is a space; what cannot be narrowed so (`\\S`,
-  `\\W`, `\\D`, a quote or a backslash, escapes of control characters, octal and named
-  ones: `\\n`, `\\042`, `\\N{...}`, `[\\b]`) is refused.
+- A string's `pattern` and `format` are written as `string_patterns.py` says.
 - A constraint the translation drops for the keyword beside it is refused: anything but
   annotations (and `type` for an `enum` / `const`) next to `enum`, `const`, `$ref`,
-  `anyOf` or `oneOf`, a `minLength` / `maxLength` next to a `pattern` or `format`, and
+  `anyOf` or `oneOf`, a `minLength` / `maxLength` next to a `pattern` or `format` that
+  would bind (one every value fits is dropped; a `uri`'s is met by a bounded pattern), and
   `prefixItems` with item counts it does not hold (it writes exactly the prefix items).
   An `enum` is narrowed to the values of its `type`.
 - A schema of any value (`{}`, `true`, annotations only) becomes the list of every type
   (outlines-core wrote `{}` as bare alternatives, which spilled out of a property).
-- The formats `date`, `time`, `date-time`, `email` and `uri` become patterns of ASCII that
-  JSON holds raw (outlines-core's admit Unicode digits, `time`'s lets a backslash in,
-  `email`'s quoted local part and `uri`'s `[^\\s]` let quotes in); `date-time` is a
-  subset of RFC 3339's, its offset required (outlines-core's allowed February 31st and
-  none but `Z`).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from lmprog_runtime.constrained.string_patterns import (
+    FORMATS,
+    json_safe_pattern,
+    lengths_in_pattern,
+)
 
 _NOT_SCHEMAS = ("enum", "const", "default", "examples")  # values, never descended into
 _NAMED_SCHEMAS = ("properties", "$defs", "definitions")  # name -> schema maps
@@ -53,27 +48,6 @@ _ANNOTATIONS = frozenset(
 # this many (its default of 3 left out, silently, every property past a fifth level).
 MAX_REF_DEPTH = 64
 _EVERY_TYPE = ["boolean", "null", "number", "string", "array", "object"]
-# What a string's pattern may hold raw: no quote, no backslash, no control character.
-_UNSAFE = '"\\\\\\x00-\\x1f'
-_DATE = (  # (years 1-9999; every month's days, February's up to the 28th)
-    r"(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})-"
-    r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])"
-    r"|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
-)
-_TIME_OF_DAY = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?"
-_OFFSET = r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
-_FORMATS = {
-    "date": _DATE,
-    "time": _TIME_OF_DAY + _OFFSET + "?",
-    # RFC 3339's date-time: its offset is required (outlines-core's has none but `Z`, made
-    # it optional, and let years 0 and below and February 31st through)
-    "date-time": _DATE + "T" + _TIME_OF_DAY + _OFFSET,
-    "email": r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63})*\.[A-Za-z]{2,24}",
-    "uri": (
-        r"(https?|ftp)://[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?"
-        r"(/[A-Za-z0-9._~:/?#@!$&'()*+,;=%-]*)?"
-    ),
-}
 
 
 def prepared(schema: Any) -> Any:
@@ -105,11 +79,11 @@ def _prepare(node: Any, is_schema: bool = True) -> Any:
         _check_alternatives(node)
         node = _check_siblings(node)
     form = node.get("format")
-    if node.get("type") == "string" and form in _FORMATS:
+    if node.get("type") == "string" and form in FORMATS:
         if "pattern" in node:
             raise ValueError(f"unsupported JSON schema: 'format' {form!r} with a 'pattern'")
         node = {k: v for k, v in node.items() if k != "format"}
-        node["pattern"] = _FORMATS[form]
+        node["pattern"] = FORMATS[form]
     out = {}
     for key, value in node.items():
         if key in _NAMED_SCHEMAS and isinstance(value, dict):
@@ -180,12 +154,7 @@ def _check_siblings(node: dict) -> dict:
                 f"which outlines-core would enforce alone (put the constraint inside it)"
             )
     if node.get("type") == "string" and ("pattern" in node or "format" in node):
-        lengths = sorted({"minLength", "maxLength"} & set(node))
-        if lengths:  # (outlines-core drops the pattern for the lengths)
-            raise ValueError(
-                f"unsupported JSON schema: {lengths} next to a 'pattern' or 'format' "
-                "(write the length into the pattern: `^[A-Z]{3}$`)"
-            )
+        node = lengths_in_pattern(node)
     prefix = node.get("prefixItems")
     if isinstance(prefix, list):  # (written as exactly its items)
         low, high = node.get("minItems", 0), node.get("maxItems", len(prefix))
@@ -280,105 +249,3 @@ def _refs(node: Any, top: bool = False) -> set[str]:
         for item in node:
             found |= _refs(item)
     return found
-
-
-def json_safe_pattern(pattern: str) -> str:
-    """`pattern` without its `^` / `$` ends, grouped, and narrowed to characters JSON holds
-    raw in a string (see the module docstring); ValueError where it cannot be.
-
-    Example:
-        >>> json_safe_pattern("^(yes|no)$")
-        '((yes|no))'
-    """
-    body = pattern[1:] if pattern.startswith("^") else pattern
-    if body.endswith("$") and not body.endswith("\\$"):
-        body = body[:-1]
-    out, i = [], 0
-    while i < len(body):
-        ch = body[i]
-        if ch == "\\" and i + 1 < len(body):
-            out.append(_escape(body[i + 1], pattern))
-            i += 2
-            continue
-        if ord(ch) < 0x20 or ch == '"':
-            raise ValueError(f"unsupported JSON schema: pattern {pattern!r} holds {ch!r}")
-        if ch == "[":
-            text, i = _narrowed_class(body, i, pattern)
-            out.append(text)
-            continue
-        out.append(f"[^{_UNSAFE}]" if ch == "." else ch)
-        i += 1
-    return "(" + "".join(out) + ")"
-
-
-def _narrowed_class(body: str, i: int, pattern: str) -> tuple[str, int]:
-    """The class at `body[i]` ("[") narrowed to what JSON holds raw, and where it ends: a
-    range leaves out the quote, the backslash and control characters (`[ -~]`, printable
-    ASCII, let both in), a negated class leaves them out too."""
-    j = i + 1
-    negated = body.startswith("^", j)
-    j += negated
-    items: list[tuple[bool, str]] = []  # (a character, else an escape's text)
-    while j < len(body) and (body[j] != "]" or not items):
-        if body[j] == "\\" and j + 1 < len(body):
-            escaped = body[j + 1]
-            if escaped.isalnum():
-                items.append((False, _escape(escaped, pattern, in_class=True)))
-            else:
-                items.append((True, escaped))
-            j += 2
-        else:
-            items.append((True, body[j]))
-            j += 1
-    out, k = [], 0
-    while k < len(items):
-        is_char, text = items[k]
-        if is_char and k + 2 < len(items) and items[k + 1] == (True, "-") and items[k + 2][0]:
-            low, high = text, items[k + 2][1]
-            out.append(
-                _class_char(low) + "-" + _class_char(high) if negated else _safe_range(low, high)
-            )
-            k += 3
-            continue
-        if is_char and not negated and (ord(text) < 0x20 or text in '"\\'):
-            raise ValueError(f"unsupported JSON schema: pattern {pattern!r} holds {text!r}")
-        out.append(_class_char(text) if is_char else text)
-        k += 1
-    if not "".join(out):
-        raise ValueError(
-            f"unsupported JSON schema: pattern {pattern!r} has a class JSON holds no character of"
-        )
-    return "[" + ("^" + _UNSAFE if negated else "") + "".join(out) + "]", j + 1
-
-
-def _safe_range(low: str, high: str) -> str:
-    """The range `low`-`high` without the characters JSON escapes."""
-    pieces, start = [], ord(low)
-    for unsafe_low, unsafe_high in ((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)):
-        if start < unsafe_low:
-            pieces.append((start, min(ord(high), unsafe_low - 1)))
-        start = max(start, unsafe_high + 1)
-    if start <= ord(high):
-        pieces.append((start, ord(high)))
-    return "".join(
-        _class_char(chr(a)) + ("" if a == b else "-" + _class_char(chr(b)))
-        for a, b in pieces
-        if a <= b
-    )
-
-
-def _class_char(ch: str) -> str:
-    return "\\" + ch if ch in "\\]^-[" else ch
-
-
-def _escape(ch: str, pattern: str, in_class: bool = False) -> str:
-    """The escape `\\ch` as the narrowed pattern writes it (inside a class or out)."""
-    if ch in 'SWDxuU"\\ntrfva0123456789N' or (in_class and ch == "b"):
-        what = {"x": "a \\x escape", "u": "a \\u escape", "U": "a \\U escape"}.get(ch)
-        raise ValueError(
-            f"unsupported JSON schema: {what or repr(chr(92) + ch)} in pattern {pattern!r} "
-            "could let a quote, a backslash or a control character into the string"
-        )
-    if ch == "s":
-        return " "
-    return "\\" + ch

@@ -433,6 +433,25 @@ def test_pydantic_models_nested_six_deep_keep_their_fields(engine):
         Order.model_validate_json(out["text"])
 
 
+def test_a_pydantic_model_of_urls_gives_urls_pydantic_takes(engine):
+    """HttpUrl writes `maxLength` next to `format: uri`, which was refused; and the `uri`
+    pattern let out ports past 65535 and `ftp://`, which HttpUrl refuses."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Site(pydantic.BaseModel):
+        home: pydantic.HttpUrl
+        mirror: pydantic.AnyUrl
+
+    params = {"json_schema": json.dumps(Site.model_json_schema()), "max_new_tokens": 300}
+    outs = engine.generate(
+        ["site: "] * 6, [{**params, "temperature": 1.0, "seed": s} for s in range(6)]
+    )
+    complete = [o for o in outs if "constraint" not in o["meta_info"]["finish_reason"]]
+    assert complete
+    for out in complete:
+        Site.model_validate_json(out["text"])
+
+
 def test_min_new_tokens_with_a_constraint_does_not_break_other_requests(engine):
     """BUG: when the pattern is complete before min_new_tokens, the sampler masks EOS (min
     tokens) and everything else (grammar): all -inf. Greedy silently ends early (argmax of

@@ -11,12 +11,14 @@ import re
 from urllib.parse import urlparse
 
 import jsonschema
+import pydantic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmprog_runtime.constrained.json_schema import schema_to_regex
-from lmprog_runtime.constrained.schema_prepare import _FORMATS, json_safe_pattern
+from lmprog_runtime.constrained.schema_prepare import prepared
+from lmprog_runtime.constrained.string_patterns import FORMATS, json_safe_pattern
 
 OBJECT_A = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 OBJECT_B = {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}
@@ -53,8 +55,12 @@ REFUSED = [  # (schema, message)
     ({"type": "string", "pattern": '^["]$'}, "holds"),
     # Constraints the translation dropped for the keyword beside them (outputs broke them).
     ({"type": "string", "minLength": 3, "enum": ["a", "bcd"]}, "next to 'enum'"),
-    ({"type": "string", "pattern": "^[A-Z]{3}$", "maxLength": 3}, "next to a 'pattern'"),
+    ({"type": "string", "pattern": "^[A-Z]{3}$", "maxLength": 2}, "values are 3 characters"),
+    ({"type": "string", "pattern": "^[A-Z]+$", "maxLength": 9}, "values are 1 or more"),
+    ({"type": "string", "pattern": "^[A-Z]{3}$", "minLength": 4}, "next to a 'pattern'"),
     ({"type": "string", "format": "date", "maxLength": 3}, "next to a 'pattern' or 'format'"),
+    ({"type": "string", "format": "email", "maxLength": 99}, "values are 6 or more"),
+    ({"type": "string", "format": "uri", "maxLength": 230}, "'maxLength' of 231 or more"),
     ({"type": "string", "enum": ["a"], "pattern": "^b"}, "next to 'enum'"),
     ({"$ref": "#/$defs/S", "maxLength": 2, "$defs": {"S": {"type": "string"}}}, "next to '\\$ref'"),
     ({"type": "string", "anyOf": [{"maxLength": 2}, {"minLength": 5}]}, "next to 'anyOf'"),
@@ -129,16 +135,63 @@ def test_a_narrowed_pattern_allows_only_strings_the_original_finds_and_json_hold
 
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
-@pytest.mark.parametrize("form", sorted(_FORMATS))
+@pytest.mark.parametrize("form", sorted(FORMATS))
 def test_the_format_patterns_give_valid_values_json_holds_raw(form, data):
-    text = data.draw(st.from_regex(_FORMATS[form], fullmatch=True))
+    text = data.draw(st.from_regex(FORMATS[form], fullmatch=True))
     assert text.isascii() and json.dumps(text) == f'"{text}"'
     checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
     assert checker.conforms(text, form), text
     if form == "date":
         datetime.date.fromisoformat(text)  # (a day every month has)
     if form == "uri":
-        assert urlparse(text).scheme in ("http", "https", "ftp")
+        assert urlparse(text).scheme in ("http", "https")
+        pydantic.TypeAdapter(pydantic.HttpUrl).validate_python(text)
+
+
+URLS = [  # (a URL, whether pydantic's HttpUrl takes it)
+    *[("http://a", True), ("https://example.com:8080/a/b?c=d&e=%20#f", True)],
+    *[("http://a:65535", True), ("http://a-.b-/'()*", True), ("http://x.y.z.com", True)],
+    *[("http://a:65536", False), ("http://a:99999", False), ("ftp://a", False)],
+    *[("http://a.1", False), ("http://1.2.3.999", False), ("http://a.0x", False)],
+]
+
+
+@pytest.mark.parametrize(("url", "taken"), URLS)
+def test_the_uri_patterns_take_only_urls_pydantic_takes(url, taken):
+    """outlines-core's `uri`, and the first one here, let out a port past 65535, a host
+    that reads as a bad IPv4 address (`a.1`) and `ftp://`, which HttpUrl refuses."""
+    adapter = pydantic.TypeAdapter(pydantic.HttpUrl)
+    if not taken:
+        with pytest.raises(pydantic.ValidationError):
+            adapter.validate_python(url)
+    bounded = prepared({"type": "string", "format": "uri", "maxLength": 2083})["pattern"]
+    for pattern in (FORMATS["uri"], bounded):
+        assert bool(re.fullmatch(pattern, url)) == taken, (pattern, url)
+    adapter.validate_python(url) if taken else None
+
+
+class Links(pydantic.BaseModel):
+    home: pydantic.HttpUrl  # (a `maxLength` of 2083 next to its `format`)
+    other: pydantic.AnyUrl
+    code: str = pydantic.Field(pattern="^[A-Z]{3}$", min_length=3, max_length=3)
+    day: datetime.date = pydantic.Field(json_schema_extra={"maxLength": 10})
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_lengths_a_pattern_keeps_are_dropped_and_a_url_is_bounded_to_its_max(data):
+    """A `minLength` / `maxLength` next to a `pattern` or `format` was refused, and with it
+    every pydantic model with an HttpUrl; one that every value of the pattern fits now
+    goes, and a `uri`'s pattern is bounded to fit. Checked against pydantic and
+    jsonschema."""
+    schema = Links.model_json_schema()
+    assert schema["properties"]["home"]["maxLength"] == 2083
+    regex = schema_to_regex(json.dumps(schema))
+    doc = data.draw(st.from_regex(regex, fullmatch=True))
+    links = Links.model_validate_json(doc)
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    jsonschema.validate(json.loads(doc), schema, format_checker=checker)
+    assert len(str(links.home)) <= 2083
 
 
 def _nested(levels: int) -> str:
