@@ -55,7 +55,7 @@ from lmprog_runtime.forward_batch import (
     ForwardMode,
     resolve_future_ids,
 )
-from lmprog_runtime.run_graphs import RunGraphs, run_lengths
+from lmprog_runtime.run_graphs import RunGraphs, capturing, run_lengths
 from lmprog_runtime.sampling import argmax_rows
 
 if TYPE_CHECKING:
@@ -261,7 +261,7 @@ class DecodeGraphRunner(RunGraphs):
                     self._forward(fb)
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            with capturing(graph, pool, stream):
                 self._outputs[size] = self._forward(fb)
             pool = graph.pool()
             self._graphs[size] = graph

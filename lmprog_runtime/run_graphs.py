@@ -18,8 +18,10 @@ run buffers used here, and the run graphs share the single steps' memory pool).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -55,6 +57,27 @@ def pieces(steps: int, lengths: list[int]) -> list[int]:
             out.append(length)
             steps -= length
     return out
+
+
+@contextlib.contextmanager
+def capturing(
+    graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None, stream: torch.cuda.Stream
+) -> Iterator[None]:
+    """`torch.cuda.graph` on `stream`, with two differences:
+
+    - only this thread's calls are checked during the capture (`thread_local`): another
+      engine's loop serving in the same process may allocate pinned memory or read a
+      result meanwhile, which the default ("global") fails, with that engine's step;
+    - the caller's stream is current again afterwards even where the capture fails
+      (torch ends the capture before it restores the stream, and a failed end skipped
+      the restore: the thread went on on the side stream, which its syncs then waited on).
+    """
+    current = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            yield
+    finally:
+        torch.cuda.set_stream(current)
 
 
 class RunGraphs:
@@ -167,12 +190,15 @@ class RunGraphs:
                         self._static_batch(size, [1] * size, self._run_inputs[k])
                         for k in range(length)
                     ]
-                    if not captured:  # warm up (shorter runs then launch the same kernels)
+                    # Warm up the first length only: a shorter run launches the same kernels
+                    # at the same sizes, compiled by then (a launch that depended on the
+                    # length would compile inside its capture, and that capture fail).
+                    if not captured:
                         with torch.cuda.stream(stream):
                             self._forward_run(steps)
                         stream.synchronize()
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    with capturing(graph, pool, stream):
                         self._run_outputs[size, length] = self._forward_run(steps)
                     self._run_graphs[size, length] = graph
             except Exception as error:  # noqa: BLE001 - those runs then go step by step

@@ -140,7 +140,7 @@ class TritonOps(TorchOps):
         block = min(1024, triton.next_power_of_2(dim))
         grid = (rows.shape[0], triton.cdiv(dim, block))
         if rows.shape[0]:
-            _silu_and_mul_kernel[grid](x, out, rows.stride(0), out.stride(0), dim, BLOCK=block)
+            _silu_and_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), dim, BLOCK=block)
         return out.view(*x.shape[:-1], dim)
 
     @staticmethod

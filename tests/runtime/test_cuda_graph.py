@@ -510,3 +510,33 @@ def test_a_run_goes_step_by_step_when_its_pieces_have_no_graphs(engine):
         assert not graphs.can_run_greedy(3, 1) and not graphs.can_run_greedy(3, 9)
         graphs.run_lengths = [8, 4, 2]  # (the 1-step graphs failed)
         assert [s for s in range(2, 9) if graphs.can_run_greedy(3, s)] == [2, 4, 6, 8]
+
+
+def test_a_capture_checks_its_own_thread_and_gives_the_stream_back_when_it_fails(monkeypatch):
+    """torch's graph context ends the capture before it restores the stream: a capture
+    that failed at its end left the thread on the side stream (its later syncs waited on
+    that one). And the default "global" error mode failed any other engine's step that
+    allocated pinned memory or read a result during the capture. (torch.cuda stands in
+    for CUDA here: what `capturing` asks of it is what is checked.)"""
+    from lmprog_runtime.run_graphs import capturing
+
+    current, seen = [object()], []
+
+    class EndFails:
+        def __init__(self, graph, pool=None, stream=None, capture_error_mode="global"):
+            seen.append(capture_error_mode)
+            self.stream = stream
+
+        def __enter__(self):
+            current[0] = self.stream  # (torch makes the side stream current)
+
+        def __exit__(self, *exc):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    main = current[0]
+    monkeypatch.setattr(torch.cuda, "graph", EndFails)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: current.__setitem__(0, stream))
+    with pytest.raises(RuntimeError, match="capturing"), capturing(None, None, "side"):
+        assert current[0] == "side"
+    assert current[0] is main and seen == ["thread_local"]

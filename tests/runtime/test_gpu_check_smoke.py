@@ -180,3 +180,22 @@ def test_gpu_idle_splits_a_runs_ends_from_the_gaps_between_kernels():
     gap = got["longest_gaps"][0]  # (1500 -> 2500: 500 us into the 1600 us span)
     assert gap["us"] == 1000 and abs(gap["at"] - 500 / 1600) < 1e-3
     assert gpu_idle([], 1.0) == {"kernels": 0}
+
+
+def test_dataset_steps_stops_at_the_budget_and_keeps_what_it_ran(monkeypatch):
+    """`dataset_steps` ran its five engines whatever the budget said: on the GPU it could
+    push the sections after it, the 7B-shaped model's among them, past the time given."""
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    from gpu_check_speed import dataset_steps
+
+    args = gpu_check.argparse.Namespace(cpu_smoke=True, budget_s=320.0, out="unused", only=None)
+    check = gpu_check.Check(args)
+    left = iter([300.0, 300.0, 10.0, 10.0, 10.0])
+    monkeypatch.setattr(check, "remaining", lambda: next(left))
+    out = dataset_steps(check)
+    assert out["mixed"]["tokens_per_s"] > 0 and out["waiting"]["tokens_per_s"] > 0
+    assert out["waiting_speedup"] > 0 and "no_mixed_speedup" not in out
+    for label in ("no_mixed", "decode_runs", "auto"):
+        assert out[label] == {"status": "skipped", "reason": "time budget spent"}
