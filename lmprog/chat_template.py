@@ -11,7 +11,7 @@ conversation does not start with one. That prompt is read off the template the s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 ROLES = ("system", "user", "assistant")
@@ -50,7 +50,7 @@ class ChatRoles:
         self._whole: set[tuple[str, ...]] = set()  # short keys whose read the template refused
         self._default_system: object = _UNREAD
 
-    def role_text(self, role: str, previous_roles: list[str]) -> RoleText:
+    def role_text(self, role: str, previous_roles: Sequence[str]) -> RoleText:
         """Text before and after the content of a `role` message following `previous_roles`."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -104,7 +104,7 @@ class ChatRoles:
         text, trailer = self._render_whole(messages), self.trailer()
         return text[: -len(trailer)] if trailer and text.endswith(trailer) else text
 
-    def _read(self, previous_roles: list[str], role: str) -> RoleText:
+    def _read(self, previous_roles: Sequence[str], role: str) -> RoleText:
         """A message's role text, read off renders of the previous messages (placeholders
         for contents) with and without it. A message whose content the template writes
         only once another follows (Llama 2 folds the system message into the first user

@@ -250,7 +250,7 @@ class Interpreter:
             parent = stream.parent
             if parent is not None and parent.is_busy and not parent.is_done:
                 node = parent.nodes[parent.pos]
-                if isinstance(node, Join) and stream in parent.branches[node.fork_id]:
+                if isinstance(node, Join) and stream.fork_id == node.fork_id:  # (one of its)
                     parent.is_busy = False
                     self.wake(parent)
 

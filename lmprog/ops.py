@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 from lmprog.backend import Backend
 from lmprog.choices import ChoiceDecision, ChoicesSamplingMethod, token_length_normalized
@@ -117,6 +117,27 @@ class ExecState:
             self.on_emit(name, text)
 
 
+class _Roles(Sequence[str]):
+    """The roles of the first `len(messages)` messages, a view (the list of them built at
+    every role made a chat of n messages cost n^2; a template reads the last one alone,
+    unless it checks the whole conversation)."""
+
+    def __init__(self, messages: list[dict[str, str]]) -> None:
+        self._messages, self._len = messages, len(messages)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self._messages[i]["role"] for i in range(self._len)[index]]
+        return self._messages[range(self._len)[index]]["role"]
+
+
 class SelectPlan(NamedTuple):
     prompt_len: int
     fulls: list[list[int]]  # prompt + choice token ids, per choice
@@ -145,13 +166,13 @@ class ProgramOps:
         elif isinstance(node, RoleBegin):
             if st.role is not None:
                 raise ValueError(f"nested roles: {node.role!r} opened inside {st.role!r}")
-            text = self.roles.role_text(node.role, [m["role"] for m in st.messages])
+            text = self.roles.role_text(node.role, _Roles(st.messages))
             st.emit(text.begin, "role", node.role)
             st.role, st.role_start = node.role, len(st.text)
         elif isinstance(node, RoleEnd):
             if st.role != node.role:
                 raise ValueError(f"{node.role!r} role ended but {st.role!r} is open")
-            previous = [m["role"] for m in st.messages]
+            previous = _Roles(st.messages)
             if not previous and node.role != "system":  # the template wrote its default
                 default = self.roles.default_system_prompt()
                 if default is not None:
@@ -315,9 +336,9 @@ class ProgramOps:
 def gathered_variables(before: set[str], branches: list[ExecState]) -> dict[str, list[Any]]:
     """A `gather_variable` join: each variable the branches made (not in `before`), as the
     list of its values in branch order."""
-    names: list[str] = []
+    names: dict[str, None] = {}  # (in order; a list's `in` made n names cost n^2)
     for branch in branches:
-        names += [n for n in branch.variables if n not in before and n not in names]
+        names.update((n, None) for n in branch.variables if n not in before)
     return {name: [b.variables.get(name) for b in branches] for name in names}
 
 

@@ -150,6 +150,7 @@ class ProgramState(StateBlocks):
                 for _ in range(size)
             ]
             parent.branches[fork_id] = branches
+            parent.unfilled[fork_id] = size
             index = parent.append([(Fork(fork_id, size), None)])
             if parent.hold is None:  # released once every branch has a node, or on a read
                 parent.hold = index

@@ -45,6 +45,7 @@ class Stream:
         self.producers: dict[str, int] = {}  # variable -> index of the last node setting it
         self.auto_names = 0
         self.branches: dict[int, list[Stream]] = {}  # fork id -> its branch streams
+        self.unfilled: dict[int, int] = {}  # fork id -> how many of its branches have no node
         self.fork_base: tuple[set[str], int] = (set(), 0)  # parent's variables, text length
         self.fork_spans = 0  # how many of its state's spans it inherited at the fork
         self.root: Stream = parent.root if parent is not None else self
@@ -89,9 +90,11 @@ class Stream:
             if self.hold is not None and not isinstance(nodes[-1][0], Fork):
                 self.hold = None  # the parent moves on: its forked branches are filled
             parent = self.parent
+            if parent is not None and first == 0:  # (a count: all() made fork(n) cost n^2)
+                parent.unfilled[self.fork_id] -= 1
             if parent is not None and parent.hold is not None:
                 held = parent.nodes[parent.hold]
-                if all(b.nodes for b in parent.branches[held.fork_id]):
+                if parent.unfilled[held.fork_id] == 0:
                     parent.hold = None
                     self.interpreter.wake(parent)
             self.interpreter.wake(self)

@@ -62,6 +62,7 @@ class Admission:
             return None
         admitted: set[int] = set()
         blocked: set[int] = set()  # groups that cannot go in now: tried once per step
+        queued: set[int] | None = None  # ids in `self.waiting`, once a group needs them
         blocks = PrefixBlocks()
         for req in self.policy.order(waiting):
             if id(req) in admitted or id(req.group) in blocked:
@@ -71,8 +72,11 @@ class Admission:
             # end of the step: they are not claimed again with the rest)
             members = [req]
             if req.group is not None:
+                # (a set: `m in self.waiting` made a group of G in a queue of W cost G x W
+                # for each of its members, and fork(4096)'s admission half its run)
+                queued = {id(r) for r in self.waiting} if queued is None else queued
                 members = [
-                    m for m in req.group.members if id(m) not in admitted and m in self.waiting
+                    m for m in req.group.members if id(m) not in admitted and id(m) in queued
                 ]
             if len(members) == 1 and req.kv_len == 0 and self._shares_uncached_prefix(req, blocks):
                 continue  # compute the shared prefix once: this one reuses it next step
@@ -98,6 +102,7 @@ class Admission:
                 plan = self._plan_admission(members, entries, budget, chunk_size, used)
             except Exception as error:  # noqa: BLE001 - these fail, the others are admitted
                 self._refuse(members, error)
+                queued = None  # (they left the queue)
                 continue
             planned = {id(m) for m, _, _ in plan or ()}
             for member in members:

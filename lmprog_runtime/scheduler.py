@@ -361,9 +361,9 @@ class Scheduler(Admission):
         for member in members:
             with contextlib.suppress(Exception):  # the engine fails it all the same
                 self.req_cache.cache_finished(member, insert=False)
-            if member in self.waiting:
-                self.waiting.remove(member)
             self._refused.append((member, error))
+        refused = {id(member) for member in members}  # (one pass: a group may be large)
+        self.waiting[:] = [r for r in self.waiting if id(r) not in refused]
 
     def take_refused(self) -> list[tuple[Req, Exception]]:
         """The requests whose admission raised since the last call (the engine fails them)."""

@@ -102,6 +102,28 @@ def test_unnamed_gens_get_stable_names_and_var_scope(engine):
     assert state["tail"] == " and more"
 
 
+def test_a_forks_branches_run_once_each_has_a_node_while_the_body_works_on(engine):
+    """The parent holds its fork until every branch has a node (so that the branches go
+    in together), then lets it run: the body need not read a branch or end first."""
+    ran = []
+
+    @lp.function
+    def prog(s):
+        s += "Ideas:"
+        forks = s.fork(3)
+        for i, f in enumerate(forks):
+            f += f" {i}." + lp.gen("idea", max_tokens=2, temperature=0)
+        deadline = time.monotonic() + 20  # (other Python work, reading nothing)
+        while engine.stats()["finished_requests"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ran.append(engine.stats()["finished_requests"])
+        forks.join()
+
+    engine.reset_stats()
+    state = prog.run(backend=engine)
+    assert state.error() is None and ran[0] >= 3  # (and the shared prefix's own request)
+
+
 def test_fork_prefills_the_parent_once_and_decodes_branches_together(engine):
     trace = []
     forward = engine.runner.forward

@@ -66,6 +66,24 @@ def test_a_fault_fails_its_request_and_the_others_are_token_identical(engine, cl
     assert engine.generate(PROMPTS[3], GREEDY)["output_ids"] == greedy[3]
 
 
+def test_a_group_whose_admission_raises_fails_alone(engine, clean):
+    """A fork's members are claimed together: one raising at admission fails its group,
+    once each, and the group queued beside it runs as it would have."""
+    greedy, _ = clean
+    engine.fault_hook = _fail_when("schedule", engine, PROMPTS[1])
+    try:
+        failing = engine.submit(PROMPTS[:4], GREEDY, group=True)
+        fine = engine.submit(PROMPTS[4:], GREEDY, group=True)
+        for future in failing:
+            with pytest.raises(RuntimeError, match="injected at schedule"):
+                future.result(timeout=60)
+        for i, future in enumerate(fine, start=4):
+            assert future.result(timeout=60)["output_ids"] == greedy[i]
+    finally:
+        engine.fault_hook = None
+    assert engine._thread.is_alive()
+
+
 def test_a_forward_fault_in_a_mixed_batch_on_pages_fails_one_request(tiny_path, clean):
     """A request that makes the forward raise, admitted while others decode (a mixed
     extend + decode forward), on pages of 4 slots: it fails, the others finish exactly as

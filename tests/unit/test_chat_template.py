@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jinja2
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lmprog.chat_template import ChatRoles
 from lmprog_runtime.models.default_model import CHAT_TEMPLATE
@@ -220,3 +222,26 @@ def test_an_engine_reads_the_trailer_off_its_tokenizer_s_special_tokens(tiny_pat
     user = [{"role": "user", "content": "Hi"}]
     begin, end = chat.roles.role_text("user", [])
     assert begin + "Hi" + end == chat(user).removesuffix(tokenizer.eos_token)
+
+
+@given(
+    roles=st.lists(st.sampled_from(["system", "user", "assistant"]), max_size=6),
+    index=st.integers(-8, 8),
+    bounds=st.tuples(st.none() | st.integers(-8, 8), st.none() | st.integers(-8, 8)),
+)
+def test_a_programs_roles_view_reads_as_the_list_of_its_messages_roles(roles, index, bounds):
+    """What `ops.py` hands the template (a view: the list built at every role made a chat
+    of n turns cost n^2) reads as the list of roles of the messages it was made over, and
+    stays so as the program appends more."""
+    from lmprog.ops import _Roles
+
+    messages = [{"role": r, "content": "x"} for r in roles]
+    view = _Roles(messages)
+    messages.append({"role": "user", "content": "later"})  # (a role's end appends its own)
+    assert len(view) == len(roles) and list(view) == roles and bool(view) == bool(roles)
+    assert view[slice(*bounds)] == roles[slice(*bounds)] and view[-1:] == roles[-1:]
+    if -len(roles) <= index < len(roles):
+        assert view[index] == roles[index]
+    else:
+        with pytest.raises(IndexError):
+            view[index]  # noqa: B018
