@@ -41,8 +41,8 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
     @property
     def fault_hook(self) -> Callable[[str, Req], None] | None:
         """Tests only: called as `hook(point, req)` at "schedule" (admission), "forward"
-        (for each request of a forward) and "sample"; raising there fails that request
-        alone."""
+        (for each request of a forward), "cache" (its prompt's K/V put in the prefix cache
+        after an extend) and "sample"; raising there fails that request alone."""
         return self._fault_hook
 
     @fault_hook.setter
@@ -245,7 +245,7 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
         """A forward's K/V to its requests and its counters to the stats. Returns the
         requests whose prompt is now done, and each request's logits rows by id()."""
         ready = self.scheduler.on_forward_done(batch)
-        batch.kv_committed = True
+        self._fail_refused()  # (a request whose prefix could not be cached: at once)
         num_running = len(self.scheduler.running)
         self._stats.record_step(batch, num_running=num_running, forward_seconds=forward_seconds)
         return ready, RowsOf(batch.reqs, rows)

@@ -326,10 +326,22 @@ class Scheduler(Admission):
         num_extends = len(batch.reqs) - batch.num_decodes
         for req in batch.reqs[num_extends:]:
             req.kv_len += 1
-        done = []
         for req, n in zip(batch.reqs[:num_extends], batch.extend_lens):
             req.kv_len += n
-            self.req_cache.cache_unfinished(req)
+        # Counted once, before anything that can raise: a step failed after this point
+        # counted the K/V again for the requests already advanced, and their frees took
+        # the cache's slots (later outputs were wrong, silently).
+        batch.kv_committed = True
+        done = []
+        for req in batch.reqs[:num_extends]:
+            try:
+                self.fault("cache", req)
+                self.req_cache.cache_unfinished(req)
+            except Exception as error:  # noqa: BLE001 - it fails (`take_refused`), alone
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                self._refuse([req], error)
+                continue
             if req.kv_len < req.seq_len:
                 continue  # more chunks to come
             if req is self.chunked_req:

@@ -45,7 +45,10 @@ def _fail_when(point: str, engine: Engine, prompt: str):
     return hook
 
 
-@pytest.mark.parametrize("point", ["sample", "schedule", "forward"])
+# ("cache": once the step's other requests, already counted, had their K/V counted again
+# by the failed step, and their frees took slots the prefix cache held: later outputs
+# served from the cache were wrong)
+@pytest.mark.parametrize("point", ["sample", "schedule", "forward", "cache"])
 def test_a_fault_fails_its_request_and_the_others_are_token_identical(engine, clean, point):
     greedy, seeded = clean
     engine.fault_hook = _fail_when(point, engine, PROMPTS[3])
@@ -64,6 +67,8 @@ def test_a_fault_fails_its_request_and_the_others_are_token_identical(engine, cl
         engine.fault_hook = None
     assert engine._thread.is_alive()
     assert engine.generate(PROMPTS[3], GREEDY)["output_ids"] == greedy[3]
+    again = engine.generate(PROMPTS, GREEDY)  # (their prefixes from the cache now)
+    assert [out["output_ids"] for out in again] == greedy
 
 
 def test_a_group_whose_admission_raises_fails_alone(engine, clean):
