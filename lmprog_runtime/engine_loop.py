@@ -257,7 +257,11 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
         if len(draw) < len(ready):
             for req in ready:
                 if not req.released and req.max_new_tokens == 0:
-                    req.finish_prefill_only()
+                    try:  # (its pattern's check: it failed the whole step)
+                        req.finish_prefill_only()
+                    except Exception as error:  # noqa: BLE001 - this request fails alone
+                        self._finish(req, error)
+                        continue
                     self._finish(req)
         return draw
 

@@ -311,12 +311,12 @@ class OverlapLoop:
         reqs = drawing.reqs
         if drawing.released != self._released:  # (most steps none finished meanwhile)
             reqs, ids, errors, logprobs = _still_running(reqs, ids, errors, logprobs)
-        drawn = self._drawn(reqs, ids, errors, logprobs)
-        for req, token, logprob in drawn:
+        got = []
+        for req, token, logprob in self._drawn(reqs, ids, errors, logprobs):
             req.output_ids[-1] = token  # its placeholder
-            if logprob is not None:
-                self._record_token_logprob(req, token, logprob)
-        return [row[0] for row in drawn]
+            if logprob is None or self._record_token_logprob(req, token, logprob):
+                got.append(req)
+        return got
 
     def _abandon_in_flight(self, error: BaseException) -> None:
         """Fail the requests of the launched forward, if any, once it is over (at shutdown,

@@ -155,7 +155,6 @@ class RunCommit:
                     self._finish(req, error)
                     continue
                 req.output_ids.append(token)
-                if logprobs[i] is not None:
-                    self._record_token_logprob(req, token, logprobs[i])
-                appended.append(req)
+                if logprobs[i] is None or self._record_token_logprob(req, token, logprobs[i]):
+                    appended.append(req)
             self._check(appended)

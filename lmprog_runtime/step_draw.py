@@ -40,16 +40,25 @@ class StepDraw:
         appended = []
         for req, token, logprob in self._draw(reqs, logits, row_of):
             req.output_ids.append(token)
-            if logprob is not None:
-                self._record_token_logprob(req, token, logprob)
-            appended.append(req)
+            if logprob is None or self._record_token_logprob(req, token, logprob):
+                appended.append(req)
         return appended
 
-    @staticmethod
-    def _record_token_logprob(req: Req, token: int, logprob: TokenLogprob) -> None:
-        req.output_token_logprobs.append(req.logprob_entry(logprob[0], token))
-        if req.top_logprobs_num:
-            req.output_top_logprobs.append(req.logprob_entries(logprob[1]))
+    def _record_token_logprob(self, req: Req, token: int, logprob: TokenLogprob) -> bool:
+        """Record `req`'s logprob of `token` (and its top ones); False where that raised
+        (its tokens' texts, `return_text_in_logprobs`): it failed, alone (it once failed the
+        whole step, and with overlap every live request)."""
+        try:
+            entry = req.logprob_entry(logprob[0], token)
+            top = req.logprob_entries(logprob[1]) if req.top_logprobs_num else None
+        except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
+            logger.exception("the logprobs of request %d failed", req.rid)
+            self._finish(req, error)
+            return False
+        req.output_token_logprobs.append(entry)
+        if top is not None:
+            req.output_top_logprobs.append(top)
+        return True
 
     def _draw(
         self, reqs: list[Req], logits: torch.Tensor, row_of: RowsOf

@@ -1,0 +1,72 @@
+"""A request's own work after the forward (its logprobs recorded, a prefill-only request
+finished) fails that request alone, in each of the engine's loops: synchronous,
+overlapped and by decode runs. Once it failed the whole step, and in the overlapped loop
+every live request, waiting ones included. The others' tokens are checked against the
+same engine's fault-free run; the autouse check in conftest finds the engine clean."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmprog_runtime import Engine
+from lmprog_runtime.request import Req
+
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+PROMPTS = [f"Request {i} says" for i in range(6)]
+LOOPS = {"sync": {}, "overlap": {"overlap_schedule": True}, "runs": {"decode_steps": 4}}
+
+
+@pytest.fixture(scope="module", params=list(LOOPS))
+def loop_engine(request, tiny_path):
+    # (3 running: the others wait, and the overlapped loop once failed them too)
+    with Engine(
+        tiny_path, max_total_tokens=4096, max_running_requests=3, **LOOPS[request.param]
+    ) as engine:
+        clean = [engine.generate(p, GREEDY)["output_ids"] for p in PROMPTS]
+        yield engine, clean
+
+
+def _only_the_culprit_fails(futures, clean, message):
+    for i, future in enumerate(futures):
+        if i == 0:
+            with pytest.raises(RuntimeError, match=message):
+                future.result(timeout=60)
+        else:
+            assert future.result(timeout=60)["output_ids"] == clean[i], i
+
+
+def test_a_token_logprob_that_raises_fails_its_request_alone(loop_engine, monkeypatch):
+    """(the text of a logprob's token, `return_text_in_logprobs`, decoded as it comes)"""
+    engine, clean = loop_engine
+    culprit, entry = engine.encode(PROMPTS[0]), Req.logprob_entry
+
+    def failing(req, logprob, token):
+        if req.input_ids == culprit and len(req.output_token_logprobs) == 3:
+            raise RuntimeError("injected in a logprob")
+        return entry(req, logprob, token)
+
+    monkeypatch.setattr(Req, "logprob_entry", failing)
+    futures = engine.submit(
+        PROMPTS,
+        GREEDY,
+        return_logprob=[True] * len(PROMPTS),
+        return_text_in_logprobs=[True] + [False] * (len(PROMPTS) - 1),
+    )
+    _only_the_culprit_fails(futures, clean, "injected in a logprob")
+
+
+def test_a_prefill_only_request_whose_finish_raises_fails_alone(loop_engine, monkeypatch):
+    """(`max_new_tokens=0`: its pattern's check, its prompt logprobs' end)"""
+    engine, clean = loop_engine
+    culprit, finish = engine.encode(PROMPTS[0]), Req.finish_prefill_only
+
+    def failing(req):
+        if req.input_ids == culprit:
+            raise RuntimeError("injected in a prefill-only finish")
+        return finish(req)
+
+    monkeypatch.setattr(Req, "finish_prefill_only", failing)
+    params = [{**GREEDY, "max_new_tokens": 0}] + [GREEDY] * (len(PROMPTS) - 1)
+    # (submitted together: the culprit's extend is the others' first step)
+    futures = engine.submit(PROMPTS, params)
+    _only_the_culprit_fails(futures, clean, "injected in a prefill-only finish")
