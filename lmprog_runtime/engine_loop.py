@@ -78,7 +78,10 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
                 self._step_run(batch, steps)
             else:
                 self._step(batch)
-        except Exception as error:  # one bad step must not take the loop down
+        # (a BaseException too: on this thread none comes from a signal, and one from the
+        # model's code, left to the loop's last resort, failed every request and lost the
+        # step's slots)
+        except BaseException as error:  # one bad step must not take the loop down
             logger.exception("engine step failed")
             self._fail_step(batch, error)
 
@@ -177,7 +180,7 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
             self._fail_all(error)
             self._schedule_failures = 0
 
-    def _fail_step(self, batch: ScheduledBatch, error: Exception) -> None:
+    def _fail_step(self, batch: ScheduledBatch, error: BaseException) -> None:
         if not batch.kv_committed:  # the slots of this step hold no valid K/V
             for req, n in zip(batch.reqs, batch.extend_lens):
                 req.kv_len += n

@@ -208,7 +208,7 @@ class OverlapLoop:
                     self.fault_hook("forward", req)
             fb, rows = self.runner.prepare(batch)
             future = self._worker.launch(fb)
-        except Exception as error:  # noqa: BLE001 - handled as the forward's failure
+        except BaseException as error:  # noqa: BLE001 - handled as the forward's failure
             future = Future()
             future.set_exception(error)
             fb = None
@@ -236,7 +236,7 @@ class OverlapLoop:
         try:
             logits, timer = flight.future.result()
             error = None
-        except Exception as forward_error:  # noqa: BLE001 - find the request it belongs to
+        except BaseException as forward_error:  # noqa: BLE001 - find the request it belongs to
             error = forward_error
         # On a CPU a worker thread's forward is the device's work. On CUDA the future is
         # set once the kernels are queued (a worker thread's `timer.end` then marks the
@@ -250,7 +250,7 @@ class OverlapLoop:
                 pending = self._commit_launched(flight, logits)
                 pending.waited = waited
                 return pending
-            if len(batch.reqs) < 2:
+            if len(batch.reqs) < 2 or not isinstance(error, Exception):
                 raise error
             logger.error("forward failed; running each request alone", exc_info=error)
             self._worker.synchronize()  # nothing of the failed forward may still write
@@ -258,8 +258,8 @@ class OverlapLoop:
             if not batch.reqs:
                 return None
             return self._commit(batch, logits, rows, 0.0)
-        except Exception as step_error:  # one bad step must not take the loop down
-            logger.exception("engine step failed")
+        except BaseException as step_error:  # one bad step must not take the loop down
+            logger.exception("engine step failed")  # (a BaseException too: `_run_batch`)
             self._fail_step(batch, step_error)
             return None
 

@@ -2,7 +2,9 @@
 finished) fails that request alone, in each of the engine's loops: synchronous,
 overlapped and by decode runs. Once it failed the whole step, and in the overlapped loop
 every live request, waiting ones included. The others' tokens are checked against the
-same engine's fault-free run; the autouse check in conftest finds the engine clean."""
+same engine's fault-free run; the autouse check in conftest finds the engine clean. And a
+forward raising a BaseException (not an Exception) fails its step alone, as another
+error does."""
 
 from __future__ import annotations
 
@@ -70,3 +72,36 @@ def test_a_prefill_only_request_whose_finish_raises_fails_alone(loop_engine, mon
     # (submitted together: the culprit's extend is the others' first step)
     futures = engine.submit(PROMPTS, params)
     _only_the_culprit_fails(futures, clean, "injected in a prefill-only finish")
+
+
+class Boom(BaseException):
+    """(not an Exception: what the model's own code could raise, SystemExit as one)"""
+
+
+def test_a_forward_raising_a_base_exception_fails_its_step_and_frees_it(loop_engine):
+    """A BaseException from a forward was left to the loop's last resort: every live
+    request failed, the requests waiting included, and the step's slots were lost for
+    good. Now that step's requests fail (their slots freed), the rest run."""
+    engine, clean = loop_engine
+    culprit = engine.encode(PROMPTS[0])
+    once = []
+
+    def hook(point, req):
+        if point == "forward" and req.input_ids == culprit and not once:
+            once.append(req)
+            raise Boom("injected, not an Exception")
+
+    engine.fault_hook = hook
+    try:
+        futures = engine.submit(PROMPTS, GREEDY)
+        failed = 0
+        for i, future in enumerate(futures):
+            try:
+                assert future.result(timeout=60)["output_ids"] == clean[i], i
+            except RuntimeError as error:
+                assert "injected, not an Exception" in str(error)
+                failed += 1
+        assert 1 <= failed <= 3  # (its step's: 3 run at once, the others waited)
+    finally:
+        engine.fault_hook = None
+    assert engine.generate(PROMPTS[0], GREEDY)["output_ids"] == clean[0]
