@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from lmprog_runtime.results import DoneFlag, QueueFull, wait_for
+from lmprog_runtime.results import DoneFlag, QueueFull, check_off_loop, wait_for
 
 if TYPE_CHECKING:
     from lmprog_runtime.request import Req
@@ -24,6 +24,7 @@ class EngineCalls:
         """Run `name` on the loop thread, between steps, and return its result (or raise
         its exception here)."""
         self._check_process()
+        check_off_loop(self, f"{name}()")  # (before it is queued: it would run later)
         done, result = DoneFlag(), []  # (not an Event: see `DoneFlag`)
         with self._lock:
             if self._stopping:

@@ -13,7 +13,14 @@ from typing import Any, Literal, overload
 
 from lmprog_runtime.engine_inputs import check_flags
 from lmprog_runtime.gc_freeze import working
-from lmprog_runtime.results import RequestStream, resolve_future, wait_all, wake_once
+from lmprog_runtime.results import (
+    RequestFuture,
+    RequestStream,
+    check_off_loop,
+    resolve_future,
+    wait_all,
+    wake_once,
+)
 
 
 class EngineGenerate:
@@ -121,6 +128,8 @@ class EngineGenerate:
             >>> engine.generate(["a", "b"], {"max_new_tokens": 4})  # doctest: +SKIP
         """
         check_flags(stream=stream, group=group)
+        if not stream:  # (before its requests go in: they would run on, unread)
+            check_off_loop(self, "generate()")
         # (a dataset's rows make many objects, here and in the results: `gc_freeze.py`)
         with working(self.config.gc_freeze):
             reqs, is_single = self._make_reqs(
@@ -180,7 +189,7 @@ class EngineGenerate:
         )
         futures: list[Future] = []
         for i, req in enumerate(reqs):
-            future: Future = Future()
+            future: Future = RequestFuture()
             future.set_running_or_notify_cancel()
             future.request_id = req.rid  # type: ignore[attr-defined] - for `abort`
             future.engine = self  # type: ignore[attr-defined] - alive till `resolve_future`

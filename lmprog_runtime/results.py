@@ -78,9 +78,22 @@ def wait_all(
         raise
 
 
+def check_off_loop(engine: Engine, what: str) -> None:
+    """RuntimeError where `what` would wait on `engine`'s own loop thread (in a callback:
+    `on_chunk`, a future's done callback): the loop waited for itself, and every request
+    of the engine hung."""
+    if threading.current_thread() is engine._thread:
+        raise RuntimeError(
+            f"{what} cannot wait on the engine's own loop thread (a callback would wait for "
+            "the loop that runs it): use submit() there, and read its future elsewhere"
+        )
+
+
 def wait_for(engine: Engine, event: DoneFlag) -> None:
     """Wait for `event`, set by `engine`'s loop thread; a RuntimeError if that thread has
-    stopped (a caller never waits forever)."""
+    stopped (a caller never waits forever), or if this is that thread."""
+    if not event.is_set():
+        check_off_loop(engine, "a blocking call")
     while not event.wait(0.5):
         if not engine._thread.is_alive():
             raise RuntimeError("the engine loop has stopped")
@@ -127,6 +140,8 @@ class RequestStream:
     def __next__(self) -> dict[str, Any]:
         if self._is_over:
             raise StopIteration
+        if self._req.stream_queue.empty():
+            check_off_loop(self._engine, "reading a stream")
         try:
             chunk = self._req.stream_queue.get()
         except BaseException:
@@ -164,6 +179,25 @@ def request_error(req: Req) -> Exception:
     error = RuntimeError(f"request {req.rid} failed: {req.error}")
     error.__cause__ = req.error
     return error
+
+
+class RequestFuture(Future):
+    """A submitted request's `concurrent.futures.Future`, whose `result()` and
+    `exception()`, still unresolved, raise RuntimeError on the engine's own loop thread (a
+    callback) rather than wait there for ever."""
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._check_off_loop("result()")
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._check_off_loop("exception()")
+        return super().exception(timeout)
+
+    def _check_off_loop(self, what: str) -> None:
+        engine = self.__dict__.get("engine")  # (until it resolves)
+        if engine is not None and not self.done():
+            check_off_loop(engine, f"a future's {what}")
 
 
 def resolve_future(future: Future, req: Req) -> None:

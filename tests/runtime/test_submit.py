@@ -118,6 +118,38 @@ def test_shutdown_from_a_callback_is_refused_and_changes_nothing(engine):
     assert engine._thread.is_alive() and not engine._stopping
 
 
+@pytest.mark.parametrize("call", ["generate", "flush_cache", "result", "exception", "stream"])
+def test_a_blocking_call_from_a_callback_is_refused_and_nothing_hangs(engine, call):
+    """A callback that waited on the engine (for a generate, a command, another request's
+    future, a stream) waited for the loop thread that ran it: every request of the engine
+    hung, later ones too. Now it is refused at once, and the others run on."""
+    params = {"max_new_tokens": 6, "temperature": 0}
+    other = engine.submit(PROMPTS[2:3], {**params, "max_new_tokens": 64})[0]
+    refused: list[BaseException] = []
+
+    def wait_in_callback(i: int, chunk: dict) -> None:
+        if refused:
+            return
+        try:
+            if call == "generate":
+                engine.generate(PROMPTS[3], params)
+            elif call == "flush_cache":
+                engine.flush_cache()
+            elif call == "stream":
+                next(iter(engine.generate(PROMPTS[3], params, stream=True)))
+            else:
+                getattr(other, call)()
+        except RuntimeError as error:
+            refused.append(error)
+
+    futures = engine.submit(PROMPTS[:2], params, on_chunk=wait_in_callback)
+    for future, prompt in zip(futures, PROMPTS[:2]):
+        expected = engine.generate(prompt, params)["output_ids"]
+        assert future.result(timeout=60)["output_ids"] == expected
+    assert other.result(timeout=60)["output_ids"]
+    assert refused and "engine's own loop thread" in str(refused[0]), refused
+
+
 @pytest.mark.parametrize(
     "pattern", [r"[A-Z]\w", r"\d", r"[aeiou]{2}", r"qu?i", r"(?i)qu", r"\bth", r"e\W"]
 )
