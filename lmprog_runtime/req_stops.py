@@ -129,8 +129,13 @@ class ReqStops:
         self._mark_incomplete_constraint()  # ('' is a full match of few patterns)
 
     def abort(self, error: BaseException) -> None:
+        """The request failed with `error` (never raises: its finish must go on)."""
         self.error = error
-        self.finished_reason = {"type": "abort", "message": str(error)}
+        try:
+            message = str(error)
+        except Exception:  # noqa: BLE001 - an error whose message raises: it was lost
+            message = f"{type(error).__name__} (its message could not be read)"
+        self.finished_reason = {"type": "abort", "message": message}
 
 
 def _fully_matches(pattern: str, text: str) -> bool:

@@ -176,7 +176,9 @@ def request_error(req: Req) -> Exception:
         req.error.partial_output = req.to_output()  # type: ignore[attr-defined]
     if isinstance(req.error, (RequestAborted, TimeoutError)):
         return req.error
-    error = RuntimeError(f"request {req.rid} failed: {req.error}")
+    # (the message `abort` read: an error's own may raise when read again)
+    message = (req.finished_reason or {}).get("message", req.error)
+    error = RuntimeError(f"request {req.rid} failed: {message}")
     error.__cause__ = req.error
     return error
 

@@ -4,7 +4,7 @@ overlapped and by decode runs. Once it failed the whole step, and in the overlap
 every live request, waiting ones included. The others' tokens are checked against the
 same engine's fault-free run; the autouse check in conftest finds the engine clean. And a
 forward raising a BaseException (not an Exception) fails its step alone, as another
-error does."""
+error does, and an error whose message raises fails its request alone."""
 
 from __future__ import annotations
 
@@ -105,3 +105,28 @@ def test_a_forward_raising_a_base_exception_fails_its_step_and_frees_it(loop_eng
     finally:
         engine.fault_hook = None
     assert engine.generate(PROMPTS[0], GREEDY)["output_ids"] == clean[0]
+
+
+class Unprintable(RuntimeError):
+    def __str__(self) -> str:
+        raise ValueError("no message")
+
+
+@pytest.mark.parametrize("point", ["schedule", "forward", "sample"])
+def test_an_error_whose_message_raises_still_fails_its_request_alone(loop_engine, point):
+    """Finishing a request read its error's message after it had left the engine's
+    tables: one that raised there left its caller waiting for ever (at admission, its
+    slots held too), and at a forward or a draw failed the step's other requests."""
+    engine, clean = loop_engine
+    culprit = engine.encode(PROMPTS[0])
+
+    def hook(at, req):
+        if at == point and req.input_ids == culprit:
+            raise Unprintable()
+
+    engine.fault_hook = hook
+    try:
+        futures = engine.submit(PROMPTS, GREEDY)
+        _only_the_culprit_fails(futures, clean, "Unprintable \\(its message could not be read")
+    finally:
+        engine.fault_hook = None
