@@ -93,7 +93,7 @@ class Admission:
                     break
             try:
                 # Lock the matched prefixes first: what is left evictable is then exact.
-                claimed = {}
+                claimed, held = {}, {id(member): member.kv_len for member in members}
                 for member in members:
                     self.fault("schedule", member)
                     if member is not req:  # (the order matches only the request it gives)
@@ -106,8 +106,8 @@ class Admission:
                 continue
             planned = {id(m) for m, _, _ in plan or ()}
             for member in members:
-                if id(member) not in planned:  # waits: give back its lock and row
-                    self.req_cache.cache_finished(member, insert=False)
+                if id(member) not in planned:  # waits: give back its lock, row and K/V
+                    self.give_back(member, held[id(member)])
             if not plan:
                 if req.group is not None:
                     blocked.add(id(req.group))  # (each member would claim them all again)
@@ -117,7 +117,7 @@ class Admission:
                 break
             for member, n, need in plan:
                 self.stats.add("cached_tokens", claimed[id(member)])
-                member.cached_tokens = max(member.cached_tokens, claimed[id(member)])
+                member.cached_tokens += claimed[id(member)]
                 entries.append((member, n))
                 admitted.add(id(member))
                 blocks.add(member.fill_ids)
@@ -233,12 +233,13 @@ class Admission:
         return blocks.shared_len(ids) >= prefix + SHARED_PREFIX_BLOCK
 
     def _claim(self, req: Req) -> int:
-        """Lock the request's matched prefix; returns how many tokens it claimed."""
+        """Lock the request's matched prefix; returns how many tokens of it the cache
+        served (not those the request held before it was retracted)."""
         if req.req_pool_idx is None:
             req.req_pool_idx = self.req_to_token.alloc()
-        before = req.kv_len
+        before = max(req.kv_len, req.held_len)
         self.req_cache.claim_prefix(req)
-        return req.kv_len - before
+        return max(0, req.kv_len - before)
 
     def _alloc_extend(self, entries: list[tuple[Req, int]]) -> ScheduledBatch:
         ps = self.allocator.page_size

@@ -205,6 +205,8 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
         sched = self.scheduler
         if sched.running or sched.chunked_req is not None or not sched.waiting:
             return
+        if sched.give_back_held():  # (waiting ones that hold K/V: it is evictable now)
+            return
         if self.tree_cache is not None and self.tree_cache.evictable_size:
             self._stats.add("evicted_tokens", self.tree_cache.evict(self.tree_cache.evictable_size))
             return

@@ -120,6 +120,9 @@ class Req(ReqStops, ReqText):
         self.last_node: Any = None  # radix node locked for those tokens
         self.match: Any = None  # the latest prefix match, claimed at admission
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
+        # Tokens it held when it last gave its K/V back to wait again (retracted): claimed
+        # back from the cache they are its own, not served (they counted as cached twice).
+        self.held_len = 0
         self.group: Any = None  # the RequestGroup this request is admitted with, if any
         self.input_logprobs_done = False
         self.finished_reason: dict[str, Any] | None = None

@@ -156,6 +156,8 @@ class Scheduler(Admission):
                 # (overlap) the others finish at their next check, freeing their slots:
                 # nothing decodes until then, and nothing is retracted for room they give.
                 return kv_lens[:0], rows[:0], kv_lens[:0], []
+            if self.give_back_held():  # (their K/V are evictable now)
+                continue
             victim = self._pick_victim(decoding)
             if victim is None:
                 # Admission checks every request fits the pool alone, so this cannot happen.
@@ -299,10 +301,27 @@ class Scheduler(Admission):
             self.chunked_req = None
         else:
             self.running.remove(req)
-        self.req_cache.cache_finished(req)
+        self.give_back(req)
         self.waiting.insert(0, req)
         self.stats.add("retracted_requests")
         self.new_token_ratio = min(1.0, 2 * INIT_NEW_TOKEN_RATIO) * self._ratio_scale
+
+    def give_back(self, req: Req, held: int | None = None) -> None:
+        """`req`, to wait again, gives its K/V to the cache (claimed back on its admission)
+        and frees its row and slots; `held`: how many of its tokens were its own before
+        (default: all it has; a prefix it claimed just now was not)."""
+        req.held_len = max(req.held_len, req.kv_len if held is None else held)
+        self.req_cache.cache_finished(req)
+
+    def give_back_held(self) -> int:
+        """Waiting requests that still hold K/V (one that jumped forward waits to extend
+        its forced tokens) give it back; returns how many did. Admission may never reach
+        them (it stops at the first request that does not fit): their slots, held, once
+        left a running request no room to decode, and every request failed."""
+        held = [r for r in self.waiting if r.req_pool_idx is not None]
+        for req in held:
+            self.give_back(req)
+        return len(held)
 
     def _evict(self, num_tokens: int) -> int:
         freed = self.req_cache.evict(num_tokens)

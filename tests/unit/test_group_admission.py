@@ -120,3 +120,27 @@ def test_past_128_waiting_admission_goes_by_arrival(waiting, hot_first):
         sched.add(req)
     batch = sched._schedule_extend()
     assert batch.reqs == ([hot] if hot_first else [queue[0]])
+
+
+def test_a_waiting_request_holding_kv_gives_it_back_to_the_cache():
+    """A request that jumped forward waits to extend its forced tokens, still holding its
+    K/V; admission may never reach it (it stops at the first request that does not fit).
+    Given back, its K/V are the cache's, evictable, and claimed back on its admission are
+    its own, not served from the cache."""
+    allocator = TokenSlotAllocator(64, 1)
+    table = ReqToTokenPool(8, 128, torch.device("cpu"))
+    tree = RadixCache(allocator, 1)
+    config = RuntimeConfig(page_size=1, max_total_tokens=64, schedule_policy="lpm")
+    sched = Scheduler(config, allocator, table, ReqCache(tree, allocator, table), EngineStats())
+    holder = _req(1, list(range(100, 130)), new=8)
+    sched.add(holder)
+    sched.on_forward_done(sched._schedule_extend())  # (its prompt's K/V, in the cache)
+    holder.output_ids += [1, 2, 3]  # (forced tokens, no K/V yet)
+    sched.jump_forward(holder)
+    assert sched.waiting == [holder] and holder.kv_len == 30 and tree.evictable_size == 0
+    assert sched.give_back_held() == 1
+    assert holder.req_pool_idx is None and tree.evictable_size == 30
+    assert allocator.num_free == 64 - 30 and sched.give_back_held() == 0
+    batch = sched._schedule_extend()  # claims its 30 back, extends the 3 forced tokens
+    assert batch.reqs == [holder] and batch.prefix_lens == [30] and batch.extend_lens == [3]
+    assert holder.cached_tokens == 0 and sched.stats.snapshot()["cached_tokens"] == 0
