@@ -124,11 +124,11 @@ SECTIONS = [
     ("correctness", correctness, 30),
     ("decode_overhead", decode_overhead, 20),
     ("throughput", throughput, 60),
+    ("greedy_equality", greedy_equality, 20),
+    ("overlap_equality", overlap_equality, 20),
     # (the figure the last run left open: whether a real model's step hides the host's work)
     ("decode_overhead_large", decode_overhead_large, 60),
     ("dataset_steps", dataset_steps, 30),
-    ("greedy_equality", greedy_equality, 20),
-    ("overlap_equality", overlap_equality, 20),
     ("decode_bandwidth", decode_bandwidth, 15),
     ("fused_ops", fused_ops, 10),
     ("keyed_race", keyed_race, 10),

@@ -189,16 +189,17 @@ class RequestFuture(Future):
     callback) rather than wait there for ever."""
 
     def result(self, timeout: float | None = None) -> Any:
-        self._check_off_loop("result()")
+        self._check_off_loop("result()", timeout)
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._check_off_loop("exception()")
+        self._check_off_loop("exception()", timeout)
         return super().exception(timeout)
 
-    def _check_off_loop(self, what: str) -> None:
+    def _check_off_loop(self, what: str, timeout: float | None) -> None:
         engine = self.__dict__.get("engine")  # (until it resolves)
-        if engine is not None and not self.done():
+        waits = timeout is None or timeout > 0  # (a poll, `timeout=0`, raises TimeoutError)
+        if waits and engine is not None and not self.done():
             check_off_loop(engine, f"a future's {what}")
 
 

@@ -341,6 +341,7 @@ class Scheduler(Admission):
         if batch.mode is ForwardMode.DECODE:
             for req in batch.reqs:
                 req.kv_len += 1
+            batch.kv_committed = True  # (a failure after this must not count it again)
             return list(batch.reqs)
         num_extends = len(batch.reqs) - batch.num_decodes
         for req in batch.reqs[num_extends:]:

@@ -22,6 +22,7 @@ translation (`schema_prepare.py`) so that every string allowed validates.
 
 from __future__ import annotations
 
+import math
 import re
 
 from lmprog_runtime.constrained.portable_regex import width
@@ -36,13 +37,16 @@ _DATE = (  # (years 1-9999; every month's days, February's up to the 28th)
 _TIME_OF_DAY = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?"
 _OFFSET = r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 # A URL pydantic's HttpUrl takes too: its last label starts with a letter (one of digits,
-# `a.1`, is read as an IPv4 address, refused unless it is one), its port is 65535 at most.
-_URI_HOST = r"([A-Za-z0-9-]*\.)*[A-Za-z][A-Za-z0-9-]*"
+# `a.1`, is read as an IPv4 address, refused unless it is one), no label holds `--`
+# (`xn--a` is read as punycode, refused unless it is), its port is 65535 at most.
+_URI_HOST = r"([A-Za-z0-9]+(-[A-Za-z0-9]+)*\.)*[A-Za-z][A-Za-z0-9]*(-[A-Za-z0-9]+)*"
 _URI_PORT = r"(:(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5]?[0-9]{1,4}))?"
 _URI_PATH = r"[A-Za-z0-9._~:/?#@!$&'()*+,;=%-]"
 # ... and one of bounded length, for a `maxLength` (HttpUrl's 2083): counted labels cost
 # far less to compile than a count of the whole (a second, against ten)
-_URI_HEAD = r"https?://([A-Za-z0-9-]{1,63}\.){0,3}[A-Za-z][A-Za-z0-9-]{0,23}" + _URI_PORT
+_URI_HEAD = (
+    r"https?://([A-Za-z0-9](-?[A-Za-z0-9]){0,31}\.){0,3}[A-Za-z](-?[A-Za-z0-9]){0,11}" + _URI_PORT
+)
 _URI_PATH_MOST = 128
 FORMATS = {
     "date": _DATE,
@@ -59,34 +63,44 @@ def lengths_in_pattern(node: dict) -> dict:
     """`node` (a string's, with a `pattern` or a `format`) less its `minLength` /
     `maxLength` where every value of its pattern fits them (outlines-core drops the pattern
     for the lengths), a `uri` bounded to fit; ValueError where the lengths would bind."""
-    lengths = {key: node[key] for key in ("minLength", "maxLength") if key in node}
+    lengths = {key: _length(node, key) for key in ("minLength", "maxLength") if key in node}
     if not lengths:
         return node
     least, most = lengths.get("minLength", 0), lengths.get("maxLength")
     form = node.get("format")
-    if form == "uri" and "pattern" not in node and isinstance(most, int):
-        room = most - width(_URI_HEAD)[1] - 1  # (less the path's slash)
-        if room >= 0:  # (a URL of 300 characters at most fits every `maxLength` past it)
-            path = f"(/{_URI_PATH}{{0,{min(room, _URI_PATH_MOST)}}})?"
-            node = {key: value for key, value in node.items() if key != "format"}
-            node["pattern"] = _URI_HEAD + path
+    head = width(_URI_HEAD)[1] + 1  # (and the path's slash)
+    if form == "uri" and "pattern" not in node and most is not None and most >= head:
+        path = f"(/{_URI_PATH}{{0,{min(most - head, _URI_PATH_MOST)}}})?"
+        node = {key: value for key, value in node.items() if key != "format"}
+        node["pattern"] = _URI_HEAD + path  # (358 characters at most)
     pattern = node.get("pattern", FORMATS.get(form))  # (a `format` with one: refused later)
+    if not isinstance(pattern, str):
+        raise ValueError(f"unsupported JSON schema: {sorted(lengths)} next to 'format' {form!r}")
     try:
-        low, high = width(json_safe_pattern(pattern)) if isinstance(pattern, str) else (0, None)
-    except (ValueError, re.error):
-        low, high = 0, None
-    fits = isinstance(least, int) and least <= low
-    fits = fits and (most is None or isinstance(most, int) and high is not None and high <= most)
-    if not fits:
+        low, high = width(json_safe_pattern(pattern))
+    except re.error:
+        raise ValueError(
+            f"unsupported JSON schema: {sorted(lengths)} next to a pattern Python's re cannot "
+            f"read ({pattern!r}): its values' lengths are unknown"
+        ) from None
+    if least > low or most is not None and (high is None or high > most):
         span = f"{low} or more" if high is None else f"{low} to {high}" * (low != high)
-        hint = f"a 'uri' takes a 'maxLength' of {width(_URI_HEAD)[1] + 1} or more"
-        hint = hint if form == "uri" else ""
+        hint = f"; a 'uri' takes a 'maxLength' of {head} or more" if form == "uri" else ""
         raise ValueError(
             f"unsupported JSON schema: {sorted(lengths)} next to a 'pattern' or 'format' "
             f"whose values are {span or low} characters long (write the length into the "
-            f"pattern: `^[A-Z]{{3}}$`{'; ' * bool(hint)}{hint})"
+            f"pattern: `^[A-Z]{{3}}$`{hint})"
         )
     return {key: value for key, value in node.items() if key not in lengths}
+
+
+def _length(node: dict, key: str) -> int:
+    """`node[key]`, a length: a non-negative integer (`3.0` is one, `True` is not)."""
+    value = node[key]
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value) or value < 0 or value != int(value):
+        raise ValueError(f"JSON schema: {key!r} must be a non-negative integer, got {value!r}")
+    return int(value)
 
 
 def json_safe_pattern(pattern: str) -> str:

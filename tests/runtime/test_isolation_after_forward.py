@@ -130,3 +130,37 @@ def test_an_error_whose_message_raises_still_fails_its_request_alone(loop_engine
         _only_the_culprit_fails(futures, clean, "Unprintable \\(its message could not be read")
     finally:
         engine.fault_hook = None
+
+
+def test_a_decode_steps_draw_that_raises_frees_its_requests_slots_once(loop_engine, monkeypatch):
+    """A step that fails whole after its K/V were counted (here its draw, queued or run)
+    must not count them again: once a decode step's were, and the finish freed a table
+    entry past each request's tokens (slot 0, or a slot another request or the prefix
+    cache held). The step's requests fail; the engine, clean, serves the same tokens."""
+    from lmprog_runtime.step_draw import StepDraw
+
+    engine, clean = loop_engine
+    if engine.config.decode_steps != 1:
+        pytest.skip("a decode run draws inside its forward (`run_commit` takes its tokens)")
+    calls = []
+
+    def failing(real):
+        def draw(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:  # (a decode step's: the first is the prefill's)
+                raise RuntimeError("injected in a step's draw")
+            return real(*args, **kwargs)
+
+        return draw
+
+    if engine._worker is not None:
+        monkeypatch.setattr(engine._worker, "sample", failing(engine._worker.sample))
+    else:
+        monkeypatch.setattr(StepDraw, "_draw", failing(StepDraw._draw))
+    engine.flush_cache()
+    futures = engine.submit(PROMPTS[:3], GREEDY)
+    failed = [f.exception(timeout=60) for f in futures]
+    assert any(failed) and all("injected" in str(e) for e in failed if e), failed
+    monkeypatch.undo()
+    again = engine.generate(PROMPTS, GREEDY)
+    assert [o["output_ids"] for o in again] == clean

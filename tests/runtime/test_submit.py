@@ -224,3 +224,24 @@ def test_a_streamed_request_whose_last_chunk_fails_fails_alone(engine, monkeypat
     with pytest.raises(RuntimeError, match="the last chunk failed"):
         futures[0].result(timeout=60)
     assert len(futures[1].result(timeout=60)["output_ids"]) == 3
+
+
+def test_a_callback_may_poll_a_pending_future(engine):
+    """A poll (`timeout=0`) does not wait: in a callback it raises TimeoutError, as
+    anywhere, rather than the refusal of a wait."""
+    import concurrent.futures
+
+    params = {"max_new_tokens": 6, "temperature": 0}
+    other = engine.submit(PROMPTS[2:3], {**params, "max_new_tokens": 64})[0]
+    seen: list[BaseException] = []
+
+    def poll(i: int, chunk: dict) -> None:
+        if not seen and not other.done():
+            try:
+                other.result(timeout=0)
+            except BaseException as error:  # noqa: BLE001 - recorded, checked below
+                seen.append(error)
+
+    engine.submit(PROMPTS[:1], params, on_chunk=poll)[0].result(timeout=60)
+    other.result(timeout=60)
+    assert seen and isinstance(seen[0], concurrent.futures.TimeoutError), seen

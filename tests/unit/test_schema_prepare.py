@@ -60,7 +60,11 @@ REFUSED = [  # (schema, message)
     ({"type": "string", "pattern": "^[A-Z]{3}$", "minLength": 4}, "next to a 'pattern'"),
     ({"type": "string", "format": "date", "maxLength": 3}, "next to a 'pattern' or 'format'"),
     ({"type": "string", "format": "email", "maxLength": 99}, "values are 6 or more"),
-    ({"type": "string", "format": "uri", "maxLength": 230}, "'maxLength' of 231 or more"),
+    ({"type": "string", "format": "uri", "maxLength": 229}, "'maxLength' of 230 or more"),
+    ({"type": "string", "pattern": "^a$", "maxLength": True}, "non-negative integer"),
+    ({"type": "string", "pattern": "^a$", "minLength": -1}, "non-negative integer"),
+    ({"type": "string", "pattern": "^a$", "maxLength": 1.5}, "non-negative integer"),
+    ({"type": "string", "pattern": "^(a$", "maxLength": 3}, "cannot read"),
     ({"type": "string", "enum": ["a"], "pattern": "^b"}, "next to 'enum'"),
     ({"$ref": "#/$defs/S", "maxLength": 2, "$defs": {"S": {"type": "string"}}}, "next to '\\$ref'"),
     ({"type": "string", "anyOf": [{"maxLength": 2}, {"minLength": 5}]}, "next to 'anyOf'"),
@@ -150,9 +154,10 @@ def test_the_format_patterns_give_valid_values_json_holds_raw(form, data):
 
 URLS = [  # (a URL, whether pydantic's HttpUrl takes it)
     *[("http://a", True), ("https://example.com:8080/a/b?c=d&e=%20#f", True)],
-    *[("http://a:65535", True), ("http://a-.b-/'()*", True), ("http://x.y.z.com", True)],
+    *[("http://a:65535", True), ("http://a-b.c-d/'()*", True), ("http://x.y.z.com", True)],
     *[("http://a:65536", False), ("http://a:99999", False), ("ftp://a", False)],
     *[("http://a.1", False), ("http://1.2.3.999", False), ("http://a.0x", False)],
+    *[("http://xn--a", False), ("http://xn--abc.com", False), ("http://a.XN--b", False)],
 ]
 
 
