@@ -423,14 +423,22 @@ def test_pydantic_models_nested_six_deep_keep_their_fields(engine):
         customer: Customer
         total: int = pydantic.Field(ge=0, le=99)
 
-    params = {"json_schema": json.dumps(Order.model_json_schema()), "max_new_tokens": 120}
+    _sampled_documents_validate(engine, Order, "o: ", 120)
+
+
+def _sampled_documents_validate(engine, model, prompt: str, max_new_tokens: int) -> None:
+    """Six sampled documents of `model`'s schema: each one completed validates with it."""
+    params = {
+        "json_schema": json.dumps(model.model_json_schema()),
+        "max_new_tokens": max_new_tokens,
+    }
     outs = engine.generate(
-        ["o: "] * 6, [{**params, "temperature": 1.0, "seed": s} for s in range(6)]
+        [prompt] * 6, [{**params, "temperature": 1.0, "seed": s} for s in range(6)]
     )
     complete = [o for o in outs if "constraint" not in o["meta_info"]["finish_reason"]]
     assert complete
     for out in complete:
-        Order.model_validate_json(out["text"])
+        model.model_validate_json(out["text"])
 
 
 def test_a_pydantic_model_of_urls_gives_urls_pydantic_takes(engine):
@@ -442,14 +450,7 @@ def test_a_pydantic_model_of_urls_gives_urls_pydantic_takes(engine):
         home: pydantic.HttpUrl
         mirror: pydantic.AnyUrl
 
-    params = {"json_schema": json.dumps(Site.model_json_schema()), "max_new_tokens": 300}
-    outs = engine.generate(
-        ["site: "] * 6, [{**params, "temperature": 1.0, "seed": s} for s in range(6)]
-    )
-    complete = [o for o in outs if "constraint" not in o["meta_info"]["finish_reason"]]
-    assert complete
-    for out in complete:
-        Site.model_validate_json(out["text"])
+    _sampled_documents_validate(engine, Site, "site: ", 300)
 
 
 def test_min_new_tokens_with_a_constraint_does_not_break_other_requests(engine):
