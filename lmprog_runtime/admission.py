@@ -233,13 +233,15 @@ class Admission:
         return blocks.shared_len(ids) >= prefix + SHARED_PREFIX_BLOCK
 
     def _claim(self, req: Req) -> int:
-        """Lock the request's matched prefix; returns how many tokens of it the cache
-        served (not those the request held before it was retracted)."""
+        """Lock the request's matched prefix; returns how many prompt tokens of it the cache
+        served: not its output's (a forced text another request computed counted as
+        cached), nor those it held before it gave them back (retracted)."""
         if req.req_pool_idx is None:
             req.req_pool_idx = self.req_to_token.alloc()
         before = max(req.kv_len, req.held_len)
         self.req_cache.claim_prefix(req)
-        return max(0, req.kv_len - before)
+        prompt = req.prompt_len
+        return max(0, min(req.kv_len, prompt) - min(before, prompt))
 
     def _alloc_extend(self, entries: list[tuple[Req, int]]) -> ScheduledBatch:
         ps = self.allocator.page_size
@@ -262,7 +264,7 @@ class Admission:
                 # request and the rest wait for the next step instead of failing.
                 unadmitted = [r for r, _ in entries[len(reqs) :] if r is not self.chunked_req]
                 for later in unadmitted:
-                    self.req_cache.cache_finished(later, insert=False)
+                    self.give_back(later)  # (its claim counted: not again when it goes in)
                 self.waiting[:0] = unadmitted
                 break
             self.req_to_token.write(req.req_pool_idx, req.kv_len, slots)

@@ -144,3 +144,34 @@ def test_a_waiting_request_holding_kv_gives_it_back_to_the_cache():
     batch = sched._schedule_extend()  # claims its 30 back, extends the 3 forced tokens
     assert batch.reqs == [holder] and batch.prefix_lens == [30] and batch.extend_lens == [3]
     assert holder.cached_tokens == 0 and sched.stats.snapshot()["cached_tokens"] == 0
+
+
+def test_a_forced_text_another_request_computed_is_not_counted_as_cached():
+    """Given back after a jump forward, a request claims its forced tokens from the cache
+    where another request with the same prompt computed them: they are its output, not
+    prompt tokens served (it counted 34 cached of a 30-token prompt)."""
+    allocator = TokenSlotAllocator(128, 1)
+    table = ReqToTokenPool(8, 128, torch.device("cpu"))
+    tree = RadixCache(allocator, 1)
+    config = RuntimeConfig(page_size=1, max_total_tokens=128, schedule_policy="lpm")
+    sched = Scheduler(config, allocator, table, ReqCache(tree, allocator, table), EngineStats())
+    prompt, forced = list(range(100, 130)), [1, 2, 3, 4, 5, 6]
+    first = _req(1, prompt, new=20)
+    sched.add(first)
+    sched.on_forward_done(sched._schedule_extend())
+    first.output_ids += forced
+    sched.jump_forward(first)
+    sched.on_forward_done(sched._schedule_extend())  # (the forced tokens' K/V, cached)
+    first.output_ids.append(7)
+    sched.release(first)
+    twin = _req(2, list(prompt), new=20)
+    sched.add(twin)
+    sched.on_forward_done(sched._schedule_extend())
+    assert twin.cached_tokens == 29  # (its prompt but the last token, which is computed)
+    twin.output_ids += forced
+    sched.jump_forward(twin)
+    assert sched.give_back_held() == 1
+    batch = sched._schedule_extend()
+    assert batch.prefix_lens == [35] and batch.extend_lens == [1]
+    assert twin.cached_tokens == 29 and sched.stats.snapshot()["cached_tokens"] == 29
+    sched.release(twin)
