@@ -5,7 +5,7 @@ runs, several decode steps run from one scheduling: see `decode_run.py`).
 
 `EngineLoop` holds the loop-side methods of `Engine` (the caller side: `engine*.py`;
 validation: `request_maker.py`, `engine_inputs.py`; a step's draw: `step_draw.py`; the
-loop's thread: `loop_thread.py`). Only the loop thread runs them: it alone owns the
+loop's thread: `loop_thread.py`; failing what a failure holds: `loop_failures.py`). Only the loop thread runs them: it alone owns the
 scheduler, the model runner and every KV slot.
 An exception in one step fails only the requests of that step; the loop keeps serving.
 """
@@ -23,6 +23,7 @@ import torch
 from lmprog_runtime.decode_run import DecodeRunLoop
 from lmprog_runtime.forward_batch import ForwardMode, RowsOf
 from lmprog_runtime.kvcache.radix_view import snapshot
+from lmprog_runtime.loop_failures import LoopFailures
 from lmprog_runtime.overlap import OverlapLoop
 from lmprog_runtime.request import Req
 from lmprog_runtime.run_commit import Run
@@ -31,11 +32,9 @@ from lmprog_runtime.steady_check import SteadyCheck
 from lmprog_runtime.step_draw import StepDraw
 
 logger = logging.getLogger("lmprog_runtime.engine")
-# Scheduling that raises this many times in a row fails every request the loop holds.
-MAX_SCHEDULE_FAILURES = 3
 
 
-class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
+class EngineLoop(LoopFailures, StepDraw, OverlapLoop, DecodeRunLoop):
     """The loop-side half of `Engine` (a mixin: `Engine` sets every attribute used here)."""
 
     @property
@@ -151,43 +150,6 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
             if req is not None and not req.done.is_set():
                 self._finish(req, error, keep_prefix=True)
 
-    def _fail_all(self, error: Exception) -> None:
-        """Fail every request the loop holds (its last resort: no caller waits forever)."""
-        self._abandon_in_flight(error)
-        for req in list(self._live.values()):
-            self._finish(req, error)
-        self._deadlines = []
-
-    def _fail_refused(self) -> None:
-        """Requests the scheduler gave up on one by one (an error in their own admission)."""
-        for req, error in self.scheduler.take_refused():
-            if not req.done.is_set():
-                self._finish(req, error)
-
-    def _recover_schedule(self, error: Exception) -> None:
-        """Scheduling raised outside any one request. A request it had taken off the
-        waiting list without putting it in a batch would wait forever: it fails. If it keeps
-        failing, every request it holds fails (the loop cannot make progress for them)."""
-        sched = self.scheduler
-        held = {id(r) for r in sched.waiting + sched.running}
-        if sched.chunked_req is not None:
-            held.add(id(sched.chunked_req))
-        for req in list(self._live.values()):
-            if id(req) not in held and not req.done.is_set():
-                self._finish(req, error)
-        self._schedule_failures += 1
-        if self._schedule_failures >= MAX_SCHEDULE_FAILURES:
-            self._fail_all(error)
-            self._schedule_failures = 0
-
-    def _fail_step(self, batch: ScheduledBatch, error: BaseException) -> None:
-        if not batch.kv_committed:  # the slots of this step hold no valid K/V
-            for req, n in zip(batch.reqs, batch.extend_lens):
-                req.kv_len += n
-        for req in batch.reqs:
-            if not req.done.is_set():
-                self._finish(req, error)
-
     def _run_command(self, name: str, *args: Any) -> Any:
         if name == "radix_snapshot":
             return snapshot(self.tree_cache.root, *args)
@@ -197,21 +159,6 @@ class EngineLoop(StepDraw, OverlapLoop, DecodeRunLoop):
             self.tree_cache.flush()
             return True
         raise ValueError(f"unknown engine command {name!r}")
-
-    def _fail_unschedulable(self) -> None:
-        """Nothing runs and nothing can be admitted. Evicting the whole cache must make room
-        (every request was checked to fit the pool); if it does not, fail the head of the
-        queue rather than spin."""
-        sched = self.scheduler
-        if sched.running or sched.chunked_req is not None or not sched.waiting:
-            return
-        if sched.give_back_held():  # (waiting ones that hold K/V: it is evictable now)
-            return
-        if self.tree_cache is not None and self.tree_cache.evictable_size:
-            self._stats.add("evicted_tokens", self.tree_cache.evict(self.tree_cache.evictable_size))
-            return
-        req = sched.waiting[0]
-        self._finish(req, RuntimeError("the request could not be scheduled"))
 
     def _step(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()

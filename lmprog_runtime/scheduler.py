@@ -7,7 +7,7 @@ against the radix tree so only uncached suffixes are computed, orders the queue 
 schedule policy, admits a request group whole (in parts only if it could never fit),
 splits long prompts into chunks that run beside the decodes, and reserves an (optimistic)
 share of each request's future output. Here: the step's choice, decode slots (a decode
-run's too), and what follows a forward or a finish. When the pool runs dry it evicts
+run's: `run_slots.py`), and what follows a forward or a finish. When the pool runs dry it evicts
 unlocked cache leaves first, then retracts running requests (their computed tokens go to
 the cache, they requeue, and resume exactly where they were). The scheduler never touches
 the model's tensors: slots and table rows are host tensors.
@@ -28,6 +28,7 @@ from lmprog_runtime.kvcache import ReqToTokenPool, TokenSlotAllocator
 from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.request import Req
 from lmprog_runtime.run_choice import RunChoice
+from lmprog_runtime.run_slots import RunSlots
 from lmprog_runtime.schedule_policy import SchedulePolicy
 from lmprog_runtime.scheduled_batch import ScheduledBatch
 from lmprog_runtime.stats import EngineStats
@@ -40,7 +41,7 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class Scheduler(Admission):
+class Scheduler(Admission, RunSlots):
     def __init__(
         self,
         config: RuntimeConfig,
@@ -194,92 +195,6 @@ class Scheduler(Admission):
         self, rows: torch.Tensor, kv_lens: torch.Tensor, slots: torch.Tensor
     ) -> None:
         self.req_to_token.write_tokens(rows, kv_lens, slots)
-
-    def extend_decode_run(
-        self, batch: ScheduledBatch, steps: int, needs: list[int]
-    ) -> list[torch.Tensor]:
-        """Slots for up to `steps - 1` more decode steps of `batch` (a decode batch just
-        scheduled), in the request table: a decode run (`decode_run.py`). Step k's slot of
-        request i follows its slot of step k - 1; a request that needs fewer steps
-        (`needs[i]`, its tokens left) gets the padding slot 0 past them, which no one reads
-        (it has finished by then). Stops short where pages run out after evicting (nothing
-        is retracted for a run). Returns each further step's slots ([n])."""
-        rows = host_ints([req.req_pool_idx for req in batch.reqs])
-        positions = host_ints(batch.prefix_lens)
-        need = host_ints(needs)
-        if self.allocator.page_size == 1:
-            return self._extend_run_by_slots(rows, positions, need, steps - 1)
-        last, extra = batch.out_cache_loc, []
-        try:
-            for k in range(1, steps):
-                mine = need > k
-                slots = self._alloc_next(last[mine])
-                if slots is None:
-                    break
-                step = torch.zeros_like(last)  # (slot 0: the padding slot)
-                step[mine] = slots
-                extra.append(step)
-                self.req_to_token.write_tokens(rows[mine], positions[mine] + k, slots)
-                self._decay_new_token_ratio()  # once per decode step, as single steps do
-                last = step
-        except BaseException:
-            for slots in extra:
-                self.free_started_pages(slots)
-            raise
-        return extra
-
-    def _alloc_next(self, last: torch.Tensor) -> torch.Tensor | None:
-        """One slot after each of `last` (evicting when short); None if pages run out."""
-        slots = self.allocator.alloc_decode(last)
-        if slots is None:
-            ps = self.allocator.page_size
-            short = int(((last + 1) % ps == 0).sum()) * ps - self.allocator.num_free
-            self._evict(short)
-            slots = self.allocator.alloc_decode(last)
-        return slots
-
-    def continue_decode_run(
-        self, reqs: list[Req], last: torch.Tensor, positions: list[int]
-    ) -> torch.Tensor | None:
-        """The first step's slots of a decode run that continues one not yet committed:
-        one after each of `last` (the slots of `reqs`' last step there), written to the
-        table at `positions`. None if pages run out after evicting."""
-        slots = self._alloc_next(last)
-        if slots is None:
-            return None
-        try:
-            rows = host_ints([req.req_pool_idx for req in reqs])
-            self.req_to_token.write_tokens(rows, host_ints(positions), slots)
-        except BaseException:
-            self.free_started_pages(slots)
-            raise
-        self._decay_new_token_ratio()
-        return slots
-
-    def _extend_run_by_slots(
-        self, rows: torch.Tensor, positions: torch.Tensor, need: torch.Tensor, steps: int
-    ) -> list[torch.Tensor]:
-        """`extend_decode_run` on pages of one slot: every step's slots in one allocation
-        and one table write."""
-        if steps < 1:
-            return []
-        ahead = torch.arange(1, steps + 1, dtype=torch.int64, device="cpu")[:, None]
-        mine = need[None, :] > ahead  # [steps, n]: the slots to allocate
-        wanted = mine.sum(dim=1).cumsum(dim=0)  # slots for the first 1, 2, ... steps
-        short = int(wanted[-1]) - self.allocator.num_free
-        if short > 0:
-            self._evict(short)
-        steps = int((wanted <= self.allocator.num_free).sum())
-        if steps == 0:
-            return []
-        mine = mine[:steps]
-        grid = torch.zeros(mine.shape, dtype=torch.int64, device="cpu")  # (0: padding)
-        grid[mine] = self.allocator.alloc(int(wanted[steps - 1]))
-        table_rows = rows[None, :].expand(mine.shape)[mine]
-        self.req_to_token.write_tokens(table_rows, (positions + ahead[:steps])[mine], grid[mine])
-        for _ in range(steps):
-            self._decay_new_token_ratio()  # once per decode step, as single steps do
-        return list(grid.unbind(0))
 
     def _pick_victim(self, decoding: list[Req]) -> Req | None:
         if self.chunked_req is not None:
