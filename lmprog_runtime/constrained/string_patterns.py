@@ -47,6 +47,7 @@ _URI_PATH = r"[A-Za-z0-9._~:/?#@!$&'()*+,;=%-]"
 _URI_HEAD = (
     r"https?://([A-Za-z0-9](-?[A-Za-z0-9]){0,31}\.){0,3}[A-Za-z](-?[A-Za-z0-9]){0,11}" + _URI_PORT
 )
+_URI_HEAD_MOST = width(_URI_HEAD)[1] + 1  # (its longest, and the path's slash: 230)
 _URI_PATH_MOST = 128
 FORMATS = {
     "date": _DATE,
@@ -68,9 +69,8 @@ def lengths_in_pattern(node: dict) -> dict:
         return node
     least, most = lengths.get("minLength", 0), lengths.get("maxLength")
     form = node.get("format")
-    head = width(_URI_HEAD)[1] + 1  # (and the path's slash)
-    if form == "uri" and "pattern" not in node and most is not None and most >= head:
-        path = f"(/{_URI_PATH}{{0,{min(most - head, _URI_PATH_MOST)}}})?"
+    if form == "uri" and "pattern" not in node and most is not None and most >= _URI_HEAD_MOST:
+        path = f"(/{_URI_PATH}{{0,{min(most - _URI_HEAD_MOST, _URI_PATH_MOST)}}})?"
         node = {key: value for key, value in node.items() if key != "format"}
         node["pattern"] = _URI_HEAD + path  # (358 characters at most)
     pattern = node.get("pattern", FORMATS.get(form))  # (a `format` with one: refused later)
@@ -85,7 +85,7 @@ def lengths_in_pattern(node: dict) -> dict:
         ) from None
     if least > low or most is not None and (high is None or high > most):
         span = f"{low} or more" if high is None else f"{low} to {high}" * (low != high)
-        hint = f"; a 'uri' takes a 'maxLength' of {head} or more" if form == "uri" else ""
+        hint = f"; a 'uri' takes a 'maxLength' of {_URI_HEAD_MOST} or more" if form == "uri" else ""
         raise ValueError(
             f"unsupported JSON schema: {sorted(lengths)} next to a 'pattern' or 'format' "
             f"whose values are {span or low} characters long (write the length into the "
