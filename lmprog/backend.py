@@ -62,6 +62,12 @@ class Backend(ABC):
         compile. A backend that cannot tell says so for every constrained gen."""
         return params.get("regex") is not None or params.get("json_schema") is not None
 
+    def check_can_wait(self, what: str) -> None:  # noqa: B027 - optional to override
+        """Raise RuntimeError where `what` (a program's run, a read of its state) would
+        wait for this backend's results on a thread that must deliver them (a callback
+        on the runtime's own thread): it would wait forever, and so would every other
+        request. A backend without such a thread accepts every wait."""
+
     def abort(self, futures: list[Future]) -> None:  # noqa: B027 - optional to override
         """Cancel the requests behind `futures` (from `submit`); their futures then fail.
         A backend that cannot cancel lets them run to the end."""
@@ -135,6 +141,11 @@ class EngineBackend(Backend):
 
     def decode(self, ids: list[int]) -> str:
         return self.engine.decode(ids)
+
+    def check_can_wait(self, what: str) -> None:
+        from lmprog_runtime.results import check_off_loop
+
+        check_off_loop(self.engine, what, "run the program from a thread of your own")
 
     def submit(
         self,

@@ -108,7 +108,10 @@ class Function:
         check_flag("stream", stream)
         check_flag("live", live, none_ok=True)
         defaults, arguments = split_kwargs(kwargs, self.keyword_names)
-        state = ProgramState.start(_resolve(backend), defaults, stream=stream)
+        resolved = _resolve(backend)
+        if not stream:  # (before anything is sent: its requests would hold their slots)
+            resolved.check_can_wait("run()")
+        state = ProgramState.start(resolved, defaults, stream=stream)
         if stream:
             if live or (live is None and in_notebook()):
                 show_live(state)
@@ -278,6 +281,7 @@ class Function:
 
     def _run_pool(self, calls, backend, defaults, num_threads, progress_bar) -> Iterator:
         """(index, state) pairs as programs finish; the pool's threads end with it."""
+        backend.check_can_wait(f"{self.func.__name__}'s batch")
         bar = None
         if progress_bar:
             from tqdm.auto import tqdm

@@ -89,6 +89,7 @@ class ProgramState(StateBlocks):
 
     def _join_body(self) -> None:
         if self._outside_body():
+            self._stream.ops.backend.check_can_wait("a read of a streaming run's state")
             with self._cancel_on_interrupt():
                 self._body.join()  # type: ignore[union-attr]
 
@@ -164,6 +165,8 @@ class ProgramState(StateBlocks):
         outside a streaming run's body, until the body has returned and all of it has run."""
         self._join_body()
         stream = self._stream
+        with stream.lock:  # (refused before the wait: the program goes on)
+            stream.check_wait(stream.is_synced)
         with self._cancel_on_interrupt(), stream.lock:
             stream.wait(stream.is_synced)
         self._flush_live()
@@ -223,14 +226,16 @@ class ProgramState(StateBlocks):
         """Wait until the node setting `name` has run; from outside a streaming run's body,
         for the body to append it first (or to end without it)."""
         stream, outside = self._stream, self._outside_body()
+
+        def ready() -> bool:
+            return (
+                not outside or name in stream.producers or stream.is_closed
+            ) and stream.has_run(name)
+
+        with stream.lock:  # (refused before the wait: the program goes on)
+            stream.check_wait(ready)
         with self._cancel_on_interrupt(), stream.lock:
-            stream.wait(
-                lambda: (
-                    (not outside or name in stream.producers or stream.is_closed)
-                    and stream.has_run(name)
-                ),
-                release=not outside,
-            )
+            stream.wait(ready, release=not outside)
 
     def __getitem__(self, name: str) -> Any:
         """The value of variable `name`, once the node producing it has run."""

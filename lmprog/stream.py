@@ -148,8 +148,15 @@ class Stream:
                 stream.hold = None
                 self.interpreter.wake(stream)
             stream = stream.parent
+        self.check_wait(ready)
         while not (ready() or self.is_done):
             self.cv.wait()
+
+    def check_wait(self, ready: Callable[[], bool]) -> None:
+        """(Lock held) RuntimeError where waiting for `ready()` could never end: on the
+        backend's own thread (a callback), which delivers what it waits for."""
+        if not (ready() or self.is_done):
+            self.ops.backend.check_can_wait("a program's read of its state")
 
     def is_synced(self) -> bool:
         """Everything appended so far has run (lock held); not while the body's exception

@@ -78,14 +78,16 @@ def wait_all(
         raise
 
 
-def check_off_loop(engine: Engine, what: str) -> None:
+def check_off_loop(
+    engine: Engine, what: str, hint: str = "use submit() there, and read its future elsewhere"
+) -> None:
     """RuntimeError where `what` would wait on `engine`'s own loop thread (in a callback:
     `on_chunk`, a future's done callback): the loop waited for itself, and every request
     of the engine hung."""
     if threading.current_thread() is engine._thread:
         raise RuntimeError(
             f"{what} cannot wait on the engine's own loop thread (a callback would wait for "
-            "the loop that runs it): use submit() there, and read its future elsewhere"
+            f"the loop that runs it): {hint}"
         )
 
 
