@@ -89,12 +89,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"lmprog: error: {error}\n")
     except KeyboardInterrupt:
         parser.exit(130, "lmprog: interrupted; run the same command with --resume to go on\n")
+    skipped_errors = (
+        f", {summary.num_skipped_errors} of them with errors" if summary.num_skipped_errors else ""
+    )
     print(
         f"lmprog: {summary.num_rows} rows ({summary.num_errors} with errors, "
-        f"{summary.num_skipped} already done) -> {args.output} in {summary.seconds:.1f} s",
+        f"{summary.num_skipped} already done{skipped_errors}) -> {args.output} in "
+        f"{summary.seconds:.1f} s",
         file=sys.stderr,
     )
-    if summary.num_errors:  # (every row is written; a script still sees that some failed)
+    # (every row is written; a script still sees that some failed, this run or the one
+    # that a plain --resume went on from: once, the output's errors were not seen)
+    if summary.num_errors or summary.num_skipped_errors:
         print(
             "lmprog: some rows failed (their error column says why); once that is "
             "mended, the same command with --resume --retry-errors runs them again",

@@ -30,6 +30,7 @@ class MapSummary(NamedTuple):
     num_errors: int  # of them, rows whose error column is set
     num_skipped: int  # input rows the output already held (resume), not run again
     seconds: float
+    num_skipped_errors: int = 0  # of the skipped rows, those whose line holds an error
 
 
 class MapRun:
@@ -72,6 +73,7 @@ class MapRun:
             progress.num_errors if progress else 0,
             progress.num_skipped if progress else 0,
             self._seconds,
+            progress.num_skipped_errors if progress else 0,
         )
 
 

@@ -77,6 +77,7 @@ class Progress:
         self.num_rows = 0
         self.num_errors = 0
         self.num_skipped = 0
+        self.num_skipped_errors = 0  # of them, rows whose line holds an error
         self._start = time.monotonic()
         self._bar = None
         if enabled:
@@ -84,10 +85,11 @@ class Progress:
 
             self._bar = tqdm(total=total, desc=desc, unit="row")
 
-    def row_skipped(self) -> None:
+    def row_skipped(self, is_error: bool = False) -> None:
         """An input row the output already holds (resume): the bar moves past it as a
         restart's `initial` would, so that the rates count only rows run."""
         self.num_skipped += 1
+        self.num_skipped_errors += is_error
         bar = self._bar
         if bar is not None:
             bar.n += 1

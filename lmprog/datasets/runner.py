@@ -94,6 +94,7 @@ def iter_results(
     runner = _RowRunner(fn, backend, opts)
     rows = enumerate(iter(source))
     done = sink.done if sink is not None else set()
+    failed = sink.failed if sink is not None else set()
     seen: set[str] = set()
     order = itertools.count()
     pending: deque[RowJob] = deque()
@@ -122,7 +123,7 @@ def iter_results(
                     raise ValueError(f"id_column {opts.id_column!r}: id {key} appears twice")
                 seen.add(key)
                 if key in done:
-                    progress.row_skipped()
+                    progress.row_skipped(key in failed)
                     continue
             sort_key = template.prefix(row) if template is not None else ""
             jobs.append(RowJob(position, next(order), row, sort_key))

@@ -166,8 +166,9 @@ class JsonlSink:
         self.path = path
         self.key_column = key_column
         self.done: set[str] = set()
+        self.failed: set[str] = set()  # of `done`, the keys whose line holds an error
         if path.exists():
-            self.done = _read_keys(path, key_column, self.decode_line, retry_errors)
+            self.done, self.failed = _read_keys(path, key_column, self.decode_line, retry_errors)
         self._is_new = not path.exists()
         self._has_lines = False  # a write of this sink has succeeded
         self._file = path.open("ab", buffering=0)  # (no buffer may hold a failed write)
@@ -220,11 +221,13 @@ def open_sink(path: Path, key_column: str, retry_errors: bool = False) -> JsonlS
 
 def _read_keys(
     path: Path, key_column: str, decode: Callable[[bytes], Any], retry_errors: bool
-) -> set[str]:
+) -> tuple[set[str], set[str]]:
     """The keys of the complete lines (with `retry_errors`, of those without an error,
-    the others taken out of the file); a partial last line (a write cut by a kill) is cut
-    off the file here, before anything is appended."""
+    the others taken out of the file), and of those the keys whose line holds an error; a
+    partial last line (a write cut by a kill) is cut off the file here, before anything is
+    appended."""
     keys: set[str] = set()
+    failed_keys: set[str] = set()
     good_len = 0
     failed = 0
     with path.open("rb") as f:
@@ -242,8 +245,10 @@ def _read_keys(
             good_len += len(line)
             if retry_errors and row.get(ERROR_COLUMN) is not None:
                 failed += 1
-            else:
-                keys.add(row_key(row[key_column]))
+                continue
+            keys.add(row_key(row[key_column]))
+            if row.get(ERROR_COLUMN) is not None:
+                failed_keys.add(row_key(row[key_column]))
     if path.stat().st_size != good_len:
         with path.open("r+b") as f:
             f.truncate(good_len)
@@ -251,7 +256,7 @@ def _read_keys(
             os.fsync(f.fileno())
     if failed:
         _drop_failed_lines(path, decode)
-    return keys
+    return keys, failed_keys
 
 
 def _drop_failed_lines(path: Path, decode: Callable[[bytes], Any]) -> None:

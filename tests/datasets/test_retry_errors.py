@@ -55,10 +55,11 @@ def test_failed_rows_run_again_and_appear_once(engine, tmp_path, suffix):
     assert sorted(i for i, r in first.items() if r["error"]) == [2, 5]
 
     again = run(resume=True).run()  # (a plain resume: failed rows count as done)
-    assert (again.num_rows, again.num_skipped) == (0, 8)
+    assert (again.num_rows, again.num_skipped, again.num_skipped_errors) == (0, 8, 2)
 
     retried = run(resume=True, retry_errors=True).run()
     assert (retried.num_rows, retried.num_errors, retried.num_skipped) == (2, 0, 6)
+    assert retried.num_skipped_errors == 0 and run(resume=True).run().num_skipped_errors == 0
     written = read_output(out)
     assert sorted(r["id"] for r in written) == list(range(8))  # each row once
     reference = {r["id"]: r for r in flaky.map(rows, id_column="id", backend=engine, **GREEDY)}
@@ -94,6 +95,12 @@ def test_the_cli_retries_the_failed_rows(tmp_path):
     proc = cli()  # (a row failed: status 1, with the hint to retry)
     assert proc.returncode == 1 and "--resume --retry-errors" in proc.stderr, proc.stderr
     first = read_jsonl(out)
+    # A plain resume runs nothing, and the output still holds the failed row: status 1 (it
+    # was 0, as if every row had succeeded).
+    proc = cli("--resume")
+    assert proc.returncode == 1 and "--resume --retry-errors" in proc.stderr, proc.stderr
+    assert "0 rows (0 with errors, 3 already done, 1 of them with errors)" in proc.stderr
+    assert read_jsonl(out) == first
     proc = cli("--resume", "--retry-errors")
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "1 rows (1 with errors, 2 already done)" in proc.stderr
