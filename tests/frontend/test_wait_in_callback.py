@@ -61,5 +61,7 @@ def test_a_program_waiting_in_a_callback_is_refused_and_nothing_hangs(engine, ho
         assert streamed[0]["x"] == hello.run(backend=engine)["x"]
     # The engine runs on: the program from this thread, and a request beside it.
     prompt = engine.encode("Hello,")
-    expected = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4, "temperature": 0})
+    expected = engine.generate(
+        input_ids=prompt, sampling_params={"max_new_tokens": 4, "temperature": 0}
+    )
     assert hello.run(backend=engine)["x"] == expected["text"]
