@@ -47,16 +47,7 @@ def normalize_generate_inputs(
             if p == "":
                 raise ValueError("prompt is empty")
             check_text(p, "prompt")
-        ids_list = [engine.encode(p) for p in prompts]
-        vocab = engine.runner.model_config.vocab_size
-        for p, ids in zip(prompts, ids_list):
-            token = max(ids, default=-1)
-            if token >= vocab:  # (a tokenizer with more tokens than the model)
-                raise ValueError(
-                    f"prompt {p[:40]!r} has token {token} "
-                    f"({engine.tokenizer.convert_ids_to_tokens(token)!r}), outside the "
-                    f"model's vocabulary [0, {vocab}): its tokenizer has more tokens than it"
-                )
+        ids_list = [engine.encode(p) for p in prompts]  # (a token past the model: refused)
     else:
         if not isinstance(input_ids, list):
             raise TypeError("input_ids must be a list of ints or a list of lists of ints")

@@ -227,7 +227,17 @@ class RequestMaker:
         check_text(text, "text")
         self._check_process()
         with self._tokenizer_lock:
-            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+            ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        vocab = self.runner.model_config.vocab_size
+        token = max(ids, default=-1)
+        if token >= vocab:  # (a tokenizer with more tokens than the model: a program's
+            # text once got the message of input_ids it never passed)
+            raise ValueError(
+                f"text {text[:40]!r} has token {token} "
+                f"({self.tokenizer.convert_ids_to_tokens(token)!r}), outside the "
+                f"model's vocabulary [0, {vocab}): its tokenizer has more tokens than it"
+            )
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._byte_table is not None and type(ids) is list:  # (read-only: no lock)

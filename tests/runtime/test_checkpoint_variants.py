@@ -198,3 +198,13 @@ def test_a_prompt_past_the_models_vocabulary_is_a_value_error(tmp_path):
             engine.tokenizer.decode([40, 41]), {"max_new_tokens": 2, "temperature": 0}
         )
         assert len(out["output_ids"]) == 2
+
+        @lp.function
+        def program(s, question, choice):  # (its text once got the message of input_ids)
+            s += question
+            s += lp.gen("x", max_tokens=2) if choice is None else lp.select("c", [ok, choice])
+
+        ok = engine.tokenizer.decode([40, 41])
+        for question, choice in [(text, None), (ok, text)]:
+            with pytest.raises(ValueError, match=r"has token 1500 .*outside the model's vocab"):
+                program.run(question=question, choice=choice, backend=engine)
