@@ -1,7 +1,8 @@
 """Read a GGUF checkpoint (llama.cpp's format) as a Hugging Face config and tensors.
 
 `GGUFCheckpoint.open` validates the whole header before any weight is read: the magic and
-version, the metadata and tensor table (a truncated file fails there), the architecture,
+version, every count and length in the metadata and tensor table against the file's size
+(`gguf_header.py`; a truncated file fails there), the tensors' layout, the architecture,
 every tensor's name, type and shape. Anything wrong raises a `ValueError` naming it.
 `hf_config` turns the metadata into a transformers `config.json` dict, and `hf_tensors`
 yields the weights under transformers' names, dequantized with the `gguf` package (llama.cpp's own reader) and with llama.cpp's
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from lmprog_runtime.models.gguf_config import GGUF_ARCHITECTURES, expected_shapes, hf_config
+from lmprog_runtime.models.gguf_header import check_header, check_tensor_layout
 
 # llama.cpp's converter interleaves the rotary halves of q/k rows for these (its rope is
 # GPT-J style there); Qwen models keep the rotate-half layout and are stored as they are.
@@ -65,6 +67,13 @@ class GGUFCheckpoint:
     def __init__(self, path: Path, reader: Any) -> None:
         self.path = path
         self.reader = reader
+        shards = self.get("split.count")
+        if shards is not None and int(shards) > 1:  # (its tensors were said to be missing)
+            raise ValueError(
+                f"{path} is shard {int(self.get('split.no', 0)) + 1} of a GGUF split into "
+                f"{int(shards)} files, which lmprog does not read: merge them into one "
+                "first (llama.cpp's `llama-gguf-split --merge FIRST-SHARD OUT.gguf`)"
+            )
         self.architecture = str(self.get("general.architecture", ""))
         if self.architecture not in GGUF_ARCHITECTURES:
             raise ValueError(
@@ -80,10 +89,12 @@ class GGUFCheckpoint:
     def open(cls, path: str | Path) -> GGUFCheckpoint:
         path = Path(path)
         _check_magic_and_version(path)
+        check_header(path)  # (the reader trusts its counts: it once grew without bound)
         try:
             reader = _reader_class()(path)
         except Exception as exc:  # the reader fails in many ways on a damaged file
             raise ValueError(f"{path} is a truncated or corrupt GGUF file ({exc})") from exc
+        check_tensor_layout(reader, path)
         checkpoint = cls(path, reader)
         checkpoint._validate()
         return checkpoint

@@ -34,7 +34,9 @@ GGUF_ARCHITECTURES = {
 def hf_config(ckpt: GGUFCheckpoint) -> dict[str, Any]:
     arch = ckpt.architecture
     hidden = _required(ckpt, "embedding_length")
-    num_heads = _required(ckpt, "attention.head_count")
+    # (a per-layer array of one value, as llama.cpp accepts, is that value: it garbled the
+    # shape check's message)
+    num_heads = _uniform(ckpt, "attention.head_count")
     num_kv_heads = _uniform(ckpt, "attention.head_count_kv", num_heads)
     head_dim = ckpt.arch_get("attention.key_length") or hidden // num_heads
     rope_dim = ckpt.arch_get("rope.dimension_count", head_dim)
@@ -49,7 +51,7 @@ def hf_config(ckpt: GGUFCheckpoint) -> dict[str, Any]:
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": _required(ckpt, "feed_forward_length"),
+        "intermediate_size": _uniform(ckpt, "feed_forward_length"),
         "num_hidden_layers": _required(ckpt, "block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
@@ -92,8 +94,10 @@ def _required(ckpt: GGUFCheckpoint, key: str) -> Any:
     return value
 
 
-def _uniform(ckpt: GGUFCheckpoint, key: str, default: int) -> int:
-    value = ckpt.arch_get(key, default)
+def _uniform(ckpt: GGUFCheckpoint, key: str, default: int | None = None) -> int:
+    """A count that may be given per layer (an array of one value); required without a
+    default."""
+    value = _required(ckpt, key) if default is None else ckpt.arch_get(key, default)
     values = set(value) if isinstance(value, list) else {value}
     if len(values) != 1:
         raise ValueError(f"{ckpt.path}: per-layer {key} values {sorted(values)} not supported")
@@ -119,6 +123,11 @@ def _torch_dtype(ckpt: GGUFCheckpoint) -> str:
 def _rope_scaling(ckpt: GGUFCheckpoint, head_dim: int, theta: float) -> dict[str, Any] | None:
     kind = ckpt.arch_get("rope.scaling.type", "none")
     factor = ckpt.arch_get("rope.scaling.factor") or ckpt.arch_get("rope.scale_linear")
+    if kind == "linear" and factor is None:  # (a TypeError of float(None) once)
+        raise ValueError(
+            f"{ckpt.path}: rope scaling is linear but {ckpt.architecture}.rope.scaling.factor "
+            "is missing"
+        )
     if kind == "linear" or (kind == "none" and factor not in (None, 1.0)):
         return {"rope_type": "linear", "factor": float(factor)}
     if kind != "none":

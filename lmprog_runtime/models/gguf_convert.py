@@ -69,7 +69,10 @@ def conversion_dir(path: Path) -> Path:
     # The libraries that shape the output (dequantization, tokenizer.json) are part of the
     # key, so an upgrade converts again instead of reusing a stale directory.
     versions = f"{_version('gguf')}:{_version('transformers')}"
-    key = f"{CONVERTER_VERSION}:{versions}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    # (the inode and change time too: a file replaced by one of the same size and
+    # modification time, as `cp -p` or `rsync -t` leave it, once reused the old weights)
+    file = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}:{stat.st_ctime_ns}"
+    key = f"{CONVERTER_VERSION}:{versions}:{file}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{path.stem}-{digest}"
 
@@ -150,7 +153,14 @@ def _write_tokenizer(checkpoint: GGUFCheckpoint, out_dir: Path, context_len: int
         from transformers import PreTrainedTokenizerFast
 
         fields, settings = _tokenizer_fields(checkpoint, GGUF_TOKENIZER_MAPPING)
-        backend, extra = convert_gguf_tokenizer(checkpoint.architecture, fields)
+        try:
+            backend, extra = convert_gguf_tokenizer(checkpoint.architecture, fields)
+        except KeyError as error:  # (a field the converter needs: a bare KeyError once)
+            keys = {name: key for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()}
+            missing = keys.get(error.args[0], error.args[0])
+            raise ValueError(
+                f"{checkpoint.path}: the tokenizer's metadata lacks tokenizer.{missing}"
+            ) from None
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **settings, **extra)
     tokenizer.model_max_length = context_len
     tokenizer.save_pretrained(str(out_dir))
@@ -168,6 +178,10 @@ def _tokenizer_fields(
     tokens = fields.get("tokens")
     if not tokens:
         raise ValueError(f"{checkpoint.path} has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    if fields.get("tokenizer_type") == "gpt2" and not fields.get("merges"):
+        raise ValueError(
+            f"{checkpoint.path}: its BPE (gpt2) tokenizer has no merges (tokenizer.ggml.merges)"
+        )
     if fields.get("tokenizer_type") == "llama":
         # llama.cpp adds BOS for a sentencepiece vocabulary unless the file says otherwise.
         settings.setdefault("add_bos_token", True)

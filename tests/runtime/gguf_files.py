@@ -76,28 +76,40 @@ def random_model(model_type: str, **overrides):
     return random_hf_model(model_type, **{**BASE, **overrides})
 
 
-def write_gguf(model, path: Path, case: str, qtype, tokenizer_dir: str) -> Path:
+def write_gguf(
+    model, path: Path, case: str, qtype, tokenizer_dir: str, meta: dict | None = None
+) -> Path:
     """Write `model` as llama.cpp's converter would, with every 2-D weight in `qtype` (or
-    encoded by `qtype(gguf_name, data)` when it is a function)."""
+    encoded by `qtype(gguf_name, data)` when it is a function). `meta`: the writer's `add_*`
+    methods to call with other values than the model's (None: not at all), and `extra`, a
+    function given the writer before the tensors are added."""
+    meta = meta or {}
     _, _, arch, name = ARCHS[case]
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(name)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_vocab_size(cfg.vocab_size)
-    _add_tokenizer(writer, tokenizer_dir)
+    values = {
+        "name": name,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "block_count": cfg.num_hidden_layers,
+        "feed_forward_length": cfg.intermediate_size,
+        "head_count": cfg.num_attention_heads,
+        "head_count_kv": cfg.num_key_value_heads,
+        "layer_norm_rms_eps": cfg.rms_norm_eps,
+        "rope_freq_base": rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)),
+        "rope_dimension_count": head_dim,
+        "key_length": head_dim,
+        "value_length": head_dim,
+        "vocab_size": cfg.vocab_size,
+    }
+    for key, value in {**values, **meta}.items():
+        if key != "extra" and value is not None:
+            getattr(writer, f"add_{key}")(value)
+    _add_tokenizer(writer, tokenizer_dir, merges=meta.get("token_merges", True) is not None)
+    if meta.get("extra") is not None:
+        meta["extra"](writer)
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
     permuted = arch == "llama"
@@ -118,7 +130,7 @@ def write_gguf(model, path: Path, case: str, qtype, tokenizer_dir: str) -> Path:
     return path
 
 
-def _add_tokenizer(writer, tokenizer_dir: str) -> None:
+def _add_tokenizer(writer, tokenizer_dir: str, merges: bool = True) -> None:
     spec = json.loads(Path(tokenizer_dir, "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
@@ -127,7 +139,8 @@ def _add_tokenizer(writer, tokenizer_dir: str) -> None:
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3 = control
-    writer.add_token_merges([" ".join(m) for m in spec["model"]["merges"]])
+    if merges:
+        writer.add_token_merges([" ".join(m) for m in spec["model"]["merges"]])
     writer.add_eos_token_id(vocab["<|im_end|>"])
     writer.add_pad_token_id(vocab["<|endoftext|>"])
     writer.add_add_bos_token(False)

@@ -10,6 +10,7 @@ GGUF file or a directory holding one.
 from __future__ import annotations
 
 import gc
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,14 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_files import Q, encode, source_model, use_private_cache, write_gguf  # noqa: E402
+from gguf_files import (  # noqa: E402
+    Q,
+    encode,
+    random_model,
+    source_model,
+    use_private_cache,
+    write_gguf,
+)
 
 import lmprog as lp  # noqa: E402
 from lmprog_runtime.models import gguf_convert  # noqa: E402
@@ -127,3 +135,130 @@ def test_engine_takes_a_gguf_file_or_a_directory_holding_one(good_gguf, engine):
     (good_gguf.parent / "second.gguf").write_bytes(good_gguf.read_bytes())
     with pytest.raises(ValueError, match="several GGUF files"):
         lp.Engine(good_gguf.parent)
+
+
+def _field_value_at(path: Path, key: str) -> int:
+    """The byte where metadata `key`'s value starts (past its key and type), read with the
+    `gguf` package's own reader from the intact file."""
+    field = gguf.GGUFReader(path).fields[key]
+    return field.offset + 8 + len(key.encode()) + 4
+
+
+def _patched(path: Path, at: int, value: int, size: int) -> Path:
+    data = bytearray(path.read_bytes())
+    data[at : at + size] = value.to_bytes(size, "little")
+    return _rewrite(path, bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["array length", "value type", "metadata count"])
+def test_an_impossible_count_is_refused_before_the_reader_runs(
+    good_gguf, private_cache, monkeypatch, damage
+):
+    """The reader trusts the header's counts: an array length of 2**40 (or a string's
+    value type turned into ARRAY) made it read on past the file, growing to 23 GB. The
+    counts are now bounded by the file's size before it runs (here it must not run)."""
+    from lmprog_runtime.models import gguf as gguf_module
+
+    if damage == "array length":  # (past the array's item type)
+        at = _field_value_at(good_gguf, "tokenizer.ggml.tokens") + 4
+        _patched(good_gguf, at, 2**40, 8)
+    elif damage == "value type":
+        _patched(good_gguf, _field_value_at(good_gguf, "general.architecture") - 4, 9, 4)
+    else:
+        _patched(good_gguf, 16, 2**40, 8)
+
+    def no_reader():
+        raise AssertionError("the reader ran on a header with an impossible count")
+
+    monkeypatch.setattr(gguf_module, "_reader_class", no_reader)
+    _assert_refused(good_gguf, "corrupt GGUF file: .*more than the .* bytes left", private_cache)
+
+
+def _tensor_entry(path: Path, i: int) -> tuple[int, int, str, str]:
+    """Tensor i's table entry: where its type is written, its offset in the data section,
+    its name and the next tensor's (read with the `gguf` package's reader, then dropped:
+    a live reader keeps the file mapped)."""
+    reader = gguf.GGUFReader(path)
+    tensor = reader.tensors[i]
+    type_at = tensor.field.offset + 8 + len(tensor.name.encode()) + 4 + 8 * len(tensor.shape)
+    offset = int(tensor.data_offset - reader.data_offset)
+    return type_at, offset, tensor.name, reader.tensors[i + 1].name
+
+
+@pytest.mark.parametrize("damage", ["offset", "type"])
+def test_a_damaged_tensor_table_is_refused_naming_the_tensor(good_gguf, private_cache, damage):
+    """A tensor's offset moved by one alignment unit, or its type changed (F32 to F16:
+    half the bytes), was read from the wrong bytes: NaN logits or another tensor's
+    weights. llama.cpp's rule now holds: each tensor starts where the one before ended."""
+    type_at, offset, name, following = _tensor_entry(good_gguf, 3)
+    if damage == "offset":
+        _patched(good_gguf, type_at + 4, offset + 32, 8)
+        bad = name
+    else:
+        _patched(good_gguf, type_at, int(Q.F16), 4)
+        bad = following  # (the next one is misplaced)
+    _assert_refused(good_gguf, f"tensor '{re.escape(bad)}' starts at byte", private_cache)
+
+
+def test_a_split_gguf_is_refused_with_how_to_merge_it(tmp_path, tiny_path, private_cache):
+    """Its first shard was said to lack tensors, naming none of the split."""
+    path = write_gguf(
+        source_model("llama"),
+        tmp_path / "model-00001-of-00002.gguf",
+        "llama",
+        Q.F32,
+        tiny_path,
+        meta={"extra": lambda w: (w.add_uint16("split.no", 0), w.add_uint16("split.count", 2))},
+    )
+    _assert_refused(path, "shard 1 of a GGUF split into 2 files.*--merge", private_cache)
+
+
+@pytest.mark.parametrize(
+    "meta, match",
+    [
+        ({"extra": lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)},
+         "rope scaling is linear but llama.rope.scaling.factor is missing"),
+        ({"token_merges": None}, r"BPE \(gpt2\) tokenizer has no merges"),
+    ],
+)  # fmt: skip
+def test_metadata_a_model_needs_is_a_value_error_naming_the_key(
+    tmp_path, tiny_path, private_cache, meta, match
+):
+    """They were a TypeError of float(None) and a KeyError 'scores', naming no file."""
+    path = write_gguf(source_model("llama"), tmp_path / "m.gguf", "llama", Q.F32, tiny_path, meta)
+    _assert_refused(path, match, private_cache)
+
+
+def test_per_layer_counts_of_one_value_are_that_value(tmp_path, tiny_path):
+    """llama.cpp reads the head count and feed-forward length per layer too; an array of
+    one value was refused with a garbled shape message. Reference: the same model with
+    plain counts, token for token."""
+    model, layers = source_model("llama"), source_model("llama").config.num_hidden_layers
+    config = model.config
+    per_layer = {
+        "head_count": [config.num_attention_heads] * layers,
+        "feed_forward_length": [config.intermediate_size] * layers,
+    }
+    params = {"max_new_tokens": 8, "temperature": 0}
+    outs = []
+    for name, meta in (("plain", None), ("per-layer", per_layer)):
+        path = write_gguf(model, tmp_path / f"{name}.gguf", "llama", Q.F32, tiny_path, meta)
+        with lp.Engine(str(path), max_total_tokens=256, dtype="float32") as gguf_engine:
+            outs.append(gguf_engine.generate("Once upon a time", params)["output_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) == 8
+
+
+def test_a_file_replaced_with_the_same_size_and_time_converts_again(good_gguf, tiny_path):
+    """The cache was keyed by path, size and modification time: a file replaced by `cp -p`
+    or `rsync -t` with another of the same size served the old weights."""
+    import os
+
+    first = gguf_convert.convert_gguf(good_gguf)
+    stat = good_gguf.stat()
+    other = random_model("llama")
+    replacement = write_gguf(other, good_gguf.with_name("b.gguf"), "llama", Q.F32, tiny_path)
+    assert replacement.stat().st_size == stat.st_size
+    os.replace(replacement, good_gguf)
+    os.utime(good_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = gguf_convert.convert_gguf(good_gguf)
+    assert second != first and Path(second, "model.safetensors").is_file()
