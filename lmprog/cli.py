@@ -25,7 +25,7 @@ from typing import Any
 from lmprog.api import assistant, gen, user
 from lmprog.datasets.mapping import check_data
 from lmprog.datasets.sinks import check_output
-from lmprog.datasets.sources import open_source
+from lmprog.datasets.sources import RowSource, count_lines, open_source
 from lmprog.function import Function
 from lmprog.ops import SAMPLING_KEYS
 from lmprog.run_options import split_kwargs
@@ -177,7 +177,8 @@ def _generate_program(args: argparse.Namespace) -> tuple[Function, Any]:
     if _is_txt(args.input):
         if not Path(args.input).is_file():
             raise FileNotFoundError(f"input file {args.input!r} does not exist")
-        data = _lines(Path(args.input), column)
+        # (its lines counted first: the progress bar's total)
+        data = RowSource(_lines(Path(args.input), column), num_rows=count_lines(Path(args.input)))
     return Function(complete), data
 
 

@@ -122,7 +122,8 @@ def _transcript(
                 out.append("</div>")
                 target = plain
         elif span.kind in SPAN_COLORS:
-            target.append(_span_html(span.kind, span.text, span.name, meta.get(span.name)))
+            own = span.meta if span.meta is not None else meta.get(span.name)
+            target.append(_span_html(span.kind, span.text, span.name, own))
         else:
             target.append(html.escape(span.text))
     if target is out:
@@ -140,7 +141,7 @@ def _merged(spans: list[Span]) -> list[Span]:
             and span.kind != "role"
             and (last.kind, last.name) == (span.kind, span.name)
         ):
-            out[-1] = Span(span.kind, last.text + span.text, span.name)
+            out[-1] = Span(span.kind, last.text + span.text, span.name, span.meta or last.meta)
         else:
             out.append(span)
     return out

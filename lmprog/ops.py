@@ -80,6 +80,9 @@ class Span:
     kind: str
     text: str
     name: str | None = None
+    # A gen's or select's meta info when it was emitted: a name used again holds only the
+    # latest in the state's meta, and each span showed that one.
+    meta: dict[str, Any] | None = None
 
 
 @dataclass
@@ -112,7 +115,8 @@ class ExecState:
     def emit(self, text: str, kind: str = "text", name: str | None = None) -> None:
         self.text += text
         if text:
-            self.spans.append(Span(kind, text, name))
+            meta = self.meta.get(name) if kind in ("gen", "select") and name else None
+            self.spans.append(Span(kind, text, name, meta))
         if self.on_emit is not None:
             self.on_emit(name, text)
 
@@ -139,7 +143,6 @@ class _Roles(Sequence[str]):
 
 
 class SelectPlan(NamedTuple):
-    prompt_len: int
     fulls: list[list[int]]  # prompt + choice token ids, per choice
     starts: list[int]  # first scored position, per choice
     bare: list[list[int]] | None  # the choice's tokens alone, for unconditional scores
@@ -229,6 +232,8 @@ class ProgramOps:
         st.meta[gen.name] = dict(out["meta_info"])  # (before the emit: a stream reads it)
         if not emitted:
             st.emit(text, "gen", gen.name)
+        elif st.spans and (st.spans[-1].kind, st.spans[-1].name) == ("gen", gen.name):
+            st.spans[-1].meta = st.meta[gen.name]  # (its chunks' spans had partial counts)
         st.variables[gen.name] = text
 
     def defaults_or(self, gen: Gen, key: str) -> Any:
@@ -255,7 +260,7 @@ class ProgramOps:
             # As SGLang scores them: the choice's tokens alone, the first one without a
             # logprob (None, which the method counts as 0).
             bare = [full[k:] for full, k in zip(fulls, starts)]
-        return SelectPlan(len(prompt), fulls, starts, bare)
+        return SelectPlan(fulls, starts, bare)
 
     def select_requests(self, plan: SelectPlan) -> tuple[list[list[int]], list[int]]:
         """All prefill-only scoring requests of one select: (input ids, logprob starts)."""
@@ -324,7 +329,9 @@ class ProgramOps:
             "scores": decision.scores,
             "token_logprobs": token_lps,
             "unconditional_logprobs": unconditional,
-            "prompt_tokens": plan.prompt_len,
+            # (the tokens before the scored ones: a choice merged with the prompt's last
+            # token is scored from that token on, which the prompt counted too)
+            "prompt_tokens": plan.starts[index],
             "completion_tokens": len(plan.fulls[index]) - plan.starts[index],
             "cached_tokens": outs[index]["meta_info"]["cached_tokens"],
             "finish_reason": {"type": "select", "matched": choice},

@@ -90,6 +90,11 @@ class EngineLoop(LoopFailures, StepDraw, OverlapLoop, DecodeRunLoop):
             new, self._inbox = self._inbox, []
             commands, self._commands = self._commands, []
             aborts, self._aborts = self._aborts, []
+        # (a group's internal prefill of its shared prefix is no caller's prompt)
+        internal = {id(r.group.prefix_req) for r in new if r.group is not None}
+        self._stats.add(
+            "prompt_tokens", sum(req.prompt_len for req in new if id(req) not in internal)
+        )
         for req in new:
             self._live[req.rid] = req
             if req.deadline is not None:
@@ -337,8 +342,11 @@ class EngineLoop(LoopFailures, StepDraw, OverlapLoop, DecodeRunLoop):
 
     def _announce(self, req: Req) -> None:
         if req.is_streamed:
+            # A request past its deadline streams the text it kept (its `partial_output`):
+            # the part a stop string might have cut was held back, and never came.
+            keep = req.error is None or isinstance(req.error, TimeoutError)
             try:  # (it failed the whole step: every request in it)
-                chunk = req.stream_delta() if req.error is None else None
+                chunk = req.stream_delta() if keep else None
             except Exception as error:  # noqa: BLE001 - this request fails, the rest go on
                 logger.exception("the last chunk of request %d failed", req.rid)
                 req.abort(error)

@@ -52,7 +52,8 @@ def engine_html(engine: Engine) -> str:
         for name, count in shares.items()
         if count
     )
-    prompt = stats["prefill_tokens"] + stats["cached_tokens"]
+    # (not prefill + cached: prefill counts jumped-forward and recomputed tokens too)
+    prompt = stats["prompt_tokens"]
     hit_rate = stats["cached_tokens"] / prompt if prompt else 0.0
     rows = {
         "model": f"{_model_name(engine)} ({dtype}, {engine.config.device}, "
@@ -103,6 +104,10 @@ class EngineView:
         """Where the KV slots are (when idle: free + cached == total and nothing is locked),
         and how many request slots and penalty rows are held."""
         runner, tree = self.runner, self.tree_cache
+        # Running: the requests taken in and not waiting, the batch being prefilled among
+        # them (it left `waiting` and joins `running` after its forward: a long prefill
+        # showed none running nor waiting).
+        taken_in, waiting = len(self._live), len(self.scheduler.waiting)
         return {
             "kv_slots_total": runner.allocator.num_slots,
             "kv_slots_free": runner.allocator.num_free,
@@ -110,8 +115,8 @@ class EngineView:
             "kv_slots_locked": tree.protected_size if tree is not None else 0,
             "req_slots_total": runner.req_to_token.num_reqs,
             "req_slots_free": runner.req_to_token.num_free,
-            "num_running": len(self.scheduler.running) + (self.scheduler.chunked_req is not None),
-            "num_waiting": len(self.scheduler.waiting) + len(self._inbox),
+            "num_running": max(taken_in - waiting, 0),
+            "num_waiting": waiting + len(self._inbox),
             "penalty_rows_used": self.penalty_counts.num_used,
         }
 

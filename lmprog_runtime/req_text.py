@@ -164,5 +164,9 @@ class ReqText:
             return None
         self._streamed_text = text
         self._num_streamed_ids = len(self.output_ids)
-        chunk = {"text": delta, "output_ids": new_ids, "meta_info": self.meta_info()}
-        return chunk
+        meta = self.meta_info()
+        if self.return_logprob:  # (the request's own lists grow on: each chunk its snapshot)
+            for key in ("output_token_logprobs", "output_top_logprobs"):
+                if key in meta:
+                    meta[key] = meta[key][: self._num_streamed_ids]
+        return {"text": delta, "output_ids": new_ids, "meta_info": meta}

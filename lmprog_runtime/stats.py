@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 COUNTERS = (
     "prefill_tokens",  # tokens computed by prefill / extend forwards
     "cached_tokens",  # prompt tokens served from the prefix cache instead
+    "prompt_tokens",  # callers' prompt tokens, as their requests are taken in
     "decode_tokens",  # tokens computed by decode forwards
     "forward_passes",
     "jump_forward_tokens",

@@ -43,15 +43,27 @@ class UsageBackend(Backend):
         return futures
 
     def _count(self, future: Future) -> None:
-        if future.cancelled() or future.exception() is not None:
+        if future.cancelled():
             return
-        meta = future.result()["meta_info"]
+        error = future.exception()
+        # (a request past its deadline keeps what it generated, and its gen's text does:
+        # its tokens were counted as none)
+        output = getattr(error, "partial_output", None) if error is not None else future.result()
+        if output is None:
+            return
+        meta = output["meta_info"]
         with self._lock:
             for name in USAGE_COLUMNS:
                 self.usage[name] += int(meta.get(name) or 0)
 
     def abort(self, futures: list[Future]) -> None:
         self.inner.abort(futures)
+
+    def check_can_wait(self, what: str) -> None:
+        self.inner.check_can_wait(what)
+
+    def may_compile(self, params: dict[str, Any]) -> bool:
+        return self.inner.may_compile(params)
 
     def render_chat(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = False

@@ -46,6 +46,8 @@ class RowSource:
 def open_source(data: Any) -> RowSource:
     """A `RowSource` over `data`; TypeError / ValueError (naming `data`) when it is not one
     of the supported kinds, and FileNotFoundError for a missing file."""
+    if isinstance(data, RowSource):
+        return data
     if isinstance(data, (str, os.PathLike)):
         return _file_source(Path(data))
     module = type(data).__module__.split(".")[0]
@@ -95,14 +97,16 @@ def _file_source(path: Path) -> RowSource:
     if not path.is_file():
         raise FileNotFoundError(f"data file {str(path)!r} does not exist")
     if suffix == ".jsonl":
-        return RowSource(_jsonl_rows(path), num_rows=_count_lines(path), name=str(path))
+        return RowSource(_jsonl_rows(path), num_rows=count_lines(path), name=str(path))
     if suffix == ".csv":
         with path.open(newline="", encoding="utf-8-sig") as f:
             try:
                 header = next(csv.reader(f), [])
             except UnicodeDecodeError as error:
                 raise decode_error(path, error) from None
-        return RowSource(_csv_rows(path), columns=header, name=str(path))
+        return RowSource(
+            _csv_rows(path), columns=header, num_rows=_count_csv_rows(path), name=str(path)
+        )
     require_pyarrow(f"input {str(path)!r}")
     import pyarrow.parquet as pq
 
@@ -132,12 +136,22 @@ def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
             raise decode_error(path, error) from None
 
 
-def _count_lines(path: Path) -> int:
-    """The rows of a JSONL file, for the progress bar's total: its lines as `_jsonl_rows`
-    reads them (the same decoding, line ends and strip: a line holding only U+00A0, or
+def count_lines(path: Path) -> int:
+    """The rows of a JSONL file (or of a `.txt` one, a line each), for the progress bar's
+    total: its lines as `_jsonl_rows` reads them (the same decoding, line ends and strip: a line holding only U+00A0, or
     only a byte order mark, is no row), without parsing them."""
     with path.open(encoding="utf-8-sig", errors="replace") as f:
         return sum(1 for line in f if line.strip())
+
+
+def _count_csv_rows(path: Path) -> int | None:
+    """The rows of a CSV file, for the progress bar's total, as `_csv_rows` reads them (a
+    blank line is none); None where the file cannot be read as CSV (reading it says why)."""
+    with path.open(newline="", encoding="utf-8-sig", errors="replace") as f:
+        try:
+            return max(sum(1 for row in csv.reader(f) if row) - 1, 0)
+        except csv.Error:
+            return None
 
 
 def decode_error(path: Path, error: UnicodeDecodeError) -> ValueError:

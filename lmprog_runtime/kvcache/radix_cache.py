@@ -104,16 +104,22 @@ class RadixCache:
         path = self._path_to(since) if since is not None and since.depth <= end else None
         for child in path or ():
             child.last_access = now
-            child.hit_count += 1
             values.append(child.value)
         if path:
             node, at = since, since.depth
         while at < end and (step := self._descend(node, key, now, at, end)) is not None:
             child, n = step
-            child.hit_count += 1
             values.append(child.value)
             node, at = child, at + n
         return node, at, values
+
+    def count_hit(self, node: TreeNode) -> None:
+        """A request reuses the path down to `node` (its prefix, claimed): one hit for each
+        node of it (`lfu`'s frequency). A match alone counts none: a waiting request is
+        matched at each scheduling, and its prefix counted a hit at every step it waited."""
+        while node.parent is not None:
+            node.hit_count += 1
+            node = node.parent
 
     def insert(self, key: list[int], value: torch.Tensor | np.ndarray) -> int:
         """Add `key` (page-aligned length) with its slots; return how many leading tokens
@@ -165,11 +171,10 @@ class RadixCache:
     def path_slots(self, node: TreeNode, depth: int) -> np.ndarray:
         """The slots of `node`'s path past its first `depth` tokens (a node of the path
         ends there), read up from `node`: no tokens compared. The path's nodes are used as
-        a match of it from the root uses them (recency, hits)."""
+        a match of it from the root uses them (recency)."""
         now, values, ends = next(self._clock), [], depth == 0
         while node.parent is not None:
             node.last_access = now
-            node.hit_count += 1
             if node.depth > depth:
                 values.append(node.value)
             ends = ends or node.depth == depth

@@ -66,6 +66,7 @@ class ReqCache:
         n = match.length
         self.req_to_token.write(req.req_pool_idx, 0, match.slots)
         self.tree.inc_lock_ref(match.node)
+        self.tree.count_hit(match.node)
         req.last_node, req.tree_len, req.kv_len = match.node, n, n
 
     def cache_unfinished(self, req: Req) -> None:

@@ -134,6 +134,33 @@ def test_the_jsonl_total_counts_the_rows_the_reader_yields(tmp_path):
     assert source.num_rows == len(list(source)) == len(rows)
 
 
+def test_a_csv_and_a_txt_input_have_a_progress_total(tmp_path):
+    """A CSV input's bar (and the CLI's `.txt` one's) had no total: "2row" with no
+    percentage. The total counts the rows the reader yields: blank lines are none, a
+    quoted cell may span lines."""
+    path = tmp_path / "in.csv"
+    path.write_text('id,question\n0,"two\nlines"\n\n1,plain\n2,"a ""quoted"" one"\n')
+    source = open_source(path)
+    assert source.num_rows == len(list(source)) == 3
+    txt = write_lines(tmp_path / "in.txt", ["First?", "", "  ", "Second?", "Third?"])
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmprog", "generate", "--input", str(txt), "--output", str(out)]
+        + ["--set", "max_new_tokens=1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "3/3" in proc.stderr and "100%" in proc.stderr
+    assert len(read_jsonl(out)) == 3
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @lp.function
 def slow_echo(s, question):
     """Each row outlasts tqdm's refresh interval (0.1 s): every update finds the bar due one."""

@@ -114,3 +114,26 @@ def test_live_outside_a_notebook_warns_and_runs_without_a_view(engine, monkeypat
     assert crashes == []
     assert "HTML object" not in capsys.readouterr().out
     assert state["answer"]
+
+
+@lp.function
+def reused_names(s):
+    s += "One:" + lp.gen("a", max_tokens=3, ignore_eos=True, temperature=0)
+    s += " Two:" + lp.gen("a", max_tokens=9, ignore_eos=True, temperature=0)
+    s += " Pick:" + lp.select("c", choices=[" red", " blue"])
+    s += " Again:" + lp.select("c", choices=[" cat", " dog"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reused_name_shows_each_spans_own_meta(engine, stream):
+    """Each span looked its meta up by name, which holds the last one: both `a` spans read
+    "a: 9 tokens", and the first select's hover listed the second's choices."""
+    state = reused_names.run(backend=engine, stream=stream)
+    state.sync()
+    page = state._repr_html_().replace("&#x27;", "'").replace("&gt;", ">")
+    gens = re.findall(r'lmprog-gen"[^>]*title="([^"]*)"', page)
+    assert gens == ["a: 3 tokens", "a: 9 tokens"]
+    selects = re.findall(r'lmprog-select"[^>]*title="([^"]*)"', page)
+    assert len(selects) == 2
+    assert "' red'" in selects[0] and "' cat'" not in selects[0]
+    assert "' cat'" in selects[1] and "' red'" not in selects[1]

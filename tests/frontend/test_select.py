@@ -127,6 +127,10 @@ def test_select_matches_transformers(engine, reference, method):
         assert state["x"] == choices[want], where
         assert state.text() == prompt + choices[want]
         assert meta["method"] == method.name
+        # The counts split the scored text's tokens where scoring began (a choice merged
+        # with the prompt's last token counted that token twice).
+        k = reference[prompt, choices[want]][2]
+        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (k, len(cond[want]))
         for got, ref in zip(meta["token_logprobs"], cond):
             assert got == pytest.approx(ref, abs=1e-4), where
         if method is not lp.greedy_token_selection:

@@ -14,8 +14,12 @@ PROMPT = "Tell a long story:"
 
 
 @lp.function
-def story(s):
-    s += PROMPT + lp.gen("story", max_tokens=3000, **GREEDY)
+def story(s, stop=None):
+    s += PROMPT + lp.gen("story", max_tokens=3000, stop=stop, **GREEDY)
+
+
+# (never generated; a stream holds back its length - 1 characters, which a stop might cut)
+STOP = "@@ a stop of twenty @@"
 
 
 def greedy_prefix(engine, num_tokens: int) -> dict:
@@ -36,13 +40,16 @@ def test_the_timeout_error_holds_the_partial_output(engine):
     assert ids == reference["output_ids"] and partial["text"] == reference["text"]
 
 
+@pytest.mark.parametrize("stop", [None, STOP])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_timed_out_gen_keeps_its_text_in_the_program(engine, stream):
+def test_a_timed_out_gen_keeps_its_text_in_the_program(engine, stream, stop):
+    """With a stop string a stream holds back the tail it might cut: the text of a gen
+    that timed out in a streaming run lacked it (the variable had it)."""
     if stream:
-        state = story.run(timeout_s=0.3, stream=True, backend=engine)
+        state = story.run(stop=stop, timeout_s=0.3, stream=True, backend=engine)
         state.sync()
     else:
-        (state,) = story.run_batch([{}], timeout_s=0.3, backend=engine)
+        (state,) = story.run_batch([{"stop": stop}], timeout_s=0.3, backend=engine)
     assert isinstance(state.error(), TimeoutError)
     text = state["story"]
     assert text and state.text() == PROMPT + text
@@ -51,6 +58,11 @@ def test_a_timed_out_gen_keeps_its_text_in_the_program(engine, stream):
     assert text == greedy_prefix(engine, len(partial["output_ids"]))["text"]
 
 
-def test_a_timed_out_row_keeps_its_gen_column(engine):
-    (row,) = story.map([{}], timeout_s=0.3, backend=engine)
+def test_a_timed_out_row_keeps_its_gen_column_and_counts_its_tokens(engine):
+    """Its usage columns counted the timed-out request as 0 tokens (its error was skipped),
+    though its column held what it generated."""
+    (row,) = story.map([{}], timeout_s=0.3, include_usage=True, backend=engine)
     assert row["error"].startswith("TimeoutError") and row["story"]
+    assert row["prompt_tokens"] == len(engine.encode(PROMPT))
+    assert row["completion_tokens"] > 0
+    assert greedy_prefix(engine, row["completion_tokens"])["text"] == row["story"]

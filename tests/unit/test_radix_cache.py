@@ -300,14 +300,26 @@ def test_lru_evicts_least_recently_used_leaf_first():
     assert (hit(cache, [3, 3]), hit(cache, [1, 1])) == (0, 2)
 
 
+def use(cache, key):
+    """A request claims its cached prefix (`ReqCache.claim_prefix`): a match and a hit."""
+    res = cache.match_prefix(key)
+    cache.count_hit(res.node)
+    return res.slots.numel()
+
+
 @pytest.mark.parametrize("policy, survivor", [("lfu", [1, 1]), ("lru", [2, 2])])
-def test_lfu_keeps_the_frequently_matched_prefix(policy, survivor):
+def test_lfu_keeps_the_frequently_used_prefix(policy, survivor):
+    """A hit is a request reusing the prefix. A match alone (a waiting request's, at each
+    scheduling) is none: it counted one, and a prefix whose request waited long outranked
+    one that many requests reused."""
     cache = RadixCache(TokenSlotAllocator(64), eviction_policy=policy)
     fill(cache, [1, 1])
     fill(cache, [2, 2])
     for _ in range(3):
-        hit(cache, [1, 1])  # hot
-    hit(cache, [2, 2])  # cold, but touched last
+        use(cache, [1, 1])  # hot
+    for _ in range(5):
+        hit(cache, [2, 2])  # cold (matched while waiting, never used), but touched last
+    assert cache.root.children[cache._child_key([2, 2])].hit_count == 0
     assert cache.evict(2) == 2
     assert cache.owned_slots().numel() == 2 and hit(cache, survivor) == 2
 
