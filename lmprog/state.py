@@ -150,6 +150,9 @@ class ProgramState(StateBlocks):
                 )
                 for _ in range(size)
             ]
+            for branch in branches:  # (unnamed gens go on from the parent's: a branch's gen_0
+                # was the inherited name, and the join, which gathers new names, lost it)
+                branch.auto_names = parent.auto_names
             parent.branches[fork_id] = branches
             parent.unfilled[fork_id] = size
             index = parent.append([(Fork(fork_id, size), None)])

@@ -152,6 +152,7 @@ class TracerState(StateBlocks):
         branches = []
         for i in range(num_branches):
             stream = _Stream(self._stream.path + ((fork_id, i),), fork_node, self._stream.producers)
+            stream.auto_names = self._stream.auto_names  # (as `ProgramState.fork` numbers)
             tracer.add(stream, ForkItem(fork_id, i))
             branches.append(TracerState(tracer, stream))
         return TracerGroup(self, branches, fork_id)

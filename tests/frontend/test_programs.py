@@ -102,6 +102,33 @@ def test_unnamed_gens_get_stable_names_and_var_scope(engine):
     assert state["tail"] == " and more"
 
 
+def test_unnamed_gens_in_branches_go_on_from_the_parents_names(engine):
+    """A branch's names began at gen_0 again: with an unnamed gen before the fork, each
+    branch's gen_0 was the name it inherited, and the join (which gathers the names the
+    branches made) lost their values. Traced, the graph names them the same way.
+    Reference: each branch's text, generated alone by `Engine.generate`."""
+    params = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+
+    @lp.function
+    def prog(s):
+        s += "Hello" + lp.gen(**params)
+        forks = s.fork(2)
+        forks += lambda i: f" b{i}" + lp.gen(**params)
+        forks.join()
+
+    state = prog.run(backend=engine)
+    expected = [
+        engine.generate(
+            f"Hello{state['gen_0']} b{i}", {"max_new_tokens": 2, **GREEDY, "ignore_eos": True}
+        )
+        for i in range(2)
+    ]
+    assert state["gen_1"] == [out["text"] for out in expected]
+    names = {d["node"].name for _, d in prog.trace(backend=engine).graph.nodes(data=True)
+             if getattr(d.get("node"), "name", None)}  # fmt: skip
+    assert {"gen_0", "gen_1"} <= names and "gen_2" not in names
+
+
 def test_a_forks_branches_run_once_each_has_a_node_while_the_body_works_on(engine):
     """The parent holds its fork until every branch has a node (so that the branches go
     in together), then lets it run: the body need not read a branch or end first."""
