@@ -224,3 +224,29 @@ def check_text(text: str, what: str) -> None:
     except UnicodeEncodeError as error:
         code = ord(text[error.start])
         raise ValueError(f"{what} holds a lone surrogate, U+{code:04X}: it is not text") from None
+
+
+class AutoNames:
+    """The names of a state's unnamed gens and selects: `gen_0`, `gen_1`, ... A fork's
+    branches go on from the state's count at the fork (a branch's own `gen_0` was the name
+    it inherited, and the join, which gathers the names the branches made, lost it), and
+    the state's next name comes after every branch's (their names come back with the join:
+    the parent's own `gen_1` after a fork was overwritten by the branches' list)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.count = start
+        self.branches: list[AutoNames] = []
+
+    def fork(self) -> AutoNames:
+        branch = AutoNames(self.count)
+        self.branches.append(branch)
+        return branch
+
+    def take(self) -> str:
+        used, todo = self.count, list(self.branches)
+        while todo:  # (a walk, not recursion: forks nest deep)
+            branch = todo.pop()
+            used = max(used, branch.count)
+            todo.extend(branch.branches)
+        self.count = used + 1
+        return f"gen_{used}"

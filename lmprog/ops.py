@@ -116,7 +116,12 @@ class ExecState:
         self.text += text
         if text:
             meta = self.meta.get(name) if kind in ("gen", "select") and name else None
-            self.spans.append(Span(kind, text, name, meta))
+            spans = self.spans
+            if meta is not None and spans and (spans[-1].kind, spans[-1].name) == (kind, name):
+                # A streamed gen's chunks, shown as one span with the latest meta: each
+                # chunk's own (its logprob lists so far) kept n^2 entries for n tokens.
+                spans[-1].meta = None
+            spans.append(Span(kind, text, name, meta))
         if self.on_emit is not None:
             self.on_emit(name, text)
 

@@ -108,8 +108,7 @@ class ProgramState(StateBlocks):
             produces = None
             if isinstance(leaf, (Gen, Select)):
                 if leaf.name is None:
-                    leaf = replace(leaf, name=f"gen_{stream.auto_names}")
-                    stream.auto_names += 1
+                    leaf = replace(leaf, name=stream.auto_names.take())
                 check_static(leaf, stream.ops.backend)
                 produces = leaf.name
             elif isinstance(leaf, VarScopeEnd):
@@ -150,9 +149,8 @@ class ProgramState(StateBlocks):
                 )
                 for _ in range(size)
             ]
-            for branch in branches:  # (unnamed gens go on from the parent's: a branch's gen_0
-                # was the inherited name, and the join, which gathers new names, lost it)
-                branch.auto_names = parent.auto_names
+            for branch in branches:
+                branch.auto_names = parent.auto_names.fork()
             parent.branches[fork_id] = branches
             parent.unfilled[fork_id] = size
             index = parent.append([(Fork(fork_id, size), None)])

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lmprog.backend import Backend
-from lmprog.ir import Expr, Fork
+from lmprog.ir import AutoNames, Expr, Fork
 from lmprog.ops import ExecState, ProgramOps
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class Stream:
         self.pos = 0  # nodes[:pos] have run
         self.hold: int | None = None  # nodes from this index wait (a fork being filled)
         self.producers: dict[str, int] = {}  # variable -> index of the last node setting it
-        self.auto_names = 0
+        self.auto_names = AutoNames()  # (a branch's: set by the fork, from its parent's)
         self.branches: dict[int, list[Stream]] = {}  # fork id -> its branch streams
         self.unfilled: dict[int, int] = {}  # fork id -> how many of its branches have no node
         self.fork_base: tuple[set[str], int] = (set(), 0)  # parent's variables, text length

@@ -21,6 +21,7 @@ import networkx as nx
 
 from lmprog.ir import (
     Argument,
+    AutoNames,
     ConcreteValueNeeded,
     Expr,
     Fork,
@@ -51,7 +52,7 @@ class _Stream:
         self.last = last
         self.producers = dict(producers)  # variable -> node that produces it
         self.local: set[str] = set()  # variables produced in this stream (gathered by join)
-        self.auto_names = 0
+        self.auto_names = AutoNames()
 
 
 class Tracer:
@@ -104,8 +105,7 @@ class TracerState(StateBlocks):
             if isinstance(leaf, (Gen, Select)) and leaf.name is None:
                 from dataclasses import replace
 
-                leaf = replace(leaf, name=f"gen_{self._stream.auto_names}")
-                self._stream.auto_names += 1
+                leaf = replace(leaf, name=self._stream.auto_names.take())
             self._tracer.add(self._stream, leaf)
         return self
 
@@ -152,7 +152,7 @@ class TracerState(StateBlocks):
         branches = []
         for i in range(num_branches):
             stream = _Stream(self._stream.path + ((fork_id, i),), fork_node, self._stream.producers)
-            stream.auto_names = self._stream.auto_names  # (as `ProgramState.fork` numbers)
+            stream.auto_names = self._stream.auto_names.fork()  # (as `ProgramState.fork`)
             tracer.add(stream, ForkItem(fork_id, i))
             branches.append(TracerState(tracer, stream))
         return TracerGroup(self, branches, fork_id)

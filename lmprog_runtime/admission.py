@@ -15,12 +15,17 @@ attribute used here).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.request import Req
 from lmprog_runtime.schedule_policy import MAX_CACHE_AWARE_QUEUE, SHARED_PREFIX_BLOCK, PrefixBlocks
 from lmprog_runtime.scheduled_batch import ScheduledBatch
+
+if TYPE_CHECKING:
+    from lmprog_runtime.kvcache.radix_node import TreeNode
 
 
 class Admission:
@@ -94,11 +99,12 @@ class Admission:
             try:
                 # Lock the matched prefixes first: what is left evictable is then exact.
                 claimed, held = {}, {id(member): member.kv_len for member in members}
+                nodes = {}  # the prefix each claimed (a hit, if the member goes in)
                 for member in members:
                     self.fault("schedule", member)
                     if member is not req:  # (the order matches only the request it gives)
                         self.req_cache.match(member)
-                    claimed[id(member)] = self._claim(member)
+                    claimed[id(member)], nodes[id(member)] = self._claim(member)
                 plan = self._plan_admission(members, entries, budget, chunk_size, used)
             except Exception as error:  # noqa: BLE001 - these fail, the others are admitted
                 self._refuse(members, error)
@@ -116,6 +122,8 @@ class Admission:
                 # request that needs the running ones' room never got it under steady load.
                 break
             for member, n, need in plan:
+                if nodes[id(member)] is not None:  # (one that waits gives it back: no hit)
+                    self.req_cache.tree.count_hit(nodes[id(member)])
                 self.stats.add("cached_tokens", claimed[id(member)])
                 member.cached_tokens += claimed[id(member)]
                 entries.append((member, n))
@@ -232,16 +240,16 @@ class Admission:
         ids = req.input_ids if not req.output_ids else req.fill_ids  # (no copy of a prompt)
         return blocks.shared_len(ids) >= prefix + SHARED_PREFIX_BLOCK
 
-    def _claim(self, req: Req) -> int:
+    def _claim(self, req: Req) -> tuple[int, TreeNode | None]:
         """Lock the request's matched prefix; returns how many prompt tokens of it the cache
-        served: not its output's (a forced text another request computed counted as
-        cached), nor those it held before it gave them back (retracted)."""
+        served (not its output's: a forced text another request computed counted as cached,
+        nor those it held before it gave them back: retracted), and the node it claimed."""
         if req.req_pool_idx is None:
             req.req_pool_idx = self.req_to_token.alloc()
         before = max(req.kv_len, req.held_len)
-        self.req_cache.claim_prefix(req)
+        node = self.req_cache.claim_prefix(req)
         prompt = req.prompt_len
-        return max(0, min(req.kv_len, prompt) - min(before, prompt))
+        return max(0, min(req.kv_len, prompt) - min(before, prompt)), node
 
     def _alloc_extend(self, entries: list[tuple[Req, int]]) -> ScheduledBatch:
         ps = self.allocator.page_size

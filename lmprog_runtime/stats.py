@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 COUNTERS = (
     "prefill_tokens",  # tokens computed by prefill / extend forwards
     "cached_tokens",  # prompt tokens served from the prefix cache instead
-    "prompt_tokens",  # callers' prompt tokens, as their requests are taken in
+    "prompt_tokens",  # requests' prompt tokens, as they are taken in (a group's internal
+    # prefill of its shared prefix included, as `cached_tokens` includes what it reuses)
     "decode_tokens",  # tokens computed by decode forwards
     "forward_passes",
     "jump_forward_tokens",

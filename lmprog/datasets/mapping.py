@@ -145,6 +145,8 @@ def map_program(
     resolved = _resolve(backend)
 
     def start() -> tuple[Iterator[dict[str, Any]], Progress]:
+        # (before the output is opened: a resume with retry_errors rewrites it at once)
+        resolved.check_can_wait(f"{fn.func.__name__}'s map")
         key = id_column or index_column or ""
         sink = open_sink(path, key, retry_errors) if path is not None else None
         bar = Progress(enabled=progress, total=source.num_rows, desc=fn.__name__)

@@ -89,7 +89,6 @@ def iter_results(
     progress: Progress,
 ) -> Iterator[dict[str, Any]]:
     """Result rows of `fn` over `source` (see the module docstring)."""
-    backend.check_can_wait(f"{fn.func.__name__}'s map")
     template = PrefixTemplate(fn) if opts.cache_aware else None
     runner = _RowRunner(fn, backend, opts)
     rows = enumerate(iter(source))

@@ -138,8 +138,8 @@ def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
 
 def count_lines(path: Path) -> int:
     """The rows of a JSONL file (or of a `.txt` one, a line each), for the progress bar's
-    total: its lines as `_jsonl_rows` reads them (the same decoding, line ends and strip: a line holding only U+00A0, or
-    only a byte order mark, is no row), without parsing them."""
+    total: its lines as `_jsonl_rows` reads them (the same decoding, line ends and strip:
+    a line holding only U+00A0, or only a byte order mark, is no row), without parsing."""
     with path.open(encoding="utf-8-sig", errors="replace") as f:
         return sum(1 for line in f if line.strip())
 

@@ -99,7 +99,10 @@ def jump_forward(req: Req, codec: Codec) -> int | None:
     if not window.startswith(window_kept) or not text.endswith(window[len(window_kept) :]):
         return None
     last_text = window[len(window_kept) :]
-    tail = codec.encode(last_text + forced, add_special_tokens=False)
+    try:
+        tail = codec.encode(last_text + forced, add_special_tokens=False)
+    except ValueError:  # (a token past the model's vocabulary: decoding goes on instead)
+        return None
     kept_len = len(ids) - 1 if ids else 0
     if kept_len + len(tail) >= req.max_new_tokens:
         return None

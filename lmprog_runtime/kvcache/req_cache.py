@@ -57,17 +57,19 @@ class ReqCache:
         req.match = PrefixMatch(*tree.match_path(key, limit, since), key)
         return req.match.length
 
-    def claim_prefix(self, req: Req) -> None:
-        """Lock the matched prefix and write its slots at the start of the request's row."""
+    def claim_prefix(self, req: Req) -> TreeNode | None:
+        """Lock the matched prefix and write its slots at the start of the request's row;
+        returns the node claimed (None: nothing matched). A claim is no hit yet: admission
+        counts one for the requests that go in (`RadixCache.count_hit`)."""
         match: PrefixMatch | None = req.match
         req.match = None
         if match is None or match.length == 0:
-            return
+            return None
         n = match.length
         self.req_to_token.write(req.req_pool_idx, 0, match.slots)
         self.tree.inc_lock_ref(match.node)
-        self.tree.count_hit(match.node)
         req.last_node, req.tree_len, req.kv_len = match.node, n, n
+        return match.node
 
     def cache_unfinished(self, req: Req) -> None:
         """Share what `req` has computed so far; its row then points at the tree's slots."""

@@ -123,11 +123,8 @@ def _torch_dtype(ckpt: GGUFCheckpoint) -> str:
 def _rope_scaling(ckpt: GGUFCheckpoint, head_dim: int, theta: float) -> dict[str, Any] | None:
     kind = ckpt.arch_get("rope.scaling.type", "none")
     factor = ckpt.arch_get("rope.scaling.factor") or ckpt.arch_get("rope.scale_linear")
-    if kind == "linear" and factor is None:  # (a TypeError of float(None) once)
-        raise ValueError(
-            f"{ckpt.path}: rope scaling is linear but {ckpt.architecture}.rope.scaling.factor "
-            "is missing"
-        )
+    if kind == "linear" and not factor:
+        return None  # (no factor scales nothing, as llama.cpp reads it: a TypeError once)
     if kind == "linear" or (kind == "none" and factor not in (None, 1.0)):
         return {"rope_type": "linear", "factor": float(factor)}
     if kind != "none":

@@ -30,6 +30,7 @@ from lmprog_runtime.models.gguf import GGUFCheckpoint
 
 # Bump when the output of a conversion changes, so stale cache entries are not reused.
 CONVERTER_VERSION = 1
+FINGERPRINT_BYTES = 4 << 20
 # Dequantized weights are written in shards of about this size, so a conversion holds at
 # most one shard in memory (float32 is 4 bytes per parameter).
 SHARD_BYTES = 2 << 30
@@ -69,12 +70,24 @@ def conversion_dir(path: Path) -> Path:
     # The libraries that shape the output (dequantization, tokenizer.json) are part of the
     # key, so an upgrade converts again instead of reusing a stale directory.
     versions = f"{_version('gguf')}:{_version('transformers')}"
-    # (the inode and change time too: a file replaced by one of the same size and
+    # (and its first and last bytes: a file replaced by another of the same size and
     # modification time, as `cp -p` or `rsync -t` leave it, once reused the old weights)
-    file = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}:{stat.st_ctime_ns}"
+    file = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{_fingerprint(path, stat.st_size)}"
     key = f"{CONVERTER_VERSION}:{versions}:{file}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{path.stem}-{digest}"
+
+
+def _fingerprint(path: Path, size: int) -> str:
+    """A digest of the file's first and last FINGERPRINT_BYTES (all of a smaller file): its
+    header, and the last tensors' data (a few ms; the whole of a 4 GB file took seconds)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        digest.update(f.read(FINGERPRINT_BYTES))
+        if size > 2 * FINGERPRINT_BYTES:
+            f.seek(size - FINGERPRINT_BYTES)
+        digest.update(f.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()[:16]
 
 
 def _version(distribution: str) -> str:

@@ -27,7 +27,10 @@ def check_header(path: Path) -> None:
     """ValueError where a count, length or type in `path`'s header is impossible: it would
     reach past the end of the file (a corrupt or truncated file)."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        _Walk(data, path).header()
+        try:
+            _Walk(data, path).header()
+        except RecursionError:  # (arrays of arrays, thousands deep)
+            raise ValueError(f"{path} is a corrupt GGUF file: its arrays nest too deep") from None
 
 
 def check_tensor_layout(reader: Any, path: Path) -> None:

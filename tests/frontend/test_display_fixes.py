@@ -137,3 +137,20 @@ def test_a_reused_name_shows_each_spans_own_meta(engine, stream):
     assert len(selects) == 2
     assert "' red'" in selects[0] and "' cat'" not in selects[0]
     assert "' cat'" in selects[1] and "' red'" not in selects[1]
+
+
+def test_a_streamed_gen_keeps_one_meta_not_one_per_chunk(engine):
+    """Each chunk's span kept that chunk's meta, whose logprob lists held every token so
+    far: n^2 entries for n tokens (914,394 for 1,000). The transcript shows only the last."""
+
+    @lp.function
+    def logged(s):
+        s += "Hi" + lp.gen("a", max_tokens=60, ignore_eos=True, temperature=0)
+
+    state = logged.run(backend=engine, stream=True, return_logprob=True, top_logprobs_num=2)
+    state.sync()
+    spans = [span for span in state._stream.st.spans if span.name == "a"]
+    assert len(spans) > 10
+    assert [span.meta is not None for span in spans] == [False] * (len(spans) - 1) + [True]
+    assert len(spans[-1].meta["output_token_logprobs"]) == 60
+    assert 'title="a: 60 tokens"' in state._repr_html_()

@@ -66,3 +66,29 @@ def test_a_timed_out_row_keeps_its_gen_column_and_counts_its_tokens(engine):
     assert row["prompt_tokens"] == len(engine.encode(PROMPT))
     assert row["completion_tokens"] > 0
     assert greedy_prefix(engine, row["completion_tokens"])["text"] == row["story"]
+
+
+def test_a_stream_timed_out_before_it_ran_ends_with_the_error_alone(engine, monkeypatch):
+    """A timed-out stream gets the last of its text before the error; one that timed out
+    while it waited to run has none, and got an empty chunk."""
+    import threading
+
+    forward, entered, release = engine.runner.forward, threading.Event(), threading.Event()
+
+    def held_forward(batch):
+        if not release.is_set():
+            entered.set()
+            release.wait(60)
+        return forward(batch)
+
+    monkeypatch.setattr(engine.runner, "forward", held_forward)
+    busy = engine.submit(PROMPT, {"max_new_tokens": 2})[0]
+    assert entered.wait(60)
+    chunks = []
+    stream = engine.generate(PROMPT, {"max_new_tokens": 4, "timeout_s": 0.05}, stream=True)
+    threading.Timer(0.5, release.set).start()
+    with pytest.raises(TimeoutError) as info:
+        for chunk in stream:
+            chunks.append(chunk)
+    assert chunks == [] and info.value.partial_output["output_ids"] == []
+    busy.result(timeout=60)
