@@ -227,26 +227,29 @@ def check_text(text: str, what: str) -> None:
 
 
 class AutoNames:
-    """The names of a state's unnamed gens and selects: `gen_0`, `gen_1`, ... A fork's
-    branches go on from the state's count at the fork (a branch's own `gen_0` was the name
-    it inherited, and the join, which gathers the names the branches made, lost it), and
-    the state's next name comes after every branch's (their names come back with the join:
-    the parent's own `gen_1` after a fork was overwritten by the branches' list)."""
+    """The names of a state's unnamed gens and selects: `gen_0`, `gen_1`, ... Each name
+    comes after every name its state's forked family could hold at the join: those of its
+    ancestors (a branch's `gen_0` was a name it inherited, or one its parent took after the
+    fork, and the join, which gathers the branches' names, lost or overwrote a value) and of
+    its own branches (their names come back with the join). Sibling branches do not see each
+    other: `forks += gen()` names the gen alike in each, and the join gathers it as one."""
 
-    def __init__(self, start: int = 0) -> None:
-        self.count = start
-        self.branches: list[AutoNames] = []
+    def __init__(self, parent: AutoNames | None = None) -> None:
+        self.parent = parent
+        self.count = parent.count if parent is not None else 0  # the next name, at least
+        self.high = self.count  # the next past this state's and its branches' names
 
     def fork(self) -> AutoNames:
-        branch = AutoNames(self.count)
-        self.branches.append(branch)
-        return branch
+        return AutoNames(self)
 
     def take(self) -> str:
-        used, todo = self.count, list(self.branches)
-        while todo:  # (a walk, not recursion: forks nest deep)
-            branch = todo.pop()
-            used = max(used, branch.count)
-            todo.extend(branch.branches)
+        used, up = self.high, self.parent
+        while up is not None:  # (a walk, not recursion: forks nest deep)
+            used = max(used, up.count)
+            up = up.parent
         self.count = used + 1
+        node: AutoNames | None = self
+        while node is not None and node.high < used + 1:  # (each ancestor's names now
+            node.high = used + 1  # reach past this one: its next comes after)
+            node = node.parent
         return f"gen_{used}"

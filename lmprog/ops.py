@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, overload
 
 from lmprog.backend import Backend
@@ -120,7 +120,8 @@ class ExecState:
             if meta is not None and spans and (spans[-1].kind, spans[-1].name) == (kind, name):
                 # A streamed gen's chunks, shown as one span with the latest meta: each
                 # chunk's own (its logprob lists so far) kept n^2 entries for n tokens.
-                spans[-1].meta = None
+                # (A new span: a fork's branch shares its parent's span objects.)
+                spans[-1] = replace(spans[-1], meta=None)
             spans.append(Span(kind, text, name, meta))
         if self.on_emit is not None:
             self.on_emit(name, text)
@@ -238,7 +239,8 @@ class ProgramOps:
         if not emitted:
             st.emit(text, "gen", gen.name)
         elif st.spans and (st.spans[-1].kind, st.spans[-1].name) == ("gen", gen.name):
-            st.spans[-1].meta = st.meta[gen.name]  # (its chunks' spans had partial counts)
+            # (its chunks' spans had partial counts; a new span, as in `emit`)
+            st.spans[-1] = replace(st.spans[-1], meta=st.meta[gen.name])
         st.variables[gen.name] = text
 
     def defaults_or(self, gen: Gen, key: str) -> Any:

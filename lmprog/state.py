@@ -306,7 +306,8 @@ class ProgramState(StateBlocks):
         self, var_name: str | None = None, return_meta_data: bool = False
     ) -> AsyncIterator[Any]:
         """`text_iter` for asyncio. With `return_meta_data`, yields `(delta, meta_info)`: the
-        gen's meta info so far (its `output_token_logprobs` grow chunk by chunk)."""
+        gen's meta info so far (its `output_token_logprobs` grow chunk by chunk; a reader
+        behind gets the latest for its earlier deltas)."""
         import asyncio
         from concurrent.futures import ThreadPoolExecutor
 

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from lmprog.interpreter import Interpreter
 
 
+# An event whose meta a later chunk of the same gen replaced: read as the gen's latest.
+_NEWER: Any = object()
+
+
 class Stream:
     """The nodes of one state in text order, and where their execution stands."""
 
@@ -184,7 +188,7 @@ class Stream:
             self.wait(lambda: len(self.events) > start, release)
             events, is_done = self.events[start:], self.is_done
         deltas = [
-            (delta, meta)
+            (delta, self.st.meta.get(name) if meta is _NEWER else meta)
             for name, delta, meta in events
             if delta and (var_name is None or name == var_name)
         ]
@@ -194,7 +198,17 @@ class Stream:
         if self.is_streaming:
             meta = self.st.meta.get(name) if name is not None else None
             with self.lock:
-                self.events.append((name, text, meta))
+                events = self.events
+                if (
+                    meta is not None
+                    and events
+                    and events[-1][0] == name
+                    and events[-1][2] is not None
+                ):
+                    # A gen's earlier chunk: a reader behind gets the newer meta (each chunk
+                    # kept its own, with its logprob lists so far: n^2 entries for n tokens).
+                    events[-1] = (name, events[-1][1], _NEWER)
+                events.append((name, text, meta))
                 self.cv.notify_all()
                 root = self.root
                 root.emitted += 1

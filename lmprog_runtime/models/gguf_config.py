@@ -121,14 +121,14 @@ def _torch_dtype(ckpt: GGUFCheckpoint) -> str:
 
 
 def _rope_scaling(ckpt: GGUFCheckpoint, head_dim: int, theta: float) -> dict[str, Any] | None:
-    kind = ckpt.arch_get("rope.scaling.type", "none")
+    # As llama.cpp reads them: no type is linear, "none" never scales, and a factor that is
+    # missing or 0 scales nothing (its float(None) was a TypeError once).
+    kind = ckpt.arch_get("rope.scaling.type")
     factor = ckpt.arch_get("rope.scaling.factor") or ckpt.arch_get("rope.scale_linear")
-    if kind == "linear" and not factor:
-        return None  # (no factor scales nothing, as llama.cpp reads it: a TypeError once)
-    if kind == "linear" or (kind == "none" and factor not in (None, 1.0)):
-        return {"rope_type": "linear", "factor": float(factor)}
-    if kind != "none":
+    if kind not in (None, "none", "linear"):
         raise ValueError(f"{ckpt.path}: rope scaling {kind!r} is not supported (only linear)")
+    if kind != "none" and factor not in (None, 1.0):
+        return {"rope_type": "linear", "factor": float(factor)}
     if ckpt.rope_freqs is None:
         return None
     from gguf.quants import dequantize

@@ -154,3 +154,28 @@ def test_a_streamed_gen_keeps_one_meta_not_one_per_chunk(engine):
     assert [span.meta is not None for span in spans] == [False] * (len(spans) - 1) + [True]
     assert len(spans[-1].meta["output_token_logprobs"]) == 60
     assert 'title="a: 60 tokens"' in state._repr_html_()
+    # The stream's events likewise keep the latest meta of a gen alone; a reader behind
+    # gets it for the earlier deltas.
+    metas = [meta for name, _, meta in state._stream.events if name == "a"]
+    assert sum(isinstance(meta, dict) for meta in metas) == 1 and len(metas) >= len(spans)
+    deltas, _, _ = state._stream.next_deltas(0, "a")
+    assert "".join(d for d, _ in deltas) == state["a"]
+    assert all(len(m["output_token_logprobs"]) == 60 for _, m in deltas)
+
+
+def test_a_branch_streaming_a_name_of_its_parent_leaves_the_parents_span(engine):
+    """A branch shares its parent's span objects: the branch's first chunk cleared the
+    parent's span meta, and its tooltip went (the state's meta of the name then was the
+    branches' list)."""
+
+    @lp.function
+    def shared_name(s):
+        s += "Q:" + lp.gen("x", max_tokens=4, ignore_eos=True, temperature=0)
+        forks = s.fork(2)
+        forks += lp.gen("x", max_tokens=6, ignore_eos=True, temperature=0)
+        forks.join()
+
+    state = shared_name.run(backend=engine, stream=True)
+    state.sync()
+    spans = [span for span in state._stream.st.spans if span.name == "x"]  # (its chunks)
+    assert spans[-1].meta is not None and spans[-1].meta["completion_tokens"] == 4

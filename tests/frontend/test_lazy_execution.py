@@ -559,7 +559,10 @@ def test_a_raise_while_the_join_is_visited_fails_the_program_there(engine, monke
     engine.reset_stats()
     state = forks_then_raises.run_batch([{"key": key}], backend=engine)[0]
     assert state.error() is RAISED[key]
-    assert engine.stats()["finished_requests"] == 0  # (the branches' 2,000 tokens: aborted)
+    # The branches' 2,000 tokens each were aborted. (The group's internal prefill of their
+    # shared text may finish first: whether it does is a matter of timing.)
+    stats = engine.stats()
+    assert stats["finished_requests"] <= 1 and stats["decode_tokens"] < 2000
 
 
 def test_return_of_a_generated_value_is_a_str(engine):

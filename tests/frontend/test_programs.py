@@ -133,6 +133,18 @@ def test_unnamed_gens_in_branches_go_on_from_the_parents_names(engine):
              if getattr(d.get("node"), "name", None)}  # fmt: skip
     assert names == {"gen_0", "gen_1", "gen_2"}
 
+    @lp.function
+    def parent_first(s):  # (the parent's gen_1, then the branches': they took gen_1 too)
+        s += "Hello" + lp.gen(**params)
+        forks = s.fork(2)
+        s += " parent:" + lp.gen(**params)
+        forks += lambda i: f" b{i}" + lp.gen(**params)
+        forks.join()
+
+    state = parent_first.run(backend=engine)
+    assert state["gen_1"] == parent["text"]
+    assert state["gen_2"] == [out["text"] for out in expected]
+
 
 def test_a_forks_branches_run_once_each_has_a_node_while_the_body_works_on(engine):
     """The parent holds its fork until every branch has a node (so that the branches go

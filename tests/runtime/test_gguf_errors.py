@@ -234,13 +234,21 @@ def test_per_layer_counts_of_one_value_are_that_value(tmp_path, tiny_path):
     # A linear RoPE without its factor scales nothing, as llama.cpp reads it (it was a
     # TypeError of float(None)).
     linear = {"extra": lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)}
+    # An explicit type "none" never scales, whatever factor is given (it scaled linearly).
+    none = {
+        "extra": lambda w: (
+            w.add_rope_scaling_type(gguf.RopeScalingType.NONE),
+            w.add_rope_scaling_factor(4.0),
+        )
+    }
     params = {"max_new_tokens": 8, "temperature": 0}
     outs = []
-    for name, meta in (("plain", None), ("per-layer", per_layer), ("linear", linear)):
+    cases = (("plain", None), ("per-layer", per_layer), ("linear", linear), ("none", none))
+    for name, meta in cases:
         path = write_gguf(model, tmp_path / f"{name}.gguf", "llama", Q.F32, tiny_path, meta)
         with lp.Engine(str(path), max_total_tokens=256, dtype="float32") as gguf_engine:
             outs.append(gguf_engine.generate("Once upon a time", params)["output_ids"])
-    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 8
+    assert outs[0] == outs[1] == outs[2] == outs[3] and len(outs[0]) == 8
 
 
 def test_a_file_replaced_with_the_same_size_and_time_converts_again(good_gguf, tiny_path):
@@ -261,3 +269,20 @@ def test_a_file_replaced_with_the_same_size_and_time_converts_again(good_gguf, t
     os.utime(good_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     second = gguf_convert.convert_gguf(good_gguf)
     assert second != first and Path(second, "model.safetensors").is_file()
+
+
+def test_the_conversion_key_sees_a_change_at_either_end_or_in_a_sampled_block(tmp_path):
+    """Past 8 MiB the key digests the first and last 4 MiB and 16 blocks between them (a
+    whole 4 GB file took seconds); a change in any of them is a new conversion."""
+    size = 20 << 20
+    path = tmp_path / "big.gguf"
+    path.write_bytes(bytes(size))
+    middle = size - 2 * gguf_convert.FINGERPRINT_BYTES
+    sampled = gguf_convert.FINGERPRINT_BYTES + middle * 5 // gguf_convert.FINGERPRINT_SAMPLES
+    digests = {gguf_convert._fingerprint(path, size)}
+    for at in (0, sampled + 10, size - 1):
+        data = bytearray(path.read_bytes())
+        data[at] ^= 1
+        path.write_bytes(bytes(data))
+        digests.add(gguf_convert._fingerprint(path, size))
+    assert len(digests) == 4

@@ -301,7 +301,8 @@ def test_lru_evicts_least_recently_used_leaf_first():
 
 
 def use(cache, key):
-    """A request claims its cached prefix (`ReqCache.claim_prefix`): a match and a hit."""
+    """A request admitted with its cached prefix (`ReqCache.claim_prefix`, then admission's
+    `count_hit`): a match and a hit."""
     res = cache.match_prefix(key)
     cache.count_hit(res.node)
     return res.slots.numel()
