@@ -227,29 +227,46 @@ def check_text(text: str, what: str) -> None:
 
 
 class AutoNames:
-    """The names of a state's unnamed gens and selects: `gen_0`, `gen_1`, ... Each name
-    comes after every name its state's forked family could hold at the join: those of its
-    ancestors (a branch's `gen_0` was a name it inherited, or one its parent took after the
-    fork, and the join, which gathers the branches' names, lost or overwrote a value) and of
-    its own branches (their names come back with the join). Sibling branches do not see each
-    other: `forks += gen()` names the gen alike in each, and the join gathers it as one."""
+    """The names of a state's unnamed gens and selects: `gen_0`, `gen_1`, ... A name never
+    repeats one that its state's join could meet: its ancestors' own names, and those of
+    every fork of theirs but the one it is in (an earlier fork's gathered values, or an
+    open one's), nor its own branches' (their names come back with the join). A branch's
+    `gen_0` was a name it inherited, or its parent's after the fork, or an earlier fork's,
+    and a join lost or overwrote values. The branches of one fork do not see each other:
+    `forks += gen()` names the gen alike in each, and the join gathers it as one."""
 
-    def __init__(self, parent: AutoNames | None = None) -> None:
-        self.parent = parent
-        self.count = parent.count if parent is not None else 0  # the next name, at least
+    def __init__(self, parent: AutoNames | None = None, fork: _ForkNames | None = None) -> None:
+        self.parent, self.fork_names = parent, fork
+        self.count = parent.high if parent is not None else 0  # the next own name, at least
         self.high = self.count  # the next past this state's and its branches' names
+        self.forks: list[_ForkNames] = []
 
-    def fork(self) -> AutoNames:
-        return AutoNames(self)
+    def fork(self, size: int) -> list[AutoNames]:
+        """The names of a fork's `size` branches."""
+        fork = _ForkNames(self.high)
+        fork.branches = [AutoNames(self, fork) for _ in range(size)]
+        self.forks.append(fork)
+        return fork.branches
 
     def take(self) -> str:
-        used, up = self.high, self.parent
-        while up is not None:  # (a walk, not recursion: forks nest deep)
-            used = max(used, up.count)
-            up = up.parent
-        self.count = used + 1
-        node: AutoNames | None = self
-        while node is not None and node.high < used + 1:  # (each ancestor's names now
-            node.high = used + 1  # reach past this one: its next comes after)
-            node = node.parent
+        used, node = self.high, self
+        while node.parent is not None:  # (a walk, not recursion: forks nest deep)
+            up = node.parent
+            used = max(used, up.count, *(f.high for f in up.forks if f is not node.fork_names))
+            node = up
+        self.count = nxt = used + 1
+        walk: AutoNames | None = self
+        while walk is not None:  # (the family's highs now reach past it)
+            walk.high = max(walk.high, nxt)
+            if walk.fork_names is not None:
+                walk.fork_names.high = max(walk.fork_names.high, nxt)
+            walk = walk.parent
         return f"gen_{used}"
+
+
+class _ForkNames:
+    """One fork's branches, and the next name past all of theirs."""
+
+    def __init__(self, high: int) -> None:
+        self.high = high
+        self.branches: list[AutoNames] = []

@@ -123,8 +123,9 @@ class ExecState:
                 # (A new span: a fork's branch shares its parent's span objects.)
                 spans[-1] = replace(spans[-1], meta=None)
             spans.append(Span(kind, text, name, meta))
-        if self.on_emit is not None:
-            self.on_emit(name, text)
+        if self.on_emit is not None:  # (a role's text is no variable's: `text_iter("user")`
+            # once streamed the markup of every user turn, with a gen named "user")
+            self.on_emit(name if kind in ("gen", "select") else None, text)
 
 
 class _Roles(Sequence[str]):

@@ -149,8 +149,8 @@ class ProgramState(StateBlocks):
                 )
                 for _ in range(size)
             ]
-            for branch in branches:
-                branch.auto_names = parent.auto_names.fork()
+            for branch, names in zip(branches, parent.auto_names.fork(size)):
+                branch.auto_names = names
             parent.branches[fork_id] = branches
             parent.unfilled[fork_id] = size
             index = parent.append([(Fork(fork_id, size), None)])

@@ -187,11 +187,16 @@ class Stream:
         with self.lock:
             self.wait(lambda: len(self.events) > start, release)
             events, is_done = self.events[start:], self.is_done
-        deltas = [
-            (delta, self.st.meta.get(name) if meta is _NEWER else meta)
-            for name, delta, meta in events
-            if delta and (var_name is None or name == var_name)
-        ]
+        # An earlier chunk's meta is its gen's next chunk's: the event after it (marked
+        # only then, the slice holds it), read back to front.
+        newer: dict[str | None, Any] = {}
+        deltas = []
+        for name, delta, meta in reversed(events):
+            meta = newer[name] if meta is _NEWER else meta
+            newer[name] = meta
+            if delta and (var_name is None or name == var_name):
+                deltas.append((delta, meta))
+        deltas.reverse()
         return deltas, start + len(events), is_done
 
     def _on_emit(self, name: str | None, text: str) -> None:
@@ -199,14 +204,10 @@ class Stream:
             meta = self.st.meta.get(name) if name is not None else None
             with self.lock:
                 events = self.events
-                if (
-                    meta is not None
-                    and events
-                    and events[-1][0] == name
-                    and events[-1][2] is not None
-                ):
-                    # A gen's earlier chunk: a reader behind gets the newer meta (each chunk
-                    # kept its own, with its logprob lists so far: n^2 entries for n tokens).
+                last = events[-1][2] if events and events[-1][0] == name else None
+                if _same_request(last, meta):
+                    # The same gen's earlier chunk: a reader behind gets the newer meta (each
+                    # chunk kept its own, with its logprob lists so far: n^2 entries).
                     events[-1] = (name, events[-1][1], _NEWER)
                 events.append((name, text, meta))
                 self.cv.notify_all()
@@ -214,3 +215,13 @@ class Stream:
                 root.emitted += 1
                 if root is not self:
                     root.cv.notify_all()
+
+
+def _same_request(last: Any, meta: dict[str, Any] | None) -> bool:
+    """Two events' metas are chunks of one request (a gen's `id`; a select has none)."""
+    return (
+        isinstance(last, dict)
+        and meta is not None
+        and meta.get("id") is not None
+        and last.get("id") == meta.get("id")
+    )

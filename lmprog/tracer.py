@@ -150,9 +150,10 @@ class TracerState(StateBlocks):
         tracer._next_fork += 1
         fork_node = tracer.add(self._stream, Fork(fork_id, num_branches))
         branches = []
+        names = self._stream.auto_names.fork(num_branches)
         for i in range(num_branches):
             stream = _Stream(self._stream.path + ((fork_id, i),), fork_node, self._stream.producers)
-            stream.auto_names = self._stream.auto_names.fork()  # (as `ProgramState.fork`)
+            stream.auto_names = names[i]  # (as `ProgramState.fork` names them)
             tracer.add(stream, ForkItem(fork_id, i))
             branches.append(TracerState(tracer, stream))
         return TracerGroup(self, branches, fork_id)

@@ -179,3 +179,37 @@ def test_a_branch_streaming_a_name_of_its_parent_leaves_the_parents_span(engine)
     state.sync()
     spans = [span for span in state._stream.st.spans if span.name == "x"]  # (its chunks)
     assert spans[-1].meta is not None and spans[-1].meta["completion_tokens"] == 4
+
+
+def test_a_reader_behind_gets_each_deltas_own_gens_meta(engine):
+    """An earlier chunk's meta is its gen's next chunk's, resolved in the events read: it
+    was the name's latest meta, another gen's where a loop reused the name (and a list
+    after a join gathered it)."""
+
+    @lp.function
+    def loop(s):
+        for i in range(3):
+            s += f"\\nstep{i}:" + lp.gen("step", max_tokens=5, ignore_eos=True, temperature=0)
+
+    state = loop.run(backend=engine, stream=True, return_logprob=True)
+    state.sync()
+    deltas, _, _ = state._stream.next_deltas(0, "step")
+    ids = [meta["id"] for _, meta in deltas]
+    runs = [ids[0]] + [b for a, b in zip(ids, ids[1:]) if a != b]
+    assert len(runs) == 3 == len(set(runs))  # (each gen's deltas carry its own request)
+    texts = {i: "".join(d for d, m in deltas if m["id"] == i) for i in runs}
+    assert [texts[i] for i in runs] == [
+        state.text().split(f"step{k}:")[1].split("\\n")[0] for k in range(3)
+    ]
+
+
+def test_a_gen_named_like_a_role_streams_its_own_text(engine):
+    """A role's markup was emitted under the role's name: `text_iter("assistant")` gave
+    every assistant turn's template text along with a gen named "assistant"."""
+
+    @lp.function
+    def chat(s):
+        s += lp.user("hi") + lp.assistant(lp.gen("assistant", max_tokens=4, temperature=0))
+
+    state = chat.run(backend=engine, stream=True)
+    assert "".join(state.text_iter("assistant")) == state["assistant"]

@@ -145,6 +145,21 @@ def test_unnamed_gens_in_branches_go_on_from_the_parents_names(engine):
     assert state["gen_1"] == parent["text"]
     assert state["gen_2"] == [out["text"] for out in expected]
 
+    @lp.function
+    def fork_twice(s):  # (each fork named its gen gen_0: the second join lost its values)
+        s += "Hello"
+        for _ in range(2):
+            forks = s.fork(2)
+            forks += lambda i: f" b{i}" + lp.gen(**params)
+            forks.join()
+
+    state = fork_twice.run(backend=engine)
+    branch = [
+        engine.generate(f"Hello b{i}", {"max_new_tokens": 2, **GREEDY, "ignore_eos": True})
+        for i in range(2)
+    ]
+    assert state["gen_0"] == state["gen_1"] == [out["text"] for out in branch]
+
 
 def test_a_forks_branches_run_once_each_has_a_node_while_the_body_works_on(engine):
     """The parent holds its fork until every branch has a node (so that the branches go
