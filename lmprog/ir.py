@@ -244,9 +244,8 @@ class AutoNames:
     def fork(self, size: int) -> list[AutoNames]:
         """The names of a fork's `size` branches."""
         fork = _ForkNames(self.high)
-        fork.branches = [AutoNames(self, fork) for _ in range(size)]
         self.forks.append(fork)
-        return fork.branches
+        return [AutoNames(self, fork) for _ in range(size)]
 
     def take(self) -> str:
         used, node = self.high, self
@@ -265,8 +264,7 @@ class AutoNames:
 
 
 class _ForkNames:
-    """One fork's branches, and the next name past all of theirs."""
+    """One fork of a state: the next name past all of its branches'."""
 
     def __init__(self, high: int) -> None:
         self.high = high
-        self.branches: list[AutoNames] = []

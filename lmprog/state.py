@@ -229,9 +229,8 @@ class ProgramState(StateBlocks):
         stream, outside = self._stream, self._outside_body()
 
         def ready() -> bool:
-            return (not outside or name in stream.producers or stream.is_closed) and stream.has_run(
-                name
-            )
+            appended = not outside or name in stream.producers or stream.is_closed
+            return appended and stream.has_run(name)
 
         with stream.lock:  # (refused before the wait: the program goes on)
             stream.check_wait(ready)

@@ -243,12 +243,14 @@ def _read_keys(
             if not isinstance(row, dict) or key_column not in row:
                 raise ValueError(f"{path}:{line_no}: result row without {key_column!r}")
             good_len += len(line)
-            if retry_errors and row.get(ERROR_COLUMN) is not None:
+            has_error = row.get(ERROR_COLUMN) is not None
+            if retry_errors and has_error:
                 failed += 1
                 continue
-            keys.add(row_key(row[key_column]))
-            if row.get(ERROR_COLUMN) is not None:
-                failed_keys.add(row_key(row[key_column]))
+            key = row_key(row[key_column])
+            keys.add(key)
+            if has_error:
+                failed_keys.add(key)
     if path.stat().st_size != good_len:
         with path.open("r+b") as f:
             f.truncate(good_len)
