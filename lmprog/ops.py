@@ -100,12 +100,14 @@ class ExecState:
 
     def copy(self) -> ExecState:
         # (each container read in one C call: the live view copies while the interpreter
-        # thread writes)
+        # thread writes; the values are shared: a meta dict or list, a message, is
+        # replaced, never changed in place, and a copy of each made every fork of a long
+        # program copy all its earlier gens' meta: 21 MB for 200 rounds of fork(2))
         return ExecState(
             self.text,
             dict(self.variables),
-            {k: dict(v) if isinstance(v, dict) else list(v) for k, v in list(self.meta.items())},
-            [dict(m) for m in list(self.messages)],
+            dict(self.meta),
+            list(self.messages),
             list(self.spans),
             self.role,
             self.role_start,
