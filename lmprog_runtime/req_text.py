@@ -22,8 +22,10 @@ class ReqText:
         a full decode); an incomplete UTF-8 sequence waits for the token that completes it,
         and a run of byte-fallback pieces for a piece of another kind.
         The new tokens are taken one at a time, so the text is the same however many
-        tokens came since the last call (a trailing incomplete sequence holds back only
-        itself, not the complete tokens before it)."""
+        tokens came since the last call. A token whose bytes end inside a character
+        (byte-level BPE has `' ' + 2 of an emoji's 4 bytes`) holds back only that
+        character: the complete ones before it are text at once (`_pending_text`), so a
+        stop string they complete ends the output at that token, not at the next."""
         skip = self.params.skip_special_tokens
         if self._decodes_alone:
             return self._decoded_text_alone(skip)
@@ -40,11 +42,12 @@ class ReqText:
                 continue  # (a byte piece's run may go on, and change its text)
             if len(after) > len(before) and not after.endswith("\ufffd"):
                 self._decoded_text += after[len(before) :]
+                self._pending_text = ""
                 start, read, before = read, end, None
                 self._prefix_offset, self._read_offset = start, read
-        if self._detok_skip:  # (the first token's text begins with the healed text)
-            return self._decoded_text[self._detok_skip :]
-        return self._decoded_text
+            else:
+                self._pending_text = _complete_part(after[len(before) :])
+        return self._output_text()
 
     def _decoded_text_alone(self, skip: bool) -> str:
         """`decoded_text` for a tokenizer whose windows decode alone: the window read so
@@ -56,9 +59,19 @@ class ReqText:
             self._tried = end
             if new and not new.endswith("\ufffd"):
                 self._decoded_text += new
+                self._pending_text = ""
                 read = end
+            else:
+                self._pending_text = _complete_part(new)
         self._prefix_offset = self._read_offset = read
-        return self._decoded_text
+        return self._output_text()
+
+    def _output_text(self) -> str:
+        """The text read so far and the complete characters of the tokens held back."""
+        text = self._decoded_text + self._pending_text if self._pending_text else self._decoded_text
+        if self._detok_skip:  # (the first token's text begins with the healed text)
+            return text[self._detok_skip :]
+        return text
 
     def _detok_len(self) -> int:
         return len(self._detok_context) + len(self.output_ids)
@@ -82,6 +95,7 @@ class ReqText:
         self.penalty_counted = None  # (its penalty counts are of the old tail)
         context = len(self._detok_context)
         self._decoded_text = (self.heal.text if self.heal is not None else "") + text
+        self._pending_text = ""
         self._prefix_offset, self._read_offset = context + kept, context + len(self.output_ids)
         self._tried = self._read_offset
 
@@ -170,3 +184,9 @@ class ReqText:
                 if key in meta:
                     meta[key] = meta[key][: self._num_streamed_ids]
         return {"text": delta, "output_ids": new_ids, "meta_info": meta}
+
+
+def _complete_part(new: str) -> str:
+    """The text of tokens held back, without the incomplete UTF-8 sequence they end in
+    (U+FFFD): its complete characters, which the tokens that complete it keep."""
+    return new.rstrip("\ufffd")

@@ -165,6 +165,7 @@ class Req(ReqStops, ReqText):
             self._detok_context, self._detok_cut = detok_context or ([], 0)
             self._detok_skip = 0
         self._decoded_text = ""
+        self._pending_text = ""  # complete characters of tokens held back (`decoded_text`)
         self._prefix_offset = 0
         self._read_offset = len(self._detok_context)
         self._tried = self._read_offset  # tokens tried as the end of a decode with the window

@@ -59,7 +59,7 @@ def _req(codec, alone: bool = False, **params) -> Req:
 
 def _texts(tokenizer) -> st.SearchStrategy[list[int]]:
     # Text with multi-byte characters and merged pieces, tokenized by the real tokenizer.
-    alphabet = st.sampled_from(list("ab cd\n.,'é日本🙂") + [" the", "ing", "  "])
+    alphabet = st.sampled_from(list("ab cd\n.,'é日本🙂") + [" the", "ing", "  ", " €"])
     return st.lists(alphabet, min_size=1, max_size=60).map(
         lambda parts: tokenizer.encode("".join(parts), add_special_tokens=False)
     )
@@ -75,9 +75,9 @@ def test_the_incremental_text_is_the_full_decode(tokenizer, alone, data):
         req.output_ids.append(ids[n - 1])
         text = req.decoded_text()
         full = tokenizer.decode(ids[:n], skip_special_tokens=True)
-        assert full.startswith(text)
-        # Only an incomplete trailing character may be held back.
-        assert full[len(text) :] == "" or "\ufffd" in full[len(text) :]
+        # Only an incomplete trailing character is held back, not the characters of its
+        # token before it.
+        assert text == full.rstrip("\ufffd")
     full = tokenizer.decode(ids, skip_special_tokens=True)
     assert req.decoded_text() == full or full.endswith("\ufffd")
 
@@ -184,6 +184,23 @@ def _run(req: Req, ids: list[int], streamed: bool) -> list[str]:
     if streamed:
         deltas.append(req.stream_delta()["text"])
     return deltas
+
+
+def test_a_stop_string_ends_at_the_token_whose_bytes_complete_it(tokenizer, alone):
+    """A token whose bytes end inside a character (`' ' + 2 of the euro sign's 3 bytes`)
+    completes a stop string with its space: the output ends at that token, not at the
+    next (it was held back whole). With min_new_tokens past it, the stop lies wholly in
+    the text before them and does not count."""
+    ids = tokenizer.encode("ab €cd", add_special_tokens=False)
+    partial = next(i for i, t in enumerate(ids) if tokenizer.decode([t]).endswith("\ufffd"))
+    assert tokenizer.decode(ids[: partial + 1]) == "ab \ufffd"  # (the space is in its token)
+    req = _req(tokenizer, alone, stop=["b "])
+    _run(req, ids, streamed=True)
+    assert req.finished_reason == {"type": "stop", "matched": "b "}
+    assert len(req.output_ids) == partial + 1 and req.text == "a"
+    req = _req(tokenizer, alone, stop=["b "], min_new_tokens=partial + 2)
+    _run(req, ids, streamed=False)
+    assert req.finished_reason["type"] == "length" and req.text == "ab €cd"
 
 
 def test_a_stop_only_a_trailing_incomplete_character_completes_cuts_nothing(tokenizer, alone):
