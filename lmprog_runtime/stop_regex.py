@@ -11,11 +11,12 @@ so a stream holds back only the text from there.
 The DFA is built lazily from the pattern's NFA (`regex_nfa.py`): linear in the pattern, so
 no pattern can stall the thread that submits it (an up-front DFA took 82 s for
 `(a|b)*a(a|b){14}`). Patterns whose meaning depends on more than the characters read
-(anchors, lookarounds, backreferences, inline flags) are searched over the whole text by
-the `regex` module (Python's syntax, with a time limit: `re` has none, and `(x+x+)+y$`
-held the engine loop for minutes); a search past `SEARCH_TIMEOUT_S` fails its request with
-a ValueError naming the pattern. Where the first match begins, and what it matched, come
-from the DFA and a match at that start (once per request).
+(anchors, lookarounds, backreferences) are searched over the whole text by the `regex`
+module (Python's syntax, with a time limit: `re` has none, and `(x+x+)+y$` held the engine
+loop for minutes); a search past `SEARCH_TIMEOUT_S` fails its request with a ValueError
+naming the pattern. Where the first match begins comes from the DFA, and what it matched
+from the NFA run at that start in `re`'s order (`NFA.match_end`; once per request: the
+`regex` module's match there read `\w` and `\d` as Unicode has them, not as `re` does).
 """
 
 from __future__ import annotations
@@ -99,11 +100,8 @@ class StopRegexScanner:
                 continue
             span = _leftmost(dfa, text, origin)
             if span is not None and (best is None or span[0] < best[0]):
-                try:  # (its extent as `re` has it: greedy or lazy)
-                    found = _search(pattern, text, span[0], at_start=True)
-                except ValueError:  # (out of time: the shortest match)
-                    found = None
-                best = (span[0], text[span[0] : span[1]] if found is None else found.group())
+                end = dfa.nfa.match_end(text, span[0])  # (its extent as `re` has it)
+                best = (span[0], text[span[0] : span[1] if end is None else end])
         return best
 
 
@@ -147,15 +145,13 @@ def _leftmost(dfa: LazyDFA, text: str, origin: int) -> tuple[int, int] | None:
     return best
 
 
-def _search(pattern: str, text: str, pos: int, at_start: bool = False) -> Any:
-    """`pattern`'s first match in `text` from `pos` (or one beginning at `pos`), by the
-    `regex` module with a time limit: a ValueError naming the pattern past it."""
+def _search(pattern: str, text: str, pos: int) -> Any:
+    """`pattern`'s first match in `text` from `pos`, by the `regex` module with a time
+    limit: a ValueError naming the pattern past it."""
     compiled = _compiled(pattern)
     if compiled.__class__.__module__ == "re":
-        return compiled.match(text, pos) if at_start else compiled.search(text, pos)
+        return compiled.search(text, pos)
     try:
-        if at_start:
-            return compiled.match(text, pos, timeout=SEARCH_TIMEOUT_S)
         return compiled.search(text, pos, timeout=SEARCH_TIMEOUT_S)
     except TimeoutError:
         raise ValueError(

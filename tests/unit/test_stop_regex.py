@@ -62,7 +62,9 @@ def test_scanner_agrees_with_re_search(patterns, text, cuts):
 def test_which_patterns_run_as_a_dfa():
     assert search_dfa(r"END|STOP") is not None
     assert search_dfa(r"\d+") is not None  # (`re`'s Unicode class, tested per character)
-    for pattern in (r"\bx", r"x$", r"(?i)x", r"(?i:x)y", r"(a)\1", r"x(?=y)", r"(?<=a)b"):
+    for pattern in (r"(?i)x", r"(?i:x)y", r"(?s)a.b", r"(?a)\w", r"(?x) a b # c", r"(?m)ab"):
+        assert search_dfa(pattern) is not None, pattern  # (flags: tested by `re` itself)
+    for pattern in (r"\bx", r"x$", r"(a)\1", r"x(?=y)", r"(?<=a)b"):
         assert search_dfa(pattern) is None, pattern
     for pattern in (r"x*+y", r"(?>xy|x)y", r"(?:a{100}){100}"):  # (possessive, atomic, huge)
         assert search_dfa(pattern) is None, pattern
@@ -86,6 +88,49 @@ def test_first_match_is_the_match_re_search_finds_first(patterns, text, origin):
         if found is not None and (expected is None or found.start() < expected[0]):
             expected = (found.start(), found.group())
     assert StopRegexScanner(patterns).first_match(text, origin) == expected, patterns
+
+
+# Patterns the DFA runs, with flags, lazy repeats and classes `re` and the `regex` module
+# read apart (`\w` for "²" and combining marks, `\s` for U+001C, case folding of "ſ", the
+# Kelvin sign "K"), over text holding those characters.
+DFA_PATTERNS = [
+    r"(?i)ab",
+    r"(?i:a)b|B",
+    r"(?i)[a-c]+k",
+    r"(?i)s\W",
+    r"x\w*",
+    r"\w+?\s",
+    r"(?s)a.b",
+    r"a.*?b",
+    r"(?a)\w+",
+    r"(?i)[^a]s",
+    r"(?-i:a)(?i:b)",
+    r"a{1,3}?x?b",
+    r"(?i)ſ|k",
+]
+WIDE_ALPHABET = "abxkK\u212asSſAB ²\u0301é\x1c\n_"
+
+
+@given(
+    patterns=st.lists(st.sampled_from(DFA_PATTERNS), min_size=1, max_size=3, unique=True),
+    text=st.text(alphabet=WIDE_ALPHABET, max_size=40),
+    origin=st.integers(0, 40),
+)
+@settings(max_examples=400, deadline=None)
+def test_flags_and_repeats_run_as_a_dfa_as_re_reads_them(patterns, text, origin):
+    """The scan finds a match where `re.search` does, and reports `re`'s match (a lazy
+    repeat's extent, `\w` as `re` reads it: it was the `regex` module's match, and with
+    an inline flag its search, which read "²" as no word character)."""
+    assert all(search_dfa(p) is not None for p in patterns)
+    origin = min(origin, len(text))
+    expected = None
+    for pattern in patterns:
+        found = re.compile(pattern).search(text, origin)
+        if found is not None and (expected is None or found.start() < expected[0]):
+            expected = (found.start(), found.group())
+    assert StopRegexScanner(patterns).first_match(text, origin) == expected, patterns
+    scanner = StopRegexScanner(patterns)
+    assert scanner.feed(text) == any(re.search(p, text) for p in patterns)
 
 
 @pytest.mark.parametrize(
