@@ -102,8 +102,12 @@ class ReqText:
     def _skip_stops(self) -> None:
         """min_new_tokens is not reached: no stop matches in the text so far. A stop string
         may still end in the text of the tokens to come (as vLLM's min_tokens has it), a
-        stop regex match only begin there."""
+        stop regex match only begin there. Tokens held back (a run of byte pieces going
+        on) have text before them too: at the last token before them, read whole."""
         self._scanned = self._min_text = len(self.decoded_text())
+        if len(self.output_ids) + 1 >= self.min_new_tokens and self.has_undecoded_tokens():
+            whole = self._whole_text(self.output_ids)
+            self._min_text = max(self._min_text, len(whole.rstrip("\ufffd")))
         if self._stop_regex is not None:
             self._stop_regex.restart(self._min_text)
 
@@ -136,9 +140,7 @@ class ReqText:
         reason = self.finished_reason
         if reason is not None and reason["type"] == "stop" and isinstance(reason["matched"], int):
             ids = ids[:-1]  # a matched stop token is not part of the text
-        skip = self.params.skip_special_tokens
-        text = self.tokenizer.decode(self._detok_context + ids, skip_special_tokens=skip)
-        text = text[self._detok_cut :]
+        text = self._whole_text(ids)
         if not self.can_stop:
             return text, None
         # Stops are looked for in the text the scan saw: not in a trailing incomplete UTF-8
@@ -149,6 +151,12 @@ class ReqText:
             scanned -= 1
         cut, matched = self._first_stop(text[:scanned], 0)
         return (text, None) if matched is None else (text[:cut], matched)
+
+    def _whole_text(self, ids: list[int]) -> str:
+        """The text of output tokens `ids`, decoded at once after the context tokens."""
+        skip = self.params.skip_special_tokens
+        text = self.tokenizer.decode(self._detok_context + ids, skip_special_tokens=skip)
+        return text[self._detok_cut :]
 
     def finalize_text(self) -> None:
         """The final text; none for a failed request, except one that timed out: its

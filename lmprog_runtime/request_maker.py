@@ -107,14 +107,21 @@ class RequestMaker:
         """The prompt tokens an output is decoded after, and the characters of their
         decode: a tokenizer whose decode strips the text's first space (SentencePiece's
         `▁`) would otherwise drop an output's leading space ("Answer:" + "Paris"). None for
-        byte-level BPE, whose pieces decode alike anywhere, and where the prompt's last
-        tokens end inside a character."""
+        byte-level BPE, whose pieces decode alike anywhere. Where the prompt's last tokens
+        end inside a character (or in an invalid run of byte pieces), the output is decoded
+        after the tokens before those byte pieces (none: it lost its leading space)."""
         if self._decode_is_context_free or item.params.max_new_tokens == 0:
             return None
         context = item.input_ids[-CONTEXT_TOKENS:]
-        text = self.decode(context, skip_special_tokens=item.params.skip_special_tokens)
+        skip = item.params.skip_special_tokens
+        text = self.decode(context, skip_special_tokens=skip)
         if text.endswith("\ufffd") and ends_inside_a_character(context, self._byte_pieces):
-            return None  # (a genuine U+FFFD once dropped the context, and a leading space)
+            # (a genuine U+FFFD once dropped the context, and a leading space)
+            while context and context[-1] in self._byte_pieces:
+                context = context[:-1]
+            text = self.decode(context, skip_special_tokens=skip) if context else ""
+            if not context or text.endswith("\ufffd"):
+                return None
         return context, len(text)
 
     def _special_stops(self, params: SamplingParams) -> dict[int, str] | None:

@@ -295,6 +295,31 @@ def test_byte_fallback_runs_stream_the_final_text(data):
     assert streamed.text == "".join(deltas) == full
 
 
+@pytest.mark.parametrize("stop", [{"stop": ["u"]}, {"stop_regex": ["u"]}])
+def test_a_stop_before_min_new_tokens_in_a_run_of_byte_pieces_does_not_count(stop):
+    """A run of byte pieces across the min_new_tokens-th token ("u" then "[", one run): its
+    text is read when a piece of another kind ends it, after that token, yet the "u" is
+    the text of a token before it, and ends nothing (it ended the output)."""
+    from helpers import byte_fallback_tokenizer
+
+    from lmprog_runtime.byte_decode import byte_pieces
+
+    tokenizer = byte_fallback_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids(["▁a", "<0x75>", "<0x5B>", "b", "▁b"])
+    params = {"max_new_tokens": 100, "min_new_tokens": 3, **stop}
+    req = Req(
+        0,
+        [1],
+        SamplingParams.from_dict(params),
+        tokenizer=tokenizer,
+        eos_token_ids=frozenset(),
+        context_len=1000,
+        byte_pieces=byte_pieces(tokenizer),
+    )
+    _run(req, ids, streamed=True)
+    assert req.finished_reason["type"] == "length" and req.text == "au[b b"
+
+
 def _engine_with(tokenizer, path):
     """An engine on a random tiny Llama with `tokenizer`, saved under `path`."""
     from helpers import TINY_ARCH_CONFIG, random_hf_model
@@ -342,6 +367,13 @@ def test_byte_fallback_outputs_stream_the_final_text(tmp_path):
         assert tokenizer.convert_ids_to_tokens(ids[-3:]) == ["<0xEF>", "<0xBF>", "<0xBD>"]
         params = {"max_new_tokens": 4, "temperature": 0, "regex": " ab"}
         assert _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params)["text"] == " ab"
+        # A prompt ending inside a character (half an emoji): the output is read after the
+        # tokens before its byte pieces, and keeps its leading space (it was read alone,
+        # and `" ab"` came out as "ab", which its own pattern does not match).
+        ids = tokenizer("ab").input_ids + tokenizer.convert_tokens_to_ids(["<0xF0>", "<0x9F>"])
+        out = engine.generate(input_ids=ids, sampling_params=params)
+        streamed = engine.generate(input_ids=ids, sampling_params=params, stream=True)
+        assert out["text"] == "".join(c["text"] for c in streamed) == " ab"
 
 
 @pytest.mark.parametrize("prompt", ["Hi", "Hi Hi", "Hi!"])
