@@ -73,6 +73,10 @@ class ReqText:
             return text[self._detok_skip :]
         return text
 
+    def decode_context(self) -> list[int]:
+        """The prompt tokens the output is decoded after (none for byte-level BPE)."""
+        return self._detok_context
+
     def _detok_len(self) -> int:
         return len(self._detok_context) + len(self.output_ids)
 

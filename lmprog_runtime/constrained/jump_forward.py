@@ -70,6 +70,9 @@ class CharFSM:
 # Tokens before the last one decoded with it, as context for retokenizing it (merged
 # pieces and leading spaces decode differently without what precedes them).
 CONTEXT_TOKENS = 4
+# Text encoded before the forced text where a tokenizer begins a text with a space: a
+# character no piece merges with what follows it.
+ANCHOR = "\n"
 
 
 def jump_forward(req: Req, codec: Codec) -> int | None:
@@ -93,20 +96,22 @@ def jump_forward(req: Req, codec: Codec) -> int | None:
     forced = req.char_fsm.forced(state)
     if len(forced) < 2:
         return None
-    context = ids[max(0, len(ids) - 1 - CONTEXT_TOKENS) : -1] if ids else []
+    # (the prompt tokens the output is decoded after come before a short output's)
+    if len(ids) > CONTEXT_TOKENS:
+        context = ids[-1 - CONTEXT_TOKENS : -1]
+    else:
+        context = (req.decode_context() + ids[:-1])[-CONTEXT_TOKENS:]
     window = codec.decode(context + ids[-1:])
     window_kept = codec.decode(context)
     if not window.startswith(window_kept) or not text.endswith(window[len(window_kept) :]):
         return None
     last_text = window[len(window_kept) :]
     try:
-        tail = codec.encode(last_text + forced, add_special_tokens=False)
+        tail = _retokenized(codec, context, window_kept, last_text + forced)
     except ValueError:  # (a token past the model's vocabulary: decoding goes on instead)
         return None
     kept_len = len(ids) - 1 if ids else 0
-    if kept_len + len(tail) >= req.max_new_tokens:
-        return None
-    if codec.decode(context + tail) != window_kept + last_text + forced:
+    if tail is None or kept_len + len(tail) >= req.max_new_tokens:
         return None
     matcher = req.matcher
     if ids:
@@ -120,3 +125,21 @@ def jump_forward(req: Req, codec: Codec) -> int | None:
     req.replace_output_tail(kept_len, tail, text + forced)
     req.fsm_position = (len(text) + len(forced), req.char_fsm.walk(forced, state))
     return kept_len + len(tail) - len(ids)
+
+
+def _retokenized(codec: Codec, context: list[int], before: str, text: str) -> list[int] | None:
+    """The tokens of `text` after `context` (whose text is `before`), as the tokenizer has
+    them inside a text: its plain encode, or, for a tokenizer that begins each text with a
+    space (SentencePiece's `▁`, which made every jump's text start with a space the
+    pattern refused), its encode after an anchor, the anchor's tokens dropped. None if
+    neither decodes after `context` as `before + text`."""
+    for anchor in ("", ANCHOR):
+        ids = codec.encode(anchor + text, add_special_tokens=False)
+        if anchor:
+            head = codec.encode(anchor, add_special_tokens=False)
+            if ids[: len(head)] != head:
+                continue
+            ids = ids[len(head) :]
+        if codec.decode(context + ids) == before + text:
+            return ids
+    return None

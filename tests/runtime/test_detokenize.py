@@ -408,6 +408,22 @@ def test_jump_forward_at_the_start_keeps_a_sentencepiece_words_space(metaspace_e
         assert tokenizer.convert_ids_to_tokens(out["output_ids"])[0] == "▁Hi!"
 
 
+@pytest.mark.parametrize("regex", ["(!|i) Hi! Hi!", "(!|i)!Hi Hi!"])
+def test_jump_forward_after_a_draw_on_a_sentencepiece_tokenizer(metaspace_engine, regex):
+    """After a drawn token, the forced text is retokenized with it as inside a text: the
+    tokenizer begins a text with `▁`, so a plain encode of "! Hi! Hi!" began with a space
+    the pattern refused, and every jump was dropped (the tokens were drawn one by one)."""
+    engine, tokenizer = metaspace_engine
+    ids = tokenizer("Hi").input_ids
+    before = engine.stats()["jump_forward_tokens"]
+    params = {"max_new_tokens": 12, "temperature": 0, "regex": regex}
+    out = engine.generate(input_ids=ids, sampling_params=params)
+    assert re.fullmatch(regex, out["text"])
+    assert engine.stats()["jump_forward_tokens"] > before
+    full = tokenizer.decode(ids + out["output_ids"], skip_special_tokens=True)
+    assert full == "Hi" + out["text"]
+
+
 def _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params):
     """`engine.generate`'s output for `ids`, asserted to read, whole and streamed, as what
     the output adds to the prompt's full decode."""
