@@ -265,8 +265,7 @@ class Admission:
             last = self._last_slot(req)
             slots = self.allocator.alloc(n, last)
             if slots is None:
-                self._evict(self.allocator.pages_needed(n, last) * self.allocator.page_size)
-                slots = self.allocator.alloc(n, last)
+                slots = self._alloc_evicting(n, last)
             if slots is None:
                 # Cannot happen when admission's accounting is right; if it does, this
                 # request and the rest wait for the next step instead of failing.
@@ -286,6 +285,21 @@ class Admission:
         return ScheduledBatch(
             ForwardMode.EXTEND, reqs, torch.cat(slots_list), prefix_lens, extend_lens
         )
+
+    def _alloc_evicting(self, n: int, last: int | None) -> torch.Tensor | None:
+        """`n` slots after `last`, evicting for them, and then, where still short, with the
+        K/V that waiting requests hold given back: a request that jumped forward holds its
+        slots, locked, until it extends again, and the chunked prompt's next chunk (computed
+        before any waiting request goes in) once waited for them at every step, with
+        nothing decoding to give them back (`give_back_held`): every request hung."""
+        for give_back in (False, True):
+            if give_back and not self.give_back_held():
+                return None
+            self._evict(self.allocator.pages_needed(n, last) * self.allocator.page_size)
+            slots = self.allocator.alloc(n, last)
+            if slots is not None:
+                return slots
+        return None
 
     def _extend_batch(
         self, entries: list[tuple[Req, int]], counts: list[int], slots: torch.Tensor

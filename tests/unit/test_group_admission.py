@@ -175,3 +175,33 @@ def test_a_forced_text_another_request_computed_is_not_counted_as_cached():
     assert batch.prefix_lens == [35] and batch.extend_lens == [1]
     assert twin.cached_tokens == 29 and sched.stats.snapshot()["cached_tokens"] == 29
     sched.release(twin)
+
+
+def test_a_chunk_short_of_slots_takes_those_a_waiting_request_holds():
+    """The chunked prompt's next chunk goes in before any waiting request, and nothing
+    decodes; a request that jumped forward waits holding its K/V, locked, which the chunk
+    needs. Given back, evicted, its slots take the chunk (the chunk waited for them at
+    every step, with nothing to give them back: every request hung)."""
+    allocator = TokenSlotAllocator(40, 1)
+    table = ReqToTokenPool(4, 128, torch.device("cpu"))
+    tree = RadixCache(allocator, 1)
+    config = RuntimeConfig(
+        page_size=1, max_total_tokens=40, max_running_requests=1, chunked_prefill_size=8
+    )
+    sched = Scheduler(config, allocator, table, ReqCache(tree, allocator, table), EngineStats())
+    long = _req(1, list(range(100, 136)), new=4)
+    sched.add(long)
+    sched.on_forward_done(sched.next_batch())
+    assert sched.chunked_req is long and long.kv_len == 8
+    # A request that jumped forward, as it waits: its prompt's K/V in the tree, locked.
+    holder = _req(2, list(range(200, 230)), new=8)
+    holder.req_pool_idx = table.alloc()
+    table.write(holder.req_pool_idx, 0, allocator.alloc(30))
+    holder.kv_len = 30
+    sched.req_cache.cache_unfinished(holder)
+    holder.output_ids += [1, 2, 3]
+    sched.waiting.insert(0, holder)
+    assert allocator.num_free == 2 and tree.evictable_size == 0
+    batch = sched.next_batch()
+    assert batch is not None and batch.reqs == [long] and batch.extend_lens == [8]
+    assert holder.req_pool_idx is None and holder in sched.waiting
