@@ -192,9 +192,12 @@ class ReqText:
         self._num_streamed_ids = len(self.output_ids)
         meta = self.meta_info()
         if self.return_logprob:  # (the request's own lists grow on: each chunk its snapshot)
+            # (the last chunk has them whole: a prefill-only request's top logprobs are of
+            # the token after its prompt, and a cut to its 0 tokens dropped them)
+            end = None if self.is_finished else self._num_streamed_ids
             for key in ("output_token_logprobs", "output_top_logprobs"):
                 if key in meta:
-                    meta[key] = meta[key][: self._num_streamed_ids]
+                    meta[key] = meta[key][:end]
         return {"text": delta, "output_ids": new_ids, "meta_info": meta}
 
 

@@ -119,6 +119,20 @@ def test_a_request_that_waits_for_room_counts_no_hit(tiny_path):
         assert claimed <= top.hit_count <= claimed + retracted, (top.hit_count, claimed)
 
 
+def test_a_streamed_prefill_only_request_keeps_its_top_logprobs(engine):
+    """`max_new_tokens=0` scores the token after the prompt: its one entry of top logprobs
+    comes in the streamed chunk as in the plain result (the cut to the chunk's 0 tokens
+    dropped it)."""
+    kwargs = {"return_logprob": True, "top_logprobs_num": 2}
+    params = {"max_new_tokens": 0}
+    plain = engine.generate("Hello", params, **kwargs)["meta_info"]
+    chunks = list(engine.generate("Hello", params, stream=True, **kwargs))
+    last = chunks[-1]["meta_info"]
+    assert len(plain["output_top_logprobs"]) == 1
+    assert last["output_top_logprobs"] == plain["output_top_logprobs"]
+    assert last["output_token_logprobs"] == plain["output_token_logprobs"]
+
+
 def test_each_streamed_chunk_keeps_its_own_logprobs(engine):
     """Every chunk's meta held the request's live lists: all of them read the final
     length, and a reader on another thread saw them change as it read."""
