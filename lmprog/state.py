@@ -274,13 +274,17 @@ class ProgramState(StateBlocks, StreamReading):
         """The meta info of generation `name` once it has run; None if the program made
         no generation of that name (as in SGLang; a failed program raises its error). For
         a variable a join gathered from fork branches, the list of the branches' meta info
-        in branch order (SGLang gives None there)."""
+        in branch order (SGLang gives None there). A copy: a fork's branches share their
+        parent's meta info, so a change to it is the caller's own."""
         self._wait_var(name)
         meta = self._stream.st.meta
         if name not in meta:
             self._raise_error()
             return None
-        return meta[name]
+        value = meta[name]
+        if isinstance(value, list):  # (gathered: each branch's, or None)
+            return [dict(m) if isinstance(m, dict) else m for m in value]
+        return dict(value)
 
     def __str__(self) -> str:
         """`ProgramState(<the whole text>)`, as SGLang's (`text()` is the bare text)."""

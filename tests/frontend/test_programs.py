@@ -44,6 +44,29 @@ def test_one_gen_equals_engine_generate_on_the_rendered_prompt(engine):
     assert state.text() == full
 
 
+def test_a_change_to_a_branchs_meta_info_is_its_own(engine):
+    """A fork's branches share their parent's meta info (a copy of every earlier gen's
+    made a long program's fork rounds cost memory in the square); what `get_meta_info`
+    hands out is a copy, so a caller's change to it reaches no other state."""
+
+    @lp.function
+    def forked(s):
+        s += "Q:" + lp.gen("x", max_tokens=2, temperature=0)
+        forks = s.fork(2)
+        for f in forks:
+            f += " A:" + lp.gen("y", max_tokens=1, temperature=0)
+        forks[0].get_meta_info("x")["note"] = "branch 0's"
+        forks.join()
+        return [f.get_meta_info("x").get("note") for f in forks]
+
+    state = forked.run(backend=engine)
+    assert state.ret_value == [None, None]
+    assert "note" not in state.get_meta_info("x")
+    gathered = state.get_meta_info("y")
+    gathered[0]["note"] = "mine"
+    assert "note" not in state.get_meta_info("y")[0]
+
+
 def test_a_gathered_variables_meta_info_is_its_branches_in_order(engine):
     """(None before, as in SGLang: the join copied the values only; and a streamed state's
     `text_iter` of it gave nothing)"""
