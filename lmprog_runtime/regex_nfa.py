@@ -15,7 +15,8 @@ atomic groups) are left to the caller (`Unsupported`).
 
 `NFA.match_end` gives the end of the match `re.match` finds at a position, by running the
 NFA's states in `re`'s order of preference (a Pike VM: a greedy repeat tries its body
-first, a lazy one its exit), in time linear in the text.
+first, a lazy one its exit), in time linear in the text; not where a repeat's body can
+match nothing (`repeats_empty`).
 """
 
 from __future__ import annotations
@@ -82,10 +83,13 @@ class NFA:
             raise Unsupported(pattern)
         self.tests: list[Callable[[str], bool] | None] = [None]
         self.nexts: list[Any] = [[]]
+        self.repeats_empty = False  # whether a repeat's body can match nothing
         self.initial = self._sequence(parsed, FINAL, Flags(flags & _CHAR_FLAGS, ()))
 
     def match_end(self, text: str, start: int) -> int | None:
-        """Where the match `re.match(pattern, text, start)` finds ends; None if none."""
+        """Where the match `re.match(pattern, text, start)` finds ends; None if none. Not
+        for a pattern that `repeats_empty`: `re` ends a repeat at a try of its body that
+        matched nothing (`(?:|b)*` matches "" of "bb"), which runs here as any other."""
         tests, nexts = self.tests, self.nexts
         threads = self._preferred([self.initial])
         matched = None
@@ -149,6 +153,8 @@ class NFA:
             return self._sequence(av[3], nxt, flags)
         if op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT):
             low, high, body = av
+            if body.getwidth()[0] == 0:  # (`match_end` cannot say where `re` ends it)
+                self.repeats_empty = True
             lazy = op is sre_constants.MIN_REPEAT
             start = nxt
             if high == sre_constants.MAXREPEAT:

@@ -16,7 +16,8 @@ module (Python's syntax, with a time limit: `re` has none, and `(x+x+)+y$` held 
 loop for minutes); a search past `SEARCH_TIMEOUT_S` fails its request with a ValueError
 naming the pattern. Where the first match begins comes from the DFA, and what it matched
 from the NFA run at that start in `re`'s order (`NFA.match_end`; once per request: the
-`regex` module's match there read `\w` and `\d` as Unicode has them, not as `re` does).
+`regex` module's match there read `\w` and `\d` as Unicode has them, not as `re` does),
+or, where a repeat's body can match nothing, from the `regex` module's match.
 """
 
 from __future__ import annotations
@@ -100,8 +101,7 @@ class StopRegexScanner:
                 continue
             span = _leftmost(dfa, text, origin)
             if span is not None and (best is None or span[0] < best[0]):
-                end = dfa.nfa.match_end(text, span[0])  # (its extent as `re` has it)
-                best = (span[0], text[span[0] : span[1] if end is None else end])
+                best = (span[0], _matched(pattern, dfa, text, span))
         return best
 
 
@@ -145,13 +145,30 @@ def _leftmost(dfa: LazyDFA, text: str, origin: int) -> tuple[int, int] | None:
     return best
 
 
-def _search(pattern: str, text: str, pos: int) -> Any:
-    """`pattern`'s first match in `text` from `pos`, by the `regex` module with a time
-    limit: a ValueError naming the pattern past it."""
+def _matched(pattern: str, dfa: LazyDFA, text: str, span: tuple[int, int]) -> str:
+    """What the match `re` finds at `span`'s start takes of `text` (`span`: the shortest
+    match there): the NFA's run in `re`'s order; where a repeat's body can match nothing,
+    the `regex` module's match (the shortest where it runs out of time)."""
+    start = span[0]
+    if not dfa.nfa.repeats_empty:
+        end = dfa.nfa.match_end(text, start)
+        return text[start : span[1] if end is None else end]
+    try:
+        found = _search(pattern, text, start, at_start=True)
+    except ValueError:
+        found = None
+    return text[start : span[1]] if found is None else found.group()
+
+
+def _search(pattern: str, text: str, pos: int, at_start: bool = False) -> Any:
+    """`pattern`'s first match in `text` from `pos` (or one beginning at `pos`), by the
+    `regex` module with a time limit: a ValueError naming the pattern past it."""
     compiled = _compiled(pattern)
     if compiled.__class__.__module__ == "re":
-        return compiled.search(text, pos)
+        return compiled.match(text, pos) if at_start else compiled.search(text, pos)
     try:
+        if at_start:
+            return compiled.match(text, pos, timeout=SEARCH_TIMEOUT_S)
         return compiled.search(text, pos, timeout=SEARCH_TIMEOUT_S)
     except TimeoutError:
         raise ValueError(

@@ -107,6 +107,8 @@ DFA_PATTERNS = [
     r"(?-i:a)(?i:b)",
     r"a{1,3}?x?b",
     r"(?i)ſ|k",
+    r"a(?:|b)*",
+    r"k(?:s??)*x?",
 ]
 WIDE_ALPHABET = "abxkK\u212asSſAB ²\u0301é\x1c\n_"
 
@@ -141,6 +143,10 @@ def test_flags_and_repeats_run_as_a_dfa_as_re_reads_them(patterns, text, origin)
         (["(ab)+c"], "abababc", (0, "abababc")),  # runs from 0, 2 and 4 merge: the first
         (["b", "a.*c"], "abc", (0, "abc")),
         (["a+?"], "aaa", (0, "a")),  # lazy: `re`'s extent
+        # A repeat's try that matches nothing ends it in `re` (the NFA's run went on).
+        (["a(?:|b)*"], "abb", (0, "a")),
+        (["x(?:a??)*"], "xaa", (0, "x")),
+        ([r"END(?:\s*?)+"], "END   x", (0, "END")),
         (["a{2,3}"], "aaaa", (0, "aaa")),
         (["b$", "c"], "abc", (2, "c")),  # (`regex` searches `b$`: no match)
         # `re` reads a class inside a class as literals; `regex` read a POSIX class
