@@ -112,13 +112,16 @@ class RequestMaker:
         after the tokens before those byte pieces (none: it lost its leading space)."""
         if self._decode_is_context_free or item.params.max_new_tokens == 0:
             return None
-        context = item.input_ids[-CONTEXT_TOKENS:]
+        ids = item.input_ids
+        context = ids[-CONTEXT_TOKENS:]
         skip = item.params.skip_special_tokens
         text = self.decode(context, skip_special_tokens=skip)
         if text.endswith("\ufffd") and ends_inside_a_character(context, self._byte_pieces):
             # (a genuine U+FFFD once dropped the context, and a leading space)
-            while context and context[-1] in self._byte_pieces:
-                context = context[:-1]
+            end = len(ids)
+            while end > 0 and ids[end - 1] in self._byte_pieces:
+                end -= 1  # (a run may be longer than the context: a CJK character before)
+            context = ids[max(0, end - CONTEXT_TOKENS) : end]
             text = self.decode(context, skip_special_tokens=skip) if context else ""
             if not context or text.endswith("\ufffd"):
                 return None

@@ -370,10 +370,12 @@ def test_byte_fallback_outputs_stream_the_final_text(tmp_path):
         # A prompt ending inside a character (half an emoji): the output is read after the
         # tokens before its byte pieces, and keeps its leading space (it was read alone,
         # and `" ab"` came out as "ab", which its own pattern does not match).
-        ids = tokenizer("ab").input_ids + tokenizer.convert_tokens_to_ids(["<0xF0>", "<0x9F>"])
-        out = engine.generate(input_ids=ids, sampling_params=params)
-        streamed = engine.generate(input_ids=ids, sampling_params=params, stream=True)
-        assert out["text"] == "".join(c["text"] for c in streamed) == " ab"
+        half = tokenizer.convert_tokens_to_ids(["<0xF0>", "<0x9F>"])
+        for before in ("ab", "ab 日"):  # (the second's byte pieces outrun the context)
+            ids = tokenizer(before).input_ids + half
+            out = engine.generate(input_ids=ids, sampling_params=params)
+            streamed = engine.generate(input_ids=ids, sampling_params=params, stream=True)
+            assert out["text"] == "".join(c["text"] for c in streamed) == " ab", before
 
 
 @pytest.mark.parametrize("prompt", ["Hi", "Hi Hi", "Hi!"])
