@@ -18,8 +18,13 @@ rewritten into a narrower schema every output of which validates.
   would bind (one every value fits is dropped; a `uri`'s is met by a bounded pattern), and
   `prefixItems` with item counts it does not hold (it writes exactly the prefix items).
   An `enum` is narrowed to the values of its `type`.
-- A schema of any value (`{}`, `true`, annotations only) becomes the list of every type
-  (outlines-core wrote `{}` as bare alternatives, which spilled out of a property).
+- A schema of any value (`{}`, `true`, annotations only) becomes scalars, or arrays and
+  objects of values nested `ANY_DEPTH` deep at most (one less inside an array's items),
+  and an object or array whose members are not given (`{"type": "object"}`, pydantic's
+  `dict[str, Any]`) holds such values: outlines-core wrote `{}` as bare alternatives,
+  which spilled out of a property, and its own open objects and arrays, nested three
+  deep, took 2.6-3.9 s to compile over SmolLM2's vocabulary, and an array of any values
+  over 60 s (refused for its time).
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ _ANNOTATIONS = frozenset(
 # $refs nested one inside another (models inside models): outlines-core is told to follow
 # this many (its default of 3 left out, silently, every property past a fifth level).
 MAX_REF_DEPTH = 64
-_EVERY_TYPE = ["boolean", "null", "number", "string", "array", "object"]
+# Arrays and objects in one another that a value of any type may be (`_any_value`).
+ANY_DEPTH = 2
+_SCALARS = {"type": ["boolean", "null", "number", "string"]}
 
 
 def prepared(schema: Any) -> Any:
@@ -57,18 +64,21 @@ def prepared(schema: Any) -> Any:
     return _prepare(schema)
 
 
-def _prepare(node: Any, is_schema: bool = True) -> Any:
+def _prepare(node: Any, is_schema: bool = True, depth: int = ANY_DEPTH) -> Any:
     """`node` prepared; `is_schema`: it stands where a schema does (not inside an
-    extension keyword's value, nor a map of property names to lists)."""
+    extension keyword's value, nor a map of property names to lists); `depth`: how deep
+    a value of any type there may nest."""
     if isinstance(node, list):
-        return [_prepare(item, is_schema) for item in node]
+        return [_prepare(item, is_schema, depth) for item in node]
     if not isinstance(node, dict):
         return node
     if is_schema and set(node) <= _ANNOTATIONS:  # any value
         # (outlines-core writes `{}` as bare alternatives: as a property, `{"a": {}}`
-        # matched `[1]` and refused `{"a": true}`; its list of every type is grouped)
-        return {**node, "type": _EVERY_TYPE}
+        # matched `[1]` and refused `{"a": true}`; these alternatives are grouped)
+        return {**node, **_any_value(depth)}
     node = _without_all_of(node)
+    if is_schema:
+        node = _with_open_members(node, depth)
     if "oneOf" in node and "discriminator" not in node:
         raise ValueError(
             "unsupported JSON schema feature 'oneOf' (exactly one branch) without a "
@@ -88,15 +98,46 @@ def _prepare(node: Any, is_schema: bool = True) -> Any:
     for key, value in node.items():
         if key in _NAMED_SCHEMAS and isinstance(value, dict):
             # (`true`, any value, as `{}`: outlines-core refused a bare `true` there)
-            out[key] = {name: _prepare({} if sub is True else sub) for name, sub in value.items()}
+            named = {name: {} if sub is True else sub for name, sub in value.items()}
+            # (a model in `$defs` may be an array's items: as deep as those, at most)
+            inner_depth = depth if key == "properties" else ANY_DEPTH - 1
+            out[key] = {name: _prepare(sub, True, inner_depth) for name, sub in named.items()}
         elif key == "pattern" and isinstance(value, str):
             out[key] = json_safe_pattern(value)
         elif key in ("items", "prefixItems") and is_schema:
-            out[key] = _prepare(_true_as_empty(value), True)
+            # (each level of arrays doubles its items' pattern: one less deep there)
+            out[key] = _prepare(_true_as_empty(value), True, min(depth, ANY_DEPTH - 1))
         else:
             inner = is_schema and key in _SCHEMA_VALUED
-            out[key] = value if key in _NOT_SCHEMAS else _prepare(value, inner)
+            out[key] = value if key in _NOT_SCHEMAS else _prepare(value, inner, depth)
     return out
+
+
+def _any_value(depth: int) -> dict:
+    """A schema of any value nesting `depth` arrays or objects at most (scalars at 0)."""
+    if depth <= 0:
+        return dict(_SCALARS)
+    inner = _any_value(depth - 1)
+    return {
+        "anyOf": [
+            dict(_SCALARS),
+            {"type": "array", "items": inner},
+            {"type": "object", "additionalProperties": inner},
+        ]
+    }
+
+
+def _with_open_members(node: dict, depth: int) -> dict:
+    """An object whose members are not given (no `properties`, `additionalProperties`
+    missing or true) or an array whose items are not: its members any value, one level
+    less deep (outlines-core's own, three deep, compiled for seconds)."""
+    kind = node.get("type")
+    open_object = "properties" not in node and "patternProperties" not in node
+    if kind == "object" and open_object and node.get("additionalProperties", True) is True:
+        return {**node, "additionalProperties": _any_value(depth - 1)}
+    if kind == "array" and "items" not in node and "prefixItems" not in node:
+        return {**node, "items": _any_value(depth - 1)}
+    return node
 
 
 def _true_as_empty(value: Any) -> Any:

@@ -259,6 +259,52 @@ def test_a_property_of_any_value_takes_every_value_and_nothing_else(any_value):
         assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(doc)) == valid, doc
 
 
+def _json_values(depth: int) -> st.SearchStrategy:
+    """JSON values with arrays and objects nested `depth` deep at most."""
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(10**6), 10**6),
+        st.floats(-1e6, 1e6, allow_nan=False).map(lambda x: round(x, 3)),
+        st.text('ab é"\\\n', max_size=4),
+    )
+    if depth == 0:
+        return scalars
+    inner = _json_values(depth - 1)
+    keys = st.text("kq ", min_size=1, max_size=3)
+    return st.one_of(scalars, st.lists(inner, max_size=3), st.dictionaries(keys, inner, max_size=3))
+
+
+OPEN_SCHEMAS = [  # (schema, how deep a member may nest, where the regex was, a document)
+    ({}, 2, 13_898, lambda v: v),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a"]}, 2, 13_032, lambda v: {"a": v}),
+    ({"type": "object"}, 1, 6_471, lambda v: {"a": v}),
+    ({"type": "object", "additionalProperties": True}, 1, 6_471, lambda v: {"a": v}),
+    ({"type": "array"}, 1, 6_421, lambda v: [v]),
+    ({"type": "array", "items": {}}, 1, 26_059, lambda v: [v, v]),
+    ({"type": "array", "items": {"type": "object"}}, 0, 0, lambda v: [{"k": v}]),
+]
+
+
+@pytest.mark.parametrize(("schema", "depth", "was", "document"), OPEN_SCHEMAS)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_values_of_any_type_nest_a_few_levels_in_a_small_regex(schema, depth, was, document, data):
+    """A value of any type, an object or array whose members are not given: scalars, or
+    arrays and objects nested two deep (a document's own count; one less in an array's
+    items), in a regex a few thousand characters long. outlines-core's own, three deep,
+    took seconds to compile, and an array of any values over 60 s (refused). What the
+    regex takes validates."""
+    regex = schema_to_regex(json.dumps(schema))
+    assert len(regex) < 4_000 and (was == 0 or len(regex) < was / 3)
+    member = data.draw(_json_values(depth))
+    value = document(member)
+    doc = json.dumps(value, ensure_ascii=False)
+    assert re.fullmatch(regex, doc), doc
+    assert jsonschema.Draft202012Validator(schema).is_valid(value)
+    assert not re.fullmatch(regex, json.dumps(document([[[[]]]])))  # (past the depth)
+
+
 def test_true_and_false_as_the_whole_schema():
     regex = schema_to_regex("true")  # (outlines-core refused it)
     assert all(re.fullmatch(regex, doc) for doc in ("1", '"x"', "[null]", '{"k": {}}'))
