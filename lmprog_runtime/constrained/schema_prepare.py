@@ -55,6 +55,8 @@ MAX_REF_DEPTH = 64
 # Arrays and objects in one another that a value of any type may be (`_any_value`).
 ANY_DEPTH = 2
 _SCALARS = {"type": ["boolean", "null", "number", "string"]}
+# Keywords that give a schema's values otherwise than its type does.
+_VALUES_BY_TYPE = frozenset({"enum", "const", "$ref", "anyOf", "oneOf", "allOf", "not"})
 
 
 def prepared(schema: Any) -> Any:
@@ -109,7 +111,9 @@ def _prepare(node: Any, is_schema: bool = True, depth: int = ANY_DEPTH) -> Any:
             out[key] = _prepare(_true_as_empty(value), True, min(depth, ANY_DEPTH - 1))
         else:
             inner = is_schema and key in _SCHEMA_VALUED
-            out[key] = value if key in _NOT_SCHEMAS else _prepare(value, inner, depth)
+            # (an object's other members, as an open object's: one level less deep)
+            inner_depth = depth - 1 if key == "additionalProperties" else depth
+            out[key] = value if key in _NOT_SCHEMAS else _prepare(value, inner, inner_depth)
     return out
 
 
@@ -129,14 +133,18 @@ def _any_value(depth: int) -> dict:
 
 def _with_open_members(node: dict, depth: int) -> dict:
     """An object whose members are not given (no `properties`, `additionalProperties`
-    missing or true) or an array whose items are not: its members any value, one level
-    less deep (outlines-core's own, three deep, compiled for seconds)."""
+    missing or true) or an array whose items are not, alone or in a list of types: its
+    members any value, one level less deep (outlines-core's own, three deep, compiled for
+    seconds). Not where the values are given otherwise (`enum`, `$ref`, `anyOf`, ...)."""
+    if not _VALUES_BY_TYPE.isdisjoint(node):
+        return node
     kind = node.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
     open_object = "properties" not in node and "patternProperties" not in node
-    if kind == "object" and open_object and node.get("additionalProperties", True) is True:
-        return {**node, "additionalProperties": _any_value(depth - 1)}
-    if kind == "array" and "items" not in node and "prefixItems" not in node:
-        return {**node, "items": _any_value(depth - 1)}
+    if "object" in kinds and open_object and node.get("additionalProperties", True) is True:
+        node = {**node, "additionalProperties": _any_value(depth - 1)}
+    if "array" in kinds and "items" not in node and "prefixItems" not in node:
+        node = {**node, "items": _any_value(depth - 1)}
     return node
 
 

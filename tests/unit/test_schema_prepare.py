@@ -283,6 +283,10 @@ OPEN_SCHEMAS = [  # (schema, how deep a member may nest, where the regex was, a 
     ({"type": "array"}, 1, 6_421, lambda v: [v]),
     ({"type": "array", "items": {}}, 1, 26_059, lambda v: [v, v]),
     ({"type": "array", "items": {"type": "object"}}, 0, 0, lambda v: [{"k": v}]),
+    # (spelled otherwise: the members one level less deep all the same)
+    ({"type": "object", "additionalProperties": {}}, 1, 6_677, lambda v: {"a": v}),
+    ({"type": ["object", "null"]}, 1, 6_486, lambda v: {"a": v}),
+    ({"type": ["array", "null"]}, 1, 0, lambda v: [v]),
 ]
 
 
@@ -303,6 +307,24 @@ def test_values_of_any_type_nest_a_few_levels_in_a_small_regex(schema, depth, wa
     assert re.fullmatch(regex, doc), doc
     assert jsonschema.Draft202012Validator(schema).is_valid(value)
     assert not re.fullmatch(regex, json.dumps(document([[[[]]]])))  # (past the depth)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "enum": [{"a": 1}, {}]},
+        {"type": "array", "enum": [[1, 2]]},
+        {"type": "object", "const": {"a": 1}},
+        {"type": "array", "const": [1]},
+    ],
+)
+def test_an_object_or_array_of_listed_values_is_no_open_one(schema):
+    """Its values are the listed ones: given no members of any value (which, next to
+    `enum`, refused it, naming a keyword it did not have)."""
+    regex = schema_to_regex(json.dumps(schema))
+    values = schema.get("enum", [schema.get("const")])
+    assert all(re.fullmatch(regex, json.dumps(v)) for v in values)
+    assert not re.fullmatch(regex, json.dumps({"b": 2} if schema["type"] == "object" else [3]))
 
 
 def test_true_and_false_as_the_whole_schema():
