@@ -28,7 +28,7 @@ PATTERNS = [
     r"\d\d",  # `re`'s Unicode class: ٣ is a digit
     r"\w+!",
     r"\bab",  # `re` only (context)
-    r"(?i)ab",  # `re` only (flags)
+    r"(?i)ab",  # (flags: each character tested by `re` itself)
     r"(?i:a)b",
     r"b$",
     r"x(?=y)",
@@ -82,11 +82,7 @@ def test_first_match_is_the_match_re_search_finds_first(patterns, text, origin):
     `origin` over the patterns, the one listed first on a tie (it was `re.search` itself,
     which backtracks without end on some patterns)."""
     origin = min(origin, len(text))
-    expected = None
-    for pattern in patterns:
-        found = re.compile(pattern).search(text, origin)
-        if found is not None and (expected is None or found.start() < expected[0]):
-            expected = (found.start(), found.group())
+    expected = _first_re_match(patterns, text, origin)
     assert StopRegexScanner(patterns).first_match(text, origin) == expected, patterns
 
 
@@ -125,14 +121,21 @@ def test_flags_and_repeats_run_as_a_dfa_as_re_reads_them(patterns, text, origin)
     an inline flag its search, which read "²" as no word character)."""
     assert all(search_dfa(p) is not None for p in patterns)
     origin = min(origin, len(text))
+    expected = _first_re_match(patterns, text, origin)
+    assert StopRegexScanner(patterns).first_match(text, origin) == expected, patterns
+    scanner = StopRegexScanner(patterns)
+    assert scanner.feed(text) == any(re.search(p, text) for p in patterns)
+
+
+def _first_re_match(patterns: list[str], text: str, origin: int) -> tuple[int, str] | None:
+    """The leftmost `re.search` match from `origin` over `patterns` (the one listed first
+    on a tie): (where it begins, what it matched)."""
     expected = None
     for pattern in patterns:
         found = re.compile(pattern).search(text, origin)
         if found is not None and (expected is None or found.start() < expected[0]):
             expected = (found.start(), found.group())
-    assert StopRegexScanner(patterns).first_match(text, origin) == expected, patterns
-    scanner = StopRegexScanner(patterns)
-    assert scanner.feed(text) == any(re.search(p, text) for p in patterns)
+    return expected
 
 
 @pytest.mark.parametrize(
