@@ -274,8 +274,9 @@ class ProgramState(StateBlocks, StreamReading):
         """The meta info of generation `name` once it has run; None if the program made
         no generation of that name (as in SGLang; a failed program raises its error). For
         a variable a join gathered from fork branches, the list of the branches' meta info
-        in branch order (SGLang gives None there). A copy: a fork's branches share their
-        parent's meta info, so a change to it is the caller's own."""
+        in branch order (SGLang gives None there). A new dict each call: a fork's branches
+        share their parent's meta info, so a key set in it is the caller's own (the lists
+        and dicts in it are shared)."""
         self._wait_var(name)
         meta = self._stream.st.meta
         if name not in meta:

@@ -292,14 +292,13 @@ class Admission:
         slots, locked, until it extends again, and the chunked prompt's next chunk (computed
         before any waiting request goes in) once waited for them at every step, with
         nothing decoding to give them back (`give_back_held`): every request hung."""
-        for give_back in (False, True):
-            if give_back and not self.give_back_held():
-                return None
-            self._evict(self.allocator.pages_needed(n, last) * self.allocator.page_size)
+        need = self.allocator.pages_needed(n, last) * self.allocator.page_size
+        self._evict(need)
+        slots = self.allocator.alloc(n, last)
+        if slots is None and self.give_back_held():
+            self._evict(need)
             slots = self.allocator.alloc(n, last)
-            if slots is not None:
-                return slots
-        return None
+        return slots
 
     def _extend_batch(
         self, entries: list[tuple[Req, int]], counts: list[int], slots: torch.Tensor

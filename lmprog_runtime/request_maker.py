@@ -122,8 +122,10 @@ class RequestMaker:
             while end > 0 and ids[end - 1] in self._byte_pieces:
                 end -= 1  # (a run may be longer than the context: a CJK character before)
             context = ids[max(0, end - CONTEXT_TOKENS) : end]
-            text = self.decode(context, skip_special_tokens=skip) if context else ""
-            if not context or text.endswith("\ufffd"):
+            if not context:
+                return None
+            text = self.decode(context, skip_special_tokens=skip)
+            if text.endswith("\ufffd"):
                 return None
         return context, len(text)
 
