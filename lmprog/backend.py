@@ -13,9 +13,12 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmprog.chat_template import ChatRoles
+
+if TYPE_CHECKING:
+    from lmprog_runtime.engine import Engine
 
 
 class Backend(ABC):
@@ -45,7 +48,7 @@ class Backend(ABC):
         return_logprob: bool = False,
         logprob_start_len: list[int] | None = None,
         on_chunk: Callable[[int, dict[str, Any]], None] | None = None,
-    ) -> list[Future]:
+    ) -> list[Future[dict[str, Any]]]:
         """Submit requests without waiting: one Future per request, resolved with
         `{"text", "output_ids", "meta_info"}` as in `Engine.generate`. `group=True`
         co-schedules them (fork branches, choices); `on_chunk(i, chunk)` streams request
@@ -68,11 +71,13 @@ class Backend(ABC):
         on the runtime's own thread): it would wait forever, and so would every other
         request. A backend without such a thread accepts every wait."""
 
-    def abort(self, futures: list[Future]) -> None:  # noqa: B027 - optional to override
+    def abort(self, futures: list[Future[dict[str, Any]]]) -> None:  # noqa: B027 - optional
         """Cancel the requests behind `futures` (from `submit`); their futures then fail.
         A backend that cannot cancel lets them run to the end."""
 
-    def generate(self, input_ids, params, **options: Any) -> list[dict[str, Any]]:
+    def generate(
+        self, input_ids: list[list[int]], params: list[dict[str, Any]], **options: Any
+    ) -> list[dict[str, Any]]:
         """`submit` and wait for every result."""
         return [future.result() for future in self.submit(input_ids, params, **options)]
 
@@ -125,7 +130,7 @@ class _ChatTemplate:
 class EngineBackend(Backend):
     """`Backend` over an in-process `lmprog_runtime.Engine`."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         with _wrappers_lock:
@@ -149,14 +154,14 @@ class EngineBackend(Backend):
 
     def submit(
         self,
-        input_ids,
-        params,
+        input_ids: list[list[int]],
+        params: list[dict[str, Any]],
         *,
-        group=False,
-        return_logprob=False,
-        logprob_start_len=None,
-        on_chunk=None,
-    ):
+        group: bool = False,
+        return_logprob: bool = False,
+        logprob_start_len: list[int] | None = None,
+        on_chunk: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> list[Future[dict[str, Any]]]:
         # A gen's own request options travel inside its params.
         params = [dict(p) for p in params]
         want = [bool(p.pop("return_logprob", False)) or return_logprob for p in params]
@@ -176,12 +181,14 @@ class EngineBackend(Backend):
             on_chunk=on_chunk,
         )
 
-    def abort(self, futures):
+    def abort(self, futures: list[Future[dict[str, Any]]]) -> None:
         for future in futures:
             if not future.done():
                 self.engine.abort(future.request_id)
 
-    def render_chat(self, messages, add_generation_prompt=False):
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = False
+    ) -> str:
         return self._chat(messages, add_generation_prompt)
 
     def check_constraint(self, kind: str, pattern: str) -> None:
@@ -208,7 +215,7 @@ _default_backend: Backend | None = None
 _default_lock = threading.Lock()
 
 
-def set_default_backend(backend: Any) -> None:
+def set_default_backend(backend: Backend | Engine) -> None:
     """Programs run on `backend` (an `Engine` or a `Backend`) unless `run(backend=...)`."""
     global _default_backend
     with _default_lock:
@@ -224,7 +231,7 @@ def get_default_backend() -> Backend:
         return _default_backend
 
 
-def flush_cache(backend: Any = None) -> bool:
+def flush_cache(backend: Backend | Engine | None = None) -> bool:
     """SGLang's `sgl.flush_cache()`: drop every cached prefix of `backend`'s engine (the
     default backend's when None). Returns False (and drops nothing) while requests run."""
     resolved = as_backend(backend) if backend is not None else get_default_backend()

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from lmprog.backend import as_backend, get_default_backend
+from lmprog.backend import Backend, as_backend, get_default_backend
 from lmprog.display import in_notebook, show_live
 from lmprog.run_options import check_flag, check_num_threads, split_kwargs
 from lmprog.state import ProgramState
@@ -28,6 +28,7 @@ from lmprog.tracer import TracerState, trace
 
 if TYPE_CHECKING:
     from lmprog.datasets import MapRun
+    from lmprog_runtime.engine import Engine
 
 
 class Function:
@@ -69,7 +70,9 @@ class Function:
             return self.func(args[0], *args[1:], **{**self.bound, **kwargs})
         return self.run(*args, **kwargs)
 
-    def trace(self, *args: Any, backend: Any = None, **kwargs: Any) -> TracedProgram:
+    def trace(
+        self, *args: Any, backend: Backend | Engine | None = None, **kwargs: Any
+    ) -> TracedProgram:
         """Trace the program without running it: arguments not given stay symbolic.
 
         Static errors (a variable nothing produces, duplicate or empty select choices,
@@ -87,7 +90,7 @@ class Function:
         self,
         *args: Any,
         stream: bool = False,
-        backend: Any = None,
+        backend: Backend | Engine | None = None,
         live: bool | None = None,
         **kwargs: Any,
     ) -> ProgramState:
@@ -140,7 +143,7 @@ class Function:
         num_threads: int | str = ...,
         progress_bar: bool = ...,
         generator_style: Literal[False] = ...,
-        backend: Any = ...,
+        backend: Backend | Engine | None = ...,
         **defaults: Any,
     ) -> list[ProgramState]: ...
     @overload
@@ -151,7 +154,7 @@ class Function:
         num_threads: int | str = ...,
         progress_bar: bool = ...,
         generator_style: Literal[True],
-        backend: Any = ...,
+        backend: Backend | Engine | None = ...,
         **defaults: Any,
     ) -> Iterator[ProgramState]: ...
     @overload
@@ -162,7 +165,7 @@ class Function:
         num_threads: int | str = ...,
         progress_bar: bool = ...,
         generator_style: bool = ...,
-        backend: Any = ...,
+        backend: Backend | Engine | None = ...,
         **defaults: Any,
     ) -> list[ProgramState] | Iterator[ProgramState]: ...
     def run_batch(
@@ -172,7 +175,7 @@ class Function:
         num_threads: int | str = "auto",
         progress_bar: bool = False,
         generator_style: bool = False,
-        backend: Any = None,
+        backend: Backend | Engine | None = None,
         **defaults: Any,
     ) -> list[ProgramState] | Iterator[ProgramState]:
         """Run one program per item (a dict of keyword arguments, or a tuple of positional
@@ -227,7 +230,7 @@ class Function:
         window: int = 1024,
         num_threads: int | str = "auto",
         progress: bool = False,
-        backend: Any = None,
+        backend: Backend | Engine | None = None,
         **defaults: Any,
     ) -> MapRun:
         """Run the program once per row of `data`: a list (or iterable) of dicts, a pandas

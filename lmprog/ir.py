@@ -9,7 +9,7 @@ does not exist until the program runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 # Patterns for typed values (SGLang's names). Numbers are bounded by what the value's machine
 # type holds (18 digits always fit int64; float64 keeps 15-17 significant digits), so a
@@ -79,7 +79,7 @@ class Expr:
     def __len__(self) -> int:
         raise ConcreteValueNeeded(self, "len()")
 
-    def __iter__(self):
+    def __iter__(self) -> NoReturn:
         raise ConcreteValueNeeded(self, "iteration")
 
     def __getitem__(self, key: object) -> object:

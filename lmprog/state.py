@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmprog.backend import Backend
 from lmprog.display import LIVE_FLUSH_S, short_repr, stream_html
@@ -28,7 +28,7 @@ from lmprog.ir import (
     as_expr,
     flatten,
 )
-from lmprog.state_blocks import BranchGroup, StateBlocks, check_join_mode
+from lmprog.state_blocks import BranchGroup, JoinMode, StateBlocks, check_join_mode
 from lmprog.state_streaming import StreamReading
 from lmprog.static_checks import check_static
 from lmprog.stream import Stream
@@ -119,8 +119,10 @@ class ProgramState(StateBlocks, StreamReading):
             stream.append(nodes)
         return self
 
-    def __add__(self, other: object) -> None:
-        raise TypeError("use `s += ...` to append to a program state")
+    if not TYPE_CHECKING:  # (a checker names `s + x` an unsupported operand without it)
+
+        def __add__(self, other: object) -> None:
+            raise TypeError("use `s += ...` to append to a program state")
 
     def _append_node(self, node: Expr) -> None:
         self._stream.append([(node, node.name if isinstance(node, VarScopeEnd) else None)])
@@ -311,7 +313,7 @@ class ProgramState(StateBlocks, StreamReading):
         return stream_html(self._stream, self._stream.failure())
 
 
-class ProgramStateGroup(BranchGroup):
+class ProgramStateGroup(BranchGroup["ProgramState"]):
     """The branches of `s.fork(n)` in a running program: `forks[i] += ...`, `forks[i][name]`."""
 
     def __init__(self, parent: ProgramState, branches: list[ProgramState], fork_id: int) -> None:
@@ -320,7 +322,7 @@ class ProgramStateGroup(BranchGroup):
         self._fork_id = fork_id
         self._is_joined = False
 
-    def join(self, mode: str = "gather_variable") -> None:
+    def join(self, mode: JoinMode = "gather_variable") -> None:
         """End the branches: `gather_variable` sets parent[var] = [branch values] for the
         variables the branches made; `concate_and_append` appends each branch's new text.
         Returns at once; reading the parent waits for the branches."""

@@ -6,13 +6,14 @@ method forms), and the branches of a fork (`forks += ...`, `forks[i]`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, TypeVar
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from lmprog.api import role_expr
 from lmprog.ir import Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd
 
-JOIN_MODES = ("gather_variable", "concate_and_append")
+JoinMode = Literal["gather_variable", "concate_and_append"]
+JOIN_MODES: tuple[JoinMode, ...] = ("gather_variable", "concate_and_append")
 
 
 class StateBlocks:
@@ -44,42 +45,56 @@ class StateBlocks:
         self.__iadd__(role_expr(role, expr))
         return None
 
-    def system(self, expr: Expr | str | None = None):
+    # (for type checkers: with no text, a block for `with`; with text, a message appended)
+    @overload
+    def system(self, expr: None = None) -> AbstractContextManager[Any]: ...
+    @overload
+    def system(self, expr: Expr | str) -> None: ...
+    def system(self, expr: Expr | str | None = None) -> Any:
         """`with s.system(): s += ...` writes a system message; `s.system(expr)` appends one."""
         return self._role("system", expr)
 
-    def user(self, expr: Expr | str | None = None):
+    @overload
+    def user(self, expr: None = None) -> AbstractContextManager[Any]: ...
+    @overload
+    def user(self, expr: Expr | str) -> None: ...
+    def user(self, expr: Expr | str | None = None) -> Any:
         return self._role("user", expr)
 
-    def assistant(self, expr: Expr | str | None = None):
+    @overload
+    def assistant(self, expr: None = None) -> AbstractContextManager[Any]: ...
+    @overload
+    def assistant(self, expr: Expr | str) -> None: ...
+    def assistant(self, expr: Expr | str | None = None) -> Any:
         return self._role("assistant", expr)
 
-    def var_scope(self, name: str) -> Any:
+    def var_scope(self, name: str) -> AbstractContextManager[Any]:
         """Capture the text written inside the block as variable `name`."""
         if not isinstance(name, str):  # (as gen's name: a list failed as it was hashed)
             raise TypeError(f"var_scope's name must be a str, got {type(name).__name__}")
         return self._block(VarScopeBegin(name), VarScopeEnd(name))
 
 
-_Group = TypeVar("_Group", bound="BranchGroup")  # (`forks += ...` keeps the group's class)
+_Group = TypeVar("_Group", bound="BranchGroup[Any]")  # (`forks += ...` keeps its class)
+_Branch = TypeVar("_Branch", bound=StateBlocks)
 
 
-class BranchGroup:
+class BranchGroup(Generic[_Branch]):
     """The branches of a fork: `group += expr | callable(i) | list`, `group[i]`, iteration."""
 
-    def __init__(self, branches: list[Any]) -> None:
+    def __init__(self, branches: list[_Branch]) -> None:
         self._branches = branches
 
     def __len__(self) -> int:
         return len(self._branches)
 
-    def __getitem__(self, i: int) -> Any:
+    def __getitem__(self, i: int) -> _Branch:
         return self._branches[i]
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[_Branch]:
         return iter(self._branches)
 
-    def __setitem__(self, i: int, value: Any) -> None:
+    def __setitem__(self, i: int, value: _Branch) -> None:
         """`forks[i] += expr` appends to branch i, then assigns it back."""
         if value is not self._branches[i]:
             raise TypeError("forks[i] can only be appended to: `forks[i] += ...`")

@@ -34,7 +34,7 @@ from lmprog.ir import (
     as_expr,
     flatten,
 )
-from lmprog.state_blocks import BranchGroup, StateBlocks, check_join_mode
+from lmprog.state_blocks import BranchGroup, JoinMode, StateBlocks, check_join_mode
 from lmprog.static_checks import check_static
 
 Path = tuple[tuple[int, int], ...]  # (fork id, branch index) from the root to a stream
@@ -159,13 +159,13 @@ class TracerState(StateBlocks):
         return TracerGroup(self, branches, fork_id)
 
 
-class TracerGroup(BranchGroup):
+class TracerGroup(BranchGroup["TracerState"]):
     def __init__(self, parent: TracerState, branches: list[TracerState], fork_id: int) -> None:
         super().__init__(branches)
         self._parent = parent
         self._fork_id = fork_id
 
-    def join(self, mode: str = "gather_variable") -> None:
+    def join(self, mode: JoinMode = "gather_variable") -> None:
         check_join_mode(mode)
         parent = self._parent._stream
         tracer = self._parent._tracer

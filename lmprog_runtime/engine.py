@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +54,9 @@ from lmprog_runtime.stats import EngineStats
 from lmprog_runtime.steady_check import SteadyCheck
 from lmprog_runtime.token_healing import TokenHealer
 from lmprog_runtime.transfer import device_scope, require_device
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +102,9 @@ class Engine(RequestMaker, EngineGenerate, EngineCalls, EngineAsync, EngineLoop,
         # types' pipelines from the vocabulary instead (and is slower to import).
         is_gguf = Path(self.config.model_path).is_file()
         loader = PreTrainedTokenizerFast if is_gguf else AutoTokenizer
-        self.tokenizer = loader.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer: PreTrainedTokenizerBase = loader.from_pretrained(
+            model_dir, local_files_only=True
+        )
         self._tokenizer_lock = threading.Lock()
         self._backend_decode = backend_decode(self.tokenizer)
         # A byte-level tokenizer's decode, by table (None: the tokenizer's own decode)

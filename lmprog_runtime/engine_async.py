@@ -19,12 +19,84 @@ import threading
 import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Literal, overload
 
 
 class EngineAsync:
     """The asyncio half of `Engine`'s caller side."""
 
+    # (for type checkers, as `generate`'s: a dict for one prompt, a list for a list, an async
+    # iterator for a stream)
+    @overload
+    async def async_generate(
+        self,
+        prompt: str,
+        sampling_params: dict[str, Any] | None = ...,
+        *,
+        input_ids: None = ...,
+        return_logprob: bool | None = ...,
+        logprob_start_len: int | None = ...,
+        top_logprobs_num: int | None = ...,
+        return_text_in_logprobs: bool | None = ...,
+        stream: Literal[False] = ...,
+        group: bool = ...,
+    ) -> dict[str, Any]: ...
+    @overload
+    async def async_generate(
+        self,
+        prompt: None = ...,
+        sampling_params: dict[str, Any] | None = ...,
+        *,
+        input_ids: list[int],
+        return_logprob: bool | None = ...,
+        logprob_start_len: int | None = ...,
+        top_logprobs_num: int | None = ...,
+        return_text_in_logprobs: bool | None = ...,
+        stream: Literal[False] = ...,
+        group: bool = ...,
+    ) -> dict[str, Any]: ...
+    @overload
+    async def async_generate(
+        self,
+        prompt: list[str] | None = ...,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = ...,
+        *,
+        input_ids: list[list[int]] | None = ...,
+        return_logprob: bool | list[bool] | None = ...,
+        logprob_start_len: int | list[int] | None = ...,
+        top_logprobs_num: int | list[int] | None = ...,
+        return_text_in_logprobs: bool | list[bool] | None = ...,
+        stream: Literal[False] = ...,
+        group: bool = ...,
+    ) -> list[dict[str, Any]]: ...
+    @overload
+    async def async_generate(
+        self,
+        prompt: str | None = ...,
+        sampling_params: dict[str, Any] | None = ...,
+        *,
+        input_ids: list[int] | None = ...,
+        return_logprob: bool | None = ...,
+        logprob_start_len: int | None = ...,
+        top_logprobs_num: int | None = ...,
+        return_text_in_logprobs: bool | None = ...,
+        stream: Literal[True],
+        group: bool = ...,
+    ) -> AsyncIterator[dict[str, Any]]: ...
+    @overload
+    async def async_generate(  # (arguments whose kind is known only at run time)
+        self,
+        prompt: str | list[str] | None = ...,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = ...,
+        *,
+        input_ids: list[int] | list[list[int]] | None = ...,
+        return_logprob: bool | list[bool] | None = ...,
+        logprob_start_len: int | list[int] | None = ...,
+        top_logprobs_num: int | list[int] | None = ...,
+        return_text_in_logprobs: bool | list[bool] | None = ...,
+        stream: bool = ...,
+        group: bool = ...,
+    ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]: ...
     async def async_generate(
         self,
         prompt: str | list[str] | None = None,
@@ -61,7 +133,7 @@ class EngineAsync:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
-        submitted: list[Future] = []
+        submitted: list[Future[dict[str, Any]]] = []
 
         def hand_on(_: int, chunk: dict[str, Any] | None) -> None:  # (the engine's thread)
             try:
@@ -77,7 +149,7 @@ class EngineAsync:
 
     async def _submitted(
         self, prompt: Any, sampling_params: Any, inputs: dict[str, Any]
-    ) -> list[Future]:
+    ) -> list[Future[dict[str, Any]]]:
         """`submit`'s futures; from a worker thread where a pattern may compile. A task
         cancelled meanwhile aborts the requests once they are submitted."""
         submit, may_compile = self.submit, self.may_compile  # type: ignore[attr-defined]
@@ -85,7 +157,7 @@ class EngineAsync:
         every = sampling_params if isinstance(sampling_params, list) else [sampling_params]
         if not any(isinstance(params, dict) and may_compile(params) for params in every):
             return call()
-        submitted: Future = Future()
+        submitted: Future[list[Future[dict[str, Any]]]] = Future()
         submitted.set_running_or_notify_cancel()  # (a cancelled await must not cancel it)
 
         def run() -> None:

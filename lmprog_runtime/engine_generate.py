@@ -163,7 +163,7 @@ class EngineGenerate:
         return_text_in_logprobs: bool | list[bool] | None = False,
         group: bool = False,
         on_chunk: Callable[[int, dict[str, Any]], None] | None = None,
-    ) -> list[Future]:
+    ) -> list[Future[dict[str, Any]]]:
         """`generate` without waiting: one `concurrent.futures.Future` per prompt, resolved
         with the result dict (or the request's error) when it finishes. `on_chunk(i, chunk)`
         receives prompt i's streamed deltas. Callbacks (`on_chunk` and the futures' done
@@ -187,9 +187,9 @@ class EngineGenerate:
             return_text_in_logprobs,
             stream=False,
         )
-        futures: list[Future] = []
+        futures: list[Future[dict[str, Any]]] = []
         for i, req in enumerate(reqs):
-            future: Future = RequestFuture()
+            future: Future[dict[str, Any]] = RequestFuture()
             future.set_running_or_notify_cancel()
             future.request_id = req.rid  # type: ignore[attr-defined] - for `abort`
             future.engine = self  # type: ignore[attr-defined] - alive till `resolve_future`

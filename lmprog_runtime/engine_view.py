@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from lmprog_runtime.kvcache.radix_view import RadixTreeView
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from lmprog_runtime.engine import Engine
 
 # Share of the KV pool per memory state, in the bar.
@@ -96,7 +98,7 @@ class EngineView:
     def reset_stats(self) -> None:
         self._stats.reset()
 
-    def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """The model's tokenizer (`self.tokenizer`; SGLang's `Runtime.get_tokenizer()`)."""
         return self.tokenizer
 

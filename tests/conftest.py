@@ -11,6 +11,7 @@ before its shutdown, since shutting down fails whatever is left and so hides a l
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -94,10 +95,12 @@ def _engine_registry():
     registry = EngineRegistry()
     init, shutdown = Engine.__init__, Engine.shutdown
 
+    @functools.wraps(init)  # (its signature, for tests that read the public ones)
     def registering_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
         registry.engines.add(self)
 
+    @functools.wraps(shutdown)
     def checking_shutdown(self):
         if threading.current_thread() is not self._thread:  # (from a callback, it is refused)
             registry.on_shutdown(self)
