@@ -61,7 +61,7 @@ class Admission:
         # The chunked prompt's next chunk is allocated first: counted here, a request
         # admitted beside it can no longer lock the prefix the chunk must evict (both then
         # failed to allocate, at every step).
-        used = self._reserved_tokens() + sum(self._slots_needed(r, n) for r, n in entries)
+        used = self._reserved_tokens() + sum(self._rest_needed(r) for r, _ in entries)
         if not entries and num_decoding and self._admission_waits(waiting, num_active, used):
             self.stats.add("admission_waits")
             return None
@@ -69,7 +69,8 @@ class Admission:
         blocked: set[int] = set()  # groups that cannot go in now: tried once per step
         queued: set[int] | None = None  # ids in `self.waiting`, once a group needs them
         blocks = PrefixBlocks()
-        for req in self.policy.order(waiting):
+        first = self.overtakes.first(waiting)  # (passed by too many: it blocks the rest)
+        for req in self.policy.order(waiting, first):
             if id(req) in admitted or id(req.group) in blocked:
                 continue
             # (a lone request is in `waiting` still: only its own admission refuses it;
@@ -89,7 +90,7 @@ class Admission:
             if len(members) > room:
                 if req.group is not None and not entries and not self.running and room > 0:
                     members = members[:room]  # a group too big to ever fit goes in parts
-                elif req.group is not None:
+                elif req.group is not None and req is not first:
                     blocked.add(id(req.group))
                     continue
                 elif room <= 0 < self.config.max_running_requests - num_active:
@@ -115,9 +116,9 @@ class Admission:
                 if id(member) not in planned:  # waits: give back its lock, row and K/V
                     self.give_back(member, held[id(member)])
             if not plan:
-                if req.group is not None:
+                if req.group is not None and req is not first:
                     blocked.add(id(req.group))  # (each member would claim them all again)
-                    continue  # a blocked group must not stall the rest
+                    continue  # a blocked group must not stall the rest (`Overtakes`)
                 # A request that does not fit stops admission, as in SGLang: skipped past, a
                 # request that needs the running ones' room never got it under steady load.
                 break
@@ -134,6 +135,7 @@ class Admission:
                 used += need
             if budget <= 0:
                 break
+        self.overtakes.note(waiting, admitted)
         if not entries:
             return None
         if admitted:
@@ -173,6 +175,14 @@ class Admission:
     def _slots_needed(self, req: Req, n: int) -> int:
         """KV slots that extending `req` by `n` tokens takes, in whole pages."""
         return self.allocator.pages_needed(n, self._last_slot(req)) * self.allocator.page_size
+
+    def _rest_needed(self, req: Req) -> int:
+        """KV slots the chunked request's remaining chunks and its output take."""
+        return self._slots_needed(req, req.seq_len - req.kv_len) + self._output_reserve(req)
+
+    def _output_reserve(self, req: Req) -> int:
+        """Slots set aside for `req`'s output (the share `new_token_ratio` expects)."""
+        return int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
 
     def _room(self, num_active: int, holding: int = 0) -> int:
         """How many more requests may run next to `num_active`, `holding` of them holding
@@ -223,8 +233,11 @@ class Admission:
                     return None
             if chunk_size is not None and can_chunk and extend > chunk_size:
                 extend = chunk_size
-            need = self._slots_needed(req, extend)
-            reserve = int((req.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
+            # A prompt going in chunks needs room for all of them (as SGLang's check of the
+            # whole prompt): room for its first chunk only, it went in and was retracted
+            # once the pool filled, its chunks computed again.
+            need = self._slots_needed(req, req.seq_len - req.kv_len)
+            reserve = self._output_reserve(req)
             if need + reserve > available and (entries or plan or self.running):
                 if plan and not entries and not self.running:
                     return plan  # a group larger than the pool is admitted in parts

@@ -9,10 +9,16 @@
 
 With more than `MAX_CACHE_AWARE_QUEUE` waiting requests the cache-aware policies fall back to
 arrival order: matching every waiting prompt each step would cost more than it saves.
+
+Whatever the policy, the request at the head of the queue (the oldest, or one retracted)
+that `MAX_OVERTAKES` later requests have passed goes first, and until it goes in nothing
+else does (`Overtakes`): a prompt sharing no cached prefix under `lpm`, or a fork's group
+needing several rows at once, was passed by every later request under a steady load.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 
@@ -23,6 +29,8 @@ MAX_CACHE_AWARE_QUEUE = 128
 # Requests sharing at least this many not-yet-cached leading tokens with a request admitted
 # in the same step wait one step, then reuse its prefix from the cache.
 SHARED_PREFIX_BLOCK = 32
+# Later requests admitted past the queue's head before it goes first (and blocks the rest).
+MAX_OVERTAKES = 32
 
 
 class SchedulePolicy:
@@ -30,11 +38,15 @@ class SchedulePolicy:
         self.policy = policy
         self.req_cache = req_cache
 
-    def order(self, waiting: list[Req]) -> Iterable[Req]:
+    def order(self, waiting: list[Req], first: Req | None = None) -> Iterable[Req]:
         """Waiting requests in admission order; each has a fresh prefix match by the time
         it comes (in arrival order, each is matched only then: admission stops at the
         first that does not fit, most steps after one or two). A group's other members
-        are matched by the scheduler when it claims them with it."""
+        are matched by the scheduler when it claims them with it. `first`: `waiting[0]`,
+        put first whatever the policy (`Overtakes.first`)."""
+        if first is not None:
+            self.req_cache.match(first)
+            return itertools.chain((first,), self.order(waiting[1:]))
         if self.policy == "fcfs" or len(waiting) > MAX_CACHE_AWARE_QUEUE:
             return self._matched(waiting[:MAX_CACHE_AWARE_QUEUE])
         if self.policy == "lpm":  # (longest first; a stable sort: ties in arrival order)
@@ -101,3 +113,31 @@ def _block_hashes(ids: list[int]):
     for end in range(SHARED_PREFIX_BLOCK, len(ids) + 1, SHARED_PREFIX_BLOCK):
         h = hash((h, tuple(ids[end - SHARED_PREFIX_BLOCK : end])))
         yield h, end
+
+
+class Overtakes:
+    """How many later requests admission has let past the head of the queue: once
+    `MAX_OVERTAKES` have, the head goes first and admission stops at it until it fits (as
+    at any request that does not fit in arrival order), so no request waits unboundedly.
+    Only the head is counted: every request becomes the head in time."""
+
+    def __init__(self) -> None:
+        self.head: Req | None = None
+        self.count = 0
+
+    def first(self, waiting: list[Req]) -> Req | None:
+        """The request that must go first this step (the head, passed too often), if any."""
+        if waiting and waiting[0] is self.head and self.count >= MAX_OVERTAKES:
+            return self.head
+        return None
+
+    def note(self, waiting: list[Req], admitted: set[int]) -> None:
+        """After admission: count the requests admitted past `waiting[0]`, this step's head
+        (those it admitted, the head not among them), or start over with a new head."""
+        head = waiting[0] if waiting else None
+        if head is None or id(head) in admitted:
+            self.head, self.count = None, 0
+        elif head is not self.head:
+            self.head, self.count = head, len(admitted)
+        else:
+            self.count += len(admitted)
