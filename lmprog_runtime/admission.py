@@ -21,7 +21,13 @@ import torch
 
 from lmprog_runtime.forward_batch import ForwardMode
 from lmprog_runtime.request import Req
-from lmprog_runtime.schedule_policy import MAX_CACHE_AWARE_QUEUE, SHARED_PREFIX_BLOCK, PrefixBlocks
+from lmprog_runtime.schedule_policy import (
+    MAX_CACHE_AWARE_QUEUE,
+    SHARED_PREFIX_BLOCK,
+    PrefixBlocks,
+    first_in_line,
+    note_overtakes,
+)
 from lmprog_runtime.scheduled_batch import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -69,7 +75,7 @@ class Admission:
         blocked: set[int] = set()  # groups that cannot go in now: tried once per step
         queued: set[int] | None = None  # ids in `self.waiting`, once a group needs them
         blocks = PrefixBlocks()
-        first = self.overtakes.first(waiting)  # (passed by too many: it blocks the rest)
+        first = first_in_line(waiting)  # (passed by too many: it blocks the rest)
         for req in self.policy.order(waiting, first):
             if id(req) in admitted or id(req.group) in blocked:
                 continue
@@ -118,7 +124,7 @@ class Admission:
             if not plan:
                 if req.group is not None and req is not first:
                     blocked.add(id(req.group))  # (each member would claim them all again)
-                    continue  # a blocked group must not stall the rest (`Overtakes`)
+                    continue  # a blocked group must not stall the rest (`first_in_line`)
                 # A request that does not fit stops admission, as in SGLang: skipped past, a
                 # request that needs the running ones' room never got it under steady load.
                 break
@@ -135,7 +141,8 @@ class Admission:
                 used += need
             if budget <= 0:
                 break
-        self.overtakes.note(waiting, admitted)
+        if admitted:
+            note_overtakes(waiting, [r for r, _ in entries if id(r) in admitted])
         if not entries:
             return None
         if admitted:

@@ -9,6 +9,7 @@ called on the loop thread: they must only hand the result on, never block.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import time
@@ -24,6 +25,8 @@ from lmprog_runtime.results import DoneFlag
 from lmprog_runtime.sampling_params import SamplingParams
 from lmprog_runtime.stop_regex import StopRegexScanner
 from lmprog_runtime.token_healing import Heal
+
+_ARRIVALS = itertools.count()  # (`Req.arrival`: the order requests were made in)
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +123,8 @@ class Req(ReqStops, ReqText):
         self.last_node: Any = None  # radix node locked for those tokens
         self.match: Any = None  # the latest prefix match, claimed at admission
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.arrival = next(_ARRIVALS)
+        self.overtaken = 0  # later requests admitted while it waited (`first_in_line`)
         # Tokens it held when it last gave its K/V back to wait again (retracted): claimed
         # back from the cache they are its own, not served (they counted as cached twice).
         self.held_len = 0

@@ -10,14 +10,14 @@
 With more than `MAX_CACHE_AWARE_QUEUE` waiting requests the cache-aware policies fall back to
 arrival order: matching every waiting prompt each step would cost more than it saves.
 
-Whatever the policy, the request at the head of the queue (the oldest, or one retracted)
-that `MAX_OVERTAKES` later requests have passed goes first, and until it goes in nothing
-else does (`Overtakes`): a prompt sharing no cached prefix under `lpm`, or a fork's group
+Whatever the policy, a waiting request that `MAX_OVERTAKES` later requests have passed
+goes first, and until it goes in nothing else does (`first_in_line`): a prompt sharing no cached prefix under `lpm`, or a fork's group
 needing several rows at once, was passed by every later request under a steady load.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -29,7 +29,7 @@ MAX_CACHE_AWARE_QUEUE = 128
 # Requests sharing at least this many not-yet-cached leading tokens with a request admitted
 # in the same step wait one step, then reuse its prefix from the cache.
 SHARED_PREFIX_BLOCK = 32
-# Later requests admitted past the queue's head before it goes first (and blocks the rest).
+# Later requests admitted past a waiting one before it goes first (and blocks the rest).
 MAX_OVERTAKES = 32
 
 
@@ -42,11 +42,11 @@ class SchedulePolicy:
         """Waiting requests in admission order; each has a fresh prefix match by the time
         it comes (in arrival order, each is matched only then: admission stops at the
         first that does not fit, most steps after one or two). A group's other members
-        are matched by the scheduler when it claims them with it. `first`: `waiting[0]`,
-        put first whatever the policy (`Overtakes.first`)."""
+        are matched by the scheduler when it claims them with it. `first`: one of them,
+        put first whatever the policy (`first_in_line`)."""
         if first is not None:
             self.req_cache.match(first)
-            return itertools.chain((first,), self.order(waiting[1:]))
+            return itertools.chain((first,), self.order([r for r in waiting if r is not first]))
         if self.policy == "fcfs" or len(waiting) > MAX_CACHE_AWARE_QUEUE:
             return self._matched(waiting[:MAX_CACHE_AWARE_QUEUE])
         if self.policy == "lpm":  # (longest first; a stable sort: ties in arrival order)
@@ -115,29 +115,26 @@ def _block_hashes(ids: list[int]):
         yield h, end
 
 
-class Overtakes:
-    """How many later requests admission has let past the head of the queue: once
-    `MAX_OVERTAKES` have, the head goes first and admission stops at it until it fits (as
-    at any request that does not fit in arrival order), so no request waits unboundedly.
-    Only the head is counted: every request becomes the head in time."""
+def first_in_line(waiting: list[Req]) -> Req | None:
+    """The request that must go first this step, if any: the oldest of `waiting` (the
+    requests admission reads) that `MAX_OVERTAKES` later ones have gone in past. Admission
+    then stops at it until it fits, as at any request that does not fit in arrival order.
+    (Counted for each request, by arrival: counted for the queue's head only, a request
+    jumped forward or retracted, put in front of a starved one, started its count over.)"""
+    first = None
+    for req in waiting:
+        if req.overtaken >= MAX_OVERTAKES and (first is None or req.arrival < first.arrival):
+            first = req
+    return first
 
-    def __init__(self) -> None:
-        self.head: Req | None = None
-        self.count = 0
 
-    def first(self, waiting: list[Req]) -> Req | None:
-        """The request that must go first this step (the head, passed too often), if any."""
-        if waiting and waiting[0] is self.head and self.count >= MAX_OVERTAKES:
-            return self.head
-        return None
-
-    def note(self, waiting: list[Req], admitted: set[int]) -> None:
-        """After admission: count the requests admitted past `waiting[0]`, this step's head
-        (those it admitted, the head not among them), or start over with a new head."""
-        head = waiting[0] if waiting else None
-        if head is None or id(head) in admitted:
-            self.head, self.count = None, 0
-        elif head is not self.head:
-            self.head, self.count = head, len(admitted)
-        else:
-            self.count += len(admitted)
+def note_overtakes(waiting: list[Req], admitted: list[Req]) -> None:
+    """After admission: each request of `waiting` left waiting counts those `admitted`
+    that arrived after it."""
+    if not admitted:
+        return
+    arrivals = sorted(req.arrival for req in admitted)
+    newest = arrivals[-1]
+    for req in waiting:
+        if req.arrival < newest:
+            req.overtaken += len(arrivals) - bisect.bisect_right(arrivals, req.arrival)

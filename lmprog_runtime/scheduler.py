@@ -29,7 +29,7 @@ from lmprog_runtime.kvcache.req_cache import ReqCache
 from lmprog_runtime.request import Req
 from lmprog_runtime.run_choice import RunChoice
 from lmprog_runtime.run_slots import RunSlots
-from lmprog_runtime.schedule_policy import Overtakes, SchedulePolicy
+from lmprog_runtime.schedule_policy import SchedulePolicy
 from lmprog_runtime.scheduled_batch import ScheduledBatch
 from lmprog_runtime.stats import EngineStats
 from lmprog_runtime.transfer import host_ints
@@ -74,7 +74,6 @@ class Scheduler(Admission, RunSlots):
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self._ratio_scale
         self._last_was_extend = False
         self._refused: list[tuple[Req, Exception]] = []  # admission raised for these
-        self.overtakes = Overtakes()  # the queue's head, passed over by later requests
         self.fault: Callable[[str, Req], None] = lambda point, req: None  # a test hook
 
     @property
