@@ -74,15 +74,18 @@ class Unsupported(Exception):
 
 class NFA:
     """States 0.. (0 is FINAL): a character state has a test and one next state, an
-    epsilon state a list of next states."""
+    epsilon state a list of next states. `literals[state]`: the one character a state's
+    test takes, where it takes one only (a literal, not under `(?i)`), else None."""
 
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, max_states: int = MAX_NFA_STATES) -> None:
         parsed = sre_parse.parse(pattern)
         flags = parsed.state.flags
         if flags & ~_FLAGS:  # (a bytes pattern's LOCALE, DEBUG)
             raise Unsupported(pattern)
+        self.max_states = max_states
         self.tests: list[Callable[[str], bool] | None] = [None]
         self.nexts: list[Any] = [[]]
+        self.literals: list[str | None] = [None]
         self.repeats_empty = False  # whether a repeat's body can match nothing
         self.initial = self._sequence(parsed, FINAL, Flags(flags & _CHAR_FLAGS, ()))
 
@@ -126,11 +129,12 @@ class NFA:
                 todo.extend(reversed(nexts[state]))
         return out
 
-    def _add(self, test: Callable[[str], bool] | None, nxt: Any) -> int:
-        if len(self.tests) >= MAX_NFA_STATES:
+    def _add(self, test: Callable[[str], bool] | None, nxt: Any, literal: str | None = None) -> int:
+        if len(self.tests) >= self.max_states:
             raise Unsupported("too many states")
         self.tests.append(test)
         self.nexts.append(nxt)
+        self.literals.append(literal)
         return len(self.tests) - 1
 
     def _sequence(self, items: Any, nxt: int, flags: Flags) -> int:
@@ -141,7 +145,8 @@ class NFA:
 
     def _item(self, op: Any, av: Any, nxt: int, flags: Flags) -> int:
         if op in (sre_constants.LITERAL, sre_constants.NOT_LITERAL, sre_constants.ANY):
-            return self._add(_char_test(op, av, flags), nxt)
+            one = op is sre_constants.LITERAL and not flags.any_set(re.IGNORECASE)
+            return self._add(_char_test(op, av, flags), nxt, chr(av) if one else None)
         if op is sre_constants.IN:
             return self._add(_class_test(av, flags), nxt)
         if op is sre_constants.BRANCH:

@@ -122,12 +122,12 @@ class TokenHealer:
 
 def healed_pattern(text: str, regex: str) -> str:
     """`regex` with the literal `text` in front: ASCII other than letters and digits as
-    `\\xHH` escapes (read alike by outlines-core and interegular), other characters as
+    `\\xHH` escapes (read alike by outlines-core and Python's `re`), other characters as
     themselves (none of them is special in a regex). Anchors and global flags belong to the
     gen's own output: a `regex` with them (`^\\d+$`, `(?i)yes`) goes in without its edge
     anchors, or as `portable_regex` writes it (with neither) where that is not enough. The
-    rest go in as written: jump-forward reads them with interegular, which does not read
-    the portable form."""
+    rest go in as written: jump-forward reads them as Python's `re` does, and the portable
+    form is outlines-core's."""
     literal = "".join(
         ch if ch.isalnum() or not ch.isascii() else f"\\x{ord(ch):02x}" for ch in text
     )

@@ -70,8 +70,8 @@ class GrammarCache:
         self._closed = False
 
     def char_fsm(self, grammar: Grammar):
-        """The character-level FSM of a compiled grammar, for jump-forward (built once);
-        None where interegular cannot read its pattern (it runs without jump-forward)."""
+        """The character automaton of a compiled grammar, for jump-forward (built once);
+        None where it cannot be built from the pattern (it runs without jump-forward)."""
         if not hasattr(grammar, "_char_fsm"):
             _build_char_fsm(grammar)
         return grammar._char_fsm or None  # type: ignore[attr-defined]
@@ -217,15 +217,15 @@ class GrammarCache:
 
 
 def _build_char_fsm(grammar: Grammar) -> None:
-    """Set `grammar._char_fsm`: its character FSM, or False where interegular cannot read
-    a pattern outlines-core compiled (`\\u00e9`, an anchor inside it, flags: no
-    jump-forward then)."""
+    """Set `grammar._char_fsm`: its character automaton, or False where `regex_nfa` cannot
+    read a pattern outlines-core compiled (an anchor inside it, over `MAX_STATES` states:
+    no jump-forward then)."""
     from lmprog_runtime.constrained.jump_forward import CharFSM
 
     try:
-        regex = without_edge_anchors(grammar.regex)  # (interegular reads no anchor)
+        regex = without_edge_anchors(grammar.regex)  # (the NFA reads no anchor)
         grammar._char_fsm = CharFSM(regex)  # type: ignore[attr-defined]
-    except Exception as error:  # noqa: BLE001 - interegular's own exception types
+    except Exception as error:  # noqa: BLE001 - `Unsupported`, re.error, RecursionError
         logger.info("no jump-forward for %.80r: %s", grammar.regex, error)
         grammar._char_fsm = False  # type: ignore[attr-defined]
 

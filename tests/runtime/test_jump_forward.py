@@ -318,9 +318,10 @@ def test_a_long_constrained_output_decodes_a_window_per_token(engines, monkeypat
 
 
 @pytest.mark.parametrize("regex", [r"\u00e9{2}", r"[\u0400-\u04FF]{2}", "(?x) a b c"])
-def test_a_pattern_interegular_cannot_read_runs_without_jump_forward(engines, regex):
-    """outlines-core compiles these and interegular (the jump-forward FSM) cannot: the
-    request runs as with jump-forward off (it once failed with interegular's own error)."""
+def test_a_pattern_interegular_cannot_read_runs_as_with_jump_forward_off(engines, regex):
+    """outlines-core compiles these and interegular (jump-forward's automaton once) could
+    not: the request failed with interegular's own error. The output is the one
+    jump-forward off gives."""
     on, off = engines
     params = {"regex": regex, "max_new_tokens": 8, "temperature": 0}
     out = on.generate("x", params)
@@ -350,11 +351,25 @@ def test_a_slow_jump_forward_fsm_is_bounded_by_the_compile_timeout(tiny_path, mo
             release.set()
 
 
-def test_a_compile_past_the_timeout_stops_and_leaves_the_compile_threads_free(tiny_path):
-    """`(a|b)*a(a|b){13}`'s jump-forward FSM takes interegular minutes to build. Refused at
-    the timeout, each build went on: four of them held every compile thread, and any other
-    pattern then timed out behind them. Now each stops at the timeout, and its thread
-    exits."""
+def test_a_compile_past_the_timeout_stops_and_leaves_the_compile_threads_free(
+    tiny_path, monkeypatch
+):
+    """A jump-forward automaton slow to build (interegular's DFA of `(a|b)*a(a|b){13}`
+    took minutes; a build that spins stands in for one here). Refused at the timeout, each
+    build went on: four of them held every compile thread, and any other pattern then timed
+    out behind them. Now each stops at the timeout, and its thread exits."""
+    from lmprog_runtime.constrained import jump_forward
+
+    build = jump_forward.CharFSM.__init__
+
+    def slow(self, regex):
+        if regex.startswith("(a|b)*"):
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # (Python code: the timeout interrupts it)
+                pass
+        build(self, regex)
+
+    monkeypatch.setattr(jump_forward.CharFSM, "__init__", slow)
     before = set(_compile_threads())  # (other engines' compile threads are not this one's)
     with Engine(tiny_path, max_total_tokens=1024, grammar_compile_timeout_s=2) as engine:
         for tail in "cdef":  # one per compile thread
