@@ -6,7 +6,9 @@ translation (`schema_prepare.py`) so that every string allowed validates.
   the quotes into its branches), so every string allowed contains a match. What it lets a
   string hold raw is narrowed to what JSON holds raw: `.` and negated classes leave out
   the quote, the backslash and control characters, as does a class's range (`[ -~]`,
-  printable ASCII, held both), `\\s` is a space; what cannot be narrowed so (`\\S`,
+  printable ASCII, held both), `\\s` is a space, `\\w` the word characters of both
+  Python's `re` and pydantic's (Rust's) regex: no "other number" (`¼`, `₂`, which `re`
+  takes and pydantic refuses); what cannot be narrowed so (`\\S`,
   `\\W`, `\\D`, a quote or a backslash, escapes of control characters, octal and named
   ones: `\\n`, `\\042`, `\\N{...}`, `[\\b]`) is refused.
 - The formats `date`, `time`, `date-time`, `email` and `uri` become patterns of ASCII that
@@ -22,8 +24,11 @@ translation (`schema_prepare.py`) so that every string allowed validates.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+import sys
+import unicodedata
 
 from lmprog_runtime.constrained.portable_regex import width
 
@@ -169,6 +174,10 @@ def _narrowed_class(body: str, i: int, pattern: str) -> tuple[str, int]:
         raise ValueError(
             f"unsupported JSON schema: pattern {pattern!r} has a class JSON holds no character of"
         )
+    if not negated and _WORD in out:  # (`[\\w.-]`: narrowed `\\w` or the rest)
+        rest = [piece for piece in out if piece != _WORD]
+        word = _word_class()
+        return (f"(?:{word}|[{''.join(rest)}])" if rest else word), j + 1
     return "[" + ("^" + _UNSAFE if negated else "") + "".join(out) + "]", j + 1
 
 
@@ -202,4 +211,24 @@ def _escape(ch: str, pattern: str, in_class: bool = False) -> str:
         )
     if ch == "s":
         return " "
+    if ch == "w" and not in_class:
+        return _word_class()
     return "\\" + ch
+
+
+_WORD = "\\w"
+
+
+@functools.cache
+def _word_class() -> str:
+    """`\\w` less the characters Python's `re` takes in it and pydantic's regex (Rust's
+    `\\w`: letters, marks, decimal digits, connectors) does not: the "other numbers"."""
+    others = [c for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "No"]
+    ranges, start = [], others[0]
+    for prev, code in zip(others, others[1:] + [-1]):
+        if code != prev + 1:
+            ranges.append(
+                _class_char(chr(start)) + ("" if start == prev else "-" + _class_char(chr(prev)))
+            )
+            start = code
+    return "[^\\W" + "".join(ranges) + "]"

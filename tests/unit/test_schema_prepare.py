@@ -8,6 +8,8 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import sys
+from typing import Annotated
 from urllib.parse import urlparse
 
 import jsonschema
@@ -123,6 +125,7 @@ def test_what_can_be_enforced_still_translates(schema):
 PATTERNS = [
     *("^x.{2}$", "a|b", "[^x]{1,3}", "^[A-Z]{2}-\\d{2}$", "[a-c]\\s[^]a]", "(yes|no)!"),
     *("^[ -~]{3}$", "[!-#]{2}", "[\\]-a]", "[-x]+"),  # (ranges that held a quote or a backslash)
+    *("^\\w+@\\w+\\.com$", "[\\w.-]{2,4}", "[^\\w]\\w"),
 ]
 
 
@@ -135,6 +138,25 @@ def test_a_narrowed_pattern_allows_only_strings_the_original_finds_and_json_hold
     text = data.draw(st.from_regex(json_safe_pattern(pattern), fullmatch=True))
     assert re.search(pattern, text), (pattern, text)
     assert json.dumps(text, ensure_ascii=False) == f'"{text}"'  # (nothing to escape)
+
+
+@pytest.mark.parametrize("pattern", ["^\\w$", "^[\\w.]$"])
+def test_word_characters_are_the_ones_pydantic_takes_too(pattern):
+    """Every character: `\\w` in a schema's pattern takes one where both Python's `re` and
+    pydantic (Rust's regex) do. It took what `re` takes, so pydantic refused `¼` or `₂`."""
+    narrowed = re.compile(json_safe_pattern(pattern))
+    adapter = pydantic.TypeAdapter(Annotated[str, pydantic.StringConstraints(pattern=pattern)])
+    python = re.compile(pattern)
+    for code in range(sys.maxunicode + 1):
+        char = chr(code)
+        if python.fullmatch(char) is None:
+            continue
+        try:
+            adapter.validate_python(char)
+            taken = True
+        except pydantic.ValidationError:
+            taken = False
+        assert (narrowed.fullmatch(char) is not None) == taken, hex(code)
 
 
 @settings(max_examples=80, deadline=None)
