@@ -204,7 +204,16 @@ class GrammarCache:
     def _compile(self, kind: str, pattern: str) -> Grammar:
         regex = pattern if kind == "regex" else self.backend.schema_to_regex(pattern)
         if len(regex) > MAX_PATTERN_CHARS:
-            raise ValueError(f"the {kind} expands to a regex too large to compile")
+            hint = (
+                "; optional properties grow it most (each may be left out, so the pattern "
+                "spells out what may follow each): make some required, or split the schema"
+                if kind == "json_schema"
+                else ""
+            )
+            raise ValueError(
+                f"the {kind} expands to a regex of {len(regex):,} characters, over the "
+                f"{MAX_PATTERN_CHARS:,} this engine compiles{hint}"
+            )
         grammar = self.backend.compile_regex(regex)
         if self.jump_forward:  # (here, not on the caller's thread: its size may explode)
             _build_char_fsm(grammar)

@@ -207,3 +207,21 @@ def test_compiles_go_on_past_a_dead_child_and_past_fd_1023(backend, tmp_path):
         for file in files:
             file.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_schema_too_large_to_compile_says_how_large_and_what_helps(backend):
+    """Twelve optional properties: each may be left out, so the pattern spells out what may
+    follow each (quadratic). The error said only "too large to compile"."""
+    import json
+
+    optional = {f"f{i}": {"anyOf": [{"type": "integer"}, {"type": "null"}]} for i in range(12)}
+    schema = json.dumps({"type": "object", "properties": optional})
+    cache = GrammarCache(backend, timeout_s=60)
+    try:
+        with pytest.raises(ValueError, match=r"of [\d,]+ characters, over the 50,000") as error:
+            cache.get("json_schema", schema)
+        assert "make some required" in str(error.value)
+        required = json.dumps({"type": "object", "properties": optional, "required": ["f0"]})
+        assert cache.get("json_schema", required)  # (what the message says helps)
+    finally:
+        cache._pool.shutdown()
