@@ -34,6 +34,8 @@ except ImportError:  # Python 3.10
 
 MAX_NFA_STATES = 5_000  # more (nested bounded repeats): the caller searches with a regex engine
 MAX_DFA_MOVES = 250_000  # (state, character) moves kept; past it the cache starts afresh
+# A character test's answers kept (per class, shared by its states); past it, afresh.
+MAX_KNOWN_CHARS = 4096
 FINAL = 0  # the NFA's accepting state
 # Flags read here: those a character's test depends on (MULTILINE only changes anchors,
 # VERBOSE only the parse).
@@ -86,6 +88,7 @@ class NFA:
         self.tests: list[Callable[[str], bool] | None] = [None]
         self.nexts: list[Any] = [[]]
         self.literals: list[str | None] = [None]
+        self._class_tests: dict[Any, Callable[[str], bool]] = {}
         self.repeats_empty = False  # whether a repeat's body can match nothing
         self.initial = self._sequence(parsed, FINAL, Flags(flags & _CHAR_FLAGS, ()))
 
@@ -147,8 +150,12 @@ class NFA:
         if op in (sre_constants.LITERAL, sre_constants.NOT_LITERAL, sre_constants.ANY):
             one = op is sre_constants.LITERAL and not flags.any_set(re.IGNORECASE)
             return self._add(_char_test(op, av, flags), nxt, chr(av) if one else None)
-        if op is sre_constants.IN:
-            return self._add(_class_test(av, flags), nxt)
+        if op is sre_constants.IN:  # (one test per class: `[^"]{0,500}` has 500 states)
+            key = (tuple(av), flags)
+            test = self._class_tests.get(key)
+            if test is None:
+                test = self._class_tests[key] = _class_test(av, flags)
+            return self._add(test, nxt)
         if op is sre_constants.BRANCH:
             return self._add(None, [self._sequence(alt, nxt, flags) for alt in av[1]])
         if op is sre_constants.SUBPATTERN:  # (a group's own flags: (?i:...), (?-i:...))
@@ -219,6 +226,8 @@ def _class_test(items: list[tuple[Any, Any]], flags: Flags) -> Callable[[str], b
     def test(char: str) -> bool:
         found = known.get(char)
         if found is None:
+            if len(known) >= MAX_KNOWN_CHARS:
+                known.clear()
             code = ord(char)
             found = negate != any(
                 (op is sre_constants.LITERAL and code == av)
@@ -247,6 +256,8 @@ def _re_test(piece: str, flags: Flags) -> Callable[[str], bool]:
     def test(char: str) -> bool:
         found = known.get(char)
         if found is None:
+            if len(known) >= MAX_KNOWN_CHARS:
+                known.clear()
             found = known[char] = match(char) is not None
         return found
 
@@ -261,17 +272,18 @@ class LazyDFA:
     """The NFA's subset DFA, built as the text needs it. A DFA state is a frozenset of the
     NFA's character states (and FINAL); `dead` is the empty one."""
 
-    def __init__(self, nfa: NFA) -> None:
+    def __init__(self, nfa: NFA, max_moves: int = MAX_DFA_MOVES) -> None:
         self.nfa = nfa
         self.initial = self._closure([nfa.initial])
         self.dead: frozenset[int] = frozenset()
+        self.max_moves = max_moves
         self._moves: dict[tuple[frozenset[int], str], frozenset[int]] = {}
 
     def move(self, state: frozenset[int], char: str) -> frozenset[int]:
         key = (state, char)
         found = self._moves.get(key)
         if found is None:
-            if len(self._moves) >= MAX_DFA_MOVES:
+            if len(self._moves) >= self.max_moves:
                 self._moves.clear()
             tests, nexts = self.nfa.tests, self.nfa.nexts
             found = self._closure([nexts[s] for s in state if s != FINAL and tests[s](char)])

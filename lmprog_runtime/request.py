@@ -125,6 +125,7 @@ class Req(ReqStops, ReqText):
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
         self.arrival = next(_ARRIVALS)
         self.overtaken = 0  # later requests admitted while it waited (`first_in_line`)
+        self.was_admitted = False  # (its prefill began once: `note_overtakes`)
         # Tokens it held when it last gave its K/V back to wait again (retracted): claimed
         # back from the cache they are its own, not served (they counted as cached twice).
         self.held_len = 0

@@ -129,12 +129,17 @@ def first_in_line(waiting: list[Req]) -> Req | None:
 
 
 def note_overtakes(waiting: list[Req], admitted: list[Req]) -> None:
-    """After admission: each request of `waiting` left waiting counts those `admitted`
-    that arrived after it."""
-    if not admitted:
+    """After admission: each request of `waiting` left waiting counts those `admitted` for
+    the first time that arrived after it (one that goes in again, jumped forward or
+    retracted, passed it once already); those admitted start their counts over."""
+    arrivals = sorted(req.arrival for req in admitted if not req.was_admitted)
+    gone = set()
+    for req in admitted:
+        req.was_admitted, req.overtaken = True, 0
+        gone.add(id(req))
+    if not arrivals:
         return
-    arrivals = sorted(req.arrival for req in admitted)
     newest = arrivals[-1]
     for req in waiting:
-        if req.arrival < newest:
+        if req.arrival < newest and id(req) not in gone:
             req.overtaken += len(arrivals) - bisect.bisect_right(arrivals, req.arrival)

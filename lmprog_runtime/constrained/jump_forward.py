@@ -26,6 +26,8 @@ class Codec(Protocol):
 # NFA states a pattern may take (a bounded repeat takes its body once per repetition); past
 # it, no jump-forward for that pattern.
 MAX_STATES = 100_000
+# Moves kept per pattern (each grammar in the cache has its automaton): about 9 MB at most.
+MAX_MOVES = 20_000
 
 
 class CharFSM:
@@ -36,7 +38,7 @@ class CharFSM:
 
     def __init__(self, regex: str) -> None:
         nfa = NFA(regex, max_states=MAX_STATES)
-        self._dfa = LazyDFA(nfa)
+        self._dfa = LazyDFA(nfa, max_moves=MAX_MOVES)
         self._literals = nfa.literals
         self.initial = self._dfa.initial
 
