@@ -11,8 +11,9 @@ With more than `MAX_CACHE_AWARE_QUEUE` waiting requests the cache-aware policies
 arrival order: matching every waiting prompt each step would cost more than it saves.
 
 Whatever the policy, a waiting request that `MAX_OVERTAKES` later requests have passed
-goes first, and until it goes in nothing else does (`first_in_line`): a prompt sharing no cached prefix under `lpm`, or a fork's group
-needing several rows at once, was passed by every later request under a steady load.
+goes first, and until it goes in nothing else does (`first_in_line`): a prompt sharing no
+cached prefix under `lpm`, or a fork's group needing several rows at once, was passed by
+every later request under a steady load.
 """
 
 from __future__ import annotations

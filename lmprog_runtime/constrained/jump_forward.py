@@ -33,8 +33,9 @@ MAX_MOVES = 20_000
 class CharFSM:
     """The pattern's character automaton: an NFA (`regex_nfa`) whose subset states are
     made as the text reaches them. A state is a frozenset of NFA states; the empty one is
-    dead. (interegular's DFA, built whole when the grammar compiled, took 8.7 s for a list
-    of up to 10 ints, each an exact int64 pattern, and 23 s for ten optional ints.)"""
+    dead. (interegular's DFA, built whole when the grammar compiled, took 3-57 s for a
+    list of up to 5-20 ints, each an exact int64 pattern, and 24 s for ten optional ints:
+    `benchmarks/bench_jump_forward_fsm.py`.)"""
 
     def __init__(self, regex: str) -> None:
         nfa = NFA(regex, max_states=MAX_STATES)

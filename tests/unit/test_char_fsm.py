@@ -1,8 +1,8 @@
 """Jump-forward's character automaton (`CharFSM`: an NFA whose subset states are made as
 the text reaches them) reads every text as interegular's DFA of the same pattern does, and
 finds the same forced text at each point: interegular, the reference here, built its DFA
-whole when the grammar compiled (8.7 s for a list of up to 10 ints, each an exact int64
-pattern; 23 s for ten optional ints). Texts are random walks through interegular's DFA,
+whole when the grammar compiled (3-57 s for a list of up to 5-20 ints, each an exact int64
+pattern; 24 s for ten optional ints). Texts are random walks through interegular's DFA,
 with a wrong character now and then."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_walks_and_forced_texts_match_interegulars(pattern, seed):
 
 
 def test_a_list_of_ints_builds_at_once():
-    """The exact int64 pattern in a list of up to 20: interegular's DFA took 37 s."""
+    """The exact int64 pattern in a list of up to 20: interegular's DFA took 57 s."""
     schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 20}
     start = time.perf_counter()
     fsm = CharFSM(schema_to_regex(json.dumps(schema)))
