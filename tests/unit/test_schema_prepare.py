@@ -206,8 +206,8 @@ EMAILS = [  # (an address, whether pydantic's EmailStr takes it)
 
 @pytest.mark.parametrize(("address", "taken"), EMAILS)
 def test_the_email_pattern_takes_only_addresses_pydantic_takes(address, taken):
-    """outlines-core's `email`, and the first one here, let through a double dot, a dot at
-    either end of the local part, a hyphen at either end of a label and labels past 63."""
+    """The pattern here before let through a double dot, a dot at either end of the local
+    part, a hyphen at either end of a label and labels past 63 characters."""
     pytest.importorskip("email_validator")
     adapter = pydantic.TypeAdapter(pydantic.EmailStr)
     if taken:
