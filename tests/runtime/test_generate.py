@@ -335,9 +335,9 @@ def test_a_full_batch_does_not_read_the_queue(tiny_path):
         sched = engine.scheduler
         order, room_when_ordered = sched.policy.order, []
 
-        def watched(waiting):
+        def watched(waiting, first=None):
             room_when_ordered.append(sched.config.max_running_requests - len(sched.running))
-            return order(waiting)
+            return order(waiting, first)
 
         sched.policy.order = watched
         outs = engine.generate(PROMPTS[:6], params)
