@@ -59,6 +59,21 @@ _SCALARS = {"type": ["boolean", "null", "number", "string"]}
 _VALUES_BY_TYPE = frozenset({"enum", "const", "$ref", "anyOf", "oneOf", "allOf", "not"})
 
 
+class SchemaError(ValueError):
+    """What cannot be enforced, and where in the schema (`/properties/slug`)."""
+
+    def __init__(self, reason: str, path: tuple[str, ...]) -> None:
+        super().__init__(f"{reason} (at /{'/'.join(path)})")
+        self.reason, self.path = reason, path
+
+    @classmethod
+    def at(cls, error: ValueError, *steps: str) -> SchemaError:
+        """`error` one level further out: at `steps` (a keyword, a name) in the schema."""
+        if isinstance(error, SchemaError):
+            return cls(error.reason, (*steps, *error.path))
+        return cls(str(error), steps)
+
+
 def prepared(schema: Any) -> Any:
     """`schema` (parsed JSON) ready for translation (a new object); ValueError naming what
     cannot be enforced."""
@@ -103,7 +118,12 @@ def _prepare(node: Any, is_schema: bool = True, depth: int = ANY_DEPTH) -> Any:
             named = {name: {} if sub is True else sub for name, sub in value.items()}
             # (a model in `$defs` may be an array's items: as deep as those, at most)
             inner_depth = depth if key == "properties" else ANY_DEPTH - 1
-            out[key] = {name: _prepare(sub, True, inner_depth) for name, sub in named.items()}
+            out[key] = {}
+            for name, sub in named.items():
+                try:
+                    out[key][name] = _prepare(sub, True, inner_depth)
+                except ValueError as error:  # (which property: a model has many)
+                    raise SchemaError.at(error, key, name) from None
         elif key == "pattern" and isinstance(value, str):
             out[key] = json_safe_pattern(value)
         elif key in ("items", "prefixItems") and is_schema:

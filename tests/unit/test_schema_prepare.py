@@ -84,6 +84,24 @@ def test_what_would_not_validate_is_refused(schema, message):
         schema_to_regex(json.dumps(schema))
 
 
+def test_a_refusal_says_where_in_the_schema():
+    """A model of many fields, in a model: the refusal named the keyword, not the field."""
+
+    class Inner(pydantic.BaseModel):
+        name: str
+        slug: str = pydantic.Field(pattern="^[a-z]+$", max_length=5)
+
+    class Outer(pydantic.BaseModel):
+        title: str
+        inner: Inner
+
+    with pytest.raises(ValueError, match=r"'maxLength'.* \(at /\$defs/Inner/properties/slug\)$"):
+        schema_to_regex(json.dumps(Outer.model_json_schema()))
+    with pytest.raises(ValueError, match=r"\(at /properties/a/properties/b\)$"):
+        nested = {"properties": {"b": {"type": "string", "format": "email", "pattern": "x"}}}
+        schema_to_regex(json.dumps({"type": "object", "properties": {"a": nested}}))
+
+
 @pytest.mark.parametrize(
     "schema",
     [
