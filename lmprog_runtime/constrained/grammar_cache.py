@@ -24,6 +24,7 @@ backend's native code in a thread would: the threads of more would grow without 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
+from typing import Any
 
 from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar
 from lmprog_runtime.constrained.daemon_pool import DaemonPool
@@ -203,16 +205,16 @@ class GrammarCache:
 
     def _compile(self, kind: str, pattern: str) -> Grammar:
         regex = pattern if kind == "regex" else self.backend.schema_to_regex(pattern)
-        if len(regex) > MAX_PATTERN_CHARS:
+        if len(regex) > MAX_PATTERN_CHARS:  # (a regex as long is refused by `get`)
             hint = (
-                "; optional properties grow it most (each may be left out, so the pattern "
+                "optional properties grow it most (each may be left out, so the pattern "
                 "spells out what may follow each): make some required, or split the schema"
-                if kind == "json_schema"
-                else ""
+                if _has_optional_properties(pattern)
+                else "split it, or shorten its patterns"
             )
             raise ValueError(
                 f"the {kind} expands to a regex of {len(regex):,} characters, over the "
-                f"{MAX_PATTERN_CHARS:,} this engine compiles{hint}"
+                f"{MAX_PATTERN_CHARS:,} this engine compiles; {hint}"
             )
         grammar = self.backend.compile_regex(regex)
         if self.jump_forward:  # (here, not on the caller's thread: its size may explode)
@@ -223,6 +225,22 @@ class GrammarCache:
         with self._lock:
             if self._entries.get(key) is future:
                 del self._entries[key]
+
+
+def _has_optional_properties(schema: str) -> bool:
+    """Whether the schema (JSON text) has a property that is not required anywhere."""
+
+    def walk(node: Any) -> bool:
+        if isinstance(node, list):
+            return any(walk(item) for item in node)
+        if not isinstance(node, dict):
+            return False
+        props = node.get("properties")
+        if isinstance(props, dict) and set(props) - set(node.get("required") or ()):
+            return True
+        return any(walk(value) for value in node.values())
+
+    return walk(json.loads(schema))
 
 
 def _build_char_fsm(grammar: Grammar) -> None:

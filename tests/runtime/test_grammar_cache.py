@@ -223,5 +223,11 @@ def test_a_schema_too_large_to_compile_says_how_large_and_what_helps(backend):
         assert "make some required" in str(error.value)
         required = json.dumps({"type": "object", "properties": optional, "required": ["f0"]})
         assert cache.get("json_schema", required)  # (what the message says helps)
+        # (long only for its patterns: the hint is not about optional properties)
+        words = {f"w{i}": {"type": "string", "pattern": "^\\w+$"} for i in range(240)}
+        every = json.dumps({"type": "object", "properties": words, "required": list(words)})
+        with pytest.raises(ValueError, match="over the 50,000") as error:
+            cache.get("json_schema", every)
+        assert "shorten its patterns" in str(error.value) and "required" not in str(error.value)
     finally:
         cache._pool.shutdown()
