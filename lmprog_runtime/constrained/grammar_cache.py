@@ -205,7 +205,7 @@ class GrammarCache:
 
     def _compile(self, kind: str, pattern: str) -> Grammar:
         regex = pattern if kind == "regex" else self.backend.schema_to_regex(pattern)
-        if len(regex) > MAX_PATTERN_CHARS:  # (a regex as long is refused by `get`)
+        if len(regex) > MAX_PATTERN_CHARS:  # (a schema's: `get` refuses a regex this long)
             hint = (
                 "optional properties grow it most (each may be left out, so the pattern "
                 "spells out what may follow each): make some required, or split the schema"

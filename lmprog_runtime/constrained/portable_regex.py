@@ -215,7 +215,7 @@ def _case_spans(code: int, flags: int) -> tuple[tuple[int, int], ...]:
     for extra in _EXTRA_CASES.get(lowered, ()):
         related |= {extra, *groups.get(_sre.unicode_tolower(extra), ())}
     found = sorted(x for x in related if pattern.fullmatch(chr(x)))
-    return tuple(_without_surrogates(_union([(x, x) for x in found])))
+    return tuple(_without_surrogates(union([(x, x) for x in found])))
 
 
 @functools.cache
@@ -252,7 +252,7 @@ def _direct_spans(op: str, arg, flags: int) -> tuple[tuple[int, int], ...] | Non
                 members.append(value)
             else:
                 return None
-    spans = _union(members)
+    spans = union(members)
     return tuple(_without_surrogates(_complement(spans) if negate else spans))
 
 
@@ -269,7 +269,8 @@ def _is_surrogate(code: int) -> bool:
     return _SURROGATES[0] <= code <= _SURROGATES[1]
 
 
-def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`spans` (code point ranges) sorted, the overlapping and adjacent ones merged."""
     merged: list[tuple[int, int]] = []
     for low, high in sorted(spans):
         if merged and low <= merged[-1][1] + 1:

@@ -30,7 +30,7 @@ import re
 import sys
 import unicodedata
 
-from lmprog_runtime.constrained.portable_regex import width
+from lmprog_runtime.constrained.portable_regex import union, width
 
 # What a string's pattern may hold raw: no quote, no backslash, no control character.
 _UNSAFE = '"\\\\\\x00-\\x1f'
@@ -56,8 +56,8 @@ _URI_HEAD_MOST = width(_URI_HEAD)[1] + 1  # (its longest, and the path's slash: 
 _URI_PATH_MOST = 128
 # An email address pydantic's `EmailStr` takes (email-validator's rules): dot-separated
 # atoms of at most 64 characters before the `@`, labels that neither start nor end with a
-# hyphen, nor hold two in a row. (Not left out: a special-use last label, `.test` or `.local`, which it refuses:
-# written out, the exception took a compile 3.5 s against 0.5.)
+# hyphen, nor hold two in a row. (Not left out: a special-use last label, `.test` or
+# `.local`, which it refuses: written out, the exception took a compile 3.5 s against 0.5.)
 _ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
 _LABEL = r"[A-Za-z0-9](-?[A-Za-z0-9]){0,15}"  # (no `--`: `ab--c`, `xn--` are refused)
 _EMAIL = f"{_ATOM}{{1,32}}(\\.{_ATOM}{{1,15}}){{0,2}}@({_LABEL}\\.){{1,3}}[A-Za-z]{{2,24}}"
@@ -203,10 +203,13 @@ def _safe_range(low: str, high: str) -> str:
         start = max(start, unsafe_high + 1)
     if start <= ord(high):
         pieces.append((start, ord(high)))
+    return _class_ranges([(a, b) for a, b in pieces if a <= b])
+
+
+def _class_ranges(spans: list[tuple[int, int]]) -> str:
+    """Code point ranges as a class's members (`a-z`, a lone `x`)."""
     return "".join(
-        _class_char(chr(a)) + ("" if a == b else "-" + _class_char(chr(b)))
-        for a, b in pieces
-        if a <= b
+        _class_char(chr(a)) + ("" if a == b else "-" + _class_char(chr(b))) for a, b in spans
     )
 
 
@@ -236,12 +239,5 @@ _WORD = "\\w"
 def _word_class() -> str:
     """`\\w` less the characters Python's `re` takes in it and pydantic's regex (Rust's
     `\\w`: letters, marks, decimal digits, connectors) does not: the "other numbers"."""
-    others = [c for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "No"]
-    ranges, start = [], others[0]
-    for prev, code in zip(others, others[1:] + [-1]):
-        if code != prev + 1:
-            ranges.append(
-                _class_char(chr(start)) + ("" if start == prev else "-" + _class_char(chr(prev)))
-            )
-            start = code
-    return "[^\\W" + "".join(ranges) + "]"
+    others = [(c, c) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "No"]
+    return "[^\\W" + _class_ranges(union(others)) + "]"
