@@ -90,6 +90,7 @@ class Outbox:
                     self._submit_gens(interp, [item], group=False)
             else:
                 _done_compiling(items)
+                error = _naming_gen(error, items[0][1])
                 interp.post(functools.partial(_refused, interp, items[0][0], error))
             return
         for (stream, gen, _, _), future, is_streamed in zip(items, futures, streamed):
@@ -122,6 +123,17 @@ class _Countdown:
             is_last = self._count == 0
         if is_last:
             self._then()
+
+
+def _naming_gen(error: Exception, gen: Any) -> Exception:
+    """A ValueError the runtime raised for a gen's request, its message prefixed with the
+    gen's name where it does not start with it (a pattern too large or too slow to
+    compile named neither the gen nor its variable)."""
+    if type(error) is not ValueError or str(error).startswith("gen "):
+        return error
+    named = ValueError(f"gen {gen.name!r}: {error}")
+    named.__cause__ = error
+    return named
 
 
 def _refused(interp: Interpreter, stream: Stream, error: BaseException) -> None:

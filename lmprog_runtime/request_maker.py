@@ -59,7 +59,9 @@ class RequestMaker:
         # A healed constraint's pattern starts with the backed-up text.
         items = [
             item._replace(
-                grammar=self.grammar("regex", healed_pattern(heal.text, item.grammar.regex))
+                grammar=self.grammar(
+                    "regex", healed_pattern(heal.text, item.grammar.regex), size_checked=True
+                )
             )
             if heal is not None and item.grammar is not None
             else item
@@ -177,8 +179,9 @@ class RequestMaker:
             req.group = group
         return ([prefix_req] if prefix_req is not None else []) + reqs
 
-    def grammar(self, kind: str, pattern: str) -> Any:
-        """The compiled constraint for (kind, pattern), cached; ValueError if it is bad."""
+    def grammar(self, kind: str, pattern: str, *, size_checked: bool = False) -> Any:
+        """The compiled constraint for (kind, pattern), cached; ValueError if it is bad
+        (`size_checked`: see `GrammarCache.get`)."""
         with self._grammar_lock:
             if self._stopping:  # (no compile threads started after `shutdown` stopped them)
                 raise RuntimeError("the engine was shut down")
@@ -195,7 +198,7 @@ class RequestMaker:
                     self.config.grammar_cache_size,
                     jump_forward=not self.config.disable_jump_forward,
                 )
-        return self._grammars.get(kind, pattern)
+        return self._grammars.get(kind, pattern, size_checked=size_checked)
 
     def may_compile(self, sampling_params: dict[str, Any]) -> bool:
         """Whether a submit of these sampling params may wait for a pattern to compile:

@@ -78,9 +78,11 @@ class GrammarCache:
             _build_char_fsm(grammar)
         return grammar._char_fsm or None  # type: ignore[attr-defined]
 
-    def get(self, kind: str, pattern: str) -> Grammar:
-        """kind: "regex" or "json_schema" (JSON text). Raises ValueError for bad patterns."""
-        if len(pattern) > MAX_PATTERN_CHARS:
+    def get(self, kind: str, pattern: str, *, size_checked: bool = False) -> Grammar:
+        """kind: "regex" or "json_schema" (JSON text). Raises ValueError for bad patterns.
+        `size_checked`: `pattern` was made from one this cache took (a healed pattern: the
+        backed-up text in front), so is not refused for its length."""
+        if len(pattern) > MAX_PATTERN_CHARS and not size_checked:
             raise ValueError(f"{kind} is too large ({len(pattern)} > {MAX_PATTERN_CHARS} chars)")
         key = (kind, pattern)
         with self._lock:
@@ -105,9 +107,8 @@ class GrammarCache:
             self._abandon(future)
             if self._closed:
                 raise RuntimeError(SHUT_DOWN) from error
-            also = " (or turn jump-forward off: disable_jump_forward=True)" * self.jump_forward
-            raise ValueError(
-                f"{kind} took longer than {self.timeout_s:g} s to compile; simplify it{also}"
+            raise ValueError(  # (outlines-core's index: jump-forward's automaton is lazy)
+                f"{kind} took longer than {self.timeout_s:g} s to compile; simplify it"
             ) from error
         except Exception:
             self._forget(key, future)  # a bad pattern is not remembered
@@ -205,7 +206,7 @@ class GrammarCache:
 
     def _compile(self, kind: str, pattern: str) -> Grammar:
         regex = pattern if kind == "regex" else self.backend.schema_to_regex(pattern)
-        if len(regex) > MAX_PATTERN_CHARS:  # (a schema's: `get` refuses a regex this long)
+        if kind != "regex" and len(regex) > MAX_PATTERN_CHARS:  # (`get` checked a regex's)
             hint = (
                 "optional properties grow it most (each may be left out, so the pattern "
                 "spells out what may follow each): make some required, or split the schema"

@@ -78,16 +78,19 @@ CONTEXT_TOKENS = 4
 # Text encoded before the forced text where a tokenizer begins a text with a space: a
 # character no piece merges with what follows it.
 ANCHOR = "\n"
+# Output tokens retokenized at most: a character's bytes (four in UTF-8) may each be one.
+MAX_REDONE = 4
 
 
 def jump_forward(req: Req, codec: Codec) -> int | None:
     """Append the text `req`'s pattern forces now, retokenizing the last sampled token with
-    it, and resync its matcher. Returns how many tokens were added (None: no jump). With
-    no output yet, the forced text simply becomes the first output tokens.
+    it (those of the last character, where its bytes took several), and resync its
+    matcher. Returns how many tokens were added (None: no jump). With no output yet, the
+    forced text simply becomes the first output tokens.
 
     O(new tokens) per call: the text comes from the request's incremental detokenizer, the
     character FSM goes on from where it stopped, only the last few tokens are decoded
-    again, and the matcher steps back one token instead of starting over."""
+    again, and the matcher steps back those tokens instead of starting over."""
     ids = req.output_ids
     text = req.decoded_text()
     if req.has_undecoded_tokens() or text.endswith("\ufffd"):
@@ -101,35 +104,53 @@ def jump_forward(req: Req, codec: Codec) -> int | None:
     forced = req.char_fsm.forced(state)
     if len(forced) < 2:
         return None
-    # (the prompt tokens the output is decoded after come before a short output's)
-    if len(ids) > CONTEXT_TOKENS:
-        context = ids[-1 - CONTEXT_TOKENS : -1]
-    else:
-        context = (req.decode_context() + ids[:-1])[-CONTEXT_TOKENS:]
-    window = codec.decode(context + ids[-1:])
-    window_kept = codec.decode(context)
-    if not window.startswith(window_kept) or not text.endswith(window[len(window_kept) :]):
+    found = _last_character_tokens(req, codec, text)
+    if found is None:
         return None
-    last_text = window[len(window_kept) :]
+    redone, context, window_kept, last_text = found
     try:
         tail = _retokenized(codec, context, window_kept, last_text + forced)
     except ValueError:  # (a token past the model's vocabulary: decoding goes on instead)
         return None
-    kept_len = len(ids) - 1 if ids else 0
+    kept_len = len(ids) - redone
     if tail is None or kept_len + len(tail) >= req.max_new_tokens:
         return None
+    if redone > 1 and tail[: redone - 1] != ids[kept_len:-1]:
+        return None  # (those tokens have K/V, which stays only where they do)
     matcher = req.matcher
-    if ids:
-        matcher.rollback(1)
+    if redone:
+        matcher.rollback(redone)
     if not matcher.accepts(tail):
-        if ids:
-            matcher.advance(ids[-1])  # undo the rollback
+        for token in ids[kept_len:]:
+            matcher.advance(token)  # undo the rollback
         return None
     for token in tail:
         matcher.advance(token)
     req.replace_output_tail(kept_len, tail, text + forced)
     req.fsm_position = (len(text) + len(forced), req.char_fsm.walk(forced, state))
     return kept_len + len(tail) - len(ids)
+
+
+def _last_character_tokens(
+    req: Req, codec: Codec, text: str
+) -> tuple[int, list[int], str, str] | None:
+    """The last tokens of the output to retokenize with the forced text: the last one, or
+    as many as the last character's bytes took (an emoji drawn as three byte tokens: the
+    text before the last one ends inside it, so no jump was made there). Returns (how many,
+    the tokens before them, their text, the text of the retokenized ones); None if no
+    window of up to `MAX_REDONE` tokens decodes as the text's end."""
+    ids = req.output_ids
+    for redone in range(1, min(MAX_REDONE, len(ids)) + 1) if ids else (0,):
+        # (the prompt tokens the output is decoded after come before a short output's)
+        if len(ids) > redone + CONTEXT_TOKENS - 1:
+            context = ids[-redone - CONTEXT_TOKENS : -redone]
+        else:
+            context = (req.decode_context() + ids[: len(ids) - redone])[-CONTEXT_TOKENS:]
+        window = codec.decode(context + ids[len(ids) - redone :])
+        window_kept = codec.decode(context)
+        if window.startswith(window_kept) and text.endswith(window[len(window_kept) :]):
+            return redone, context, window_kept, window[len(window_kept) :]
+    return None
 
 
 def _retokenized(codec: Codec, context: list[int], before: str, text: str) -> list[int] | None:

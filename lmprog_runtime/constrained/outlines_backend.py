@@ -18,6 +18,7 @@ from lmprog_runtime.byte_decode import unicode_to_byte
 from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar, Matcher
 from lmprog_runtime.constrained.index_process import IndexCompiler
 from lmprog_runtime.constrained.json_schema import schema_to_regex
+from lmprog_runtime.constrained.jump_forward import MAX_REDONE
 from lmprog_runtime.constrained.portable_regex import portable_regex
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -84,8 +85,8 @@ class _OutlinesGrammar(Grammar):
     def new_matcher(self) -> Matcher:
         from outlines_core import Guide
 
-        # One step of history: jump-forward retokenizes the last sampled token.
-        return _OutlinesMatcher(Guide(self._index, max_rollback=1))
+        # Jump-forward retokenizes the last sampled tokens: those of the last character.
+        return _OutlinesMatcher(Guide(self._index, max_rollback=MAX_REDONE))
 
 
 class OutlinesGrammarBackend(BaseGrammarBackend):
@@ -106,6 +107,11 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         try:
             return _OutlinesGrammar(self._indexes.compile(portable), regex)
         except ValueError as error:  # (what outlines-core refused; a lost child: RuntimeError)
+            if "following characters: []" in str(error):  # (its "vocabulary" message)
+                raise ValueError(
+                    f"cannot compile regex {regex!r}: no text matches it (a character class "
+                    "in it takes no character, as [^\\s\\S] does)"
+                ) from None
             raise ValueError(f"cannot compile regex {regex!r}: {error}") from error
 
     def schema_to_regex(self, schema: str) -> str:

@@ -74,13 +74,20 @@ def portable_regex(regex: str) -> str:
 
 def nests_as_written(regex: str) -> bool:
     """Whether `regex` keeps its meaning behind other text (`x(?:regex)`): False where
-    Python's `re` reads an anchor in it or a flag set for the whole pattern (`(?i)`),
-    which it refuses there; True where it cannot read it (the compile names why)."""
+    Python's `re` reads an anchor in it or a flag set for the whole pattern (`(?i)`, and
+    `(?u)`, which it refuses there though a text pattern is read so anyway); True where it
+    cannot read it (the compile names why)."""
     try:
         tree = _parse(regex)
     except re.error:
         return True
-    return not tree.state.flags & ~re.UNICODE and "AT" not in _op_names(tree)
+    if tree.state.flags & ~re.UNICODE or "AT" in _op_names(tree):
+        return False
+    try:
+        _parse(f"(?:{regex})")
+    except re.error:
+        return False
+    return True
 
 
 def without_edge_anchors(regex: str) -> str:

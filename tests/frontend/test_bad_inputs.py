@@ -10,6 +10,10 @@ import lmprog as lp
 from lmprog_runtime import Engine
 
 NAN, INF = float("nan"), float("inf")
+TWELVE_OPTIONAL_INTS = {
+    "type": "object",
+    "properties": {f"n{i}": {"type": "integer"} for i in range(12)},
+}
 
 
 @lp.function
@@ -80,6 +84,9 @@ GEN = [  # (kwargs of lp.gen, error type, message)
     ({"top_logprobs_num": "5"}, TypeError, "top_logprobs_num"),
     # With choices the other arguments do not apply, but a bad one was dropped unchecked.
     ({"choices": ["a", "b"], "max_tokens": "bad"}, TypeError, "max_tokens"),
+    # Refused when compiled, at submit: the message named neither the gen nor its variable.
+    ({"regex": "a" * 60_000}, ValueError, "^gen 'x': regex is too large"),
+    ({"json_schema": TWELVE_OPTIONAL_INTS}, ValueError, "^gen 'x': the json_schema expands"),
 ]
 
 SELECT = [  # (kwargs of lp.select, error type, message)

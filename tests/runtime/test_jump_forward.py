@@ -64,12 +64,21 @@ def test_json_with_long_keys_is_valid_and_needs_few_forwards(engines):
     assert stats_on["forward_passes"] < stats_off["forward_passes"] / 2
 
 
+# A character drawn as several byte tokens, then forced text, then text to sample: the jump
+# retokenizes all the character's tokens (the last alone decodes to no text of its own).
+CJK_THEN_FORCED = r"(日本|中国)-confirmed-by-the-warehouse-[a-z]{3}"
+
+
+@pytest.mark.parametrize(
+    "constraint, per_request",
+    [({"json_schema": json.dumps(SCHEMA)}, 3), ({"regex": CJK_THEN_FORCED}, 4)],
+)
 @pytest.mark.parametrize("disable_radix_cache", [False, True])
 def test_tokens_after_a_jump_see_the_kv_of_a_fresh_prefill_of_the_same_ids(
-    engines, tiny_path, monkeypatch, disable_radix_cache
+    engines, tiny_path, monkeypatch, disable_radix_cache, constraint, per_request
 ):
     """After a jump the engine must sample from the logits a plain prefill of
-    prompt + output so far gives: no stale K/V of the retokenized token, no wrong positions
+    prompt + output so far gives: no stale K/V of the retokenized tokens, no wrong positions
     or slots, no cached K/V of another tokenization. Reference: prompt logprobs of the
     final token ids from the engine with jump-forward off (one fresh prefill)."""
     import lmprog_runtime.step_draw as step_draw
@@ -86,12 +95,12 @@ def test_tokens_after_a_jump_see_the_kv_of_a_fresh_prefill_of_the_same_ids(
         return real_sample_each(logits, sample_rows)
 
     monkeypatch.setattr(step_draw, "sample_each", spy)
-    params = {"max_new_tokens": 160, "temperature": 0, "json_schema": json.dumps(SCHEMA)}
+    params = {"max_new_tokens": 160, "temperature": 0, **constraint}
     with Engine(tiny_path, max_total_tokens=8192, disable_radix_cache=disable_radix_cache) as on:
         live = on._live
         on.generate(PROMPTS[:1], params)  # leaves K/V of a jump-forward run in the cache
         outs, stats = _run(on, PROMPTS, params)
-        assert stats["jump_forward_tokens"] > 40
+        assert stats["jump_forward_tokens"] > 8 * len(PROMPTS)
         checked = 0
         for prompt, out in zip(PROMPTS, outs):
             prompt_ids, out_ids = on.encode(prompt), out["output_ids"]
@@ -108,7 +117,56 @@ def test_tokens_after_a_jump_see_the_kv_of_a_fresh_prefill_of_the_same_ids(
                 assert ref[n][1] == token
                 assert rows[rid, n][token].item() == pytest.approx(ref[n][0], abs=1e-3)
                 checked += 1
-        assert checked >= 3 * len(PROMPTS)  # a value token after each key's jump, at least
+        # (a value token after each key's jump; a character's bytes and a letter after)
+        assert checked >= per_request * len(PROMPTS)
+
+
+def test_a_character_whose_tokens_would_change_is_not_jumped_over(engines, monkeypatch):
+    """The tiny tokenizer writes "€" as two tokens, 'âĤ' '¬'; here the model is made to draw
+    its three bytes. Retokenizing them with the forced text would change the first two,
+    whose K/V is in the pool: no jump there (a token later, the last token alone is
+    retokenized), and every token drawn after a jump has the logits of a fresh prefill."""
+    import lmprog_runtime.step_draw as step_draw
+
+    on, off = engines
+    tokenizer = on.tokenizer
+    bytes_of_euro = tokenizer.convert_tokens_to_ids(["â", "Ĥ", "¬"])
+    assert tokenizer.decode(bytes_of_euro) == "€"
+    assert on.encode("€-", add_special_tokens=False)[:2] != bytes_of_euro[:2]
+    rows, real_sample_each = {}, step_draw.sample_each
+
+    def drawn_as_bytes(logits, sample_rows):
+        logits = logits.clone()  # (an inference tensor: not written in place)
+        for row, sample_row in zip(logits, sample_rows):
+            req = on._live.get(sample_row.rid)
+            if req is None:
+                continue
+            n = len(req.output_ids)
+            if n < len(bytes_of_euro):
+                row.fill_(float("-inf"))
+                row[bytes_of_euro[n]] = 0.0
+            else:
+                rows[n] = row.float().log_softmax(-1)
+        return real_sample_each(logits, sample_rows)
+
+    monkeypatch.setattr(step_draw, "sample_each", drawn_as_bytes)
+    regex = r"[€£]-confirmed-by-the-warehouse-[a-z]{3}"
+    on.reset_stats()
+    out = on.generate("Price: ", {"max_new_tokens": 40, "temperature": 0, "regex": regex})
+    assert re.fullmatch(regex, out["text"]) and on.stats()["jump_forward_tokens"] > 8
+    prompt_ids, out_ids = on.encode("Price: "), out["output_ids"]
+    assert out_ids[:3] == bytes_of_euro
+    ref = off.generate(
+        input_ids=prompt_ids + out_ids[:-1],
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=len(prompt_ids),
+    )["meta_info"]["input_token_logprobs"]
+    checked = [n for n in rows if n < len(out_ids) - 1]
+    for n in checked:
+        assert ref[n][1] == out_ids[n]
+        assert rows[n][out_ids[n]].item() == pytest.approx(ref[n][0], abs=1e-3)
+    assert len(checked) >= 2  # '-' before the jump, a letter after it
 
 
 @pytest.mark.parametrize(
@@ -127,6 +185,22 @@ def test_free_text_then_forced_text_is_identical_with_jump_forward_on_and_off(
         texts[name] = [o["text"] for o in outs]
         assert all(re.fullmatch(regex, t) for t in texts[name])
     assert texts["on"] == texts["off"]
+
+
+def test_a_character_drawn_in_byte_tokens_jumps_forward_once_it_is_whole(engines):
+    """The tiny model spells each CJK character as three byte tokens. Once the first
+    character is whole, the rest is forced: only those tokens are drawn (a jump was made
+    one token later: the text before the last byte token ended inside the character)."""
+    on, off = engines
+    params = {"max_new_tokens": 40, "temperature": 0, "regex": r"(日本|中国)-confirmed"}
+    outs_on, stats_on = _run(on, PROMPTS, params)
+    outs_off, _ = _run(off, PROMPTS, params)
+    assert [o["text"] for o in outs_on] == [o["text"] for o in outs_off]
+    assert all(re.fullmatch(params["regex"], o["text"]) for o in outs_on)
+    drawn = [len(on.encode(o["text"][0], add_special_tokens=False)) for o in outs_on]
+    assert drawn == [3] * len(PROMPTS)
+    # the prefill draws a character's first byte, decodes the next two, an extend the EOS
+    assert stats_on["decode_tokens"] == sum(n - 1 for n in drawn)
 
 
 @pytest.mark.parametrize("healing", [False, True])
@@ -345,7 +419,7 @@ def test_a_slow_jump_forward_fsm_is_bounded_by_the_compile_timeout(tiny_path, mo
     monkeypatch.setattr(jump_forward.CharFSM, "__init__", held)
     with Engine(tiny_path, max_total_tokens=1024, grammar_compile_timeout_s=0.05) as engine:
         try:
-            with pytest.raises(ValueError, match="disable_jump_forward=True"):
+            with pytest.raises(ValueError, match="longer than 0.05 s to compile"):
                 engine.generate("x", {"regex": "[ab]{2}-fsm-held", "max_new_tokens": 4})
         finally:
             release.set()

@@ -186,6 +186,31 @@ def test_a_constrained_request_heals_into_its_pattern(engine, hf_tiny, tiny_byte
     assert full == prompt + out["text"]
 
 
+@pytest.mark.parametrize("pattern", [r"(?u)[a-z]{1,3}", r"(?#flags next)(?u)[a-z]{1,3}"])
+def test_a_pattern_with_the_unicode_flag_heals(engine, pattern):
+    """`(?u)`, a no-op on a text pattern, is still a global flag: behind the backed-up
+    text Python's `re` refused it, so only a healed request failed."""
+    params = {"max_new_tokens": 4, "temperature": 0, "regex": pattern}
+    plain = engine.generate("Name: ", {**params, "token_healing": False})
+    healed = engine.generate("Name: ", {**params, "token_healing": True})
+    assert re.fullmatch(pattern, plain["text"]) and re.fullmatch(pattern, healed["text"])
+    assert healed["meta_info"]["token_healing"]["text"] == " "
+
+
+def test_a_pattern_at_the_size_limit_heals(engine):
+    """The limit on a pattern's length is the caller's: a healed one (the backed-up text in
+    front) was refused with a length the caller never wrote."""
+    from lmprog_runtime.constrained.grammar_cache import MAX_PATTERN_CHARS
+
+    pattern = "[" + "a" * (MAX_PATTERN_CHARS - 8) + "b]{1,3}"
+    assert len(pattern) == MAX_PATTERN_CHARS
+    params = {"max_new_tokens": 3, "temperature": 0, "regex": pattern, "token_healing": True}
+    out = engine.generate("Name: ", params)
+    assert re.fullmatch(pattern, out["text"])
+    with pytest.raises(ValueError, match=f"{MAX_PATTERN_CHARS + 1} > {MAX_PATTERN_CHARS}"):
+        engine.generate("Name: ", {**params, "regex": pattern + "b"})
+
+
 def test_a_healed_json_request_jumps_forward_and_validates(engine):
     schema = {
         "type": "object",
