@@ -30,6 +30,7 @@ INT_SETTINGS = (
     "chunked_prefill_size",
     "page_size",
     "grammar_cache_size",
+    "grammar_cache_mib",
 )
 OPTIONAL_INT_SETTINGS = (
     "max_total_tokens",
@@ -99,9 +100,12 @@ class RuntimeConfig:
     # A regex / JSON schema that takes longer than this to compile is refused.
     grammar_compile_timeout_s: float = 60.0
     # Compiled grammars kept for reuse, least recently used dropped first (over a 49k-token
-    # vocabulary about 0.1 MiB a small regex, 14 MiB a small JSON schema); 0 keeps none
+    # vocabulary about 0.14 MiB a small regex, 1.4 MiB a small JSON schema); 0 keeps none
     # beyond the requests using them.
     grammar_cache_size: int = 64
+    # ... and fewer, where they would hold more MiB than this (a regex of bounded free
+    # text, `[^\n]{1,150}`, holds about 170 MiB over a 49k-token vocabulary).
+    grammar_cache_mib: int = 1024
     # Scales the share of future output tokens reserved at admission: 0 admits as much as
     # fits now (more retractions under pressure), larger values are more cautious.
     schedule_conservativeness: float = 1.0
@@ -198,6 +202,8 @@ class RuntimeConfig:
             )
         if self.grammar_cache_size < 0:
             raise ValueError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
+        if self.grammar_cache_mib < 0:
+            raise ValueError(f"grammar_cache_mib must be >= 0, got {self.grammar_cache_mib}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in (None, *QUANTIZATIONS):

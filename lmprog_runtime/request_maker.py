@@ -197,6 +197,7 @@ class RequestMaker:
                     self.config.grammar_compile_timeout_s,
                     self.config.grammar_cache_size,
                     jump_forward=not self.config.disable_jump_forward,
+                    max_bytes=self.config.grammar_cache_mib << 20,
                 )
         return self._grammars.get(kind, pattern, size_checked=size_checked)
 

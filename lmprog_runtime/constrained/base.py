@@ -39,9 +39,11 @@ class Matcher(ABC):
 
 
 class Grammar(ABC):
-    """A compiled constraint; `regex` is the pattern it enforces (for jump-forward)."""
+    """A compiled constraint; `regex` is the pattern it enforces (for jump-forward);
+    `nbytes`, about how much memory it holds (the grammar cache's budget counts it)."""
 
     regex: str
+    nbytes: int = 0
 
     @abstractmethod
     def new_matcher(self) -> Matcher: ...

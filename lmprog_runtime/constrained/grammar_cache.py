@@ -6,9 +6,11 @@ serving while a new schema compiles. The submitting caller waits for it, at most
 caller as ValueError before anything is queued. Concurrent callers asking for the same
 pattern share one compile.
 
-The cache keeps the `max_entries` grammars used last (a small JSON schema's grammar over a
-49k-token vocabulary takes about 14 MiB with jump-forward's FSM: a dataset run with a
-pattern per row, or token healing's patterns, would otherwise grow without bound). Dropping
+The cache keeps the `max_entries` grammars used last, and fewer where they would hold more
+than `max_bytes` (over a 49k-token vocabulary a small JSON schema's grammar takes about
+1.4 MiB with jump-forward's FSM, but `[^\n]{1,150}`'s index about 170 MiB: a dataset run
+with a pattern per row, or token healing's patterns, would otherwise grow without bound,
+and 64 patterns of bounded free text would hold 11 GiB). Dropping
 one only drops the cache's reference: requests using it keep it; asked for again, it
 compiles again. Compiles still running are never dropped, so their callers keep sharing
 them.
@@ -49,7 +51,8 @@ logger = logging.getLogger(__name__)
 
 class GrammarCache:
     """`jump_forward`: each compile builds the grammar's character FSM too (`char_fsm`),
-    under the same timeout."""
+    under the same timeout. `max_bytes`: what the grammars kept may hold together (their
+    `nbytes`; None: no bound)."""
 
     def __init__(
         self,
@@ -57,11 +60,13 @@ class GrammarCache:
         timeout_s: float = 60.0,
         max_entries: int = 64,
         jump_forward: bool = False,
+        max_bytes: int | None = None,
     ) -> None:
         self.backend = backend
         self.jump_forward = jump_forward
         self.timeout_s = timeout_s
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, str], Future] = OrderedDict()  # oldest use first
         self._jobs: dict[Future, _Job] = {}  # the compiles submitted and not yet over
@@ -197,12 +202,17 @@ class GrammarCache:
             return list(self._entries)
 
     def _trim(self) -> None:
-        """Drop the least recently used compiled grammars beyond `max_entries`."""
+        """Drop the least recently used compiled grammars beyond `max_entries`, and while
+        those kept hold more than `max_bytes` (compiles still running are kept)."""
         with self._lock:
+            done = [(key, _nbytes(f)) for key, f in self._entries.items() if f.done()]
             excess = len(self._entries) - self.max_entries
-            if excess > 0:
-                for key in [k for k, f in self._entries.items() if f.done()][:excess]:
-                    del self._entries[key]
+            held = sum(size for _, size in done)
+            for key, size in done:  # (least recently used first)
+                if excess <= 0 and (self.max_bytes is None or held <= self.max_bytes):
+                    break
+                del self._entries[key]
+                excess, held = excess - 1, held - size
 
     def _compile(self, kind: str, pattern: str) -> Grammar:
         regex = pattern if kind == "regex" else self.backend.schema_to_regex(pattern)
@@ -226,6 +236,13 @@ class GrammarCache:
         with self._lock:
             if self._entries.get(key) is future:
                 del self._entries[key]
+
+
+def _nbytes(future: Future) -> int:
+    """The size of a finished compile's grammar (0 for one that failed)."""
+    if future.cancelled() or future.exception() is not None:
+        return 0
+    return future.result().nbytes
 
 
 def _has_optional_properties(schema: str) -> bool:

@@ -21,11 +21,18 @@ HEADER = struct.Struct("<Q")
 
 def read_frame(fd: int) -> object | None:
     """The next frame's object from `fd`, or None at its end."""
+    sized = read_sized_frame(fd)
+    return None if sized is None else sized[0]
+
+
+def read_sized_frame(fd: int) -> tuple[object, int] | None:
+    """The next frame's object from `fd` and the size of its pickle in bytes (an index's:
+    about what it holds in memory), or None at its end."""
     header = read_exactly(fd, HEADER.size)
     if header is None:
         return None
     body = read_exactly(fd, HEADER.unpack(header)[0])
-    return None if body is None else pickle.loads(body)
+    return None if body is None else (pickle.loads(body), len(body))
 
 
 def read_exactly(fd: int, size: int) -> bytes | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lmprog_runtime.constrained.grammar_cache import uninterrupted
-from lmprog_runtime.constrained.index_child import read_frame, write_frame, write_pickled
+from lmprog_runtime.constrained.index_child import read_sized_frame, write_frame, write_pickled
 
 CHILD = str(Path(__file__).with_name("index_child.py"))
 MAX_IDLE = 4
@@ -42,10 +42,11 @@ class IndexCompiler:
         self._closed = False
         weakref.finalize(self, _kill_all, self._idle, self._busy)
 
-    def compile(self, regex: str) -> Any:
-        """outlines-core's `Index` of `regex`; ValueError with outlines-core's message where
-        it refuses it, RuntimeError where no child could compile it. Interruptible: an
-        exception raised in this thread meanwhile ends the wait and kills the child."""
+    def compile(self, regex: str) -> tuple[Any, int]:
+        """outlines-core's `Index` of `regex` and its size in bytes (pickled); ValueError
+        with outlines-core's message where it refuses it, RuntimeError where no child could
+        compile it. Interruptible: an exception raised in this thread meanwhile ends the
+        wait and kills the child."""
         for first_try in (True, False):
             child, fresh, done = None, True, False
             try:
@@ -66,10 +67,10 @@ class IndexCompiler:
                     f"the index compile process ended without a result (exit code "
                     f"{getattr(child, 'returncode', None)}; it runs {sys.executable} {CHILD})"
                 )
-        status, value, _ = reply
+        status, value, _, nbytes = reply
         if status != "ok":
             raise ValueError(value)
-        return value
+        return value, nbytes
 
     def close(self) -> None:
         """Stop the children, idle and busy (a busy one's compile then fails)."""
@@ -118,15 +119,16 @@ class IndexCompiler:
         _kill(child)
 
 
-def _ask(child: subprocess.Popen, regex: str) -> tuple[str, Any, float] | None:
-    """`child`'s reply for `regex`: (status, index or message, its resident MiB); None if
-    it ended first."""
+def _ask(child: subprocess.Popen, regex: str) -> tuple[str, Any, float, int] | None:
+    """`child`'s reply for `regex`: (status, index or message, its resident MiB, the
+    reply's size in bytes); None if it ended first."""
     write_frame(child.stdin.fileno(), regex)
     with selectors.DefaultSelector() as selector:  # (not select(): no fd above 1023)
         selector.register(child.stdout, selectors.EVENT_READ)
         while not selector.select(POLL_S):
             pass  # (an exception raised in this thread lands here)
-    return read_frame(child.stdout.fileno())
+    sized = read_sized_frame(child.stdout.fileno())
+    return None if sized is None else (*sized[0], sized[1])
 
 
 def _kill(child: subprocess.Popen) -> None:

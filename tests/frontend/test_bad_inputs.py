@@ -202,6 +202,8 @@ def test_run_and_run_batch(engine, call, error, message):
         # Accepted, then every request (or torch) failed on them.
         ({"model_path": 5}, TypeError, "model_path must be a model name or a path"),
         ({"grammar_compile_timeout_s": 1e12}, ValueError, "grammar_compile_timeout_s"),
+        ({"grammar_cache_mib": -1}, ValueError, "grammar_cache_mib"),
+        ({"grammar_cache_mib": 1.5}, TypeError, "grammar_cache_mib"),
         ({"schedule_conservativeness": 1e308}, ValueError, "schedule_conservativeness"),
         ({"num_threads": 10**30}, ValueError, "num_threads"),
     ],

@@ -6,6 +6,7 @@ least-recently-used list on real outlines-core compiles over the tiny model's vo
 
 from __future__ import annotations
 
+import pickle
 import re
 import time
 
@@ -41,13 +42,25 @@ def backend(tiny_path):
     return CountingBackend(tokenizer, tokenizer.eos_token_id)
 
 
+@pytest.fixture(scope="module")
+def sizes(backend):
+    """Each pattern's index size, as its pickle (the compile process sends it back in a
+    frame of a few bytes more; in memory it holds about twice that)."""
+    return {p: len(pickle.dumps(backend.compile_regex(p)._index, protocol=5)) for p in PATTERNS}
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     st.integers(0, 3),
     st.lists(st.sampled_from(PATTERNS), min_size=1, max_size=25),
+    st.one_of(st.none(), st.floats(0, 3.5)),
 )
-def test_the_cache_keeps_the_grammars_used_last(backend, max_entries, uses):
-    cache = GrammarCache(backend, timeout_s=60, max_entries=max_entries)
+def test_the_cache_keeps_the_grammars_used_last(backend, sizes, max_entries, uses, budget):
+    """... as many as `max_entries` allows, fewer where they would hold more than
+    `max_bytes` (here 0 to 3.5 times the largest grammar's size)."""
+    max_bytes = None if budget is None else int(budget * 2 * max(sizes.values()))
+    held = {}
+    cache = GrammarCache(backend, timeout_s=60, max_entries=max_entries, max_bytes=max_bytes)
     backend.compiled.clear()
     reference: list[str] = []  # least recently used first
     misses = []
@@ -55,12 +68,16 @@ def test_the_cache_keeps_the_grammars_used_last(backend, max_entries, uses):
         for pattern in uses:
             grammar = cache.get("regex", pattern)
             assert grammar.regex == pattern
+            assert 2 * sizes[pattern] <= grammar.nbytes <= 2 * (sizes[pattern] + 64)
+            held[pattern] = grammar.nbytes
             if pattern in reference:
                 reference.remove(pattern)
             else:
                 misses.append(pattern)
             reference.append(pattern)
             del reference[: max(0, len(reference) - max_entries)]
+            while max_bytes is not None and sum(held[p] for p in reference) > max_bytes:
+                del reference[0]
             assert cache.keys() == [("regex", p) for p in reference]
     finally:
         cache._pool.shutdown()  # (one compile thread per example otherwise stays idle)
@@ -80,6 +97,17 @@ def test_an_engine_with_a_cache_of_one_serves_every_pattern_and_keeps_the_last(t
             for output, regex in zip(outputs, regexes):
                 assert re.fullmatch(regex, output["text"]), (regex, output["text"])
         assert len(engine._grammars.keys()) == 1
+
+
+@pytest.mark.parametrize(("mib", "kept"), [(0, 0), (1, 1)])
+def test_the_engine_keeps_grammars_within_grammar_cache_mib(tiny_path, mib, kept):
+    """Over the tiny vocabulary an index holds a few hundred bytes: 1 MiB keeps it, 0
+    keeps none (a regex of bounded free text, `[^\\n]{1,150}`, holds 170 MiB over
+    SmolLM2's vocabulary: 64 of them, the count kept by default, would hold 11 GiB)."""
+    with Engine(tiny_path, grammar_cache_mib=mib, max_total_tokens=1024) as engine:
+        out = engine.generate("Answer:", {"max_new_tokens": 4, "regex": "[a-c]{2,4}"})
+        assert re.fullmatch("[a-c]{2,4}", out["text"])
+        assert len(engine._grammars.keys()) == kept
 
 
 @pytest.mark.parametrize(
