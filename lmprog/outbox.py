@@ -125,7 +125,7 @@ class _Countdown:
             self._then()
 
 
-def _naming_gen(error: Exception, gen: Any) -> Exception:
+def _naming_gen(error: Exception, gen: Gen) -> Exception:
     """A ValueError the runtime raised for a gen's request, its message prefixed with the
     gen's name where it does not start with it (a pattern too large or too slow to
     compile named neither the gen nor its variable)."""

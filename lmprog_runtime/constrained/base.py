@@ -8,6 +8,10 @@ import torch
 
 from lmprog_runtime.transfer import to_device
 
+# Output tokens jump-forward retokenizes at most (`Matcher.rollback`): a character's bytes
+# (four in UTF-8) may each be one token.
+MAX_REDONE = 4
+
 
 class Matcher(ABC):
     """One request's position in a grammar."""
@@ -23,7 +27,8 @@ class Matcher(ABC):
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:
-        """Go back `num_tokens` advances (jump-forward retokenizes the last one)."""
+        """Go back `num_tokens` advances, at most `MAX_REDONE` (jump-forward retokenizes the
+        last ones)."""
 
     @abstractmethod
     def is_complete(self) -> bool:

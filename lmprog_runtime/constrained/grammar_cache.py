@@ -112,7 +112,7 @@ class GrammarCache:
             self._abandon(future)
             if self._closed:
                 raise RuntimeError(SHUT_DOWN) from error
-            raise ValueError(  # (outlines-core's index: jump-forward's automaton is lazy)
+            raise ValueError(  # (the time is outlines-core's index: jump-forward's NFA is quick)
                 f"{kind} took longer than {self.timeout_s:g} s to compile; simplify it"
             ) from error
         except Exception:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from lmprog_runtime.constrained.base import MAX_REDONE
 from lmprog_runtime.regex_nfa import FINAL, NFA, LazyDFA
 
 if TYPE_CHECKING:
@@ -78,8 +79,6 @@ CONTEXT_TOKENS = 4
 # Text encoded before the forced text where a tokenizer begins a text with a space: a
 # character no piece merges with what follows it.
 ANCHOR = "\n"
-# Output tokens retokenized at most: a character's bytes (four in UTF-8) may each be one.
-MAX_REDONE = 4
 
 
 def jump_forward(req: Req, codec: Codec) -> int | None:
@@ -116,7 +115,7 @@ def jump_forward(req: Req, codec: Codec) -> int | None:
     if tail is None or kept_len + len(tail) >= req.max_new_tokens:
         return None
     if redone > 1 and tail[: redone - 1] != ids[kept_len:-1]:
-        return None  # (those tokens have K/V, which stays only where they do)
+        return None  # (the tokens before the last have K/V in the pool: only it may change)
     matcher = req.matcher
     if redone:
         matcher.rollback(redone)
@@ -140,9 +139,10 @@ def _last_character_tokens(
     the tokens before them, their text, the text of the retokenized ones); None if no
     window of up to `MAX_REDONE` tokens decodes as the text's end."""
     ids = req.output_ids
-    for redone in range(1, min(MAX_REDONE, len(ids)) + 1) if ids else (0,):
+    tries = range(1, min(MAX_REDONE, len(ids)) + 1) if ids else (0,)  # (0: no output yet)
+    for redone in tries:
         # (the prompt tokens the output is decoded after come before a short output's)
-        if len(ids) > redone + CONTEXT_TOKENS - 1:
+        if len(ids) >= redone + CONTEXT_TOKENS:
             context = ids[-redone - CONTEXT_TOKENS : -redone]
         else:
             context = (req.decode_context() + ids[: len(ids) - redone])[-CONTEXT_TOKENS:]

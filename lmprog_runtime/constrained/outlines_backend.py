@@ -15,10 +15,9 @@ from typing import Any
 import torch
 
 from lmprog_runtime.byte_decode import unicode_to_byte
-from lmprog_runtime.constrained.base import BaseGrammarBackend, Grammar, Matcher
+from lmprog_runtime.constrained.base import MAX_REDONE, BaseGrammarBackend, Grammar, Matcher
 from lmprog_runtime.constrained.index_process import IndexCompiler
 from lmprog_runtime.constrained.json_schema import schema_to_regex
-from lmprog_runtime.constrained.jump_forward import MAX_REDONE
 from lmprog_runtime.constrained.portable_regex import portable_regex
 
 # An index holds about twice its pickle's size in memory (over SmolLM2's vocabulary, ten
