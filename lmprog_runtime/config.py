@@ -104,7 +104,8 @@ class RuntimeConfig:
     # beyond the requests using them.
     grammar_cache_size: int = 64
     # ... and fewer, where they would hold more MiB than this (a regex of bounded free
-    # text, `[^\n]{1,150}`, holds about 170 MiB over a 49k-token vocabulary).
+    # text, `[^\n]{1,150}`, holds about 170 MiB over a 49k-token vocabulary); one larger
+    # alone is not kept (each `generate` call compiles it again); 0 keeps none.
     grammar_cache_mib: int = 1024
     # Scales the share of future output tokens reserved at admission: 0 admits as much as
     # fits now (more retractions under pressure), larger values are more cautious.

@@ -76,6 +76,9 @@ def normalize_generate_inputs(
     # Each distinct dict is read once (the requests of one call share what it says, which
     # nothing changes later): one dict for a whole batch is the usual case.
     parsed: dict[int, SamplingParams] = {}
+    # (one grammar per constraint a call: one the cache does not keep, larger than
+    # `grammar_cache_mib`, was compiled and held again for each prompt of a batch)
+    grammars: dict[tuple[str, str], Any] = {}
     for ids, raw, want_lp, start, top, text in zip(
         ids_list, params, logprob_flags, starts, tops, texts
     ):
@@ -114,7 +117,11 @@ def normalize_generate_inputs(
                 f"{what} = {need} tokens take {slots} KV slots{pages}, more than the "
                 f"pool's {engine.runner.num_kv_slots}; raise max_total_tokens"
             )
-        grammar = engine.grammar(*sp.constraint) if sp.constraint is not None else None
+        grammar = None
+        if sp.constraint is not None:
+            grammar = grammars.get(sp.constraint)
+            if grammar is None:
+                grammar = grammars[sp.constraint] = engine.grammar(*sp.constraint)
         items.append(GenerateItem(list(ids), sp, want_lp, start, top, text, grammar))
     return items, is_single
 

@@ -203,9 +203,15 @@ class GrammarCache:
 
     def _trim(self) -> None:
         """Drop the least recently used compiled grammars beyond `max_entries`, and while
-        those kept hold more than `max_bytes` (compiles still running are kept)."""
+        those kept hold more than `max_bytes`; a grammar larger than that alone is never
+        kept (it emptied the cache). Compiles still running are kept."""
         with self._lock:
             done = [(key, _nbytes(f)) for key, f in self._entries.items() if f.done()]
+            if self.max_bytes is not None:
+                for key, size in done:
+                    if size > self.max_bytes:
+                        del self._entries[key]
+                done = [(key, size) for key, size in done if size <= self.max_bytes]
             excess = len(self._entries) - self.max_entries
             held = sum(size for _, size in done)
             for key, size in done:  # (least recently used first)

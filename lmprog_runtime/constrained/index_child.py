@@ -26,8 +26,8 @@ def read_frame(fd: int) -> object | None:
 
 
 def read_sized_frame(fd: int) -> tuple[object, int] | None:
-    """The next frame's object from `fd` and the size of its pickle in bytes (an index's:
-    about what it holds in memory), or None at its end."""
+    """The next frame's object from `fd` and the size of its pickle in bytes (an index
+    holds about twice that in memory), or None at its end."""
     header = read_exactly(fd, HEADER.size)
     if header is None:
         return None
