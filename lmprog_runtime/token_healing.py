@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -37,6 +38,10 @@ from lmprog_runtime.constrained.portable_regex import (
 # Prompt tokens an output is decoded after: those before a backed-up token, or
 # (`Engine._detok_context`) the prompt's last ones.
 CONTEXT_TOKENS = 4
+# Extension masks kept, the ones used last: a mask is a bit a token (6 KiB over SmolLM2's
+# 49k tokens, 18k of which other tokens extend: 105 MiB held once all were asked for, and
+# more over larger vocabularies).
+MAX_MASKS = 2048
 
 
 class Heal(NamedTuple):
@@ -62,7 +67,8 @@ class TokenHealer:
         self._keys: list[bytes] | None = None  # every ordinary token's bytes, sorted
         self._ids: list[int] = []  # the token of each key
         self._bytes: dict[int, bytes] = {}
-        self._words: dict[int, torch.Tensor | None] = {}  # token -> its extensions' words
+        # token -> its extensions' words, the `MAX_MASKS` used last
+        self._words: OrderedDict[int, torch.Tensor | None] = OrderedDict()
 
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         with self._tokenizer_lock:
@@ -93,9 +99,13 @@ class TokenHealer:
         """int32 mask words of the tokens whose bytes begin with `token_id`'s (itself
         included); None if it is special or no other token extends it."""
         with self._lock:
-            if token_id not in self._words:
-                self._words[token_id] = self._find_extensions(token_id)
-            return self._words[token_id]
+            if token_id in self._words:
+                self._words.move_to_end(token_id)
+                return self._words[token_id]
+            words = self._words[token_id] = self._find_extensions(token_id)
+            if len(self._words) > MAX_MASKS:
+                self._words.popitem(last=False)
+            return words
 
     def _find_extensions(self, token_id: int) -> torch.Tensor | None:
         if self._keys is None:

@@ -51,6 +51,10 @@ class DaemonPool:
                 threading.Thread(target=_work, args=work, name=name, daemon=True).start()
         return future
 
+    def is_drained(self) -> bool:
+        """Shut down with nothing queued: no work left to cancel (what runs may go on)."""
+        return self._is_shut_down and self._queue.empty()
+
     def shutdown(self, cancel_futures: bool = False) -> None:
         """The threads end once the work queued before ends (`cancel_futures`: is
         cancelled); work running goes on. Never waits."""

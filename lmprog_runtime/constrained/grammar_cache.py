@@ -166,7 +166,9 @@ class GrammarCache:
             old, is_replaced = self._pool, len(self._stuck) <= MAX_STUCK
             if is_replaced:
                 self._pool = _new_pool()
-                self._old_pools.append(old)
+                # (kept to cancel what they hold at `close`: one a timeout, they grew in a
+                # long-lived engine)
+                self._old_pools = [p for p in self._old_pools if not p.is_drained()] + [old]
         job.interrupt()
         if is_replaced:
             old.shutdown()  # its other threads exit once its queue is done

@@ -163,6 +163,14 @@ def test_compiles_stuck_past_the_timeout_hold_a_bounded_number_of_threads(tiny_p
                 cache.get("regex", f"stall{i}")
         ours = {t for t in threading.enumerate() if t.name.startswith("lmprog-grammar")} - before
         assert len(ours) <= MAX_STUCK + 4  # the stuck ones, and one pool's
+        release.set()  # (the stuck compiles end; their pools have nothing left queued)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(p.is_drained() for p in cache._old_pools):
+            time.sleep(0.05)
+        release.clear()
+        with pytest.raises(ValueError, match="longer than"):
+            cache.get("regex", "stall-once-more")
+        assert len(cache._old_pools) == 1  # (each timeout's old pool was kept until close)
     finally:
         release.set()
         cache.close()

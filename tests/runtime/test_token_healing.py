@@ -55,6 +55,28 @@ def test_allowed_first_tokens_are_the_tokens_that_extend_it(_session_engine, tin
     assert got == (want if len(want) > 1 else set())
 
 
+def test_the_healer_keeps_the_masks_used_last(tiny_path, tiny_bytes, monkeypatch):
+    """Masks asked for again after others pushed them out are the same; at most
+    `MAX_MASKS` are held (a mask a token the prompt ended with grew to 105 MiB over
+    SmolLM2's vocabulary)."""
+    import lmprog_runtime.token_healing as token_healing
+    from lmprog_runtime import Engine
+
+    monkeypatch.setattr(token_healing, "MAX_MASKS", 8)
+    tokens = sorted(tiny_bytes)[:40]
+    with Engine(tiny_path, max_total_tokens=1024) as engine:
+        healer = engine._healer
+        first = {t: healer.extensions(t) for t in tokens}
+        assert len(healer._words) == 8 and list(healer._words) == tokens[-8:]
+        for token in tokens:  # (pushed out and made again)
+            again = healer.extensions(token)
+            assert (again is None) == (first[token] is None)
+            assert again is None or torch.equal(again, first[token])
+            want = extends(tiny_bytes, token)
+            assert allowed_set(engine, token) == (want if len(want) > 1 else set())
+        assert len(healer._words) == 8
+
+
 def healed_reference(hf_tiny, tiny_bytes, ids: list[int], new: int) -> list[int]:
     """transformers: the prompt less its last token; the first token the argmax of the
     tokens that extend it; then greedy generate."""
