@@ -61,6 +61,17 @@ def test_json_with_long_keys_is_valid_and_needs_few_forwards(engines):
     assert stats_on["forward_passes"] < stats_off["forward_passes"] / 2
 
 
+def _fresh_prefill_logprobs(engine: Engine, prompt_ids: list[int], out_ids: list[int]):
+    """(logprob, token) of each output token but the last, from one prefill of the prompt
+    and output together."""
+    return engine.generate(
+        input_ids=prompt_ids + out_ids[:-1],
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=len(prompt_ids),
+    )["meta_info"]["input_token_logprobs"]
+
+
 # A character drawn as several byte tokens, then forced text, then text to sample: the jump
 # retokenizes all the character's tokens (the last alone decodes to no text of its own).
 CJK_THEN_FORCED = r"(日本|中国)-confirmed-by-the-warehouse-[a-z]{3}"
@@ -100,13 +111,8 @@ def test_tokens_after_a_jump_see_the_kv_of_a_fresh_prefill_of_the_same_ids(
         assert stats["jump_forward_tokens"] > 8 * len(PROMPTS)
         checked = 0
         for prompt, out in zip(PROMPTS, outs):
-            prompt_ids, out_ids = on.encode(prompt), out["output_ids"]
-            ref = off.generate(
-                input_ids=prompt_ids + out_ids[:-1],
-                sampling_params={"max_new_tokens": 0},
-                return_logprob=True,
-                logprob_start_len=len(prompt_ids),
-            )["meta_info"]["input_token_logprobs"]
+            out_ids = out["output_ids"]
+            ref = _fresh_prefill_logprobs(off, on.encode(prompt), out_ids)
             rid = out["meta_info"]["id"]
             for n, token in enumerate(out_ids[:-1]):
                 if (rid, n) not in rows:
@@ -151,14 +157,9 @@ def test_a_character_whose_tokens_would_change_is_not_jumped_over(engines, monke
     on.reset_stats()
     out = on.generate("Price: ", {"max_new_tokens": 40, "temperature": 0, "regex": regex})
     assert re.fullmatch(regex, out["text"]) and on.stats()["jump_forward_tokens"] > 8
-    prompt_ids, out_ids = on.encode("Price: "), out["output_ids"]
+    out_ids = out["output_ids"]
     assert out_ids[:3] == bytes_of_euro
-    ref = off.generate(
-        input_ids=prompt_ids + out_ids[:-1],
-        sampling_params={"max_new_tokens": 0},
-        return_logprob=True,
-        logprob_start_len=len(prompt_ids),
-    )["meta_info"]["input_token_logprobs"]
+    ref = _fresh_prefill_logprobs(off, on.encode("Price: "), out_ids)
     checked = [n for n in rows if n < len(out_ids) - 1]
     for n in checked:
         assert ref[n][1] == out_ids[n]
