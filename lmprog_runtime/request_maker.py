@@ -56,17 +56,15 @@ class RequestMaker:
         with self._seeds_lock:
             seeds = [self._seeds.getrandbits(62) for _ in items]
         heals = [self._heal(item) for item in items]
-        # A healed constraint's pattern starts with the backed-up text.
-        items = [
-            item._replace(
-                grammar=self.grammar(
-                    "regex", healed_pattern(heal.text, item.grammar.regex), size_checked=True
-                )
-            )
-            if heal is not None and item.grammar is not None
-            else item
-            for item, heal in zip(items, heals)
-        ]
+        # A healed constraint's pattern starts with the backed-up text (compiled once a call,
+        # as `normalize_generate_inputs` does the patterns: one not cached was once a prompt).
+        healed: dict[str, Any] = {}
+        for i, (item, heal) in enumerate(zip(items, heals)):
+            if heal is not None and item.grammar is not None:
+                pattern = healed_pattern(heal.text, item.grammar.regex)
+                if pattern not in healed:
+                    healed[pattern] = self.grammar("regex", pattern, size_checked=True)
+                items[i] = item._replace(grammar=healed[pattern])
         reqs = [
             Req(
                 next(self._rids),

@@ -119,6 +119,12 @@ def test_the_engine_keeps_grammars_within_grammar_cache_mib(tiny_path, monkeypat
         for out in engine.generate(["Answer:", "Reply:", "Say:"], params):
             assert re.fullmatch("[a-c]{2,4}", out["text"])
         assert len(engine._grammars.keys()) == kept and compiled == ["[a-c]{2,4}"]
+        compiled.clear()  # (healed: the pattern behind the backed-up " ", once for the call)
+        healed = engine.generate(
+            ["Answer: ", "Reply: ", "Say: "], {**params, "token_healing": True}
+        )
+        assert all(re.fullmatch("[a-c]{2,4}", out["text"]) for out in healed)
+        assert len(compiled) == 2 - kept and compiled[-1].endswith("(?:[a-c]{2,4})")
 
 
 @pytest.mark.parametrize(
