@@ -135,6 +135,26 @@ def test_a_conversation_written_role_by_role_is_the_template_s_render(template, 
     assert _written(ChatRoles(render), messages) == expected
 
 
+@pytest.mark.parametrize(
+    ("template", "first"), [(ALTERNATE, []), (SYSTEM_IN_FIRST_TURN, ["system"])]
+)
+def test_a_long_conversation_keeps_few_whole_reads_and_writes_the_template_s_render(
+    template, first, monkeypatch
+):
+    """A template that checks the whole conversation is read at each length; the reads kept
+    are bounded (a 2,000-turn chat held 51 MiB of keys), and one read again is the same."""
+    import lmprog.chat_template as chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_WHOLE_KEYS", 4)
+    render = _renderer(template)
+    roles = first + ["user", "assistant"] * 12
+    messages = [{"role": r, "content": f"{r} says {i}"} for i, r in enumerate(roles)]
+    chat = ChatRoles(render)
+    for _ in range(2):  # (the second time, the early reads were dropped: read again)
+        assert _written(chat, messages) == render(messages)
+        assert 0 < len(chat._whole_cache) <= 4
+
+
 def _written(chat: ChatRoles, messages: list[dict[str, str]]) -> str:
     """The text of `messages` as a program writes it: each role's begin, content, end."""
     roles = [m["role"] for m in messages]
