@@ -55,7 +55,7 @@ class ChatRoles:
         self._trailer: str | None = None  # read at first use
         self._cache: dict[tuple[str, ...], RoleText] = {}
         self._whole: set[tuple[str, ...]] = set()  # short keys whose read the template refused
-        # Whole conversations' roles read (their keys as long as they are), used last first
+        # Whole conversations' role reads (keys as long as they are), oldest use first
         self._whole_cache: OrderedDict[tuple[str, ...], RoleText] = OrderedDict()
         self._whole_lock = threading.Lock()
         self._default_system: object = _UNREAD

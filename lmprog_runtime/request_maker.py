@@ -56,8 +56,9 @@ class RequestMaker:
         with self._seeds_lock:
             seeds = [self._seeds.getrandbits(62) for _ in items]
         heals = [self._heal(item) for item in items]
-        # A healed constraint's pattern starts with the backed-up text (compiled once a call,
-        # as `normalize_generate_inputs` does the patterns: one not cached was once a prompt).
+        # A healed constraint's pattern starts with the backed-up text; one compile per
+        # distinct healed pattern a call (a grammar the cache does not keep was compiled for
+        # every prompt).
         healed: dict[str, Any] = {}
         for i, (item, heal) in enumerate(zip(items, heals)):
             if heal is not None and item.grammar is not None:
