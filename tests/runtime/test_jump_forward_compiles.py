@@ -52,14 +52,13 @@ def test_patterns_too_large_or_too_slow_to_compile_are_refused(tiny_path, monkey
 def test_the_engine_serves_other_requests_while_a_pattern_compiles(engine, monkeypatch):
     """Compiles run on a worker thread: while one is held, an unconstrained request is
     served to the end; released, the constrained request completes and matches."""
-    on = engine
     regex = "[xy]{2}-held-compile"
     started, release = _block_compiles_of(monkeypatch, regex)
     result = {}
 
     def constrained():
         try:
-            result.update(on.generate("Code:", {"regex": regex, "max_new_tokens": 32}))
+            result.update(engine.generate("Code:", {"regex": regex, "max_new_tokens": 32}))
         except Exception as error:  # noqa: BLE001 - reported by the assertion below
             result["error"] = error
 
@@ -67,7 +66,7 @@ def test_the_engine_serves_other_requests_while_a_pattern_compiles(engine, monke
     worker.start()
     try:
         assert started.wait(timeout=120), "the compile never started"
-        free = on.generate("Once upon a time", {"max_new_tokens": 8, "ignore_eos": True})
+        free = engine.generate("Once upon a time", {"max_new_tokens": 8, "ignore_eos": True})
         assert len(free["output_ids"]) == 8 and "output_ids" not in result
     finally:
         release.set()
