@@ -56,13 +56,14 @@ class CharFSM:
                 return None
         return state
 
-    def forced(self, state: Any) -> str:
-        """The longest string every match must continue with from `state`: while the text
-        cannot end there and every NFA state in it takes the same one character."""
+    def forced(self, state: Any, limit: int) -> str:
+        """The longest string every match must continue with from `state`, up to `limit`
+        characters: while the text cannot end there and every NFA state in it takes the
+        same one character."""
         out: list[str] = []
         seen = set()
         literals = self._literals
-        while FINAL not in state and state not in seen:
+        while FINAL not in state and state not in seen and len(out) < limit:
             seen.add(state)
             chars = {literals[nfa_state] for nfa_state in state}
             if len(chars) != 1 or None in chars:
@@ -79,6 +80,10 @@ CONTEXT_TOKENS = 4
 # Text encoded before the forced text where a tokenizer begins a text with a space: a
 # character no piece merges with what follows it.
 ANCHOR = "\n"
+# Forced characters appended by one jump: a longer forced text is appended a piece at a
+# time, one extend step each. (Encoded whole at each step, a literal of 50,000 characters
+# cost O(its length) a token; and one longer than the tokens left got no jump at all.)
+MAX_JUMP_CHARS = 2048
 
 
 def jump_forward(req: Req, codec: Codec) -> int | None:
@@ -100,7 +105,7 @@ def jump_forward(req: Req, codec: Codec) -> int | None:
     req.fsm_position = (len(text), state)
     if state is None:
         return None
-    forced = req.char_fsm.forced(state)
+    forced = req.char_fsm.forced(state, MAX_JUMP_CHARS)
     if len(forced) < 2:
         return None
     found = _last_character_tokens(req, codec, text)
@@ -111,9 +116,15 @@ def jump_forward(req: Req, codec: Codec) -> int | None:
         tail = _retokenized(codec, context, window_kept, last_text + forced)
     except ValueError:  # (a token past the model's vocabulary: decoding goes on instead)
         return None
-    kept_len = len(ids) - redone
-    if tail is None or kept_len + len(tail) >= req.max_new_tokens:
+    if tail is None:
         return None
+    kept_len = len(ids) - redone
+    room = req.max_new_tokens - 1 - kept_len  # (the request draws its last token itself)
+    if len(tail) > room:
+        forced = _fitting_text(codec, context, window_kept, tail[:room], last_text, forced)
+        if forced is None:
+            return None
+        tail = tail[:room]
     if redone > 1 and tail[: redone - 1] != ids[kept_len:-1]:
         return None  # (the tokens before the last have K/V in the pool: only it may change)
     matcher = req.matcher
@@ -128,6 +139,20 @@ def jump_forward(req: Req, codec: Codec) -> int | None:
     req.replace_output_tail(kept_len, tail, text + forced)
     req.fsm_position = (len(text) + len(forced), req.char_fsm.walk(forced, state))
     return kept_len + len(tail) - len(ids)
+
+
+def _fitting_text(
+    codec: Codec, context: list[int], before: str, tail: list[int], last_text: str, forced: str
+) -> str | None:
+    """The part of `forced` that `tail`, the first tokens of its retokenization that fit in
+    the tokens left, spells after `last_text`; None if they add no whole character."""
+    text = codec.decode(context + tail)
+    if not text.startswith(before) or text.endswith("\ufffd"):
+        return None
+    text = text[len(before) :]
+    if len(text) <= len(last_text) or not (last_text + forced).startswith(text):
+        return None
+    return text[len(last_text) :]
 
 
 def _last_character_tokens(

@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from lmprog_runtime import Engine
+from lmprog_runtime.constrained.jump_forward import MAX_JUMP_CHARS
 from lmprog_runtime.penalties import PenaltyCounts
 
 SCHEMA = {
@@ -355,3 +356,44 @@ def test_stop_token_ids_stop_a_constrained_request_as_with_jump_forward_off(engi
         assert out["output_ids"] == expected["output_ids"]
         assert out["meta_info"]["finish_reason"] == expected["meta_info"]["finish_reason"]
         assert out["meta_info"]["finish_reason"]["matched"] == stop_id
+
+
+LITERAL = "the quick brown fox jumps over " * 100  # (3,100 characters, ~1,240 tokens)
+
+
+def test_a_forced_text_longer_than_the_tokens_left_is_jumped_up_to_them(engines):
+    """A forced text that did not fit in `max_new_tokens` got no jump: the request drew it
+    token by token, one forward pass each. It now jumps as far as the tokens left allow."""
+    on, off = engines
+    regex = "x" + re.escape(LITERAL) + "[a-z]{3}"
+    params = {"regex": regex, "max_new_tokens": 50, "temperature": 0}
+    out, stats = _run(on, ["Say:"], params)
+    (expected,) = off.generate(["Say:"], params)
+    for got in (out[0], expected):
+        assert len(got["output_ids"]) == 50
+        assert got["meta_info"]["finish_reason"]["type"] == "length"
+        assert ("x" + LITERAL).startswith(got["text"])
+    assert len(out[0]["text"]) >= len(expected["text"]) - 8  # (its own tokenization)
+    assert stats["forward_passes"] <= 2 and stats["jump_forward_tokens"] >= 45
+
+
+def test_a_long_forced_text_is_encoded_and_jumped_a_piece_at_a_time(engines, monkeypatch):
+    """Jump-forward encodes at most `MAX_JUMP_CHARS` of forced text at a step, not all of a
+    long literal at each step (O(its length) a token), and still needs few forwards."""
+    on, _ = engines
+    regex = "x" + re.escape(LITERAL) + "[a-z]{3}"
+    params = {"regex": regex, "max_new_tokens": 2000, "temperature": 0}
+    longest = [0]
+    real_encode = on.encode
+
+    def measuring_encode(text, add_special_tokens=True):
+        longest[0] = max(longest[0], len(text))
+        return real_encode(text, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(on, "encode", measuring_encode)
+    (out,), stats = _run(on, ["Say:"], params)
+    monkeypatch.undo()
+    assert re.fullmatch(regex, out["text"]), out["text"][-40:]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert longest[0] <= MAX_JUMP_CHARS + 16
+    assert stats["forward_passes"] <= 8, stats
