@@ -290,6 +290,9 @@ class LazyDFA:
             self._moves[key] = found
         return found
 
+    def moves_kept(self) -> int:
+        return len(self._moves)
+
     def _closure(self, starts: list[int]) -> frozenset[int]:
         """The character states (and FINAL) `starts` reach through epsilon moves."""
         tests, nexts = self.nfa.tests, self.nfa.nexts

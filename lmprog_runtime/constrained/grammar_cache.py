@@ -247,10 +247,13 @@ class GrammarCache:
 
 
 def _nbytes(future: Future) -> int:
-    """The size of a finished compile's grammar (0 for one that failed)."""
+    """The size of a finished compile's grammar, its character FSM's included (0 for one
+    that failed)."""
     if future.cancelled() or future.exception() is not None:
         return 0
-    return future.result().nbytes
+    grammar = future.result()
+    char_fsm = getattr(grammar, "_char_fsm", None)
+    return grammar.nbytes + (char_fsm.nbytes() if char_fsm else 0)
 
 
 def _has_optional_properties(schema: str) -> bool:

@@ -27,8 +27,12 @@ class Codec(Protocol):
 # NFA states a pattern may take (a bounded repeat takes its body once per repetition); past
 # it, no jump-forward for that pattern.
 MAX_STATES = 100_000
-# Moves kept per pattern (each grammar in the cache has its automaton): about 9 MB at most.
+# Moves kept per pattern (each grammar in the cache has its automaton): about 6 MB at most.
 MAX_MOVES = 20_000
+# What the automaton holds, for the grammar cache's bound (tracemalloc, on patterns of
+# free text and JSON schemas: 90-110 bytes an NFA state, 260-300 a move kept).
+NFA_STATE_BYTES = 110
+MOVE_BYTES = 300
 
 
 class CharFSM:
@@ -43,6 +47,10 @@ class CharFSM:
         self._dfa = LazyDFA(nfa, max_moves=MAX_MOVES)
         self._literals = nfa.literals
         self.initial = self._dfa.initial
+
+    def nbytes(self) -> int:
+        """About what the automaton holds now (its moves are made as texts reach them)."""
+        return NFA_STATE_BYTES * len(self._literals) + MOVE_BYTES * self._dfa.moves_kept()
 
     def walk(self, text: str, state: Any = None) -> Any:
         """The state after reading `text` from `state` (None: the start), or None if it

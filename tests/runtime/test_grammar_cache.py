@@ -86,6 +86,20 @@ def test_the_cache_keeps_the_grammars_used_last(backend, sizes, max_entries, use
     assert backend.compiled == misses
 
 
+def test_the_bound_counts_jump_forwards_automaton_too(backend):
+    """With jump-forward, a grammar holds its character automaton as well as its index
+    (90-110 bytes an NFA state, up to 6 MB of moves): the bound counts both."""
+    pattern = "(ab|cd){400}"  # (its index is small, its automaton 1,600 NFA states)
+    alone = backend.compile_regex(pattern).nbytes
+    for jump_forward, kept in ((False, 1), (True, 0)):
+        cache = GrammarCache(backend, jump_forward=jump_forward, max_bytes=alone + 50_000)
+        try:
+            cache.get("regex", pattern)
+            assert len(cache.keys()) == kept
+        finally:
+            cache._pool.shutdown()  # (close would shut the shared backend's compiles down)
+
+
 def test_an_engine_with_a_cache_of_one_serves_every_pattern_and_keeps_the_last(tiny_path):
     """Requests keep their own grammar when the cache drops it: patterns taking turns
     through a cache of one, several at once, each output matching its own pattern."""

@@ -132,3 +132,27 @@ def test_memory_stays_bounded_however_long_the_text():
         tracemalloc.stop()
     print(f"{grown / 1e6:.1f} MB at most over 150,000 characters")
     assert grown < 30e6
+
+
+@pytest.mark.parametrize("schema_or_regex", [SCHEMAS[0], SCHEMAS[2], r"[^\n]{1,150}", r"\w{1,500}"])
+def test_nbytes_is_what_tracemalloc_sees_the_automaton_hold(schema_or_regex):
+    """The grammar cache counts each grammar's automaton as `nbytes`, within a factor of
+    two of its allocations, after texts made moves."""
+    import tracemalloc
+
+    regex = schema_or_regex
+    if isinstance(regex, dict):
+        regex = schema_to_regex(json.dumps(regex))
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        fsm = CharFSM(regex)
+        state = fsm.initial
+        for _ in range(20_000):
+            state = fsm.walk(rng.choice('abcXYZ 019":,[]{}\n'), state)
+            state = state or fsm.initial
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    print(f"{held / 1e3:.0f} kB held, nbytes {fsm.nbytes() / 1e3:.0f} kB")
+    assert held / 2 <= fsm.nbytes() <= held * 2
