@@ -7,8 +7,9 @@ the process's exit; eight of them filled a 24 GiB machine. So each compile runs 
 (`index_child.py`, which holds the vocabulary) and the calling thread waits in short
 steps: when the grammar cache abandons the compile (an exception raised in that thread,
 `grammar_cache._Job.interrupt`), the wait ends, the child is killed and its memory freed.
-An idle child is kept for the next compile (at most `MAX_IDLE`); a busy one is never
-shared.
+An idle child is kept for the next compile (at most `MAX_IDLE`, holding `MAX_IDLE_MIB`
+together: one holds about 20 MiB, but one that compiled a large grammar keeps what it
+grew); a busy one is never shared.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from lmprog_runtime.constrained.index_child import read_sized_frame, write_frame
 
 CHILD = str(Path(__file__).with_name("index_child.py"))
 MAX_IDLE = 4
-MAX_IDLE_MIB = 256  # (a child that grew past this for a large compile is not kept idle)
+MAX_IDLE_MIB = 256  # (four kept at up to 256 MiB each held 540 MiB after large compiles)
 POLL_S = 0.05  # (how soon an abandoned compile's thread sees its interruption)
 
 
@@ -38,6 +39,7 @@ class IndexCompiler:
         self._vocabulary = pickle.dumps(vocabulary)  # (each child gets it once)
         self._lock = threading.Lock()
         self._idle: list[subprocess.Popen] = []
+        self._idle_mib: dict[subprocess.Popen, float] = {}  # (each one's resident MiB)
         self._busy: set[subprocess.Popen] = set()
         self._closed = False
         weakref.finalize(self, _kill_all, self._idle, self._busy)
@@ -58,8 +60,7 @@ class IndexCompiler:
                 reply = None
             finally:
                 if child is not None:
-                    keep = done and reply[2] < MAX_IDLE_MIB
-                    self._give_back(child) if keep else self._drop(child)
+                    self._give_back(child, reply[2]) if done else self._drop(child)
             if reply is not None:
                 break
             if fresh or not first_try:  # (an idle child may have died: once more, on a new one)
@@ -78,6 +79,7 @@ class IndexCompiler:
             self._closed = True
             children = [*self._idle, *self._busy]
             self._idle.clear()
+            self._idle_mib.clear()
         _kill_all(children)
 
     def _take(self) -> tuple[subprocess.Popen, bool]:
@@ -87,6 +89,7 @@ class IndexCompiler:
                 raise RuntimeError("the engine was shut down before this pattern compiled")
             if self._idle:
                 child = self._idle.pop()
+                del self._idle_mib[child]
                 self._busy.add(child)
                 return child, False
         child = subprocess.Popen(  # (uninterrupted: an exception inside left it unreaped)
@@ -105,11 +108,14 @@ class IndexCompiler:
             raise
         return child, True
 
-    def _give_back(self, child: subprocess.Popen) -> None:
+    def _give_back(self, child: subprocess.Popen, mib: float) -> None:
+        """Keep `child`, which holds `mib`, idle if the idle ones stay within bounds."""
         with self._lock:
             self._busy.discard(child)
-            if not self._closed and len(self._idle) < MAX_IDLE:
+            held = sum(self._idle_mib.values()) + mib
+            if not self._closed and len(self._idle) < MAX_IDLE and held <= MAX_IDLE_MIB:
                 self._idle.append(child)
+                self._idle_mib[child] = mib
                 return
         _kill(child)
 

@@ -276,6 +276,28 @@ def test_compiles_go_on_past_a_dead_child_and_past_fd_1023(backend, tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def test_the_idle_compile_children_hold_max_idle_mib_together(backend, monkeypatch):
+    """Four idle children, each under the bound alone, held 540 MiB after large compiles
+    over SmolLM2's vocabulary: those kept idle now hold `MAX_IDLE_MIB` together."""
+    from lmprog_runtime.constrained import index_process
+
+    compiler = index_process.IndexCompiler(backend._vocabulary)
+    try:
+        children = [compiler._take()[0] for _ in range(4)]  # (four compiles at once)
+        replies = [index_process._ask(child, "a+b") for child in children]
+        monkeypatch.setattr(index_process, "MAX_IDLE_MIB", 2.5 * replies[0][2])
+        for child, reply in zip(children, replies):
+            assert reply[0] == "ok"
+            compiler._give_back(child, reply[2])
+        assert len(compiler._idle) == 2
+        assert sum(compiler._idle_mib.values()) <= index_process.MAX_IDLE_MIB
+        assert all(child.poll() is not None for child in children[2:])  # (stopped)
+        assert compiler.compile("b+a")[0] is not None  # (on an idle one)
+        assert len(compiler._idle) == 2
+    finally:
+        compiler.close()
+
+
 def test_a_schema_too_large_to_compile_says_how_large_and_what_helps(backend):
     """Twelve optional properties: each may be left out, so the pattern spells out what may
     follow each (quadratic). The error said only "too large to compile"."""
