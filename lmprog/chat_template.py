@@ -28,10 +28,31 @@ def _slot(i: int) -> str:
 
 
 # Whole-conversation reads kept (a template that checks the whole conversation is read at
-# each length: a 2,000-turn chat held 4 million key entries, 51 MiB).
+# each length where a window does not stand in for it: a 2,000-turn chat held 4 million
+# key entries, 51 MiB).
 MAX_WHOLE_KEYS = 256
+# Earlier messages a window of such a conversation keeps (after a first system message),
+# one more where that keeps its place in the alternation of roles.
+WINDOW = 2
 _SLOTS = re.compile("\u2063LMPROG-[0-9-]+\u2063")  # (`_slot`'s placeholders)
 _UNREAD = object()
+
+
+def _later_system(roles: Sequence[str]) -> bool:
+    """Whether the last of `roles` is a system message after the first message: alone, it
+    would read as a first one (Llama 2's, written into the next user turn)."""
+    return len(roles) > 1 and roles[-1] == "system"
+
+
+def _window(roles: Sequence[str]) -> tuple[str, ...]:
+    """The last `WINDOW` (or one more) of `roles`, after the first where it is a system
+    message: an even number of messages dropped, so roles alternating from the first go on
+    alternating from the window's first."""
+    lead = 1 if roles and roles[0] == "system" else 0
+    keep = WINDOW + (len(roles) - lead - WINDOW) % 2
+    if len(roles) - lead <= keep or "system" in roles[lead:]:  # (its place matters)
+        return tuple(roles)
+    return (*roles[:lead], *roles[-keep:])
 
 
 class RoleText(NamedTuple):
@@ -58,6 +79,7 @@ class ChatRoles:
         # Whole conversations' role reads (keys as long as they are), oldest use first
         self._whole_cache: OrderedDict[tuple[str, ...], RoleText] = OrderedDict()
         self._whole_lock = threading.Lock()
+        self._windows_hold = True  # (until a window reads otherwise than the whole)
         self._default_system: object = _UNREAD
 
     def role_text(self, role: str, previous_roles: Sequence[str]) -> RoleText:
@@ -66,9 +88,9 @@ class ChatRoles:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         key = (*previous_roles[-1:], role) if previous_roles else ("<first>", role)
         text = self._cache.get(key)
-        if text is not None:
+        if text is not None and not _later_system(previous_roles):
             return text
-        if key not in self._whole:
+        if key not in self._whole and not _later_system(previous_roles):
             try:
                 # The previous message stands in for the whole conversation so far: the text
                 # a new message adds depends on what precedes it only through the template.
@@ -79,16 +101,31 @@ class ChatRoles:
                     raise
                 self._whole.add(key)  # (not tried again: it fails the same way)
         # A template that checks the whole conversation (roles alternating from a first
-        # user message, as Mistral's and Llama 2's): render all of it.
-        whole = (*previous_roles, role)
+        # user message, as Mistral's and Llama 2's): its last messages from one at the same
+        # place in the alternation stand in for it, the first time checked against a
+        # render of all of it (rendered whole at each turn, a turn took time in proportion
+        # to the conversation's length). Where a window reads otherwise, render all of it.
+        window = ("<window>", *_window(previous_roles), role) if self._windows_hold else None
+        whole = (*previous_roles, role)  # (a window's key is not a whole's: it stands in)
         with self._whole_lock:  # (programs of a batch read roles on their own threads)
-            text = self._whole_cache.get(whole)
-            if text is not None:
-                self._whole_cache.move_to_end(whole)
-                return text
+            for key in (window, whole):
+                text = self._whole_cache.get(key) if key is not None else None
+                if text is not None:
+                    self._whole_cache.move_to_end(key)
+                    return text
         text = self._read(previous_roles, role)
+        key = whole
+        if window is not None and window[1:] != whole:
+            try:
+                held = self._read(window[1:-1], role) == text
+            except ValueError:
+                held = False
+            if held:
+                key = window
+            else:
+                self._windows_hold = False
         with self._whole_lock:
-            self._whole_cache[whole] = text
+            self._whole_cache[key] = text
             while len(self._whole_cache) > MAX_WHOLE_KEYS:
                 self._whole_cache.popitem(last=False)
         return text

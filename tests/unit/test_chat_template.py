@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jinja2
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from lmprog.chat_template import ChatRoles
@@ -113,6 +113,7 @@ CONVERSATIONS = [
     ["system", "user", "assistant", "user", "assistant"],
     ["system", "user"],
     ["user"],
+    ["user", "system", "user"],  # (a later system message: Llama 2 writes it as a reply)
 ]
 
 
@@ -153,6 +154,71 @@ def test_a_long_conversation_keeps_few_whole_reads_and_writes_the_template_s_ren
     for _ in range(2):  # (the second time, the early reads were dropped: read again)
         assert _written(chat, messages) == render(messages)
         assert 0 < len(chat._whole_cache) <= 4
+
+
+NUMBERED = ALTERNATE.replace("'[INST] '", "'[INST ' ~ loop.index ~ '] '")
+
+
+@pytest.mark.parametrize(
+    ("template", "first", "windows_hold"),
+    [
+        (ALTERNATE, [], True),
+        (SYSTEM_IN_FIRST_TURN, ["system"], True),
+        (NUMBERED, [], False),  # (each user turn writes its number: only the whole reads)
+    ],
+)
+def test_a_long_conversation_is_read_off_a_window_where_that_reads_as_the_whole(
+    template, first, windows_hold
+):
+    """Rendered whole at each turn, such a template cost a turn time in proportion to the
+    conversation's length: its last messages now stand in for it once they read as it
+    does, and renders stay short however long the conversation."""
+    render = _renderer(template)
+    longest = []
+
+    def measured(messages):
+        longest.append(len(messages))
+        return render(messages)
+
+    roles = first + ["user", "assistant"] * 30
+    messages = [{"role": r, "content": f"{r} says {i}"} for i, r in enumerate(roles)]
+    chat = ChatRoles(measured)
+    assert _written(chat, messages) == render(messages)
+    assert chat._windows_hold == windows_hold
+    late = longest[len(longest) // 2 :]
+    assert max(late) <= 8 if windows_hold else max(late) > 30
+
+
+@given(
+    st.sampled_from(
+        [ALTERNATE, SYSTEM_IN_FIRST_TURN, NUMBERED, CHATML, SMOL_LIKE, HEADER_ALWAYS, CHAT_TEMPLATE]
+    ),
+    st.lists(st.sampled_from(["user", "assistant", "system"]), min_size=1, max_size=14),
+    st.integers(0, 13),
+)
+def test_any_conversation_is_written_as_the_template_renders_it_or_refused(
+    template, roles, alternating
+):
+    """Roles alternating for a while, then drawn at random: written role by role (windows
+    standing in for the whole where they read as it), each is the template's render, or
+    refused where the template refuses it. (A system message after the first, read alone
+    as a first one, was written into the next user turn by Llama 2's shape.)"""
+    cycle = ["user", "assistant"] * 7
+    roles = (
+        roles[:1] + cycle[:alternating] + roles[1:]
+        if roles[0] == "system"
+        else cycle[:alternating] + roles
+    )
+    assume(roles != ["system"])  # (Llama 2 writes it with the user message after it)
+    render = _renderer(template)
+    messages = [{"role": r, "content": f"{r} says {i}"} for i, r in enumerate(roles)]
+    try:
+        expected = render(messages)
+    except jinja2.TemplateError:
+        with pytest.raises(ValueError, match="refuses"):
+            _written(ChatRoles(render), messages)
+        return
+    assert _written(ChatRoles(render), messages) == expected
 
 
 def _written(chat: ChatRoles, messages: list[dict[str, str]]) -> str:
