@@ -92,6 +92,24 @@ class ReqText:
         """The last tokens wait for the rest of a UTF-8 sequence (call after decoded_text)."""
         return self._detok_len() > self._read_offset
 
+    def text_with_held_tokens(self) -> str | None:
+        """The output's text with the tokens held back (call after decoded_text), where
+        they decode as whole characters; None where they end inside one. (A run of
+        byte-fallback pieces is held back whole, since a byte that is not UTF-8 turns all of
+        it into U+FFFD: for jump-forward, whose forced text then ends the run, it is text.)"""
+        if not self.has_undecoded_tokens():
+            return self.decoded_text()
+        skip = self.params.skip_special_tokens
+        start, read = self._prefix_offset, self._read_offset
+        before = self.tokenizer.decode(self._detok_ids(start, read), skip_special_tokens=skip)
+        after = self.tokenizer.decode(
+            self._detok_ids(start, self._detok_len()), skip_special_tokens=skip
+        )
+        if not after.startswith(before) or after.endswith("\ufffd"):
+            return None
+        text = self._decoded_text + after[len(before) :]
+        return text[self._detok_skip :] if self._detok_skip else text
+
     def replace_output_tail(self, kept: int, tail: list[int], text: str) -> None:
         """Jump-forward: the output becomes its first `kept` tokens plus `tail`, whose text
         is `text`; the detokenizer goes on from there without decoding it all again."""

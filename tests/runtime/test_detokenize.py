@@ -378,6 +378,29 @@ def test_byte_fallback_outputs_stream_the_final_text(tmp_path):
             assert out["text"] == "".join(c["text"] for c in streamed) == " ab", before
 
 
+def test_jump_forward_after_a_character_in_byte_fallback_pieces(tmp_path):
+    """A run of byte-fallback pieces is held back until a piece of another kind follows
+    (one more byte that is not UTF-8 turns the whole run into U+FFFD), and the jump waited
+    for it: the model drew the first forced token itself. Once the run decodes as whole
+    characters, the forced text ends it and the jump goes: only the first character's
+    bytes are drawn."""
+    from helpers import byte_fallback_tokenizer
+
+    tokenizer = byte_fallback_tokenizer()
+    with _engine_with(tokenizer, tmp_path) as engine:
+        ids = tokenizer("ab").input_ids
+        for regex in ("(日|中) ab ab ab", "(日本|中国) ab ab", "(🙂|✅)ab ab", "(é|ü) ab ab"):
+            params = {"max_new_tokens": 30, "temperature": 0, "regex": regex}
+            engine.reset_stats()
+            out = engine.generate(input_ids=ids, sampling_params=params)
+            stats = engine.stats()
+            assert re.fullmatch(regex, out["text"]), (regex, out["text"])
+            again = _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params)
+            assert again["output_ids"] == out["output_ids"]
+            drawn = len(out["text"][0].encode())  # (the first byte comes with the prefill)
+            assert stats["decode_tokens"] == drawn - 1, (regex, stats)
+
+
 @pytest.mark.parametrize("prompt", ["Hi", "Hi Hi", "Hi!"])
 def test_an_output_keeps_its_leading_space_after_the_prompt(metaspace_engine, prompt):
     """A SentencePiece word's space is part of the output's text after a prompt, as in the
