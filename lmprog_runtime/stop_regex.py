@@ -1,4 +1,4 @@
-"""Stop regexes searched incrementally: O(new characters) per token, not O(output).
+r"""Stop regexes searched incrementally: O(new characters) per token, not O(output).
 
 A stop regex may match anywhere in the output, so searching the whole text with `re` after
 every token costs O(n) per token and O(n^2) per request. Instead each pattern's DFA runs

@@ -116,7 +116,7 @@ WIDE_ALPHABET = "abxkK\u212asSſAB ²\u0301é\x1c\n_"
 )
 @settings(max_examples=400, deadline=None)
 def test_flags_and_repeats_run_as_a_dfa_as_re_reads_them(patterns, text, origin):
-    """The scan finds a match where `re.search` does, and reports `re`'s match (a lazy
+    r"""The scan finds a match where `re.search` does, and reports `re`'s match (a lazy
     repeat's extent, `\w` as `re` reads it: it was the `regex` module's match, and with
     an inline flag its search, which read "²" as no word character)."""
     assert all(search_dfa(p) is not None for p in patterns)
