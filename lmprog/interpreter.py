@@ -149,7 +149,7 @@ class Interpreter:
             base = (set(st.variables), len(st.text))
             for branch in stream.branches[node.fork_id]:
                 branch.st = st.copy()
-                branch.st.on_emit = branch._on_emit
+                branch.st.on_emit = branch.emitter()
                 branch.fork_base, branch.fork_spans = base, len(st.spans)
                 with branch.lock:
                     if branch.is_streaming and st.text:  # (its stream starts with the text

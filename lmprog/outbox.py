@@ -110,19 +110,23 @@ def _done_compiling(items: list) -> None:
 
 
 class _Countdown:
-    """Calls `then` once, when it has been called `count` times (from any threads)."""
+    """Calls `then` once, when it has been called `count` times (from any threads), and
+    lets it go: the futures that call it hold it, and `then` holds them (a cycle that kept
+    the program, and the engine, until a full garbage collection)."""
 
     def __init__(self, count: int, then: Callable[[], None]) -> None:
         self._count = count
-        self._then = then
+        self._then: Callable[[], None] | None = then
         self._lock = threading.Lock()
 
     def __call__(self, _: Any) -> None:
         with self._lock:
             self._count -= 1
-            is_last = self._count == 0
-        if is_last:
-            self._then()
+            then = self._then if self._count == 0 else None
+            if then is not None:
+                self._then = None
+        if then is not None:
+            then()
 
 
 def _naming_gen(error: Exception, gen: Gen) -> Exception:

@@ -5,11 +5,17 @@ The program's thread appends nodes and waits on the stream's condition for the n
 value depends on; the interpreter thread (`interpreter.py`) runs them. Every field but
 `st` is guarded by the interpreter's lock (each stream's `cv` is a condition on it);
 `st` is written by the interpreter thread only.
+
+A stream holds its branches, not its parent nor its root (weakly), and its state's
+listener holds it weakly: none of them makes a reference cycle, so a program's streams,
+and the engine its backend holds, go once nobody references them (cycles kept a dropped
+engine, 560 MiB of the instruct model's, until a full garbage collection).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +46,7 @@ class Stream:
     ) -> None:
         self.interpreter = interpreter
         self.ops = ProgramOps(backend, defaults)
-        self.parent = parent
+        self._parent = weakref.ref(parent) if parent is not None else None
         self.fork_id = fork_id  # which fork of the parent this branch belongs to
         self.is_streaming = is_streaming or (parent is not None and parent.is_streaming)
         self.nodes: list[Expr] = []
@@ -52,14 +58,13 @@ class Stream:
         self.unfilled: dict[int, int] = {}  # fork id -> how many of its branches have no node
         self.fork_base: tuple[set[str], int] = (set(), 0)  # parent's variables, text length
         self.fork_spans = 0  # how many of its state's spans it inherited at the fork
-        self.root: Stream = parent.root if parent is not None else self
         self.emitted = 0  # (root) text pieces streamed by it and its branches: the live view
         # (root) The live view: the `emitted` count it has drawn (None: no view, or its
         # last draw is done); and whether a reader waits for it to draw now.
         self.live_drawn: int | None = None
         self.live_flush = False
         self.st = ExecState()
-        self.st.on_emit = self._on_emit
+        self.st.on_emit = self.emitter()
         self.events: list[tuple[str | None, str, dict[str, Any] | None]] = []
         self.error: BaseException | None = None
         # (root) The body's exception, failing the program once the nodes before its next
@@ -78,6 +83,29 @@ class Stream:
         self.lock = interpreter.lock
         self.cv = threading.Condition(interpreter.lock)
         interpreter.add_live(self)
+
+    @property
+    def parent(self) -> Stream | None:
+        """The stream this one is a fork branch of (None: the root, or a parent gone)."""
+        return self._parent() if self._parent is not None else None
+
+    @property
+    def root(self) -> Stream:
+        stream = self
+        while (parent := stream.parent) is not None:
+            stream = parent
+        return stream
+
+    def emitter(self) -> Callable[[str | None, str], None]:
+        """The listener of this stream's state: `_on_emit`, holding the stream weakly."""
+        ref = weakref.ref(self)
+
+        def on_emit(name: str | None, text: str) -> None:
+            stream = ref()
+            if stream is not None:
+                stream._on_emit(name, text)
+
+        return on_emit
 
     # ---- program side (any thread) --------------------------------------------------------
     def append(self, nodes: list[tuple[Expr, str | None]]) -> int:

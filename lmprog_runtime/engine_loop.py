@@ -334,6 +334,7 @@ class EngineLoop(LoopFailures, StepDraw, OverlapLoop, DecodeRunLoop):
             req.text = ""
         if req.error is None:
             self._stats.add("finished_requests")
+        req.group = None  # (its group holds it: a cycle that kept the engine, `Req.tokenizer`)
         with self._lock:
             self._num_unfinished -= 1
         self._announce(req)
