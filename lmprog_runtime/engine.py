@@ -89,8 +89,9 @@ class Engine(RequestMaker, EngineGenerate, EngineCalls, EngineAsync, EngineLoop,
             self.config = RuntimeConfig(model_path=resolve_model_path(model_path), **config_fields)
         require_device(torch.device(self.config.device))
         model_dir = local_model_dir(self.config.model_path)
+        self._threads_found = torch.get_num_threads()  # (shutdown gives it back)
         if self.config.num_threads is not None:
-            torch.set_num_threads(self.config.num_threads)
+            torch.set_num_threads(self.config.num_threads)  # (process-wide, as torch has it)
         process_guard.check_thread_pool_after_fork(self.config.device)
         from lmprog_runtime.models import ModelConfig
 
@@ -236,6 +237,8 @@ class Engine(RequestMaker, EngineGenerate, EngineCalls, EngineAsync, EngineLoop,
             if self._is_shut_down:  # (another thread's call did the rest)
                 return
             self._is_shut_down = True
+        if torch.get_num_threads() == self.config.num_threads:  # (unless changed since)
+            torch.set_num_threads(self._threads_found)
         error = RuntimeError("the engine was shut down before this request finished")
         self._abandon_in_flight(error)
         if self._worker is not None:

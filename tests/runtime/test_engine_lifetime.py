@@ -307,3 +307,20 @@ def test_a_ctrl_c_during_shutdown_leaves_the_rest_to_the_next_call(tiny_path, _e
         future.result(JOIN_S)
     state = engine.memory_state()
     assert state["req_slots_free"] == state["req_slots_total"], state
+
+
+def test_shutdown_gives_back_the_torch_thread_count_num_threads_set(tiny_path):
+    """`num_threads` sets torch's process-wide count; it stayed set after shutdown, for the
+    rest of the process (the caller's own torch work and other engines included)."""
+    import torch
+
+    before = torch.get_num_threads()
+    threads = 1 if before != 1 else 2
+    with Engine(tiny_path, max_total_tokens=256, num_threads=threads) as engine:
+        assert torch.get_num_threads() == threads
+        assert len(engine.generate("hello", OK)["output_ids"]) == 3
+    assert torch.get_num_threads() == before
+    with Engine(tiny_path, max_total_tokens=256, num_threads=threads):
+        torch.set_num_threads(threads + 1)  # (changed since: left as it is)
+    assert torch.get_num_threads() == threads + 1
+    torch.set_num_threads(before)
