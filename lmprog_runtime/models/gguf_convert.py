@@ -161,15 +161,25 @@ def _write_tokenizer(checkpoint: GGUFCheckpoint, out_dir: Path, context_len: int
 
     transformers' converter is fed the fields this reader already holds, so the file's
     vocabulary is parsed once; transformers versions without that converter rebuild the
-    tokenizer from the file through the public `gguf_file` argument instead."""
+    tokenizer from the file through the public `gguf_file` argument instead (before 5.18;
+    theirs fail on a file without a BOS token id, with an AttributeError or a request for
+    protobuf: a ValueError says what helps)."""
     try:
         from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     except ImportError:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, __version__
 
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(checkpoint.path.parent), gguf_file=checkpoint.path.name, local_files_only=True
-        )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(checkpoint.path.parent), gguf_file=checkpoint.path.name, local_files_only=True
+            )
+        except (AttributeError, ImportError, TypeError) as error:
+            raise ValueError(
+                f"{checkpoint.path}: transformers {__version__} cannot build its tokenizer "
+                f"({type(error).__name__}: {' '.join(str(error).split())[:160]}); "
+                "transformers 5.18 or later builds it "
+                "from the file's metadata"
+            ) from error
     else:
         from transformers import PreTrainedTokenizerFast
 

@@ -207,6 +207,27 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tmp_path, tiny_path)
     assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"]
 
 
+def test_a_transformers_that_cannot_build_the_tokenizer_says_what_helps(
+    tmp_path, tiny_path, monkeypatch
+):
+    """Before 5.18 transformers has no metadata converter there, and lmprog reads the file
+    through `gguf_file`, whose build fails on a file without a BOS id (4.45-5.17: an
+    AttributeError, or a request for protobuf): a ValueError says which version builds it.
+    (Old transformers' own failure is replayed here: this suite runs a newer one.)"""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    def old_build(*args, **kwargs):
+        raise AttributeError("'GGUFTokenizerSkeleton' object has no attribute 'bos_token_id'")
+
+    path = write_gguf(source_model("llama"), tmp_path / "old.gguf", "llama", Q.F32, tiny_path)
+    monkeypatch.setitem(sys.modules, "transformers.integrations.gguf", None)  # (ImportError)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", old_build)
+    with pytest.raises(ValueError, match=r"old\.gguf: transformers .* 5\.18 or later builds it"):
+        gguf_convert.convert_gguf(path)
+
+
 def test_large_conversions_are_sharded_and_load_in_transformers(tmp_path, tiny_path, monkeypatch):
     """Past SHARD_BYTES the weights go to several files with the standard index; the
     directory stays an ordinary checkpoint that transformers loads on its own."""
