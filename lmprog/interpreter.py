@@ -100,6 +100,7 @@ class Interpreter:
                 outbox.flush(self)
             except BaseException:  # noqa: BLE001
                 logger.exception("lmprog interpreter: submitting failed")
+            del items, outbox  # (while it waits, it holds no stream, nor so an engine)
 
     def advance(self, stream: Stream, outbox: Outbox) -> None:
         """Run `stream`'s nodes until one needs a request, a join waits, or none is left."""
@@ -247,7 +248,7 @@ class Interpreter:
             stream.cv.notify_all()
             with self.lock:  # (a body's or a caller's thread may end a stream: `cancel`)
                 self._num_live -= 1
-            parent = stream.parent
+            parent, stream.live_parent = stream.parent, None
             if parent is not None and parent.is_busy and not parent.is_done:
                 node = parent.nodes[parent.pos]
                 if isinstance(node, Join) and stream.fork_id == node.fork_id:  # (one of its)
@@ -337,6 +338,7 @@ def _reset_in_child() -> None:
             stream.error = stream.error or error
             stream.is_done = True
             stream.inflight = []
+            stream.live_parent = None
 
 
 if hasattr(os, "register_at_fork"):

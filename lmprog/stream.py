@@ -6,9 +6,10 @@ value depends on; the interpreter thread (`interpreter.py`) runs them. Every fie
 `st` is guarded by the interpreter's lock (each stream's `cv` is a condition on it);
 `st` is written by the interpreter thread only.
 
-A stream holds its branches, not its parent nor its root (weakly), and its state's
-listener holds it weakly: none of them makes a reference cycle, so a program's streams,
-and the engine its backend holds, go once nobody references them (cycles kept a dropped
+A stream holds its branches, and its parent only until it ends (a root a streaming run's
+caller dropped still reaches its join: it waits for them); its root and its state's
+listener hold it weakly. So no reference cycle outlives a program, and its streams, and
+the engine its backend holds, go once nobody references them (cycles kept a dropped
 engine, 560 MiB of the instruct model's, until a full garbage collection).
 """
 
@@ -47,6 +48,8 @@ class Stream:
         self.interpreter = interpreter
         self.ops = ProgramOps(backend, defaults)
         self._parent = weakref.ref(parent) if parent is not None else None
+        self.live_parent = parent  # (held until it ends: `Interpreter._end` drops it)
+        self._root = weakref.ref(parent.root) if parent is not None else None
         self.fork_id = fork_id  # which fork of the parent this branch belongs to
         self.is_streaming = is_streaming or (parent is not None and parent.is_streaming)
         self.nodes: list[Expr] = []
@@ -91,10 +94,8 @@ class Stream:
 
     @property
     def root(self) -> Stream:
-        stream = self
-        while (parent := stream.parent) is not None:
-            stream = parent
-        return stream
+        root = self._root() if self._root is not None else None
+        return self if root is None else root
 
     def emitter(self) -> Callable[[str | None, str], None]:
         """The listener of this stream's state: `_on_emit`, holding the stream weakly."""

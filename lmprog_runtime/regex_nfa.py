@@ -291,6 +291,7 @@ class LazyDFA:
         return found
 
     def moves_kept(self) -> int:
+        """How many moves it holds now (at most `max_moves`)."""
         return len(self._moves)
 
     def _closure(self, starts: list[int]) -> frozenset[int]:

@@ -28,7 +28,9 @@ from lmprog_runtime.constrained.index_child import read_sized_frame, write_frame
 
 CHILD = str(Path(__file__).with_name("index_child.py"))
 MAX_IDLE = 4
-MAX_IDLE_MIB = 256  # (four kept at up to 256 MiB each held 540 MiB after large compiles)
+# What the idle children may hold together (each was bounded alone: four held 540 MiB
+# after large compiles over SmolLM2's vocabulary)
+MAX_IDLE_MIB = 256
 POLL_S = 0.05  # (how soon an abandoned compile's thread sees its interruption)
 
 

@@ -105,6 +105,43 @@ def test_an_engine_a_program_ran_on_goes_without_a_garbage_collection(tiny_path,
         gc.enable()
 
 
+def _drop_at_join(tiny_path: str) -> tuple[weakref.ref, threading.Thread]:
+    import lmprog as lp
+
+    @lp.function
+    def program(s):
+        s += "Hi" + lp.gen("a", max_tokens=2, temperature=0)
+        branches = s.fork(2)
+        branches += lp.gen("c", max_tokens=40, temperature=0)
+        branches.join()
+        s += lp.gen("d", max_tokens=2, temperature=0)
+
+    engine = Engine(tiny_path, max_total_tokens=2048)
+    state = program.run(stream=True, backend=engine)
+    state._body.join()  # (the body has returned; the branches still run)
+    return weakref.ref(engine), engine._thread
+
+
+def test_a_streaming_run_dropped_while_its_fork_runs_still_ends(tiny_path):
+    """Branches held their parent weakly: a streaming run whose caller dropped its state
+    while the branches ran lost its root, which never reached its join's end, and the
+    interpreter thread, holding that round's streams, kept every later engine alive."""
+    from lmprog.interpreter import INTERPRETER
+
+    gc.collect()
+    gc.disable()
+    try:
+        engine_ref, thread = _drop_at_join(tiny_path)
+        thread.join(JOIN_S)
+        deadline = time.monotonic() + JOIN_S
+        while INTERPRETER._num_live and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert INTERPRETER._num_live == 0
+        assert engine_ref() is None and not thread.is_alive()
+    finally:
+        gc.enable()
+
+
 def test_recreating_engines_does_not_accumulate_threads(tiny_path):
     """The notebook case: a cell that rebuilds the engine, run again and again."""
     gc.collect()
