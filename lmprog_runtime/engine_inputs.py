@@ -90,6 +90,10 @@ def normalize_generate_inputs(
             raise ValueError("prompt is empty (no tokens)")
         if start < -1:
             raise ValueError(f"logprob_start_len must be >= -1, got {start}")
+        if want_lp and start >= len(ids):  # (as SGLang refuses it: no prompt logprob there)
+            raise ValueError(
+                f"logprob_start_len ({start}) must be below the prompt's {len(ids)} tokens"
+            )
         if top < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {top}")
         context = engine.context_len

@@ -16,6 +16,8 @@ from typing import Any
 from lmprog_runtime.stop_strings import StopStrings
 
 DEFAULT_MAX_NEW_TOKENS = 128
+# `max_new_tokens=None`: generation ends at the context length (a request is cut there).
+NO_LIMIT = 1 << 30
 # Every float-valued parameter; each must be a finite number.
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty")
 
@@ -81,6 +83,8 @@ class SamplingParams:
                 f"unknown sampling parameter(s) {unknown}; known ones are {sorted(known)}"
             )
         values = {k: v for k, v in params.items() if v is not None}
+        if "max_new_tokens" in params and params["max_new_tokens"] is None:
+            values["max_new_tokens"] = NO_LIMIT  # (as SGLang has it: up to the context)
         for name in ("stop", "stop_regex"):
             if isinstance(values.get(name), str):
                 values[name] = [values[name]]

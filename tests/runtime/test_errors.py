@@ -49,6 +49,11 @@ NAN, INF = float("nan"), float("inf")
         ({"input_ids": [[1, 2], [3, -1]]}, "outside"),
         ({"prompt": "hi", "input_ids": [1]}, "exactly one"),
         ({"prompt": "hi", "logprob_start_len": -2}, "logprob_start_len"),
+        # (as SGLang refuses it; it returned no prompt logprobs, saying nothing)
+        (
+            {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 3},
+            r"logprob_start_len \(3\) must be below the prompt's 3 tokens",
+        ),
     ],
 )
 def test_bad_input_is_a_value_error_and_the_engine_keeps_serving(engine, kwargs, message):

@@ -303,6 +303,18 @@ def test_generation_stops_at_the_context_length(tiny_path):
         assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_max_new_tokens_none_generates_up_to_the_context_length(tiny_path):
+    """As SGLang reads it (None dropped, the default of 128 stood in for it)."""
+    from lmprog_runtime import Engine
+
+    with Engine(tiny_path, context_len=160, max_total_tokens=512) as small_ctx:
+        prompt_ids = small_ctx.encode(PROMPTS[7])[:20]
+        params = {"max_new_tokens": None, "ignore_eos": True, "temperature": 0}
+        out = small_ctx.generate(input_ids=prompt_ids, sampling_params=params)
+        assert len(out["output_ids"]) == 140
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 140}
+
+
 def test_one_sampling_dict_for_a_batch_draws_as_one_dict_per_request(engine):
     """The requests of one call read a shared dict once; each still draws from its own
     seed (a seeded one as the same dict alone), and a greedy request makes no generator."""
