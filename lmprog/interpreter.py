@@ -100,7 +100,7 @@ class Interpreter:
                 outbox.flush(self)
             except BaseException:  # noqa: BLE001
                 logger.exception("lmprog interpreter: submitting failed")
-            del items, outbox  # (while it waits, it holds no stream, nor so an engine)
+            del items, item, outbox  # (while it waits, it holds no stream, nor an engine)
 
     def advance(self, stream: Stream, outbox: Outbox) -> None:
         """Run `stream`'s nodes until one needs a request, a join waits, or none is left."""

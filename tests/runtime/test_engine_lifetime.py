@@ -142,6 +142,29 @@ def test_a_streaming_run_dropped_while_its_fork_runs_still_ends(tiny_path):
         gc.enable()
 
 
+def test_the_interpreter_waiting_for_another_program_holds_no_engine(tiny_path):
+    """While another program's body keeps the interpreter thread up, it waited holding the
+    last stream it had run (its loop's variables), and so that stream's engine."""
+    import lmprog as lp
+
+    gate = threading.Event()
+
+    @lp.function
+    def blocked(s):
+        s += "x"
+        gate.wait(4 * JOIN_S)  # (past the join below: set in its `finally`)
+        s += lp.gen("a", max_tokens=2)
+
+    with Engine(tiny_path, max_total_tokens=1024) as other:
+        state = blocked.run(stream=True, backend=other)
+        try:
+            engine_ref, thread = _run_and_drop(tiny_path, "fork")
+            assert _is_collected((engine_ref,), thread)
+        finally:
+            gate.set()
+            state.sync()
+
+
 def test_recreating_engines_does_not_accumulate_threads(tiny_path):
     """The notebook case: a cell that rebuilds the engine, run again and again."""
     gc.collect()
