@@ -108,10 +108,10 @@ class ChatRoles:
         window = ("<window>", *_window(previous_roles), role) if self._windows_hold else None
         whole = (*previous_roles, role)  # (a window's key is not a whole's: it stands in)
         with self._whole_lock:  # (programs of a batch read roles on their own threads)
-            for key in (window, whole):
-                text = self._whole_cache.get(key) if key is not None else None
+            for cached in (window, whole):
+                text = self._whole_cache.get(cached) if cached is not None else None
                 if text is not None:
-                    self._whole_cache.move_to_end(key)
+                    self._whole_cache.move_to_end(cached)
                     return text
         text = self._read(previous_roles, role)
         key = whole

@@ -93,12 +93,13 @@ class ReqText:
         return self._detok_len() > self._read_offset
 
     def text_with_held_tokens(self) -> str | None:
-        """The output's text with the tokens held back (call after decoded_text), where
-        they decode as whole characters; None where they end inside one. (A run of
-        byte-fallback pieces is held back whole, since a byte that is not UTF-8 turns all of
-        it into U+FFFD: for jump-forward, whose forced text then ends the run, it is text.)"""
+        """`decoded_text` with the tokens it holds back, where they decode as whole
+        characters; None where they end inside one. (A run of byte-fallback pieces is held
+        back whole, since a byte that is not UTF-8 turns all of it into U+FFFD: for
+        jump-forward, whose forced text then ends the run, it is text.)"""
+        text = self.decoded_text()
         if not self.has_undecoded_tokens():
-            return self.decoded_text()
+            return text
         skip = self.params.skip_special_tokens
         start, read = self._prefix_offset, self._read_offset
         before = self.tokenizer.decode(self._detok_ids(start, read), skip_special_tokens=skip)

@@ -104,7 +104,6 @@ def jump_forward(req: Req, codec: Codec) -> int | None:
     character FSM goes on from where it stopped, only the last few tokens are decoded
     again, and the matcher steps back those tokens instead of starting over."""
     ids = req.output_ids
-    req.decoded_text()
     text = req.text_with_held_tokens()
     if text is None or text.endswith("\ufffd"):
         return None  # an incomplete UTF-8 sequence: wait for the next token

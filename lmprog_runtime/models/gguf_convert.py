@@ -177,8 +177,7 @@ def _write_tokenizer(checkpoint: GGUFCheckpoint, out_dir: Path, context_len: int
             raise ValueError(
                 f"{checkpoint.path}: transformers {__version__} cannot build its tokenizer "
                 f"({type(error).__name__}: {' '.join(str(error).split())[:160]}); "
-                "transformers 5.18 or later builds it "
-                "from the file's metadata"
+                "transformers 5.18 or later builds it from the file's metadata"
             ) from error
     else:
         from transformers import PreTrainedTokenizerFast
