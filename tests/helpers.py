@@ -256,16 +256,16 @@ def metaspace_tokenizer():
     )
 
 
-def byte_fallback_tokenizer():
+def byte_fallback_tokenizer(extra: tuple[str, ...] = ()):
     """A Llama-2-style tokenizer (SentencePiece BPE with byte fallback), built by hand:
-    characters outside its few words are `<0xNN>` byte pieces, and its decoder reads a run
-    of them together (`ByteFallback`): one not valid UTF-8 gives one U+FFFD per byte. Its
-    decode strips the text's first space, as Llama-2's does."""
+    characters outside its few words (and the `extra` pieces) are `<0xNN>` byte pieces, and
+    its decoder reads a run of them together (`ByteFallback`): one not valid UTF-8 gives one
+    U+FFFD per byte. Its decode strips the text's first space, as Llama-2's does."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
-    pieces += ["▁", "a", "b", "▁a", "▁b", "ab", "▁ab"]
+    pieces += ["▁", "a", "b", "▁a", "▁b", "ab", "▁ab", *extra]
     merges = [("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b")]
     vocab = {piece: i for i, piece in enumerate(pieces)}
     tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))

@@ -44,19 +44,21 @@ def test_byte_fallback_outputs_stream_the_final_text(tmp_path):
     whole and streamed, the text is what the output adds to the prompt's full decode."""
     from helpers import byte_fallback_tokenizer
 
-    tokenizer = byte_fallback_tokenizer()
+    tokenizer = byte_fallback_tokenizer(extra=("\ufffd",))
     with _engine_with(tokenizer, tmp_path) as engine:
         ids = tokenizer("ab").input_ids
         for seed in range(12):
             params = {"max_new_tokens": 24, "temperature": 8.0, "seed": seed, "ignore_eos": True}
             _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params)
-        # A prompt ending in a U+FFFD of its own (three byte pieces, a whole character), then
-        # a spaced word: the prompt's tokens were taken to end inside a character and left
-        # out of the output's decode, which then lost its leading space.
-        ids = tokenizer("ab\ufffd").input_ids
-        assert tokenizer.convert_ids_to_tokens(ids[-3:]) == ["<0xEF>", "<0xBF>", "<0xBD>"]
+        # A prompt ending in a U+FFFD of its own (three byte pieces, a whole character; or
+        # the vocabulary's own piece), then a spaced word: the prompt's tokens were taken to
+        # end inside a character and left out of the output's decode, which then lost its
+        # leading space.
         params = {"max_new_tokens": 4, "temperature": 0, "regex": " ab"}
-        assert _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params)["text"] == " ab"
+        for end in (["<0xEF>", "<0xBF>", "<0xBD>"], ["\ufffd"]):
+            ids = tokenizer("ab").input_ids + tokenizer.convert_tokens_to_ids(end)
+            out = _generated_as_the_full_decode_has_it(engine, tokenizer, ids, params)
+            assert out["text"] == " ab", end
         # A prompt ending inside a character (half an emoji): the output is read after the
         # tokens before its byte pieces, and keeps its leading space (it was read alone,
         # and `" ab"` came out as "ab", which its own pattern does not match).

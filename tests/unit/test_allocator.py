@@ -158,3 +158,20 @@ def test_freed_pages_are_reused_before_fresh_ones(page_size):
     for slots in held:
         alloc.free(slots)
     assert alloc.num_free == 1000 * page_size and alloc.alloc(1000 * page_size) is not None
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4, 8])
+def test_pages_needed_is_what_alloc_takes(page_size):
+    """Admission sizes requests by `pages_needed`: for every place of the owner's last slot
+    in its page (the rest of that page is used first) it is the pages `alloc` then takes."""
+    for first in range(1, 2 * page_size + 1):
+        for n in range(3 * page_size + 1):
+            alloc = TokenSlotAllocator(64 * page_size, page_size)
+            last = int(alloc.alloc(first)[-1])
+            before, predicted = alloc.num_free, alloc.pages_needed(n, last)
+            assert alloc.alloc(n, last) is not None
+            assert (before - alloc.num_free) // page_size == predicted, (first, n)
+        alloc = TokenSlotAllocator(64 * page_size, page_size)
+        predicted = alloc.pages_needed(first)
+        alloc.alloc(first)
+        assert alloc.num_slots - alloc.num_free == predicted * page_size

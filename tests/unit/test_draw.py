@@ -160,6 +160,26 @@ def test_the_accelerators_top_p_cuts_at_exactly_top_p_and_keeps_ties():
     assert (kept > 0).tolist() == [[True, False, False, False], [True, True, True, False]]
 
 
+@pytest.mark.parametrize("full", [False, True])
+def test_the_sorted_top_p_cuts_at_exactly_top_p(full):
+    """Exact binary fractions: the kept tokens are the fewest most likely whose mass
+    reaches top_p, as transformers' TopPLogitsWarper keeps them ([0.5] at 0.5)."""
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]] * 2)
+    kept = top_k_top_p(probs, torch.tensor([4, 4]), torch.tensor([0.5, 0.75]), full=full)
+    assert (kept > 0).tolist() == [[True, False, False, False], [True, True, False, False]]
+
+
+def test_top_p_cuts_a_token_one_ulp_below_a_kept_one():
+    """[p, p less one ulp]: the first alone holds top_p 0.4 of the mass, so the second is
+    cut by both filters, however close the two are (the unsorted filter's floor is the
+    float just below the last kept probability)."""
+    p = torch.tensor(0.5)
+    probs = torch.stack([p, torch.nextafter(p, torch.tensor(0.0)), torch.tensor(0.0)])[None]
+    k, top_p = torch.tensor([3]), torch.tensor([0.4])
+    assert (top_k_top_p(probs, k, top_p, full=True) > 0).tolist() == [[True, False, False]]
+    assert (top_k_top_p_unsorted(probs, k, top_p, 0) > 0).tolist() == [[True, False, False]]
+
+
 def _unseeded_rows(settings: list[dict]) -> list[SampleRow]:
     """One `SampleRow` per settings dict (temperature 1 unless set), nothing else to it."""
     return [

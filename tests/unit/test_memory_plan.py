@@ -120,3 +120,15 @@ def test_a_cpu_pool_shares_host_memory_with_the_table(monkeypatch):
     over = RuntimeConfig(max_running_requests=15, max_total_tokens=room + 1)
     with pytest.raises(ValueError, match="free in host memory beside the request table"):
         check_memory(over, CPU, 1024, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bytes_per_token_is_what_the_pool_holds_per_slot(dtype):
+    """(the plan sizes the pool by it: a K/V pool twice what fits went unnoticed while
+    the checks here fed it its own output)"""
+    from lmprog_runtime.kvcache.kv_pool import KVPool
+
+    layers, heads, dim, slots = 3, 2, 8, 10
+    pool = KVPool(slots, layers, heads, dim, dtype, "cpu")
+    held = sum(buffer.nbytes for buffer in pool.k_buffers + pool.v_buffers)
+    assert held == (slots + 1) * KVPool.bytes_per_token(layers, heads, dim, dtype)
