@@ -157,6 +157,27 @@ def test_select_meta_info_and_text(engine):
     # Each choice's scored tokens with their texts, as SGLang's select asks (they were None).
     for entries in meta["input_token_logprobs"]:
         assert entries and all(text == engine.decode([token]) for _, token, text in entries)
+    # SGLang's normalized_prompt_logprobs: each choice's mean token logprob (the default
+    # method's scores)
+    means = [sum(lp for lp, *_ in e) / len(e) for e in meta["input_token_logprobs"]]
+    assert meta["normalized_prompt_logprobs"] == pytest.approx(means)
+    assert meta["scores"] == pytest.approx(means)
+
+
+def test_greedy_selection_reads_float_noise_as_a_tie():
+    """A shared first token scored in two requests differs by float noise only: the second
+    token decides."""
+    decision = lp.greedy_token_selection.decide([[-1.0, -3.0], [-1.0 - 1e-7, -0.5]])
+    assert decision.index == 1
+
+
+@pytest.mark.parametrize(
+    "method", [lp.token_length_normalized, lp.unconditional_likelihood_normalized]
+)
+def test_an_exact_tie_goes_to_the_first_choice(method):
+    """(as numpy's argmax, which SGLang's methods take)"""
+    decision = method.decide([[-1.0], [-1.0], [-2.0]], [[0.0], [0.0], [0.0]])
+    assert decision.index == 0
 
 
 @pytest.mark.parametrize("choices", [[], None, ["a", "b", "a"], [" x", " x"]])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 
 import pytest
@@ -156,3 +157,13 @@ def test_nbytes_is_what_tracemalloc_sees_the_automaton_hold(schema_or_regex):
         tracemalloc.stop()
     print(f"{held / 1e3:.0f} kB held, nbytes {fsm.nbytes() / 1e3:.0f} kB")
     assert held / 2 <= fsm.nbytes() <= held * 2
+
+
+@pytest.mark.parametrize("pattern", [r"(?i)abc", r"(?i:ab)c", r"x(?i:yz)", r"(?i)a|b"])
+def test_no_text_that_case_folding_makes_optional_is_forced(pattern):
+    """Every text `re.fullmatch` takes begins with the forced text, whatever its case."""
+    fsm = CharFSM(pattern)
+    forced = fsm.forced(fsm.initial, 100)
+    texts = ["abc", "ABC", "aBc", "abC", "xyz", "xYZ", "a", "B"]
+    matches = [text for text in texts if re.fullmatch(pattern, text)]
+    assert matches and all(text.startswith(forced) for text in matches), (pattern, forced)

@@ -258,6 +258,17 @@ def test_an_assistant_turn_begins_with_the_templates_generation_prompt():
     assert _written(chat, turns) == render(turns)
 
 
+def test_a_template_that_writes_no_generation_prompt_keeps_the_turns_own_begin():
+    """Older templates ignore `add_generation_prompt` (ChatML here): the prompt adds
+    nothing, so the assistant turn begins as the template writes the message."""
+    render = _renderer(CHATML)
+    chat = ChatRoles(render, lambda m: render(m, add_generation_prompt=True))
+    text = chat.role_text("assistant", ["user"])
+    assert (text.begin, text.end) == ("<|im_start|>assistant\n", "<|im_end|>\n")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    assert _written(chat, turns) == render(turns)
+
+
 # Phi-3's shape: the end-of-text token after a conversation's last message, never before a
 # generation prompt.
 CLOSED_BY_EOS = (

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lmprog_runtime.constrained.outlines_backend import rust_only_class_syntax
 from lmprog_runtime.constrained.portable_regex import (
     nests_as_written,
     portable_regex,
@@ -109,6 +110,10 @@ def test_the_output_is_letters_digits_escapes_and_syntax(pattern):
         ("a$b", "only at the start"),
         (r"a$\n", "only at the start"),
         ("(^a)*", "only at the start"),
+        # (`re` reads a second `^` or `$` mid-text: `(?:^a){2}` matches no "aa")
+        ("(?:^a){2}", "only at the start"),
+        ("(?:a$){2}", "only at its end"),
+        ("(?:^a){0,2}", "only at the start"),
         (r"\bx", r"\\b and \\B"),
         (r"(a)\1", "back-reference"),
         ("(?=a)a", "lookaround"),
@@ -131,3 +136,25 @@ def test_what_changes_meaning_behind_other_text_is_told(pattern, nests):
     """A healed pattern puts the backed-up text in front (`token_healing.healed_pattern`):
     an anchor or a global flag would then mean another thing, or be refused."""
     assert nests_as_written(pattern) == nests
+
+
+@pytest.mark.parametrize(
+    ("regex", "found"),
+    [
+        ("[a~~b]", "~~"),
+        ("[a&&b]", "&&"),
+        ("[a-z--b]", "--"),
+        ("[[:digit:]]", "[:"),
+        ("[][a]", "[a"),  # (a class's first ']' is a literal: the next '[' nests in Rust)
+        ("[^][a]", "[a"),
+        ("[]a]", None),
+        ("\\[a~~b]", None),  # (an escaped '[' opens no class)
+        ("a~~b--c", None),
+    ],
+)
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (re's: "Possible nested set")
+def test_what_rust_reads_as_a_nested_class_or_set_operation_is_found(regex, found):
+    """Where Python's `re` reads literal characters (the reference: the regex compiles,
+    and the piece matches itself) Rust's engine reads a nested class or a set operation."""
+    assert rust_only_class_syntax(regex) == found
+    re.compile(regex)
