@@ -1,10 +1,12 @@
 """RadixCache (the prefix tree over token ids) against a naive reference model.
 
 The model is a dict from page-tuple prefixes of cached sequences to the KV slots of their
-last page (page_size 1: token prefixes to one slot). A hypothesis state machine drives
-insert / match (whole keys, and a key's first tokens read in place) / lock / unlock /
-evict / flush and checks after every step that matches, sizes, locks and slot ownership
-agree with the model and that no KV slot leaks. Example
+last page (page_size 1: token prefixes to one slot), with each prefix's last use (the
+model's own clock) and hits (claims of a path through it). A hypothesis state machine drives
+insert / match (whole keys, and a key's first tokens read in place) / claim / lock /
+unlock / evict / flush and checks after every step that matches, sizes, locks, slot
+ownership, hits and recency agree with the model, that eviction takes the leaves the
+model's LRU / LFU order gives, and that no KV slot leaks. Example
 tests pin down edge splits, LRU/LFU order, cascading eviction, page alignment and the
 eviction walk-through of the reference document (S=2,000 shared, A=900, B=600, C=400).
 """
@@ -40,6 +42,10 @@ class RadixModel(RuleBasedStateMachine):
         self.cached: dict[tuple, tuple[int, ...]] = {}  # page prefix -> slots of its last page
         self.locks: list[tuple[object, tuple]] = []  # (node, locked page prefix)
         self.earlier: list[tuple[list, int, object]] = []  # match_path's (key, limit, node)
+        self.used: dict[tuple, int] = {}  # page prefix -> the model's clock at its last use
+        self.hits: dict[tuple, int] = {}  # page prefix -> claims of a path through it
+        self.clock = 0
+        self.inserted: list[list[int]] = []  # (keys matches are drawn near)
 
     # ---- the reference model -------------------------------------------------------------
     def hit_pages(self, pg):
@@ -51,6 +57,24 @@ class RadixModel(RuleBasedStateMachine):
     def expected_slots(self, pg):
         return [s for j in range(self.hit_pages(pg)) for s in self.cached[pg[: j + 1]]]
 
+    def use(self, pg):
+        """A walk down the page prefixes of `pg` (all cached): each used now."""
+        self.clock += 1
+        for j in range(1, len(pg) + 1):
+            self.used[pg[:j]] = self.clock
+            self.hits.setdefault(pg[:j], 0)
+
+    def priority(self, node):
+        """`node`'s eviction order by the model: its path's last page prefix, read."""
+        tokens = []
+        while node.parent is not None:
+            tokens[:0] = node.key
+            node = node.parent
+        prefix = pages_of(tokens, self.PAGE_SIZE)
+        if self.POLICY == "lfu":
+            return (self.hits[prefix], self.used[prefix])
+        return (self.used[prefix], 0)
+
     def locked_prefixes(self):
         return {p[:j] for _, p in self.locks for j in range(1, len(p) + 1)}
 
@@ -58,12 +82,13 @@ class RadixModel(RuleBasedStateMachine):
         res = self.cache.match_prefix(key)
         pg = pages_of(key, self.PAGE_SIZE)
         assert res.slots.tolist() == self.expected_slots(pg), key
+        self.use(pg[: self.hit_pages(pg)])
         return res, pg[: self.hit_pages(pg)]
 
     def do_evict(self, n):
         ps, free_before = self.PAGE_SIZE, self.alloc.num_free
         evictable, locked = self.cache.evictable_size, self.locked_prefixes()
-        expected = naive_eviction(self.cache, n)
+        expected = naive_eviction(self.cache, n, self.priority)
         freed = self.cache.evict(n)
         assert node_ids(self.cache.root) == expected  # the nodes the order leaves
         owned = set(self.cache.owned_slots().tolist())
@@ -77,6 +102,8 @@ class RadixModel(RuleBasedStateMachine):
         if freed < n:
             assert self.cache.evictable_size == 0
         self.cached = kept
+        for prefix in removed:
+            del self.used[prefix], self.hits[prefix]
         for _, p in self.locks:  # every locked sequence still matches fully
             assert self.check_match([t for page in p for t in page])[1] == p
         return freed
@@ -90,7 +117,15 @@ class RadixModel(RuleBasedStateMachine):
         key = st.lists(page, max_size=3).map(lambda ps: [t for p in ps for t in p])
         if aligned:
             return key
-        return st.tuples(key, st.lists(st.integers(0, 1), max_size=3)).map(lambda kt: kt[0] + kt[1])
+        key = st.tuples(key, st.lists(st.integers(0, 1), max_size=3)).map(lambda kt: kt[0] + kt[1])
+        return st.one_of(key, self.near_an_inserted_key()) if self.inserted else key
+
+    def near_an_inserted_key(self):
+        """A key inserted earlier, cut anywhere, then another tail: a match of a whole
+        cached path, or one that splits an edge used before (random keys seldom do)."""
+        tail = st.lists(st.integers(0, 3), max_size=2)
+        parts = st.tuples(st.sampled_from(self.inserted), st.integers(0, 12), tail)
+        return parts.map(lambda kct: kct[0][: kct[1]] + kct[2])
 
     @rule(data=st.data())
     def insert(self, data):
@@ -109,6 +144,8 @@ class RadixModel(RuleBasedStateMachine):
         for j in range(hit, len(pg)):
             start = j * self.PAGE_SIZE
             self.cached[pg[: j + 1]] = tuple(value[start : start + self.PAGE_SIZE].tolist())
+        self.use(pg)
+        self.inserted.append(key)
 
     @rule(data=st.data())
     def insert_below(self, data):
@@ -136,6 +173,8 @@ class RadixModel(RuleBasedStateMachine):
         for j in range(hit, len(pg)):
             start = j * self.PAGE_SIZE - len(head)
             self.cached[pg[: j + 1]] = tuple(value[start : start + self.PAGE_SIZE].tolist())
+        self.use(pg)  # (the locked node's path too, as a walk from the root)
+        self.inserted.append(head + tail)
         if locking and pg:
             self.cache.inc_lock_ref(leaf)
             self.locks.append((leaf, pg))
@@ -151,9 +190,11 @@ class RadixModel(RuleBasedStateMachine):
         key = data.draw(self.key_strategy(aligned=False), label="key")
         limit = data.draw(st.integers(-1, len(key) + 1), label="limit")
         node, length, values = self.cache.match_path(key, limit)
-        expected = self.expected_slots(pages_of(key[: max(limit, 0)], self.PAGE_SIZE))
+        pg = pages_of(key[: max(limit, 0)], self.PAGE_SIZE)
+        expected = self.expected_slots(pg)
         assert PrefixMatch(node, length, values, key).slots.tolist() == expected
         assert length == len(expected) == node.depth
+        self.use(pg[: self.hit_pages(pg)])
         self.earlier.append((key, limit, node))
 
     @rule(data=st.data())
@@ -167,8 +208,10 @@ class RadixModel(RuleBasedStateMachine):
         key, limit, since = self.earlier[data.draw(st.integers(0, len(self.earlier) - 1))]
         twin = copy.deepcopy(self.cache)  # the same tree, walked from its root
         node, length, values = self.cache.match_path(key, limit, since)
-        expected = self.expected_slots(pages_of(key[: max(limit, 0)], self.PAGE_SIZE))
+        pg = pages_of(key[: max(limit, 0)], self.PAGE_SIZE)
+        expected = self.expected_slots(pg)
         assert PrefixMatch(node, length, values, key).slots.tolist() == expected
+        self.use(pg[: self.hit_pages(pg)])
         twin_node, twin_length, _ = twin.match_path(key, limit)
         assert length == twin_length == node.depth == twin_node.depth
         assert _shape(self.cache.root) == _shape(twin.root)
@@ -180,6 +223,16 @@ class RadixModel(RuleBasedStateMachine):
             return  # like ReqCache.claim_prefix: an empty match locks nothing
         self.cache.inc_lock_ref(res.node)
         self.locks.append((res.node, hit))
+
+    @rule(data=st.data())
+    def claim(self, data):
+        """A request reuses its matched prefix (`ReqCache.claim_prefix`): a hit for each
+        page prefix of it."""
+        res, hit = self.check_match(data.draw(self.key_strategy(aligned=False), label="key"))
+        if hit:
+            self.cache.count_hit(res.node)
+            for j in range(1, len(hit) + 1):
+                self.hits[hit[:j]] += 1
 
     @rule(i=st.integers(0, 63))
     def unlock(self, i):
@@ -203,6 +256,8 @@ class RadixModel(RuleBasedStateMachine):
             return
         self.cache.flush()
         self.cached.clear()
+        self.used.clear()
+        self.hits.clear()
         assert self.alloc.num_free == self.alloc.num_slots and self.cache.total_size == 0
 
     @invariant()
@@ -217,6 +272,25 @@ class RadixModel(RuleBasedStateMachine):
         probe = self.alloc.alloc(self.alloc.num_free)  # every free slot is really not owned
         assert not set(probe.tolist()) & set(owned)
         self.alloc.free(probe)
+
+    @invariant()
+    def hits_and_recency(self):
+        """Each node's hits are its pages' (all alike), and its recency orders the nodes as
+        the model's last uses do (the two clocks differ: only the order is compared)."""
+        order: dict[int, int] = {}  # the tree's last_access -> the model's last use
+        for node in _nodes(self.cache.root)[1:]:
+            tokens, up = [], node
+            while up.parent is not None:
+                tokens[:0] = up.key
+                up = up.parent
+            pg = pages_of(tokens, self.PAGE_SIZE)
+            own = pg[len(pg) - len(node.key) // self.PAGE_SIZE :]
+            for j in range(len(pg) - len(own) + 1, len(pg) + 1):
+                assert self.hits[pg[:j]] == node.hit_count, (pg[:j], node.hit_count)
+                assert self.used[pg[:j]] == self.used[pg]
+            assert order.setdefault(node.last_access, self.used[pg]) == self.used[pg]
+        uses = [use for _, use in sorted(order.items())]
+        assert uses == sorted(set(uses))  # (the same order, ties alike)
 
     def teardown(self):
         for node, _ in self.locks:
@@ -477,17 +551,19 @@ def test_inserting_below_a_node_equals_inserting_from_the_root(page_size):
     assert trees[0] == trees[1] and trees[0][:2] == (6, 8)
 
 
-def naive_eviction(cache, n):
+def naive_eviction(cache, n, priority=None):
     """The ids of the nodes left after evicting `n` tokens, by brute force on a copy: the
     unlocked leaf of lowest (priority, node_id) among all the leaves then, again and again
-    (what `evict` does without walking the tree each time)."""
+    (what `evict` does without walking the tree each time). `priority`: of a node (of the
+    copy), by default the tree's own."""
     twin = copy.deepcopy(cache)
+    priority = priority or twin._priority
     freed = 0
     while freed < n:
         leaves = [x for x in _nodes(twin.root) if not x.children and x.lock_ref == 0 and x.parent]
         if not leaves:
             break
-        node = min(leaves, key=lambda x: (twin._priority(x), x.node_id))
+        node = min(leaves, key=lambda x: (priority(x), x.node_id))
         del node.parent.children[twin._child_key(node.key)]
         freed += len(node.key)
     return node_ids(twin.root)
