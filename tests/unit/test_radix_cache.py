@@ -32,6 +32,15 @@ def pages_of(key, ps):
     return tuple(tuple(key[i : i + ps]) for i in range(0, len(key) // ps * ps, ps))
 
 
+def path_tokens(node):
+    """The tokens of the path from the root down to `node`."""
+    tokens = []
+    while node.parent is not None:
+        tokens[:0] = node.key
+        node = node.parent
+    return tokens
+
+
 class RadixModel(RuleBasedStateMachine):
     PAGE_SIZE, POLICY = 1, "lru"
 
@@ -66,11 +75,7 @@ class RadixModel(RuleBasedStateMachine):
 
     def priority(self, node):
         """`node`'s eviction order by the model: its path's last page prefix, read."""
-        tokens = []
-        while node.parent is not None:
-            tokens[:0] = node.key
-            node = node.parent
-        prefix = pages_of(tokens, self.PAGE_SIZE)
+        prefix = pages_of(path_tokens(node), self.PAGE_SIZE)
         if self.POLICY == "lfu":
             return (self.hits[prefix], self.used[prefix])
         return (self.used[prefix], 0)
@@ -279,11 +284,7 @@ class RadixModel(RuleBasedStateMachine):
         the model's last uses do (the two clocks differ: only the order is compared)."""
         order: dict[int, int] = {}  # the tree's last_access -> the model's last use
         for node in _nodes(self.cache.root)[1:]:
-            tokens, up = [], node
-            while up.parent is not None:
-                tokens[:0] = up.key
-                up = up.parent
-            pg = pages_of(tokens, self.PAGE_SIZE)
+            pg = pages_of(path_tokens(node), self.PAGE_SIZE)
             own = pg[len(pg) - len(node.key) // self.PAGE_SIZE :]
             for j in range(len(pg) - len(own) + 1, len(pg) + 1):
                 assert self.hits[pg[:j]] == node.hit_count, (pg[:j], node.hit_count)
